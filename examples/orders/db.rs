@@ -252,6 +252,7 @@ where
     }
 }
 
+#[cfg(feature = "sqlite")]
 impl Backend for sqlx::Sqlite {
     const SCHEMA: &'static str = "
         CREATE TABLE IF NOT EXISTS users (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, token TEXT NOT NULL UNIQUE);
@@ -265,6 +266,7 @@ impl Backend for sqlx::Sqlite {
         "INSERT INTO likes (user_id, article_id) VALUES ($1, $2) ON CONFLICT DO NOTHING";
 }
 
+#[cfg(feature = "postgres")]
 impl Backend for sqlx::Postgres {
     const SCHEMA: &'static str = "
         CREATE TABLE IF NOT EXISTS users (id BIGINT PRIMARY KEY, name TEXT NOT NULL UNIQUE, token TEXT NOT NULL UNIQUE);

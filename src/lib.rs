@@ -1,1 +1,4 @@
-pub fn x(){}
+pub fn x() {}
+
+#[cfg(feature = "client")]
+pub mod client;

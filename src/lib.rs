@@ -1,3 +1,6 @@
+//! Placeholder crate root (the lead owns this file).
+
+/// Placeholder.
 pub fn x() {}
 
 #[cfg(feature = "client")]

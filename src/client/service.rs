@@ -55,9 +55,12 @@ impl<S: fmt::Debug> fmt::Debug for IdempotentRetry<S> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Attempts(pub u32);
 
+/// What one call ends with.
+type CallResult<ResBody> = Result<Response<ResponseBody<ResBody>>, Error>;
+
 /// The future returned by [`IdempotentRetry`].
 pub struct ResponseFuture<ResBody> {
-    inner: Pin<Box<dyn Future<Output = Result<Response<ResponseBody<ResBody>>, Error>> + Send>>,
+    inner: Pin<Box<dyn Future<Output = CallResult<ResBody>> + Send>>,
 }
 
 impl<ResBody> fmt::Debug for ResponseFuture<ResBody> {
@@ -67,7 +70,7 @@ impl<ResBody> fmt::Debug for ResponseFuture<ResBody> {
 }
 
 impl<ResBody> Future for ResponseFuture<ResBody> {
-    type Output = Result<Response<ResponseBody<ResBody>>, Error>;
+    type Output = CallResult<ResBody>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         self.inner.as_mut().poll(cx)
@@ -131,7 +134,7 @@ where
     ResBody: Body + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    async fn run<B>(mut self, request: Request<B>) -> Result<Response<ResponseBody<ResBody>>, Error>
+    async fn run<B>(mut self, request: Request<B>) -> CallResult<ResBody>
     where
         B: Body + Send + 'static,
         B::Error: Into<BoxError>,

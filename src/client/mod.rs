@@ -85,6 +85,7 @@ mod error;
 mod key;
 mod layer;
 mod policy;
+mod retry;
 mod service;
 
 pub use body::ResponseBody;

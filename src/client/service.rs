@@ -5,13 +5,11 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::SystemTime;
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode, request::Parts};
+use http::{Request, Response, request::Parts};
 use http_body::Body;
 use http_body_util::{BodyExt as _, Full, LengthLimitError, Limited};
-use tokio::time::Instant;
 use tower::ServiceExt as _;
 use tower_service::Service;
 
@@ -19,7 +17,8 @@ use super::ClientKey;
 use super::body::ResponseBody;
 use super::error::{BoxError, Error, ErrorKind};
 use super::layer::Config;
-use super::policy::{self, Verdict};
+use super::policy::{self, RetryPolicy, Verdict};
+use super::retry::{Attempt, retry};
 
 /// The most of a `409` body read to find out whether it means "in progress". The server's problem
 /// documents are a few hundred bytes; a larger body is a business answer and is passed on whole.
@@ -114,128 +113,109 @@ struct Call<S> {
     config: Arc<Config>,
 }
 
-/// What an attempt that did not end the call left behind, kept in case it is the last one.
-enum Retryable<ResBody> {
-    Response(Response<ResponseBody<ResBody>>),
-    Failure(Error),
-}
-
-/// An answer from the server, classified.
-enum Answer<ResBody> {
-    Final(Response<ResponseBody<ResBody>>),
-    Retryable(Response<ResponseBody<ResBody>>),
-}
-
 impl<S, ResBody> Call<S>
 where
-    S: Service<Request<Full<Bytes>>, Response = Response<ResBody>> + Send + 'static,
+    S: Service<Request<Full<Bytes>>, Response = Response<ResBody>> + Clone + Send + 'static,
     S::Future: Send,
     S::Error: Into<BoxError>,
     ResBody: Body + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    async fn run<B>(mut self, request: Request<B>) -> CallResult<ResBody>
+    async fn run<B>(self, request: Request<B>) -> CallResult<ResBody>
     where
         B: Body + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        let started = Instant::now();
         let (mut parts, body) = request.into_parts();
-        let key = self.key_for(&mut parts)?;
+        let key = key_for(&self.config, &mut parts)?;
         let body = buffer(body, self.config.body_limit)
             .await
             .map_err(|e| e.with_call(key.clone(), 0))?;
         let retry_allowed = key.is_some() || parts.method.is_idempotent();
-        let config = Arc::clone(&self.config);
-        let policy = &config.policy;
+        let policy = &self.config.policy;
+        let inner = self.inner;
 
-        let mut attempts = 0;
-        loop {
-            attempts += 1;
-            let attempt = Request::from_parts(parts.clone(), Full::new(body.clone()));
-            let budget = policy.attempt_budget(started.elapsed());
-            let outcome = tokio::time::timeout(budget, self.attempt(attempt)).await;
-            let (retryable, retry_after) = match outcome {
-                Err(_elapsed) => (
-                    Retryable::Failure(Error::new(ErrorKind::Timeout, None)),
-                    None,
-                ),
-                Ok(Err(failure)) => (Retryable::Failure(failure), None),
-                Ok(Ok(Answer::Retryable(response))) => {
-                    let retry_after = policy::retry_after(response.headers(), SystemTime::now());
-                    (Retryable::Response(response), retry_after)
-                }
-                Ok(Ok(Answer::Final(response))) => return Ok(finish(response, key, attempts)),
-            };
-            let wait = retry_allowed
-                .then(|| policy.next_wait(attempts, retry_after, started.elapsed()))
-                .flatten();
-            match (wait, retryable) {
-                (Some(wait), retryable) => {
-                    // Let go of the failed answer (and its connection) before sleeping.
-                    drop(retryable);
-                    tracing::debug!(attempts, ?wait, "retrying with the same idempotency key");
-                    tokio::time::sleep(wait).await;
-                }
-                (None, Retryable::Response(response)) => {
-                    return Ok(finish(response, key, attempts));
-                }
-                (None, Retryable::Failure(failure)) => return Err(failure.with_call(key, attempts)),
-            }
+        let (outcome, attempts) = retry(
+            policy,
+            retry_allowed,
+            Response::headers,
+            || Error::new(ErrorKind::Timeout, None),
+            move || {
+                let request = Request::from_parts(parts.clone(), Full::new(body.clone()));
+                attempt(inner.clone(), policy, request)
+            },
+        )
+        .await;
+        match outcome {
+            Ok(response) => Ok(finish(response, key, attempts)),
+            Err(failure) => Err(failure.with_call(key, attempts)),
         }
     }
+}
 
-    /// The key for this call: the caller's (extension first, then header), else a fresh one for
-    /// keyed methods, else none. A key in hand is always sent in the configured header.
-    fn key_for(&self, parts: &mut Parts) -> Result<Option<ClientKey>, Error> {
-        let header_name = &self.config.header_name;
-        let key = if let Some(key) = parts.extensions.get::<ClientKey>() {
-            Some(key.clone())
-        } else if let Some(value) = parts.headers.get(header_name) {
-            let key = ClientKey::from_header(value)
-                .map_err(|e| Error::new(ErrorKind::InvalidKey, Some(e.into())))?;
-            Some(key)
-        } else if self.config.keyed_methods.contains(&parts.method) {
-            let key = ClientKey::generate()
-                .map_err(|e| Error::new(ErrorKind::KeyGeneration, Some(e.into())))?;
-            Some(key)
-        } else {
-            None
-        };
-        if let Some(key) = &key {
-            parts
-                .headers
-                .insert(header_name.clone(), key.header_value());
-        }
-        Ok(key)
+/// The key for this call: the caller's (extension first, then header), else a fresh one for
+/// keyed methods, else none. A key in hand is always sent in the configured header.
+fn key_for(config: &Config, parts: &mut Parts) -> Result<Option<ClientKey>, Error> {
+    let header_name = &config.header_name;
+    let key = if let Some(key) = parts.extensions.get::<ClientKey>() {
+        Some(key.clone())
+    } else if let Some(value) = parts.headers.get(header_name) {
+        let key = ClientKey::from_header(value)
+            .map_err(|e| Error::new(ErrorKind::InvalidKey, Some(e.into())))?;
+        Some(key)
+    } else if config.keyed_methods.contains(&parts.method) {
+        let key = ClientKey::generate()
+            .map_err(|e| Error::new(ErrorKind::KeyGeneration, Some(e.into())))?;
+        Some(key)
+    } else {
+        None
+    };
+    if let Some(key) = &key {
+        parts
+            .headers
+            .insert(header_name.clone(), key.header_value());
     }
+    Ok(key)
+}
 
-    /// Sends one attempt and classifies the answer.
-    async fn attempt(&mut self, request: Request<Full<Bytes>>) -> Result<Answer<ResBody>, Error> {
-        let transport = |e: S::Error| Error::new(ErrorKind::Transport, Some(e.into()));
-        let inner = self.inner.ready().await.map_err(transport)?;
-        let response = inner.call(request).await.map_err(transport)?;
-        let (parts, body) = response.into_parts();
-        match self.config.policy.classify(parts.status) {
-            Verdict::Final => Ok(Answer::Final(Response::from_parts(
-                parts,
-                ResponseBody::new(body),
-            ))),
-            Verdict::Retry => Ok(Answer::Retryable(Response::from_parts(
-                parts,
-                ResponseBody::new(body),
-            ))),
-            Verdict::InspectConflict => {
-                debug_assert_eq!(parts.status, StatusCode::CONFLICT);
-                let (complete, body) = ResponseBody::peek(Box::pin(body), CONFLICT_PEEK_LIMIT)
-                    .await
-                    .map_err(|e| Error::new(ErrorKind::Transport, Some(e.into())))?;
-                let response = Response::from_parts(parts, body);
-                if complete.is_some_and(|bytes| policy::is_in_progress_conflict(&bytes)) {
-                    Ok(Answer::Retryable(response))
-                } else {
-                    Ok(Answer::Final(response))
-                }
+/// Sends one attempt and classifies the answer.
+async fn attempt<S, ResBody>(
+    mut inner: S,
+    policy: &RetryPolicy,
+    request: Request<Full<Bytes>>,
+) -> Attempt<Response<ResponseBody<ResBody>>, Error>
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<ResBody>>,
+    S::Error: Into<BoxError>,
+    ResBody: Body,
+    ResBody::Error: Into<BoxError>,
+{
+    let transport =
+        |e: BoxError| Attempt::Retryable(Err(Error::new(ErrorKind::Transport, Some(e))));
+    let response = async {
+        let ready = inner.ready().await.map_err(Into::into)?;
+        ready.call(request).await.map_err(Into::<BoxError>::into)
+    };
+    let (parts, body) = match response.await {
+        Ok(response) => response.into_parts(),
+        Err(e) => return transport(e),
+    };
+    match policy.classify(parts.status) {
+        Verdict::Final => Attempt::Final(Response::from_parts(parts, ResponseBody::new(body))),
+        Verdict::Retry => {
+            Attempt::Retryable(Ok(Response::from_parts(parts, ResponseBody::new(body))))
+        }
+        Verdict::InspectConflict => {
+            let (complete, body) =
+                match ResponseBody::peek(Box::pin(body), CONFLICT_PEEK_LIMIT).await {
+                    Ok(peeked) => peeked,
+                    Err(e) => return transport(e.into()),
+                };
+            let response = Response::from_parts(parts, body);
+            if complete.is_some_and(|bytes| policy::is_in_progress_conflict(&bytes)) {
+                Attempt::Retryable(Ok(response))
+            } else {
+                Attempt::Final(response)
             }
         }
     }

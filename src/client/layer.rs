@@ -47,6 +47,11 @@ impl IdempotentRetryLayer {
         }
     }
 
+    #[cfg(feature = "reqwest")]
+    pub(crate) fn into_config(self) -> Arc<Config> {
+        self.config
+    }
+
     fn config(&mut self) -> &mut Config {
         Arc::make_mut(&mut self.config)
     }

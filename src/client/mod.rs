@@ -84,6 +84,8 @@ mod body;
 mod error;
 mod key;
 mod layer;
+#[cfg(feature = "reqwest")]
+mod middleware;
 mod policy;
 mod retry;
 mod service;
@@ -92,5 +94,7 @@ pub use body::ResponseBody;
 pub use error::{BoxError, Error, ErrorKind};
 pub use key::{ClientKey, InvalidClientKey};
 pub use layer::IdempotentRetryLayer;
+#[cfg(feature = "reqwest")]
+pub use middleware::IdempotentRetryMiddleware;
 pub use policy::{Backoff, RetryPolicy, is_transient_status};
 pub use service::{Attempts, IdempotentRetry, ResponseFuture};

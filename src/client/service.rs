@@ -22,7 +22,7 @@ use super::retry::{Attempt, retry};
 
 /// The most of a `409` body read to find out whether it means "in progress". The server's problem
 /// documents are a few hundred bytes; a larger body is a business answer and is passed on whole.
-const CONFLICT_PEEK_LIMIT: usize = 16 * 1024;
+pub(crate) const CONFLICT_PEEK_LIMIT: usize = 16 * 1024;
 
 /// Wraps an HTTP client service; built by [`IdempotentRetryLayer`](super::IdempotentRetryLayer).
 ///

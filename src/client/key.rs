@@ -6,12 +6,11 @@ use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use http::HeaderValue;
 
+use crate::MAX_KEY_LEN;
+
 /// Random bytes in a generated key: 192 bits, well above the 128 a key needs to be unguessable
 /// and collision-free, and a multiple of three so the base64 text needs no padding.
 const GENERATED_KEY_BYTES: usize = 24;
-
-/// The longest key the server accepts (see the HTTP contract in the crate docs).
-const MAX_KEY_LEN: usize = 255;
 
 /// The idempotency key of one logical call: the same value goes out on every retry.
 ///

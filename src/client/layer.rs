@@ -7,9 +7,7 @@ use http::{HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
 use super::{Backoff, IdempotentRetry, RetryPolicy};
-
-/// The header the server reads the key from.
-const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+use crate::IDEMPOTENCY_KEY;
 
 /// Wraps an HTTP client so every keyed call gets one idempotency key, reused on each retry.
 ///

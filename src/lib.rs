@@ -72,6 +72,8 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(feature = "client")]
+pub mod client;
 pub mod engine;
 pub mod error;
 pub mod fingerprint;

@@ -90,7 +90,7 @@ pub use fingerprint::{Fingerprint, Fingerprinter, canonical_json};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use layer::{IDEMPOTENCY_KEY, IdempotencyLayer, IdempotencyService};
 pub use record::{Record, RecordState, StoredResponse};
-pub use scope::{Principal, Scope, ScopedKey};
+pub use scope::{IdempotencyContext, Principal, Scope, ScopedKey};
 #[cfg(feature = "postgres")]
 pub use store::PgStore;
 #[cfg(feature = "sqlite")]

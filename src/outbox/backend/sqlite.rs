@@ -90,6 +90,20 @@ impl Ops for Sqlite {
     }
 
     async fn claim(pool: &Pool<Self>, claim: Claim) -> Result<Vec<Record>, sqlx::Error> {
+        // An UPDATE takes the database's write lock even when it matches nothing; reading first
+        // keeps an idle dispatcher from queueing behind (and stalling) the app's transactions.
+        let due: bool = sqlx::query_scalar(
+            "SELECT EXISTS (
+                 SELECT 1 FROM idempotency_outbox
+                 WHERE status = 'pending' AND next_attempt_at <= ?1
+                   AND (lease_expires_at IS NULL OR lease_expires_at <= ?1))",
+        )
+        .bind(claim.now)
+        .fetch_one(pool)
+        .await?;
+        if !due {
+            return Ok(Vec::new());
+        }
         let rows = sqlx::query(
             "UPDATE idempotency_outbox SET lease_expires_at = ?1, lease_token = ?2
              WHERE id IN (

@@ -1,0 +1,574 @@
+//! Claim → execute → record: the one path every intent takes.
+//!
+//! [`IdempotencyLayer`](crate::IdempotencyLayer) is a thin HTTP adapter over an [`Engine`].
+//! Background jobs, reconciliation tasks and manual replays call the same engine directly
+//! (R16), so a job and an HTTP request that share a scoped key still execute the business once:
+//!
+//! ```
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use axum_idempotency::{Engine, Fingerprinter, IdempotencyKey, Outcome, Scope, SqliteStore, Store, Tx};
+//! use sqlx::Sqlite;
+//!
+//! let store = SqliteStore::new(sqlx::SqlitePool::connect("sqlite::memory:").await?);
+//! store.migrate().await?;
+//! let engine = Engine::new(store);
+//!
+//! let key: IdempotencyKey = "invoice-2026-11-alice".parse()?;
+//! let scope = Scope::new("billing-job", "RUN", "monthly-invoice", key);
+//! let fingerprint = Fingerprinter::new().fingerprint_value("monthly-invoice", br#"{"month":"2026-11"}"#);
+//!
+//! let first = engine
+//!     .run(&scope, fingerprint, |mut tx: Tx<Sqlite>| async move {
+//!         sqlx::query("SELECT 1").execute(&mut *tx).await.map(|_| "invoiced").map_err(|_| "failed")
+//!     })
+//!     .await?;
+//! assert_eq!(first.outcome, Outcome::Executed);
+//!
+//! let again = engine.run(&scope, fingerprint, |_tx: Tx<Sqlite>| async { "never runs" }).await?;
+//! assert_eq!(again.outcome, Outcome::Replayed);
+//! assert_eq!(again.response.body().as_ref(), b"invoiced");
+//! # Ok(()) }
+//! # tokio::runtime::Runtime::new().unwrap().block_on(run()).unwrap();
+//! ```
+//!
+//! # What happens to one intent
+//!
+//! 1. A committed, unexpired record under the scoped key answers at once with one indexed read:
+//!    a replay if the fingerprint matches, [`Rejection::KeyReused`] if it does not.
+//! 2. Otherwise a transaction begins and claims the key with an insert against the table's
+//!    unique key (never check-then-insert). A concurrent duplicate's claim blocks on that key
+//!    until the first transaction ends, bounded by [`Engine::wait_for_in_flight`]; it then
+//!    replays, claims (the first rolled back), or gives up with [`Rejection::InProgress`].
+//! 3. The work runs with that same transaction (the [`Tx`] handed to it). Its response is
+//!    buffered and classified ([`Classification`]):
+//!    - completed (2xx/3xx): the response is stored and committed together with the work's writes;
+//!    - failed permanently (most 4xx): the writes are rolled back, the response is stored and
+//!      replayed from then on, so the client stops;
+//!    - retryable (5xx, 408, 429, a panic, a response too large to store): everything is rolled
+//!      back, no record remains, and the same key executes afresh next time.
+//!
+//! The transactional part runs in a task of its own: a client that hangs up mid-request
+//! cannot cancel it halfway and leave a pooled connection inside an open transaction.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::Body;
+use axum::response::IntoResponse;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use http_body_util::{BodyExt, Limited};
+use sqlx::Transaction;
+use tracing::Instrument;
+
+use crate::error::{Error, Rejection};
+use crate::fingerprint::Fingerprint;
+use crate::record::{Record, RecordState, StoredResponse};
+use crate::scope::{Scope, ScopedKey};
+use crate::store::{NewRecord, Store};
+use crate::tx::{Tx, TxSlot};
+
+/// The header a replayed response carries.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// What to do with a response, decided from its status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Classification {
+    /// Store the response and commit the work.
+    Completed,
+    /// Roll the work back, but store the response and replay it: the refusal is final.
+    FailedPermanent,
+    /// Roll everything back and keep no record: the client may retry with the same key.
+    Retryable,
+}
+
+impl Classification {
+    /// The default rule: 2xx/3xx complete; 408, 429 and 5xx are retryable; other 4xx are final.
+    pub fn of_status(status: StatusCode) -> Self {
+        if status.is_success() || status.is_redirection() {
+            Self::Completed
+        } else if status.is_client_error()
+            && status != StatusCode::REQUEST_TIMEOUT
+            && status != StatusCode::TOO_MANY_REQUESTS
+        {
+            Self::FailedPermanent
+        } else {
+            Self::Retryable
+        }
+    }
+}
+
+/// How an intent was answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The work ran now and its outcome was committed (completed or failed permanently).
+    Executed,
+    /// A stored outcome was replayed; the work did not run.
+    Replayed,
+    /// The work ran but its outcome was retryable, so everything was rolled back.
+    RolledBack,
+}
+
+/// The response to an intent and how it was obtained.
+#[derive(Debug)]
+pub struct Execution {
+    /// The response: as the work produced it, or as stored (plus `Idempotent-Replayed: true`).
+    pub response: http::Response<Bytes>,
+    /// Whether it was executed, replayed or rolled back.
+    pub outcome: Outcome,
+}
+
+type Classifier = Arc<dyn Fn(StatusCode) -> Classification + Send + Sync>;
+
+#[derive(Clone)]
+struct Settings {
+    ttl: Duration,
+    wait: Duration,
+    max_response_body: usize,
+    classify: Classifier,
+    replayed_headers: Vec<HeaderName>,
+}
+
+/// Runs intents exactly once per scoped key, on a [`Store`]. Cheap to clone.
+pub struct Engine<S> {
+    store: S,
+    settings: Arc<Settings>,
+}
+
+impl<S: Clone> Clone for Engine<S> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            settings: Arc::clone(&self.settings),
+        }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for Engine<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Engine")
+            .field("store", &self.store)
+            .field("ttl", &self.settings.ttl)
+            .field("wait_for_in_flight", &self.settings.wait)
+            .field("max_response_body", &self.settings.max_response_body)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Headers never stored for replay unless asked for by [`Engine::replay_header`]: they belong
+/// to the first exchange (cookies, dates) or to the connection, not to the resource.
+const UNREPLAYED: [HeaderName; 11] = [
+    header::SET_COOKIE,
+    header::DATE,
+    header::CONTENT_LENGTH,
+    header::CONNECTION,
+    header::TRANSFER_ENCODING,
+    header::TE,
+    header::TRAILER,
+    header::UPGRADE,
+    header::PROXY_AUTHENTICATE,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+];
+
+impl<S: Store> Engine<S> {
+    /// An engine with the defaults: 24 h retention, a 5 s wait for in-flight duplicates,
+    /// responses up to 1 MiB stored, [`Classification::of_status`].
+    pub fn new(store: S) -> Self {
+        Self {
+            store,
+            settings: Arc::new(Settings {
+                ttl: Duration::from_secs(24 * 3600),
+                wait: Duration::from_secs(5),
+                max_response_body: 1024 * 1024,
+                classify: Arc::new(Classification::of_status),
+                replayed_headers: Vec::new(),
+            }),
+        }
+    }
+
+    fn settings_mut(&mut self) -> &mut Settings {
+        Arc::make_mut(&mut self.settings)
+    }
+
+    /// How long a record counts (default 24 h). After that its key is a new intent.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.settings_mut().ttl = ttl;
+        self
+    }
+
+    /// How long a duplicate waits for its in-flight original before answering
+    /// [`Rejection::InProgress`] (default 5 s). The wait is the database's own lock wait.
+    pub fn wait_for_in_flight(mut self, wait: Duration) -> Self {
+        self.settings_mut().wait = wait;
+        self
+    }
+
+    /// The largest response body stored for replay (default 1 MiB). A larger response is
+    /// rolled back and answered with [`Rejection::ResponseTooLarge`].
+    pub fn max_response_body(mut self, bytes: usize) -> Self {
+        self.settings_mut().max_response_body = bytes;
+        self
+    }
+
+    /// Replaces the rule that classifies responses (default [`Classification::of_status`]).
+    pub fn classify<F>(mut self, classify: F) -> Self
+    where
+        F: Fn(StatusCode) -> Classification + Send + Sync + 'static,
+    {
+        self.settings_mut().classify = Arc::new(classify);
+        self
+    }
+
+    /// Stores and replays a header that is left out by default (`Set-Cookie`, `Date`).
+    /// Hop-by-hop headers and `Content-Length` are never replayed.
+    pub fn replay_header(mut self, name: HeaderName) -> Self {
+        self.settings_mut().replayed_headers.push(name);
+        self
+    }
+
+    /// The store this engine writes to.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The retention of records.
+    pub fn retention(&self) -> Duration {
+        self.settings.ttl
+    }
+
+    /// Runs `work` once for `scope` with the transaction that holds the claim, or answers
+    /// from the stored outcome. See the [module docs](self).
+    pub async fn run<F, Fut, R>(
+        &self,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        work: F,
+    ) -> Result<Execution, Rejection>
+    where
+        F: FnOnce(Tx<S::Database>) -> Fut + Send + 'static,
+        Fut: Future<Output = R> + Send + 'static,
+        R: IntoResponse,
+    {
+        self.run_in_slot(scope, fingerprint, move |slot| async move {
+            match slot.into_tx() {
+                Ok(tx) => work(tx).await.into_response(),
+                Err(_) => Rejection::TransactionHeld.into_response(),
+            }
+        })
+        .await
+    }
+
+    pub(crate) async fn run_in_slot<F, Fut, R>(
+        &self,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        work: F,
+    ) -> Result<Execution, Rejection>
+    where
+        F: FnOnce(TxSlot<S::Database>) -> Fut + Send + 'static,
+        Fut: Future<Output = R> + Send + 'static,
+        R: IntoResponse,
+    {
+        let key = scope.scoped_key();
+        let span = tracing::info_span!(
+            "idempotency",
+            key = %key,
+            method = scope.method(),
+            route = scope.route(),
+            outcome = tracing::field::Empty,
+        );
+        let engine = self.clone();
+        let scope = scope.clone();
+        let task = tokio::spawn(
+            async move { engine.execute(key, &scope, fingerprint, work).await }
+                .instrument(span.clone()),
+        );
+        let (result, outcome) = match task.await {
+            Ok(done) => done,
+            Err(error) => {
+                let _enter = span.enter();
+                tracing::error!(%error, "the idempotent work panicked; rolled back");
+                (Err(Rejection::Internal), "retryable")
+            }
+        };
+        span.record("outcome", outcome);
+        let _enter = span.enter();
+        tracing::info!(outcome, "idempotent request");
+        result
+    }
+
+    async fn execute<F, Fut, R>(
+        &self,
+        key: ScopedKey,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        work: F,
+    ) -> (Result<Execution, Rejection>, &'static str)
+    where
+        F: FnOnce(TxSlot<S::Database>) -> Fut,
+        Fut: Future<Output = R>,
+        R: IntoResponse,
+    {
+        let now = now_ms();
+        let expired = match self.store.lookup(&key).await {
+            Ok(Some(record)) if !record.is_expired(now) => {
+                return self.answer_existing(record, fingerprint);
+            }
+            Ok(found) => found.is_some(),
+            Err(error) => return internal(error),
+        };
+
+        let mut tx = match self
+            .claim(key, scope, fingerprint, RecordState::Processing, None)
+            .await
+        {
+            Ok(Claim::Ours(tx)) => tx,
+            Ok(Claim::Theirs(record)) => return self.answer_existing(record, fingerprint),
+            Err(rejection) => {
+                let outcome = if matches!(rejection, Rejection::InProgress { .. }) {
+                    "in_flight"
+                } else {
+                    "retryable"
+                };
+                return (Err(rejection), outcome);
+            }
+        };
+
+        let slot = TxSlot::ready(tx);
+        let response = work(slot.clone()).await.into_response();
+        let (parts, body) = response.into_parts();
+        let body = Limited::new(body, self.settings.max_response_body)
+            .collect()
+            .await;
+        tx = match slot.take_back() {
+            Ok(Some(tx)) => tx,
+            Ok(None) | Err(_) => {
+                tracing::error!("a Tx was still held when the work returned; rolled back");
+                return (Err(Rejection::TransactionHeld), "retryable");
+            }
+        };
+        let body = match body {
+            Ok(collected) => collected.to_bytes(),
+            Err(error) => {
+                tracing::warn!(%error, limit = self.settings.max_response_body,
+                    "response body too large to store or unreadable; rolled back");
+                return (Err(Rejection::ResponseTooLarge), "retryable");
+            }
+        };
+        let response = http::Response::from_parts(parts, body);
+
+        match (self.settings.classify)(response.status()) {
+            Classification::Completed => {
+                let stored = self.storable(&response);
+                let committed = async {
+                    self.store
+                        .finish(&mut tx, &key, RecordState::Completed, &stored)
+                        .await?;
+                    tx.commit().await.map_err(Error::from)
+                };
+                if let Err(error) = committed.await {
+                    return internal(error);
+                }
+                let outcome = if expired { "expired" } else { "executed" };
+                (
+                    Ok(Execution {
+                        response,
+                        outcome: Outcome::Executed,
+                    }),
+                    outcome,
+                )
+            }
+            Classification::FailedPermanent => {
+                // Undo the work's writes by ending its transaction, then record the refusal in
+                // a fresh one. A duplicate that claimed in between ran the work itself; its
+                // outcome is the key's outcome, and this request answers with it.
+                if let Err(error) = tx.rollback().await {
+                    return internal(error);
+                }
+                let stored = self.storable(&response);
+                match self
+                    .claim(
+                        key,
+                        scope,
+                        fingerprint,
+                        RecordState::FailedPermanent,
+                        Some(&stored),
+                    )
+                    .await
+                {
+                    Ok(Claim::Ours(tx)) => {
+                        if let Err(error) = tx.commit().await {
+                            return internal(error);
+                        }
+                        (
+                            Ok(Execution {
+                                response,
+                                outcome: Outcome::Executed,
+                            }),
+                            "failed_permanent",
+                        )
+                    }
+                    Ok(Claim::Theirs(record)) => self.answer_existing(record, fingerprint),
+                    Err(rejection) => (Err(rejection), "retryable"),
+                }
+            }
+            Classification::Retryable => {
+                if let Err(error) = tx.rollback().await {
+                    return internal(error);
+                }
+                (
+                    Ok(Execution {
+                        response,
+                        outcome: Outcome::RolledBack,
+                    }),
+                    "retryable",
+                )
+            }
+        }
+    }
+
+    /// Begins a transaction and claims `key` in it, or reads the live record that holds it.
+    async fn claim(
+        &self,
+        key: ScopedKey,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        state: RecordState,
+        response: Option<&StoredResponse>,
+    ) -> Result<Claim<S::Database>, Rejection> {
+        let now = now_ms();
+        let record = NewRecord {
+            key,
+            scope,
+            fingerprint,
+            state,
+            response,
+            created_at_ms: now,
+            expires_at_ms: now
+                .saturating_add(i64::try_from(self.settings.ttl.as_millis()).unwrap_or(i64::MAX)),
+        };
+        // A record can vanish between a failed claim and the read (purged when it expired),
+        // so a second round settles it either way.
+        for _ in 0..2 {
+            let mut tx = self
+                .store
+                .begin(self.settings.wait)
+                .await
+                .map_err(busy_or_internal)?;
+            if self
+                .store
+                .claim(&mut tx, &record)
+                .await
+                .map_err(busy_or_internal)?
+            {
+                return Ok(Claim::Ours(tx));
+            }
+            if let Some(existing) = self
+                .store
+                .find(&mut tx, &key)
+                .await
+                .map_err(busy_or_internal)?
+            {
+                return Ok(Claim::Theirs(existing));
+            }
+        }
+        Err(IN_PROGRESS)
+    }
+
+    fn answer_existing(
+        &self,
+        record: Record,
+        fingerprint: Fingerprint,
+    ) -> (Result<Execution, Rejection>, &'static str) {
+        if record.fingerprint != fingerprint {
+            return (Err(Rejection::KeyReused), "mismatch");
+        }
+        match (record.state, record.response) {
+            (RecordState::Completed | RecordState::FailedPermanent, Some(stored)) => {
+                let mut response = stored.to_response();
+                response
+                    .headers_mut()
+                    .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+                (
+                    Ok(Execution {
+                        response,
+                        outcome: Outcome::Replayed,
+                    }),
+                    "replayed",
+                )
+            }
+            _ => (Err(IN_PROGRESS), "in_flight"),
+        }
+    }
+
+    fn storable(&self, response: &http::Response<Bytes>) -> StoredResponse {
+        let mut headers = HeaderMap::new();
+        // Headers the response itself names in `Connection` are hop-by-hop too.
+        let named_by_connection: Vec<String> = response
+            .headers()
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(|v| v.trim().to_ascii_lowercase())
+            .collect();
+        for (name, value) in response.headers() {
+            let opted_in = self.settings.replayed_headers.contains(name)
+                && !matches!(
+                    *name,
+                    header::CONTENT_LENGTH | header::CONNECTION | header::TRANSFER_ENCODING
+                );
+            let excluded =
+                UNREPLAYED.contains(name) || named_by_connection.iter().any(|n| n == name.as_str());
+            if opted_in || !excluded {
+                headers.append(name.clone(), value.clone());
+            }
+        }
+        StoredResponse {
+            status: response.status(),
+            headers,
+            body: response.body().clone(),
+        }
+    }
+}
+
+enum Claim<DB: sqlx::Database> {
+    Ours(Transaction<'static, DB>),
+    Theirs(Record),
+}
+
+/// A lock wait that ran out means the key's original is still at work.
+const IN_PROGRESS: Rejection = Rejection::InProgress {
+    retry_after: Duration::from_secs(1),
+};
+
+fn busy_or_internal(error: Error) -> Rejection {
+    match error {
+        Error::Busy => IN_PROGRESS,
+        error => {
+            tracing::error!(%error, "idempotency store failed");
+            Rejection::Internal
+        }
+    }
+}
+
+fn internal(error: impl Into<Error>) -> (Result<Execution, Rejection>, &'static str) {
+    let error = error.into();
+    tracing::error!(%error, "idempotency store failed; rolled back");
+    (Err(Rejection::Internal), "retryable")
+}
+
+/// Milliseconds since the Unix epoch, the unit records keep time in.
+pub(crate) fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+pub(crate) fn into_body_response(response: http::Response<Bytes>) -> axum::response::Response {
+    response.map(Body::from)
+}

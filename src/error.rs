@@ -1,0 +1,199 @@
+//! Errors: [`Rejection`] is what a client sees, [`Error`] is what an operator sees.
+//!
+//! Every rejection renders as `application/problem+json` (RFC 9457) with a distinct `type`
+//! and a stable `code` member that client code can match on:
+//!
+//! | case | status | `code` |
+//! |---|---|---|
+//! | key required but missing | 400 | `idempotency_key_missing` |
+//! | key malformed (empty, too long, bad characters, several values) | 400 | `idempotency_key_invalid` |
+//! | no verified principal on a scoped route | 401 | `idempotency_principal_missing` |
+//! | same scoped key, different intent | 422 | `idempotency_key_reused` |
+//! | same scoped key still in flight after the wait | 409 + `Retry-After` | `idempotency_request_in_progress` |
+//! | request body over the layer's limit | 413 | `idempotency_body_too_large` |
+//! | request body could not be read (the client went away mid-body) | 400 | `idempotency_body_unreadable` |
+//! | handler response over the storable limit (rolled back) | 500 | `idempotency_response_too_large` |
+//! | a `Tx` was still held when the handler returned (rolled back) | 500 | `idempotency_transaction_held` |
+//! | the store failed or the handler panicked (rolled back) | 500 | `idempotency_internal_error` |
+//!
+//! The 500s are retryable with the same key: nothing of the attempt was committed. Database
+//! details never reach the client; they are logged through `tracing`.
+
+use std::time::Duration;
+
+use axum::response::{IntoResponse, Response};
+use http::{HeaderValue, StatusCode, header};
+use serde::Serialize;
+
+use crate::key::KeyError;
+
+/// The crate's error for operators: what went wrong below the HTTP contract.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The database failed.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// A lock wait ran out, or the database reported a deadlock or serialization conflict:
+    /// another transaction holds what this one needs. Transient.
+    #[error("the database is busy: a lock wait ran out or transactions conflicted")]
+    Busy,
+    /// A stored record could not be read back.
+    #[error("corrupt idempotency record: {0}")]
+    CorruptRecord(String),
+    /// A schema migration failed.
+    #[error("migration failed: {0}")]
+    Migration(String),
+}
+
+/// Why a request was not executed (or not answered as executed): the client-facing half.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Rejection {
+    /// The route requires an `Idempotency-Key` and the request had none.
+    #[error("this request requires an Idempotency-Key header")]
+    KeyMissing,
+    /// The `Idempotency-Key` header was malformed.
+    #[error("{0}")]
+    KeyInvalid(#[from] KeyError),
+    /// No verified principal was found for a scoped route.
+    #[error("the request carries no verified identity to scope its idempotency key to")]
+    PrincipalMissing,
+    /// The key was already used for a request with a different intent.
+    #[error("this idempotency key was already used for a different request")]
+    KeyReused,
+    /// A request with the same key is still being processed.
+    #[error("a request with this idempotency key is still in progress")]
+    InProgress {
+        /// When the client should try again.
+        retry_after: Duration,
+    },
+    /// The request body exceeded the layer's limit.
+    #[error("the request body exceeds the limit of {limit} bytes")]
+    BodyTooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// The request body could not be read, typically because the client went away.
+    #[error("the request body could not be read")]
+    BodyUnreadable,
+    /// The handler's response exceeded the storable limit; the attempt was rolled back.
+    #[error("the response was too large to store; nothing was committed")]
+    ResponseTooLarge,
+    /// A [`Tx`](crate::Tx) was still held when the handler returned; the attempt was rolled back.
+    #[error(
+        "the request's transaction was still held when the handler returned; nothing was committed"
+    )]
+    TransactionHeld,
+    /// The store failed or the handler panicked; the attempt was rolled back.
+    #[error("the request could not be processed; nothing was committed")]
+    Internal,
+}
+
+impl Rejection {
+    /// The HTTP status of this rejection.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::KeyMissing | Self::KeyInvalid(_) | Self::BodyUnreadable => {
+                StatusCode::BAD_REQUEST
+            }
+            Self::PrincipalMissing => StatusCode::UNAUTHORIZED,
+            Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::InProgress { .. } => StatusCode::CONFLICT,
+            Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::ResponseTooLarge | Self::TransactionHeld | Self::Internal => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+        }
+    }
+
+    /// The stable `code` member of the problem document.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::KeyMissing => "idempotency_key_missing",
+            Self::KeyInvalid(_) => "idempotency_key_invalid",
+            Self::PrincipalMissing => "idempotency_principal_missing",
+            Self::KeyReused => "idempotency_key_reused",
+            Self::InProgress { .. } => "idempotency_request_in_progress",
+            Self::BodyTooLarge { .. } => "idempotency_body_too_large",
+            Self::BodyUnreadable => "idempotency_body_unreadable",
+            Self::ResponseTooLarge => "idempotency_response_too_large",
+            Self::TransactionHeld => "idempotency_transaction_held",
+            Self::Internal => "idempotency_internal_error",
+        }
+    }
+
+    fn variant(&self) -> &'static str {
+        match self {
+            Self::KeyMissing => "KeyMissing",
+            Self::KeyInvalid(_) => "KeyInvalid",
+            Self::PrincipalMissing => "PrincipalMissing",
+            Self::KeyReused => "KeyReused",
+            Self::InProgress { .. } => "InProgress",
+            Self::BodyTooLarge { .. } => "BodyTooLarge",
+            Self::BodyUnreadable => "BodyUnreadable",
+            Self::ResponseTooLarge => "ResponseTooLarge",
+            Self::TransactionHeld => "TransactionHeld",
+            Self::Internal => "Internal",
+        }
+    }
+
+    fn title(&self) -> &'static str {
+        match self {
+            Self::KeyMissing => "Idempotency key missing",
+            Self::KeyInvalid(_) => "Idempotency key invalid",
+            Self::PrincipalMissing => "Principal missing",
+            Self::KeyReused => "Idempotency key reused",
+            Self::InProgress { .. } => "Request in progress",
+            Self::BodyTooLarge { .. } => "Request body too large",
+            Self::BodyUnreadable => "Request body unreadable",
+            Self::ResponseTooLarge => "Response too large to store",
+            Self::TransactionHeld => "Transaction still held",
+            Self::Internal => "Internal error",
+        }
+    }
+}
+
+/// The problem document. Written by hand rather than with a problem-details crate because
+/// `http::Uri` cannot hold the fragment our `type` links to (the variant's rustdoc anchor).
+#[derive(Serialize)]
+struct Problem<'a> {
+    r#type: String,
+    title: &'a str,
+    status: u16,
+    detail: String,
+    code: &'a str,
+}
+
+impl IntoResponse for Rejection {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        let problem = Problem {
+            r#type: format!(
+                "https://docs.rs/axum-idempotency/latest/axum_idempotency/enum.Rejection.html#variant.{}",
+                self.variant()
+            ),
+            title: self.title(),
+            status: status.as_u16(),
+            detail: self.to_string(),
+            code: self.code(),
+        };
+        let body = serde_json::to_vec(&problem).unwrap_or_default();
+        let mut response = (
+            status,
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/problem+json"),
+            )],
+            body,
+        )
+            .into_response();
+        if let Self::InProgress { retry_after } = self {
+            let seconds = retry_after.as_secs().max(1);
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
+    }
+}

@@ -1,0 +1,458 @@
+//! The tower adapter: [`IdempotencyLayer`] and its [`IdempotencyService`].
+//!
+//! The layer reads the `Idempotency-Key`, takes the principal from a verified source, buffers
+//! the body (bounded), fingerprints the request and hands the rest to the [`Engine`]. Add it
+//! with [`Router::route_layer`](axum::Router::route_layer) so the matched route template is known;
+//! under `Router::layer` the concrete path stands in for it.
+//!
+//! ```
+//! use std::time::Duration;
+//! use axum::{Router, routing::post};
+//! use axum_idempotency::{IdempotencyLayer, SqliteStore, Tx};
+//! use sqlx::Sqlite;
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! async fn create(mut tx: Tx<Sqlite>) -> &'static str {
+//!     # let _ = &mut tx;
+//!     "created"
+//! }
+//!
+//! let store = SqliteStore::new(sqlx::SqlitePool::connect("sqlite::memory:").await?);
+//! let app: Router = Router::new()
+//!     .route("/orders", post(create))
+//!     .route_layer(
+//!         IdempotencyLayer::new(store)
+//!             .allow_anonymous()
+//!             .ttl(Duration::from_secs(24 * 3600))
+//!             .wait_for_in_flight(Duration::from_secs(5))
+//!             .ignore_json_fields(["/request_time", "/trace_id"]),
+//!     );
+//! # let _ = app; Ok(()) }
+//! ```
+
+use std::convert::Infallible;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{FromRequestParts, MatchedPath};
+use axum::response::{IntoResponse, Response};
+use http::request::Parts;
+use http::{HeaderName, Method, Request, StatusCode};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tower::ServiceExt;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::engine::{Classification, Engine, into_body_response};
+use crate::error::Rejection;
+use crate::fingerprint::Fingerprinter;
+use crate::key::IdempotencyKey;
+use crate::scope::{Principal, Scope};
+use crate::store::Store;
+use crate::tx::TxSlot;
+
+type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+type PrincipalFn =
+    Arc<dyn for<'a> Fn(&'a mut Parts) -> BoxFuture<'a, Option<String>> + Send + Sync>;
+
+/// The default header name, `Idempotency-Key`.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+#[derive(Clone)]
+struct Config {
+    header: HeaderName,
+    keyed_methods: Vec<Method>,
+    key_optional: bool,
+    principal: Option<PrincipalFn>,
+    allow_anonymous: bool,
+    max_request_body: usize,
+    fingerprinter: Fingerprinter,
+}
+
+/// Makes the routes it wraps idempotent (see the [module docs](self) and the crate docs).
+pub struct IdempotencyLayer<S> {
+    engine: Engine<S>,
+    config: Arc<Config>,
+}
+
+impl<S: Clone> Clone for IdempotencyLayer<S> {
+    fn clone(&self) -> Self {
+        Self {
+            engine: self.engine.clone(),
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for IdempotencyLayer<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("engine", &self.engine)
+            .field("header", &self.config.header)
+            .field("keyed_methods", &self.config.keyed_methods)
+            .field("key_optional", &self.config.key_optional)
+            .field("principal", &self.config.principal.is_some())
+            .field("allow_anonymous", &self.config.allow_anonymous)
+            .field("max_request_body", &self.config.max_request_body)
+            .field("fingerprinter", &self.config.fingerprinter)
+            .finish()
+    }
+}
+
+impl<S: Store> IdempotencyLayer<S> {
+    /// A layer on `store` with the defaults: key required on `POST` and `PATCH`, request bodies
+    /// up to 1 MiB, no principal source (so keyed requests answer 401 until one is set with
+    /// [`principal`](Self::principal) and friends, or [`allow_anonymous`](Self::allow_anonymous)
+    /// is chosen), and the [`Engine`] defaults.
+    pub fn new(store: S) -> Self {
+        Self::from_engine(Engine::new(store))
+    }
+
+    /// A layer over an existing engine, sharing its settings with jobs that use it.
+    pub fn from_engine(engine: Engine<S>) -> Self {
+        Self {
+            engine,
+            config: Arc::new(Config {
+                header: IDEMPOTENCY_KEY,
+                keyed_methods: vec![Method::POST, Method::PATCH],
+                key_optional: false,
+                principal: None,
+                allow_anonymous: false,
+                max_request_body: 1024 * 1024,
+                fingerprinter: Fingerprinter::new(),
+            }),
+        }
+    }
+
+    /// The engine behind this layer, for jobs that must share its claim logic (R16).
+    pub fn engine(&self) -> &Engine<S> {
+        &self.engine
+    }
+
+    fn config_mut(&mut self) -> &mut Config {
+        Arc::make_mut(&mut self.config)
+    }
+
+    fn with_principal(mut self, source: PrincipalFn) -> Self {
+        self.config_mut().principal = Some(source);
+        self
+    }
+
+    /// Takes the principal from extractor `P` (for example the app's own auth extractor).
+    /// A request where `P` rejects is answered 401 `idempotency_principal_missing`.
+    pub fn principal<P>(self) -> Self
+    where
+        P: FromRequestParts<()> + Principal + Send + 'static,
+    {
+        self.principal_with_state::<P, ()>(())
+    }
+
+    /// Like [`principal`](Self::principal), for an extractor that needs the app's state.
+    pub fn principal_with_state<P, St>(self, state: St) -> Self
+    where
+        P: FromRequestParts<St> + Principal + Send + 'static,
+        St: Clone + Send + Sync + 'static,
+    {
+        self.with_principal(Arc::new(move |parts| {
+            let state = state.clone();
+            Box::pin(async move {
+                P::from_request_parts(parts, &state)
+                    .await
+                    .ok()
+                    .map(|p| p.principal_id().into_owned())
+            })
+        }))
+    }
+
+    /// Takes the principal from a request extension of type `P`, inserted by authentication
+    /// middleware that runs before this layer.
+    pub fn principal_extension<P>(self) -> Self
+    where
+        P: Principal + Clone + Send + Sync + 'static,
+    {
+        self.with_principal(Arc::new(|parts| {
+            let principal = parts
+                .extensions
+                .get::<P>()
+                .map(|p| p.principal_id().into_owned());
+            Box::pin(async move { principal })
+        }))
+    }
+
+    /// Lets requests without a principal use the anonymous scope, shared by every anonymous
+    /// caller. Only for routes where that is safe: anyone who learns a key can replay its
+    /// response. Without this, a missing principal is a 401.
+    pub fn allow_anonymous(mut self) -> Self {
+        self.config_mut().allow_anonymous = true;
+        self
+    }
+
+    /// The header the key is read from (default `Idempotency-Key`).
+    pub fn header_name(mut self, name: HeaderName) -> Self {
+        self.config_mut().header = name;
+        self
+    }
+
+    /// The methods that take a key (default `POST` and `PATCH`). Other methods pass through,
+    /// still with a lazily begun transaction for [`Tx`](crate::Tx).
+    pub fn keyed_methods<I>(mut self, methods: I) -> Self
+    where
+        I: IntoIterator<Item = Method>,
+    {
+        self.config_mut().keyed_methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Lets keyed methods run without a key, unprotected, instead of answering 400
+    /// `idempotency_key_missing`. A key that is present is still enforced.
+    pub fn key_optional(mut self) -> Self {
+        self.config_mut().key_optional = true;
+        self
+    }
+
+    /// The largest request body accepted (default 1 MiB); larger ones are answered 413
+    /// `idempotency_body_too_large` before anything is claimed.
+    pub fn max_request_body(mut self, bytes: usize) -> Self {
+        self.config_mut().max_request_body = bytes;
+        self
+    }
+
+    /// JSON Pointers (RFC 6901) of intent-neutral body fields left out of the fingerprint,
+    /// such as a request timestamp or a trace id.
+    pub fn ignore_json_fields<I, T>(mut self, pointers: I) -> Self
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<String>,
+    {
+        let config = self.config_mut();
+        config.fingerprinter = config.fingerprinter.clone().ignore_json_fields(pointers);
+        self
+    }
+
+    /// Request headers that join the fingerprint (none by default).
+    pub fn fingerprint_headers<I>(mut self, names: I) -> Self
+    where
+        I: IntoIterator<Item = HeaderName>,
+    {
+        let config = self.config_mut();
+        config.fingerprinter = config.fingerprinter.clone().include_headers(names);
+        self
+    }
+
+    /// See [`Engine::ttl`].
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.engine = self.engine.ttl(ttl);
+        self
+    }
+
+    /// See [`Engine::wait_for_in_flight`].
+    pub fn wait_for_in_flight(mut self, wait: Duration) -> Self {
+        self.engine = self.engine.wait_for_in_flight(wait);
+        self
+    }
+
+    /// See [`Engine::max_response_body`].
+    pub fn max_response_body(mut self, bytes: usize) -> Self {
+        self.engine = self.engine.max_response_body(bytes);
+        self
+    }
+
+    /// See [`Engine::classify`].
+    pub fn classify<F>(mut self, classify: F) -> Self
+    where
+        F: Fn(StatusCode) -> Classification + Send + Sync + 'static,
+    {
+        self.engine = self.engine.classify(classify);
+        self
+    }
+
+    /// See [`Engine::replay_header`].
+    pub fn replay_header(mut self, name: HeaderName) -> Self {
+        self.engine = self.engine.replay_header(name);
+        self
+    }
+}
+
+impl<S: Store, I> Layer<I> for IdempotencyLayer<S> {
+    type Service = IdempotencyService<S, I>;
+
+    fn layer(&self, inner: I) -> Self::Service {
+        IdempotencyService {
+            inner,
+            layer: self.clone(),
+        }
+    }
+}
+
+/// The service [`IdempotencyLayer`] wraps a route in.
+pub struct IdempotencyService<S, I> {
+    inner: I,
+    layer: IdempotencyLayer<S>,
+}
+
+impl<S: Clone, I: Clone> Clone for IdempotencyService<S, I> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            layer: self.layer.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, I> fmt::Debug for IdempotencyService<S, I> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("layer", &self.layer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, I> Service<Request<Body>> for IdempotencyService<S, I>
+where
+    S: Store,
+    I: Service<Request<Body>, Error = Infallible> + Clone + Send + 'static,
+    I::Response: IntoResponse,
+    I::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = Infallible;
+    type Future = BoxFuture<'static, Result<Response, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // The inner service is readied in `call` (on the clone that will be used), as axum's
+        // own middleware does; routes are always ready.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        let inner = self.inner.clone();
+        let layer = self.layer.clone();
+        Box::pin(async move {
+            Ok(match layer.handle(inner, request).await {
+                Ok(response) => response,
+                Err(rejection) => rejection.into_response(),
+            })
+        })
+    }
+}
+
+impl<S: Store> IdempotencyLayer<S> {
+    async fn handle<I>(&self, inner: I, request: Request<Body>) -> Result<Response, Rejection>
+    where
+        I: Service<Request<Body>, Error = Infallible> + Send + 'static,
+        I::Response: IntoResponse,
+        I::Future: Send + 'static,
+    {
+        let config = &self.config;
+        let (mut parts, body) = request.into_parts();
+        let key = if config.keyed_methods.contains(&parts.method) {
+            IdempotencyKey::from_headers(&parts.headers, &config.header)?
+        } else {
+            None
+        };
+        let Some(key) = key else {
+            if config.keyed_methods.contains(&parts.method) && !config.key_optional {
+                return Err(Rejection::KeyMissing);
+            }
+            return Ok(self
+                .pass_through(inner, Request::from_parts(parts, body))
+                .await);
+        };
+
+        let principal = match &config.principal {
+            Some(source) => source(&mut parts).await,
+            None => None,
+        };
+        if principal.is_none() && !config.allow_anonymous {
+            return Err(Rejection::PrincipalMissing);
+        }
+        let route = parts
+            .extensions
+            .get::<MatchedPath>()
+            .map_or_else(|| parts.uri.path().to_owned(), |m| m.as_str().to_owned());
+
+        let bytes = match Limited::new(body, config.max_request_body).collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
+                return Err(Rejection::BodyTooLarge {
+                    limit: config.max_request_body,
+                });
+            }
+            Err(error) => {
+                tracing::debug!(%error, "could not read the request body");
+                return Err(Rejection::BodyUnreadable);
+            }
+        };
+        let fingerprint = config.fingerprinter.fingerprint(&parts, &bytes);
+        let method = parts.method.as_str().to_owned();
+        let scope = match principal {
+            Some(principal) => Scope::new(principal, method, route, key),
+            None => Scope::anonymous(method, route, key),
+        };
+
+        let request = Request::from_parts(parts, Body::from(bytes));
+        let execution = self
+            .engine
+            .run_in_slot(&scope, fingerprint, move |slot| {
+                let mut request = request;
+                request.extensions_mut().insert(slot);
+                async move {
+                    match inner.oneshot(request).await {
+                        Ok(response) => response.into_response(),
+                        Err(never) => match never {},
+                    }
+                }
+            })
+            .await?;
+        Ok(into_body_response(execution.response))
+    }
+
+    /// A request without a key: no claim, but `Tx` still works, resolved by the status.
+    async fn pass_through<I>(&self, inner: I, mut request: Request<Body>) -> Response
+    where
+        I: Service<Request<Body>, Error = Infallible> + Send + 'static,
+        I::Response: IntoResponse,
+        I::Future: Send + 'static,
+    {
+        let slot = TxSlot::lazy(self.engine.store().pool().clone());
+        request.extensions_mut().insert(slot.clone());
+        // In a task of its own for the same reason as keyed requests: a client hanging up must
+        // not cancel a transaction halfway through.
+        let task = tokio::spawn(async move {
+            let response = match inner.oneshot(request).await {
+                Ok(response) => response.into_response(),
+                Err(never) => match never {},
+            };
+            let tx = match slot.take_back() {
+                Ok(Some(tx)) => tx,
+                Ok(None) => return response,
+                Err(_) => {
+                    tracing::error!("a Tx was still held when the handler returned; rolled back");
+                    return Rejection::TransactionHeld.into_response();
+                }
+            };
+            let status = response.status();
+            let resolved = if status.is_success() || status.is_redirection() {
+                tx.commit().await
+            } else {
+                tx.rollback().await
+            };
+            match resolved {
+                Ok(()) => response,
+                Err(error) => {
+                    tracing::error!(%error, "resolving the request's transaction failed");
+                    Rejection::Internal.into_response()
+                }
+            }
+        });
+        task.await.unwrap_or_else(|error| {
+            tracing::error!(%error, "the handler panicked; rolled back");
+            Rejection::Internal.into_response()
+        })
+    }
+}

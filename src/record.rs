@@ -1,0 +1,171 @@
+//! What is kept for a key: its state and the response the client first saw.
+//!
+//! A record is written in the same transaction as the handler's business rows. Only two
+//! outcomes are ever committed: [`RecordState::Completed`] and
+//! [`RecordState::FailedPermanent`], and both are replayed. `Processing` exists only inside the
+//! claiming transaction, where concurrent duplicates wait on its unique-key lock; a retryable
+//! failure (5xx, timeout, panic) rolls the claim back with everything else, so "failed,
+//! retryable" is represented by the absence of a record and the next attempt executes afresh.
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+
+/// The lifecycle state of a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordState {
+    /// Claimed; the handler is running in the claiming transaction.
+    Processing,
+    /// The handler succeeded (2xx/3xx); the response is replayed.
+    Completed,
+    /// The handler gave a final refusal (e.g. 400, 403, 409 out of stock); its writes were undone
+    /// and the response is replayed, so the client stops retrying.
+    FailedPermanent,
+}
+
+impl RecordState {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Self::Processing => "processing",
+            Self::Completed => "completed",
+            Self::FailedPermanent => "failed_permanent",
+        }
+    }
+
+    pub(crate) fn parse(value: &str) -> Result<Self, Error> {
+        match value {
+            "processing" => Ok(Self::Processing),
+            "completed" => Ok(Self::Completed),
+            "failed_permanent" => Ok(Self::FailedPermanent),
+            other => Err(Error::CorruptRecord(format!("unknown state {other:?}"))),
+        }
+    }
+}
+
+/// The part of a response that is stored and replayed: status, chosen headers, body bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// The status the client first saw.
+    pub status: StatusCode,
+    /// The headers kept for replay, multi-valued ones intact and in order.
+    pub headers: HeaderMap,
+    /// The body, byte for byte.
+    pub body: Bytes,
+}
+
+impl StoredResponse {
+    /// Turns the stored parts back into a response.
+    pub fn to_response(&self) -> http::Response<Bytes> {
+        let mut response = http::Response::new(self.body.clone());
+        *response.status_mut() = self.status;
+        *response.headers_mut() = self.headers.clone();
+        response
+    }
+
+    /// Serialises the headers as length-prefixed name/value pairs. Raw bytes, not JSON, because
+    /// header values need not be UTF-8 and several values of one name must survive in order.
+    pub(crate) fn encode_headers(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (name, value) in &self.headers {
+            put_field(&mut out, name.as_str().as_bytes());
+            put_field(&mut out, value.as_bytes());
+        }
+        out
+    }
+
+    pub(crate) fn decode_headers(mut bytes: &[u8]) -> Result<HeaderMap, Error> {
+        let mut headers = HeaderMap::new();
+        while !bytes.is_empty() {
+            let name = take_field(&mut bytes)?;
+            let value = take_field(&mut bytes)?;
+            let name = HeaderName::from_bytes(name)
+                .map_err(|_| Error::CorruptRecord("stored header name".into()))?;
+            let value = HeaderValue::from_bytes(value)
+                .map_err(|_| Error::CorruptRecord("stored header value".into()))?;
+            headers.append(name, value);
+        }
+        Ok(headers)
+    }
+}
+
+fn put_field(out: &mut Vec<u8>, bytes: &[u8]) {
+    out.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
+    out.extend_from_slice(bytes);
+}
+
+fn take_field<'a>(bytes: &mut &'a [u8]) -> Result<&'a [u8], Error> {
+    let corrupt = || Error::CorruptRecord("truncated stored headers".into());
+    let (len, rest) = bytes.split_first_chunk::<4>().ok_or_else(corrupt)?;
+    let len = u32::from_be_bytes(*len) as usize;
+    if rest.len() < len {
+        return Err(corrupt());
+    }
+    let (field, rest) = rest.split_at(len);
+    *bytes = rest;
+    Ok(field)
+}
+
+/// A committed record as read back from the store.
+#[derive(Debug, Clone)]
+pub struct Record {
+    /// Its state.
+    pub state: RecordState,
+    /// The fingerprint of the request that created it.
+    pub fingerprint: Fingerprint,
+    /// The stored response (absent while processing).
+    pub response: Option<StoredResponse>,
+    /// When it was created, in milliseconds since the Unix epoch.
+    pub created_at_ms: i64,
+    /// When it stops counting, in milliseconds since the Unix epoch.
+    pub expires_at_ms: i64,
+}
+
+impl Record {
+    /// Whether the record has outlived its retention and its key now names a new intent.
+    pub fn is_expired(&self, now_ms: i64) -> bool {
+        self.expires_at_ms <= now_ms
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_with_repeated_names_in_order() {
+        let mut headers = HeaderMap::new();
+        headers.append("location", HeaderValue::from_static("/orders/7"));
+        headers.append("link", HeaderValue::from_static("</a>; rel=a"));
+        headers.append("link", HeaderValue::from_static("</b>; rel=b"));
+        headers.append(
+            "x-bin",
+            HeaderValue::from_bytes(b"\xfe\xff").expect("obs-text"),
+        );
+        let stored = StoredResponse {
+            status: StatusCode::CREATED,
+            headers: headers.clone(),
+            body: Bytes::new(),
+        };
+        let decoded = StoredResponse::decode_headers(&stored.encode_headers()).expect("decodes");
+        assert_eq!(decoded, headers);
+        let links: Vec<_> = decoded.get_all("link").iter().collect();
+        assert_eq!(links, ["</a>; rel=a", "</b>; rel=b"]);
+    }
+
+    #[test]
+    fn truncated_headers_are_a_corrupt_record_not_a_panic() {
+        let mut headers = HeaderMap::new();
+        headers.append("location", HeaderValue::from_static("/orders/7"));
+        let stored = StoredResponse {
+            status: StatusCode::OK,
+            headers,
+            body: Bytes::new(),
+        };
+        let bytes = stored.encode_headers();
+        for cut in 1..bytes.len() {
+            assert!(StoredResponse::decode_headers(&bytes[..cut]).is_err());
+        }
+    }
+}

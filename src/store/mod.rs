@@ -1,0 +1,395 @@
+//! Where records live: the [`Store`] trait and its SQL implementation, [`SqlStore`].
+//!
+//! Records sit in their own table, `idempotency_records`, keyed by the SHA-256 digest of the
+//! scoped key, so a client's key can never touch a business row or another record's fields.
+//! [`SqlStore`] holds every query once; each backend (`SqliteStore`, `PgStore`) only states its
+//! dialect: the SQL text, how a transaction bounds its lock wait, which errors mean "busy".
+//!
+//! Create the tables with [`Store::migrate`] at start-up. The SQL it runs ships in the
+//! repository under `migrations/<backend>/`, for teams that prefer their own migration tool.
+//!
+//! Expired records are purged explicitly, never implicitly: call [`Store::purge_expired`] from a
+//! job of your own, or let [`SqlStore::spawn_purger`] do it on an interval. An expired record
+//! that has not been purged yet is already treated as absent, and its key as a new intent.
+
+use std::future::Future;
+use std::time::Duration;
+
+use sqlx::error::DatabaseError;
+use sqlx::{
+    ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Transaction, Type,
+};
+
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::record::{Record, RecordState, StoredResponse};
+use crate::scope::{Scope, ScopedKey};
+
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+
+#[cfg(feature = "postgres")]
+pub use postgres::PgStore;
+#[cfg(feature = "sqlite")]
+pub use sqlite::SqliteStore;
+
+/// How many expired records one purge statement deletes, so a purge never holds long locks.
+pub const PURGE_BATCH: u32 = 1000;
+
+/// A record about to be written by a claim.
+#[derive(Debug)]
+pub struct NewRecord<'a> {
+    /// The record's primary key.
+    pub key: ScopedKey,
+    /// The scope it belongs to, stored in clear for operators (the raw key is not).
+    pub scope: &'a Scope,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// `Processing` for a claim before the handler runs, or a final state.
+    pub state: RecordState,
+    /// The response, for a final state.
+    pub response: Option<&'a StoredResponse>,
+    /// Creation time, milliseconds since the Unix epoch.
+    pub created_at_ms: i64,
+    /// Expiry time, milliseconds since the Unix epoch.
+    pub expires_at_ms: i64,
+}
+
+/// Storage for idempotency records, inside the handler's own database.
+///
+/// The engine drives a store through these steps; a backend implements them so that:
+/// - [`claim`](Store::claim) relies on the table's unique key alone (never check-then-insert),
+///   waits for a concurrent claimer's transaction within the bound set by
+///   [`begin`](Store::begin), and replaces an expired record atomically;
+/// - a wait that runs out, a deadlock or a serialization failure surfaces as [`Error::Busy`].
+pub trait Store: Clone + Send + Sync + 'static {
+    /// The sqlx database the records (and the handler's writes) live in.
+    type Database: Database;
+
+    /// The pool transactions are begun from.
+    fn pool(&self) -> &Pool<Self::Database>;
+
+    /// Creates or upgrades the store's tables; a no-op when they are current. Safe to call
+    /// from several instances at once.
+    fn migrate(&self) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Reads a committed record outside any transaction: the fast path for replays.
+    fn lookup(&self, key: &ScopedKey)
+    -> impl Future<Output = Result<Option<Record>, Error>> + Send;
+
+    /// Begins a transaction whose lock waits (the claim's wait for a concurrent duplicate) are
+    /// bounded by `lock_wait`.
+    fn begin(
+        &self,
+        lock_wait: Duration,
+    ) -> impl Future<Output = Result<Transaction<'static, Self::Database>, Error>> + Send;
+
+    /// Inserts `record`, or replaces an expired record under the same key. Returns `false`,
+    /// changing nothing, when a live record holds the key.
+    fn claim<'a>(
+        &'a self,
+        conn: &'a mut <Self::Database as Database>::Connection,
+        record: &'a NewRecord<'a>,
+    ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
+
+    /// Reads the record under `key` within the transaction.
+    fn find<'a>(
+        &'a self,
+        conn: &'a mut <Self::Database as Database>::Connection,
+        key: &'a ScopedKey,
+    ) -> impl Future<Output = Result<Option<Record>, Error>> + Send + 'a;
+
+    /// Writes the outcome into the record claimed in this transaction.
+    fn finish<'a>(
+        &'a self,
+        conn: &'a mut <Self::Database as Database>::Connection,
+        key: &'a ScopedKey,
+        state: RecordState,
+        response: &'a StoredResponse,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 'a;
+
+    /// Deletes up to `limit` records expired at `now_ms`; returns how many it deleted.
+    fn purge_expired_batch(
+        &self,
+        now_ms: i64,
+        limit: u32,
+    ) -> impl Future<Output = Result<u64, Error>> + Send;
+
+    /// Deletes every record expired by now, in batches of [`PURGE_BATCH`]; returns the count.
+    fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {
+        async move {
+            let now = crate::engine::now_ms();
+            let mut total = 0;
+            loop {
+                let deleted = self.purge_expired_batch(now, PURGE_BATCH).await?;
+                total += deleted;
+                if deleted < u64::from(PURGE_BATCH) {
+                    return Ok(total);
+                }
+            }
+        }
+    }
+}
+
+/// The SQL every backend runs, generic over the backend's [`Dialect`].
+#[derive(Debug)]
+pub struct SqlStore<DB: Database> {
+    pool: Pool<DB>,
+}
+
+impl<DB: Database> Clone for SqlStore<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+        }
+    }
+}
+
+impl<DB: Database> SqlStore<DB> {
+    /// A store on `pool`, the same pool the handlers' writes go to.
+    pub fn new(pool: Pool<DB>) -> Self {
+        Self { pool }
+    }
+}
+
+impl<DB: Database> SqlStore<DB>
+where
+    Self: Store,
+{
+    /// Spawns a task that purges expired records every `every`, logging failures and going on.
+    /// Abort the returned handle to stop it.
+    pub fn spawn_purger(&self, every: Duration) -> tokio::task::JoinHandle<()> {
+        let store = self.clone();
+        tokio::spawn(async move {
+            let mut interval = tokio::time::interval(every);
+            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                interval.tick().await;
+                match store.purge_expired().await {
+                    Ok(0) => {}
+                    Ok(deleted) => tracing::info!(deleted, "purged expired idempotency records"),
+                    Err(error) => {
+                        tracing::warn!(%error, "purging expired idempotency records failed")
+                    }
+                }
+            }
+        })
+    }
+}
+
+/// One backend's SQL and error vocabulary. Sealed: the set of backends is this crate's.
+pub trait Dialect: Database + sealed::Sealed {
+    /// Ordered schema migrations: (version, SQL script).
+    const MIGRATIONS: &'static [(i64, &'static str)];
+    /// Begins the migration transaction, serialised against other instances migrating at once.
+    const MIGRATION_BEGIN: &'static str;
+    /// Run first in the migration transaction to serialise concurrent migrators, if the begin
+    /// statement does not already.
+    const MIGRATION_LOCK: Option<&'static str>;
+    /// Records an applied migration. Parameters: version, applied_at.
+    const MIGRATION_RECORD: &'static str;
+    /// Parameters: key_digest, principal, method, route, fingerprint, state, status, headers,
+    /// body, created_at, expires_at.
+    const CLAIM: &'static str;
+    /// Parameter: key_digest. Columns: state, fingerprint, status, headers, body, created_at,
+    /// expires_at.
+    const FIND: &'static str;
+    /// Parameters: state, status, headers, body, key_digest.
+    const FINISH: &'static str;
+    /// Parameters: now, limit.
+    const PURGE: &'static str;
+
+    /// The statement that begins a claim transaction with its lock wait bounded.
+    fn begin_statement(lock_wait: Duration) -> String;
+
+    /// Whether the error means "a lock wait ran out" or another transient conflict.
+    fn is_busy(error: &dyn DatabaseError) -> bool;
+
+    /// How many rows a statement affected.
+    fn rows_affected(result: &Self::QueryResult) -> u64;
+
+    /// Whether a claim statement that affected `rows` rows took the key.
+    fn claimed(rows: u64) -> bool {
+        rows == 1
+    }
+}
+
+mod sealed {
+    #[allow(unreachable_pub)]
+    pub trait Sealed {}
+}
+
+pub(crate) use sealed::Sealed;
+
+fn classify<DB: Dialect>(error: sqlx::Error) -> Error {
+    match &error {
+        sqlx::Error::Database(db) if DB::is_busy(db.as_ref()) => Error::Busy,
+        _ => Error::Database(error),
+    }
+}
+
+impl<DB> Store for SqlStore<DB>
+where
+    DB: Dialect,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB>,
+    usize: ColumnIndex<DB::Row>,
+    Vec<u8>: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+    String: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+    i64: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+    i32: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+    Option<Vec<u8>>: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+    Option<String>: for<'q> Encode<'q, DB> + Type<DB>,
+    Option<i64>: for<'r> Decode<'r, DB> + Type<DB>,
+    Option<i32>: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+{
+    type Database = DB;
+
+    fn pool(&self) -> &Pool<DB> {
+        &self.pool
+    }
+
+    async fn migrate(&self) -> Result<(), Error> {
+        let mut tx = self.pool.begin_with(DB::MIGRATION_BEGIN).await?;
+        if let Some(lock) = DB::MIGRATION_LOCK {
+            sqlx::query(lock).execute(&mut *tx).await?;
+        }
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS idempotency_schema_versions (\
+             version BIGINT PRIMARY KEY, applied_at BIGINT NOT NULL)",
+        )
+        .execute(&mut *tx)
+        .await?;
+        let current: Option<i64> =
+            sqlx::query("SELECT MAX(version) FROM idempotency_schema_versions")
+                .fetch_one(&mut *tx)
+                .await?
+                .try_get(0)?;
+        let current = current.unwrap_or(0);
+        for &(version, script) in DB::MIGRATIONS.iter().filter(|(v, _)| *v > current) {
+            sqlx::raw_sql(script)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| Error::Migration(format!("version {version}: {e}")))?;
+            sqlx::query(DB::MIGRATION_RECORD)
+                .bind(version)
+                .bind(crate::engine::now_ms())
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, Error> {
+        let mut conn = self.pool.acquire().await?;
+        self.find(&mut conn, key).await
+    }
+
+    async fn begin(&self, lock_wait: Duration) -> Result<Transaction<'static, DB>, Error> {
+        self.pool
+            .begin_with(sqlx::AssertSqlSafe(DB::begin_statement(lock_wait)))
+            .await
+            .map_err(classify::<DB>)
+    }
+
+    async fn claim<'a>(
+        &'a self,
+        conn: &'a mut DB::Connection,
+        record: &'a NewRecord<'a>,
+    ) -> Result<bool, Error> {
+        let (status, headers, body) = match record.response {
+            Some(response) => (
+                Some(i32::from(response.status.as_u16())),
+                Some(response.encode_headers()),
+                Some(response.body.to_vec()),
+            ),
+            None => (None, None, None),
+        };
+        let result = sqlx::query(DB::CLAIM)
+            .bind(record.key.digest().to_vec())
+            .bind(record.scope.principal().map(str::to_owned))
+            .bind(record.scope.method().to_owned())
+            .bind(record.scope.route().to_owned())
+            .bind(record.fingerprint.as_bytes().to_vec())
+            .bind(record.state.as_str().to_owned())
+            .bind(status)
+            .bind(headers)
+            .bind(body)
+            .bind(record.created_at_ms)
+            .bind(record.expires_at_ms)
+            .execute(conn)
+            .await
+            .map_err(classify::<DB>)?;
+        Ok(DB::claimed(DB::rows_affected(&result)))
+    }
+
+    async fn find<'a>(
+        &'a self,
+        conn: &'a mut DB::Connection,
+        key: &'a ScopedKey,
+    ) -> Result<Option<Record>, Error> {
+        let row = sqlx::query(DB::FIND)
+            .bind(key.digest().to_vec())
+            .fetch_optional(conn)
+            .await
+            .map_err(classify::<DB>)?;
+        let Some(row) = row else { return Ok(None) };
+        let state = RecordState::parse(&row.try_get::<String, _>(0)?)?;
+        let fingerprint = <[u8; 32]>::try_from(row.try_get::<Vec<u8>, _>(1)?.as_slice())
+            .map(Fingerprint::from)
+            .map_err(|_| Error::CorruptRecord("fingerprint length".into()))?;
+        let status: Option<i32> = row.try_get(2)?;
+        let headers: Option<Vec<u8>> = row.try_get(3)?;
+        let body: Option<Vec<u8>> = row.try_get(4)?;
+        let response = match (status, headers, body) {
+            (Some(status), Some(headers), Some(body)) => Some(StoredResponse {
+                status: u16::try_from(status)
+                    .ok()
+                    .and_then(|s| http::StatusCode::from_u16(s).ok())
+                    .ok_or_else(|| Error::CorruptRecord(format!("status {status}")))?,
+                headers: StoredResponse::decode_headers(&headers)?,
+                body: body.into(),
+            }),
+            _ => None,
+        };
+        Ok(Some(Record {
+            state,
+            fingerprint,
+            response,
+            created_at_ms: row.try_get(5)?,
+            expires_at_ms: row.try_get(6)?,
+        }))
+    }
+
+    async fn finish<'a>(
+        &'a self,
+        conn: &'a mut DB::Connection,
+        key: &'a ScopedKey,
+        state: RecordState,
+        response: &'a StoredResponse,
+    ) -> Result<(), Error> {
+        sqlx::query(DB::FINISH)
+            .bind(state.as_str().to_owned())
+            .bind(i32::from(response.status.as_u16()))
+            .bind(response.encode_headers())
+            .bind(response.body.to_vec())
+            .bind(key.digest().to_vec())
+            .execute(conn)
+            .await
+            .map_err(classify::<DB>)?;
+        Ok(())
+    }
+
+    async fn purge_expired_batch(&self, now_ms: i64, limit: u32) -> Result<u64, Error> {
+        let result = sqlx::query(DB::PURGE)
+            .bind(now_ms)
+            .bind(i64::from(limit))
+            .execute(&self.pool)
+            .await
+            .map_err(classify::<DB>)?;
+        Ok(DB::rows_affected(&result))
+    }
+}

@@ -1,0 +1,80 @@
+//! PostgreSQL: the production backend, for many app instances sharing one database.
+
+use std::time::Duration;
+
+use sqlx::Postgres;
+use sqlx::error::DatabaseError;
+
+use super::{Dialect, Sealed, SqlStore};
+
+/// Records in PostgreSQL.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use axum_idempotency::{IdempotencyLayer, PgStore, Store};
+///
+/// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/test").await?;
+/// let store = PgStore::new(pool);
+/// store.migrate().await?;
+/// let layer = IdempotencyLayer::new(store).allow_anonymous();
+/// # let _ = layer;
+/// # Ok(()) }
+/// ```
+pub type PgStore = SqlStore<Postgres>;
+
+impl Sealed for Postgres {}
+
+impl Dialect for Postgres {
+    const MIGRATIONS: &'static [(i64, &'static str)] = &[(
+        1,
+        include_str!("../../migrations/postgres/0001_records.sql"),
+    )];
+    const MIGRATION_BEGIN: &'static str = "BEGIN";
+    // A transaction-scoped advisory lock: two instances starting at once migrate one after the
+    // other, and the second finds nothing left to do. The number is this crate's own.
+    const MIGRATION_LOCK: Option<&'static str> =
+        Some("SELECT pg_advisory_xact_lock(7351906218944770001)");
+    const MIGRATION_RECORD: &'static str =
+        "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES ($1, $2)";
+    // A duplicate of an in-flight claim blocks on the uncommitted row until the claimer
+    // commits (then it sees the live record and gets `false`) or rolls back (then it claims).
+    // The lock wait was bounded at BEGIN; RETURNING lifts that bound for the handler's own
+    // statements once the key is ours, without another round trip.
+    const CLAIM: &'static str = "INSERT INTO idempotency_records AS r \
+        (key_digest, principal, method, route, fingerprint, state, status, headers, body, created_at, expires_at) \
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) \
+        ON CONFLICT (key_digest) DO UPDATE SET \
+        principal = EXCLUDED.principal, method = EXCLUDED.method, route = EXCLUDED.route, \
+        fingerprint = EXCLUDED.fingerprint, state = EXCLUDED.state, status = EXCLUDED.status, \
+        headers = EXCLUDED.headers, body = EXCLUDED.body, created_at = EXCLUDED.created_at, \
+        expires_at = EXCLUDED.expires_at \
+        WHERE r.expires_at <= EXCLUDED.created_at \
+        RETURNING set_config('lock_timeout', \
+        COALESCE(current_setting('axum_idempotency.lock_timeout', true), '0'), true)";
+    const FIND: &'static str = "SELECT state, fingerprint, status, headers, body, created_at, expires_at \
+        FROM idempotency_records WHERE key_digest = $1";
+    const FINISH: &'static str = "UPDATE idempotency_records \
+        SET state = $1, status = $2, headers = $3, body = $4 WHERE key_digest = $5";
+    // The outer expiry test is repeated on purpose: a claim that replaced an expired record
+    // while this DELETE waited for its row lock must survive the re-check.
+    const PURGE: &'static str = "DELETE FROM idempotency_records WHERE expires_at <= $1 \
+        AND key_digest IN (SELECT key_digest FROM idempotency_records WHERE expires_at <= $1 LIMIT $2)";
+
+    fn begin_statement(lock_wait: Duration) -> String {
+        // lock_timeout = 0 would mean "wait forever".
+        let ms = lock_wait.as_millis().max(1);
+        format!(
+            "BEGIN; SELECT set_config('axum_idempotency.lock_timeout', current_setting('lock_timeout'), true), \
+             set_config('lock_timeout', '{ms}ms', true)"
+        )
+    }
+
+    fn rows_affected(result: &Self::QueryResult) -> u64 {
+        result.rows_affected()
+    }
+
+    fn is_busy(error: &dyn DatabaseError) -> bool {
+        // lock_not_available, deadlock_detected, serialization_failure
+        matches!(error.code().as_deref(), Some("55P03" | "40P01" | "40001"))
+    }
+}

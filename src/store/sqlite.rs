@@ -1,0 +1,80 @@
+//! SQLite: the embedded default, one file, no server.
+
+use std::time::Duration;
+
+use sqlx::Sqlite;
+use sqlx::error::DatabaseError;
+
+use super::{Dialect, Sealed, SqlStore};
+
+/// Records in SQLite.
+///
+/// SQLite has one writer at a time, so every claim transaction begins `IMMEDIATE`: it takes the
+/// write lock up front and waits for it within the layer's in-flight bound (`busy_timeout`).
+/// A duplicate therefore queues behind its original and then replays it. Use WAL mode (as
+/// below) so replays and reads go on while a writer works. On SQLite a wait that runs out
+/// cannot tell the duplicate's original from any other writer; either way the answer is 409
+/// `idempotency_request_in_progress`, retryable with the same key.
+///
+/// ```
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::str::FromStr;
+/// use axum_idempotency::{IdempotencyLayer, SqliteStore, Store};
+/// use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool};
+///
+/// let options = SqliteConnectOptions::from_str("sqlite::memory:")?
+///     .journal_mode(SqliteJournalMode::Wal);
+/// let store = SqliteStore::new(SqlitePool::connect_with(options).await?);
+/// store.migrate().await?;
+/// let layer = IdempotencyLayer::new(store).allow_anonymous();
+/// # let _ = layer;
+/// # Ok(()) }
+/// # tokio::runtime::Runtime::new().unwrap().block_on(run()).unwrap();
+/// ```
+pub type SqliteStore = SqlStore<Sqlite>;
+
+impl Sealed for Sqlite {}
+
+impl Dialect for Sqlite {
+    const MIGRATIONS: &'static [(i64, &'static str)] =
+        &[(1, include_str!("../../migrations/sqlite/0001_records.sql"))];
+    // The write lock taken up front serialises concurrent migrators.
+    const MIGRATION_BEGIN: &'static str = "BEGIN IMMEDIATE";
+    const MIGRATION_LOCK: Option<&'static str> = None;
+    const MIGRATION_RECORD: &'static str =
+        "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES (?1, ?2)";
+    const CLAIM: &'static str = "INSERT INTO idempotency_records \
+        (key_digest, principal, method, route, fingerprint, state, status, headers, body, created_at, expires_at) \
+        VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11) \
+        ON CONFLICT (key_digest) DO UPDATE SET \
+        principal = excluded.principal, method = excluded.method, route = excluded.route, \
+        fingerprint = excluded.fingerprint, state = excluded.state, status = excluded.status, \
+        headers = excluded.headers, body = excluded.body, created_at = excluded.created_at, \
+        expires_at = excluded.expires_at \
+        WHERE idempotency_records.expires_at <= excluded.created_at";
+    const FIND: &'static str = "SELECT state, fingerprint, status, headers, body, created_at, expires_at \
+        FROM idempotency_records WHERE key_digest = ?1";
+    const FINISH: &'static str = "UPDATE idempotency_records \
+        SET state = ?1, status = ?2, headers = ?3, body = ?4 WHERE key_digest = ?5";
+    const PURGE: &'static str = "DELETE FROM idempotency_records WHERE key_digest IN \
+        (SELECT key_digest FROM idempotency_records WHERE expires_at <= ?1 LIMIT ?2)";
+
+    fn begin_statement(lock_wait: Duration) -> String {
+        format!(
+            "PRAGMA busy_timeout = {}; BEGIN IMMEDIATE",
+            lock_wait.as_millis().clamp(1, i32::MAX as u128)
+        )
+    }
+
+    fn rows_affected(result: &Self::QueryResult) -> u64 {
+        result.rows_affected()
+    }
+
+    fn is_busy(error: &dyn DatabaseError) -> bool {
+        // SQLITE_BUSY and SQLITE_LOCKED, with their extended codes.
+        error
+            .code()
+            .and_then(|code| code.parse::<i32>().ok())
+            .is_some_and(|code| matches!(code & 0xff, 5 | 6))
+    }
+}

@@ -79,6 +79,8 @@ pub mod error;
 pub mod fingerprint;
 pub mod key;
 pub mod layer;
+#[cfg(feature = "outbox")]
+pub mod outbox;
 pub mod record;
 pub mod scope;
 pub mod store;

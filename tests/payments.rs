@@ -2,106 +2,17 @@
 //!
 //! Build the binaries first: `cargo build --examples --features outbox,postgres`.
 
-use std::path::PathBuf;
-use std::process::Stdio;
+mod process;
+
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, Request, StatusCode};
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use http::{Request, StatusCode};
+use http_body_util::Full;
+use process::{Answer, Http, Process};
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
-
-fn example(name: &str) -> PathBuf {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"));
-    let path = target.join("debug").join("examples").join(name);
-    assert!(
-        path.exists(),
-        "{} is missing: run `cargo build --examples --features outbox,postgres` first",
-        path.display()
-    );
-    path
-}
-
-/// A running example; killed with SIGKILL when dropped.
-struct Process {
-    child: Child,
-    url: String,
-}
-
-impl Process {
-    async fn start(name: &str, env: &[(&str, &str)]) -> Self {
-        let mut command = Command::new(example(name));
-        command
-            .env("BIND", "127.0.0.1:0")
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true);
-        for (key, value) in env {
-            command.env(key, value);
-        }
-        let mut child = command.spawn().unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let mut lines = BufReader::new(stdout).lines();
-        let url = tokio::time::timeout(Duration::from_secs(30), async {
-            while let Some(line) = lines.next_line().await.unwrap() {
-                if let Some(rest) = line.split("listening on ").nth(1) {
-                    return rest.split_whitespace().next().unwrap().to_owned();
-                }
-            }
-            panic!("{name} exited before listening");
-        })
-        .await
-        .unwrap();
-        // Keep draining stdout so the child never blocks on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        Self { child, url }
-    }
-
-    async fn kill(mut self) {
-        self.child.start_kill().unwrap();
-        self.child.wait().await.unwrap();
-    }
-}
-
-struct Http(Client<HttpConnector, Full<Bytes>>);
-
-struct Answer {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
-}
-
-impl Answer {
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap()
-    }
-}
 
 impl Http {
-    fn new() -> Self {
-        Self(Client::builder(TokioExecutor::new()).build_http())
-    }
-
-    async fn call(&self, request: Request<Full<Bytes>>) -> Answer {
-        let response = self.0.request(request).await.unwrap();
-        let status = response.status();
-        let headers = response.headers().clone();
-        let body = response.into_body().collect().await.unwrap().to_bytes();
-        Answer {
-            status,
-            headers,
-            body,
-        }
-    }
-
     async fn pay(&self, payments: &str, key: &str, payment: &Value) -> Answer {
         let request = Request::post(format!("{payments}/payments"))
             .header("authorization", "Bearer alice-token")

@@ -86,7 +86,7 @@ pub mod scope;
 pub mod store;
 pub mod tx;
 
-pub use engine::{Classification, Engine, Execution, IDEMPOTENT_REPLAYED, Outcome};
+pub use engine::{Classification, Engine, Execution, IDEMPOTENT_REPLAYED, Lease, Outcome};
 pub use error::{Error, Rejection};
 pub use fingerprint::{Fingerprint, Fingerprinter, canonical_json};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
@@ -97,5 +97,5 @@ pub use scope::{IdempotencyContext, Principal, Scope, ScopedKey};
 pub use store::PgStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
-pub use store::{Dialect, NewRecord, SqlStore, Store};
+pub use store::{Dialect, LeaseClaim, NewRecord, SqlStore, Store};
 pub use tx::Tx;

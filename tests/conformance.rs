@@ -31,6 +31,9 @@ macro_rules! conformance {
                 migrate_twice_and_concurrently_is_a_no_op,
                 clients_hanging_up_mid_request_leave_no_open_transaction,
                 unkeyed_requests_commit_on_success_and_roll_back_on_failure,
+                leased_work_runs_once_while_duplicates_wait_then_replay,
+                expired_lease_is_taken_over_only_after_asking_recovery,
+                holder_that_dies_mid_work_is_taken_over_after_its_lease,
             );
         }
     )*};
@@ -52,7 +55,13 @@ mod suite {
     use std::time::{Duration, Instant};
 
     use axum::http::{Request, StatusCode};
-    use axum_idempotency::{Fingerprinter, IdempotencyKey, Outcome, Rejection, Scope, Store, Tx};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use axum_idempotency::{
+        Fingerprint, Fingerprinter, IdempotencyKey, LeaseClaim, NewRecord, Outcome, RecordState,
+        Rejection, Scope, Store, Tx,
+    };
     use serde_json::json;
 
     use crate::common::{App, Backend, Db, body, second_instance, serve, unique};
@@ -768,6 +777,229 @@ mod suite {
             DB::count_records(&app.pool).await,
             0,
             "no records without a key"
+        );
+    }
+
+    /// A job's scope and fingerprint, chosen equal to those of `POST /effects` with `body(label)`
+    /// under that key, so HTTP duplicates meet the job's claim.
+    fn job(label: &str) -> (String, Scope, Fingerprint) {
+        let key = unique(label);
+        let scope = Scope::new(
+            "alice",
+            "POST",
+            "/effects",
+            key.parse::<IdempotencyKey>().expect("key"),
+        );
+        let (parts, _) = Request::post("/effects")
+            .header("content-type", "application/json")
+            .body(())
+            .expect("request")
+            .into_parts();
+        (
+            key,
+            scope,
+            Fingerprinter::new().fingerprint(&parts, body(label).as_bytes()),
+        )
+    }
+
+    /// Leaves behind what a lease holder that died would: a committed processing claim.
+    async fn abandoned_claim<DB: Db>(
+        app: &App<DB>,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        until_ms: i64,
+    ) {
+        let store = app.layer.engine().store();
+        let mut tx = store.begin(Duration::from_secs(1)).await.expect("begin");
+        let now = until_ms - 1_000;
+        let record = NewRecord {
+            key: scope.scoped_key(),
+            scope,
+            fingerprint,
+            state: RecordState::Processing,
+            response: None,
+            created_at_ms: now,
+            expires_at_ms: now + 3_600_000,
+            lease: Some(LeaseClaim {
+                owner: [7; 16],
+                until_ms,
+            }),
+        };
+        assert!(store.claim(&mut tx, &record).await.expect("claim"));
+        tx.commit().await.expect("commit");
+    }
+
+    fn epoch_ms() -> i64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64)
+    }
+
+    pub async fn leased_work_runs_once_while_duplicates_wait_then_replay<DB: Db>() {
+        let app = app::<DB>().await;
+        let engine = app.layer.engine().clone();
+        let (key, scope, fingerprint) = job("leased");
+        let runs = Arc::new(AtomicUsize::new(0));
+        let attempt = || {
+            let (engine, scope, runs) = (engine.clone(), scope.clone(), runs.clone());
+            async move {
+                engine
+                    .run_leased(
+                        &scope,
+                        fingerprint,
+                        Duration::from_millis(300),
+                        || async { None::<&str> },
+                        move |_lease| async move {
+                            runs.fetch_add(1, Ordering::SeqCst);
+                            tokio::time::sleep(Duration::from_millis(700)).await;
+                            (StatusCode::CREATED, "settled")
+                        },
+                    )
+                    .await
+            }
+        };
+        let first = tokio::spawn(attempt());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let during = attempt().await;
+        assert!(
+            matches!(during, Err(Rejection::InProgress { .. })),
+            "{during:?}"
+        );
+        let over_http = app
+            .post("/effects", Some("alice"), Some(&key), &body("leased"))
+            .await;
+        assert_eq!(
+            over_http.status,
+            StatusCode::CONFLICT,
+            "the live lease holds HTTP duplicates off too"
+        );
+        let first = first.await.expect("join").expect("first run");
+        assert_eq!(first.outcome, Outcome::Executed);
+        let after = attempt().await.expect("replay");
+        assert_eq!(after.outcome, Outcome::Replayed);
+        assert_eq!(after.response.body().as_ref(), b"settled");
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "renewal kept the lease past its 300 ms while the work ran"
+        );
+    }
+
+    pub async fn expired_lease_is_taken_over_only_after_asking_recovery<DB: Db>() {
+        let app = app::<DB>().await;
+        let engine = app.layer.engine().clone();
+        let runs = Arc::new(AtomicUsize::new(0));
+
+        // A live lease held by someone else: no takeover.
+        let (_, live, fingerprint) = job("live");
+        abandoned_claim(&app, &live, fingerprint, epoch_ms() + 60_000).await;
+        let busy = engine
+            .run_leased(
+                &live,
+                fingerprint,
+                Duration::from_secs(1),
+                || async { None::<&str> },
+                |_l| async { "never" },
+            )
+            .await;
+        assert!(
+            matches!(busy, Err(Rejection::InProgress { .. })),
+            "{busy:?}"
+        );
+
+        // An expired lease whose work did complete downstream: recorded, not redone.
+        let (_, done, fingerprint) = job("done");
+        abandoned_claim(&app, &done, fingerprint, epoch_ms() - 1).await;
+        let counter = runs.clone();
+        let recovered = engine
+            .run_leased(
+                &done,
+                fingerprint,
+                Duration::from_secs(1),
+                || async { Some((StatusCode::CREATED, "found downstream")) },
+                move |_l| async move {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                    "redone"
+                },
+            )
+            .await
+            .expect("recovered");
+        assert_eq!(recovered.outcome, Outcome::Recovered);
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "querying beat a blind redo");
+        let replay = engine
+            .run(&done, fingerprint, |_tx: Tx<DB>| async { "never" })
+            .await
+            .expect("replay");
+        assert_eq!(replay.outcome, Outcome::Replayed);
+        assert_eq!(replay.response.body().as_ref(), b"found downstream");
+
+        // An expired lease whose work never happened: redone once.
+        let (_, lost, fingerprint) = job("lost");
+        abandoned_claim(&app, &lost, fingerprint, epoch_ms() - 1).await;
+        let counter = runs.clone();
+        let redone = engine
+            .run_leased(
+                &lost,
+                fingerprint,
+                Duration::from_secs(1),
+                || async { None::<&str> },
+                move |_l| async move {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                    "redone"
+                },
+            )
+            .await
+            .expect("redone");
+        assert_eq!(redone.outcome, Outcome::Executed);
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+
+    pub async fn holder_that_dies_mid_work_is_taken_over_after_its_lease<DB: Db>() {
+        let app = app::<DB>().await;
+        let engine = app.layer.engine().clone();
+        let (_, scope, fingerprint) = job("dies");
+        let died = engine
+            .run_leased(
+                &scope,
+                fingerprint,
+                Duration::from_millis(300),
+                || async { None::<&str> },
+                |_l| async {
+                    panic!("the holder dies mid-work");
+                    #[allow(unreachable_code)]
+                    "unreachable"
+                },
+            )
+            .await;
+        assert!(matches!(died, Err(Rejection::Internal)), "{died:?}");
+        let soon = engine
+            .run_leased(
+                &scope,
+                fingerprint,
+                Duration::from_millis(300),
+                || async { None::<&str> },
+                |_l| async { "too early" },
+            )
+            .await;
+        assert!(
+            matches!(soon, Err(Rejection::InProgress { .. })),
+            "the dead holder's lease still counts: {soon:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let taken = engine
+            .run_leased(
+                &scope,
+                fingerprint,
+                Duration::from_millis(300),
+                || async { None::<&str> },
+                |_l| async { "finished by the next worker" },
+            )
+            .await
+            .expect("taken over");
+        assert_eq!(taken.outcome, Outcome::Executed);
+        assert_eq!(
+            taken.response.body().as_ref(),
+            b"finished by the next worker"
         );
     }
 }

@@ -351,6 +351,7 @@ pub async fn serve<DB: Db>(
     pool: Pool<DB>,
     configure: impl FnOnce(IdempotencyLayer<DB::Store>) -> IdempotencyLayer<DB::Store>,
 ) -> App<DB> {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
     let store = DB::store(pool.clone());
     store.migrate().await.expect("migrate");
     DB::create_effects_table(&pool).await;

@@ -1,0 +1,572 @@
+//! The request fingerprint: a digest of what a request intends, compared when a key comes back.
+//!
+//! A retry must carry the same key *and* the same intent. A request that reuses a key with a
+//! different intent is refused (`422 idempotency_key_reused`) rather than answered with the result
+//! of another operation. "Same intent" is decided by comparing [`Fingerprint`]s, SHA-256 digests
+//! over:
+//!
+//! * the method and the concrete path (`/orders/42`, not the route template);
+//! * the query, split on `&`, empty pairs dropped and the pairs sorted, so `?b=2&a=1` equals
+//!   `?a=1&b=2` (percent-encoding is kept as sent; a repeated parameter's values are sorted too);
+//! * the headers chosen with [`Fingerprinter::include_headers`] (an absent header differs from
+//!   an empty one) and the `Content-Type` without its parameters;
+//! * the body in a canonical form chosen by its `Content-Type`:
+//!   - `application/json` and any `+json` type: canonical JSON (below), after removing the
+//!     fields named by [`Fingerprinter::ignore_json_fields`]. A body that is not valid JSON is
+//!     hashed as raw bytes, tagged so it can never equal a canonical form;
+//!   - `application/x-www-form-urlencoded`: the pairs sorted, as for the query;
+//!   - anything else, or no `Content-Type`: the raw bytes. An empty body is a case of its own.
+//!
+//! # Canonical JSON
+//!
+//! Two JSON texts are the same intent when they differ only in insignificant whitespace, member
+//! order, string escaping (`"\u0041"` is `"A"`) or number spelling. Numbers are compared by their
+//! exact decimal value, never through `f64`: `12.5`, `12.50`, `1.25e1` and `125E-1` are equal,
+//! `12.500000001` is not, and `0`, `-0`, `0.0` and `0e5` are all zero. Array order matters.
+//!
+//! Refused as not valid JSON (so hashed as raw bytes): duplicate member names (their meaning
+//! depends on which parser reads them, so the intent is ambiguous), lone UTF-16 surrogates,
+//! nesting deeper than 128, exponents beyond `i64`, and anything RFC 8259 does not allow.
+//!
+//! ```
+//! use axum_idempotency::canonical_json;
+//!
+//! let a = canonical_json(br#"{ "amount": 12.50, "sku": "widget", "trace_id": "t-1" }"#, &["/trace_id"]);
+//! let b = canonical_json(br#"{"sku":"\u0077idget","amount":1.25e1}"#, &["/trace_id"]);
+//! assert_eq!(a, b);
+//! assert_eq!(a.as_deref(), Some(&br#"{"amount":125e-1,"sku":"widget"}"#[..]));
+//! assert_ne!(a, canonical_json(br#"{"sku":"widget","amount":12.500000001}"#, &[]));
+//! ```
+
+mod json;
+
+use std::fmt;
+use std::sync::Arc;
+
+use http::request::Parts;
+use http::{HeaderMap, HeaderName};
+use sha2::{Digest, Sha256};
+
+use json::Pointer;
+
+/// A SHA-256 digest of a request's intent.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    /// The 32 digest bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// The digest as 64 lowercase hex digits.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+
+    /// Reads a digest back from 64 hex digits (either case).
+    pub fn from_hex(s: &str) -> Option<Self> {
+        let mut bytes = [0u8; 32];
+        hex::decode_to_slice(s, &mut bytes).ok()?;
+        Some(Self(bytes))
+    }
+}
+
+impl From<[u8; 32]> for Fingerprint {
+    fn from(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", self.to_hex())
+    }
+}
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+/// Computes [`Fingerprint`]s; built once per layer and cheap to clone.
+///
+/// ```
+/// use axum_idempotency::Fingerprinter;
+/// use http::Request;
+///
+/// let fingerprinter = Fingerprinter::new()
+///     .ignore_json_fields(["/request_time", "/meta/trace_id"])
+///     .include_headers([http::header::ACCEPT_LANGUAGE]);
+///
+/// let request = |body: &'static str| {
+///     let (parts, ()) = Request::post("/orders?b=2&a=1")
+///         .header("content-type", "application/json; charset=utf-8")
+///         .body(())
+///         .unwrap()
+///         .into_parts();
+///     fingerprinter.fingerprint(&parts, body.as_bytes())
+/// };
+/// assert_eq!(
+///     request(r#"{"amount":12.5,"request_time":"10:00"}"#),
+///     request(r#"{ "request_time": "10:01", "amount": 12.50 }"#),
+/// );
+/// assert_ne!(request(r#"{"amount":12.5}"#), request(r#"{"amount":12.6}"#));
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct Fingerprinter {
+    config: Arc<Config>,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Config {
+    ignored: Vec<Pointer>,
+    /// Sorted and without duplicates, so the order they were configured in does not matter.
+    headers: Vec<HeaderName>,
+}
+
+/// Changing anything in the hashed layout must change this tag, so old and new digests never
+/// compare equal by accident.
+const VERSION: &[u8] = b"axum-idempotency/fp/v1";
+
+mod body_tag {
+    pub(super) const EMPTY: u8 = 0;
+    pub(super) const CANONICAL_JSON: u8 = 1;
+    pub(super) const RAW: u8 = 2;
+    pub(super) const INVALID_JSON: u8 = 3;
+    pub(super) const FORM: u8 = 4;
+}
+
+enum BodyKind {
+    Json,
+    Form,
+    Raw,
+}
+
+impl Fingerprinter {
+    /// A fingerprinter with no ignored fields and no extra headers.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Removes these fields from JSON bodies before hashing, so they never count as intent
+    /// (request time, trace id…).
+    ///
+    /// Each is an RFC 6901 JSON Pointer such as `/request_time` or `/meta/trace_id`; `~1` stands
+    /// for `/` and `~0` for `~` in a name, and a decimal token also selects that array element.
+    /// A pointer that does not start with `/` is read as if it did (`request_time` is
+    /// `/request_time`; the empty pointer is `/`, the member named `""`). A pointer naming
+    /// nothing in a body is fine.
+    #[must_use]
+    pub fn ignore_json_fields<I, S>(mut self, pointers: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let config = Arc::make_mut(&mut self.config);
+        for pointer in pointers {
+            let pointer = Pointer::parse(&pointer.into());
+            if !config.ignored.contains(&pointer) {
+                config.ignored.push(pointer);
+            }
+        }
+        self
+    }
+
+    /// Makes these headers part of the intent: their values, in order, join the fingerprint,
+    /// and a request without the header differs from one with it. By default no header does
+    /// except `Content-Type`.
+    #[must_use]
+    pub fn include_headers<I>(mut self, names: I) -> Self
+    where
+        I: IntoIterator<Item = HeaderName>,
+    {
+        let config = Arc::make_mut(&mut self.config);
+        config.headers.extend(names);
+        config.headers.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        config.headers.dedup();
+        self
+    }
+
+    /// The fingerprint of an HTTP request: its method, path, query, included headers,
+    /// content type and body.
+    pub fn fingerprint(&self, parts: &Parts, body: &[u8]) -> Fingerprint {
+        let mut h = Hasher::new(b"http");
+        h.field(parts.method.as_str().as_bytes());
+        h.field(parts.uri.path().as_bytes());
+        h.pairs(parts.uri.query().unwrap_or("").as_bytes());
+        self.headers(&mut h, &parts.headers);
+
+        let content_type = parts
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .map(|v| media_type(v.as_bytes()));
+        match &content_type {
+            Some(essence) => {
+                h.tag(1);
+                h.field(essence);
+            }
+            None => h.tag(0),
+        }
+        let kind = match content_type.as_deref() {
+            Some(b"application/json") => BodyKind::Json,
+            Some(t) if t.ends_with(b"+json") => BodyKind::Json,
+            Some(b"application/x-www-form-urlencoded") => BodyKind::Form,
+            _ => BodyKind::Raw,
+        };
+        self.body(&mut h, kind, body);
+        h.finish()
+    }
+
+    /// The fingerprint of an operation outside HTTP, such as a background job (R16): its name
+    /// and a JSON body, canonicalised as for a request (with the ignored fields removed). A body
+    /// that is not JSON is hashed as raw bytes.
+    ///
+    /// It never equals the fingerprint of an HTTP request.
+    pub fn fingerprint_value(&self, operation: &str, body: &[u8]) -> Fingerprint {
+        let mut h = Hasher::new(b"value");
+        h.field(operation.as_bytes());
+        self.body(&mut h, BodyKind::Json, body);
+        h.finish()
+    }
+
+    fn headers(&self, h: &mut Hasher, headers: &HeaderMap) {
+        h.count(self.config.headers.len());
+        for name in &self.config.headers {
+            h.field(name.as_str().as_bytes());
+            let values = headers.get_all(name);
+            let count = values.iter().count();
+            if count == 0 {
+                h.tag(0);
+            } else {
+                h.tag(1);
+                h.count(count);
+                for value in values {
+                    h.field(value.as_bytes());
+                }
+            }
+        }
+    }
+
+    fn body(&self, h: &mut Hasher, kind: BodyKind, body: &[u8]) {
+        if body.is_empty() {
+            h.tag(body_tag::EMPTY);
+            return;
+        }
+        match kind {
+            BodyKind::Json => {
+                json::with_canonical(body, &self.config.ignored, |canonical| match canonical {
+                    Some(text) => {
+                        h.tag(body_tag::CANONICAL_JSON);
+                        h.field(text);
+                    }
+                    None => {
+                        h.tag(body_tag::INVALID_JSON);
+                        h.field(body);
+                    }
+                })
+            }
+            BodyKind::Form => {
+                h.tag(body_tag::FORM);
+                h.pairs(body);
+            }
+            BodyKind::Raw => {
+                h.tag(body_tag::RAW);
+                h.field(body);
+            }
+        }
+    }
+}
+
+/// The canonical form of a JSON text, with the members at the `ignored` JSON Pointers removed,
+/// or `None` when the text is not valid JSON.
+///
+/// This is the form [`Fingerprinter`] hashes for JSON bodies; the module documentation lists
+/// its rules. Pointers are read as in [`Fingerprinter::ignore_json_fields`].
+pub fn canonical_json(json: &[u8], ignored: &[&str]) -> Option<Vec<u8>> {
+    let pointers: Vec<Pointer> = ignored.iter().map(|p| Pointer::parse(p)).collect();
+    json::with_canonical(json, &pointers, |canonical| canonical.map(std::mem::take))
+}
+
+/// The `type/subtype` of a `Content-Type` value, lowercased, without parameters.
+fn media_type(value: &[u8]) -> Vec<u8> {
+    let essence = value.split(|&b| b == b';').next().unwrap_or(value);
+    essence.trim_ascii().to_ascii_lowercase()
+}
+
+/// Feeds SHA-256 with length-prefixed fields, so no two different inputs share a byte stream.
+struct Hasher(Sha256);
+
+impl Hasher {
+    fn new(domain: &[u8]) -> Self {
+        let mut h = Self(Sha256::new());
+        h.field(VERSION);
+        h.field(domain);
+        h
+    }
+
+    fn tag(&mut self, tag: u8) {
+        self.0.update([tag]);
+    }
+
+    fn count(&mut self, n: usize) {
+        self.0.update((n as u64).to_be_bytes());
+    }
+
+    fn field(&mut self, bytes: &[u8]) {
+        self.count(bytes.len());
+        self.0.update(bytes);
+    }
+
+    /// `a=1&b=2` pairs: split on `&`, empties dropped, sorted bytewise.
+    fn pairs(&mut self, text: &[u8]) {
+        let mut pairs: Vec<&[u8]> = text
+            .split(|&b| b == b'&')
+            .filter(|p| !p.is_empty())
+            .collect();
+        pairs.sort_unstable();
+        self.count(pairs.len());
+        for pair in pairs {
+            self.field(pair);
+        }
+    }
+
+    fn finish(self) -> Fingerprint {
+        Fingerprint(self.0.finalize().into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::Request;
+
+    fn parts(method: &str, uri: &str, headers: &[(&str, &str)]) -> Parts {
+        let mut builder = Request::builder().method(method).uri(uri);
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
+        }
+        builder.body(()).unwrap().into_parts().0
+    }
+
+    fn json_parts() -> Parts {
+        parts("POST", "/orders", &[("content-type", "application/json")])
+    }
+
+    #[test]
+    fn hex_round_trips() {
+        let fp = Fingerprinter::new().fingerprint_value("op", b"{}");
+        assert_eq!(fp.to_hex().len(), 64);
+        assert_eq!(Fingerprint::from_hex(&fp.to_hex()), Some(fp));
+        assert_eq!(Fingerprint::from_hex(&fp.to_hex().to_uppercase()), Some(fp));
+        assert_eq!(fp.to_string(), fp.to_hex());
+        assert_eq!(format!("{fp:?}"), format!("Fingerprint({})", fp.to_hex()));
+        assert_eq!(Fingerprint::from_hex("abc"), None);
+        assert_eq!(Fingerprint::from_hex(&"g".repeat(64)), None);
+    }
+
+    #[test]
+    fn json_types_with_parameters_and_suffixes_are_canonicalised() {
+        let f = Fingerprinter::new();
+        let base = f.fingerprint(&json_parts(), br#"{"a":1,"b":2}"#);
+        for ct in ["Application/JSON; charset=utf-8", " application/json ;x=y"] {
+            let p = parts("POST", "/orders", &[("content-type", ct)]);
+            assert_eq!(f.fingerprint(&p, br#"{"b":2, "a":1}"#), base, "{ct}");
+        }
+        let problem = parts(
+            "POST",
+            "/orders",
+            &[("content-type", "application/problem+json")],
+        );
+        assert_eq!(
+            f.fingerprint(&problem, br#"{"b":2,"a":1}"#),
+            f.fingerprint(&problem, br#"{ "a":1, "b":2 }"#)
+        );
+    }
+
+    #[test]
+    fn non_json_bodies_are_compared_as_raw_bytes() {
+        let f = Fingerprinter::new();
+        let text = parts("POST", "/orders", &[("content-type", "text/plain")]);
+        assert_ne!(
+            f.fingerprint(&text, br#"{"a":1,"b":2}"#),
+            f.fingerprint(&text, br#"{"b":2,"a":1}"#)
+        );
+        let none = parts("POST", "/orders", &[]);
+        assert_ne!(
+            f.fingerprint(&none, b"{\"a\":1}"),
+            f.fingerprint(&none, b"{ \"a\":1}")
+        );
+        assert_eq!(f.fingerprint(&none, b"abc"), f.fingerprint(&none, b"abc"));
+    }
+
+    #[test]
+    fn invalid_json_never_equals_a_canonical_form() {
+        let f = Fingerprinter::new();
+        // `{"a":1,"a":1}` is refused (duplicate); its raw bytes must not collide with anything
+        // canonical, including the canonical text of the same bytes.
+        let canonical_text = br#"{"a":1}"#;
+        assert_ne!(
+            f.fingerprint(&json_parts(), br#"{"a":1,"a":1}"#),
+            f.fingerprint(&json_parts(), canonical_text)
+        );
+        assert_ne!(
+            f.fingerprint(&json_parts(), b"{not json"),
+            f.fingerprint(
+                &parts("POST", "/orders", &[("content-type", "application/json")]),
+                b"{not json "
+            )
+        );
+    }
+
+    #[test]
+    fn form_bodies_ignore_pair_order() {
+        let f = Fingerprinter::new();
+        let form = parts(
+            "POST",
+            "/orders",
+            &[("content-type", "application/x-www-form-urlencoded")],
+        );
+        assert_eq!(
+            f.fingerprint(&form, b"b=2&a=1"),
+            f.fingerprint(&form, b"a=1&&b=2&")
+        );
+        assert_ne!(
+            f.fingerprint(&form, b"a=1&b=2"),
+            f.fingerprint(&form, b"a=1&b=3")
+        );
+        assert_ne!(f.fingerprint(&form, b"a=%20"), f.fingerprint(&form, b"a=+"));
+    }
+
+    #[test]
+    fn empty_body_is_its_own_case() {
+        let f = Fingerprinter::new();
+        let raw = parts("POST", "/orders", &[]);
+        assert_ne!(f.fingerprint(&raw, b""), f.fingerprint(&raw, b" "));
+        let form = parts(
+            "POST",
+            "/orders",
+            &[("content-type", "application/x-www-form-urlencoded")],
+        );
+        assert_ne!(f.fingerprint(&form, b""), f.fingerprint(&form, b"&"));
+        assert_ne!(
+            f.fingerprint(&json_parts(), b""),
+            f.fingerprint(&json_parts(), b" ")
+        );
+    }
+
+    #[test]
+    fn content_type_is_part_of_the_intent() {
+        let f = Fingerprinter::new();
+        let a = parts("POST", "/orders", &[("content-type", "text/plain")]);
+        let b = parts(
+            "POST",
+            "/orders",
+            &[("content-type", "application/octet-stream")],
+        );
+        let c = parts("POST", "/orders", &[]);
+        let fa = f.fingerprint(&a, b"x");
+        assert_ne!(fa, f.fingerprint(&b, b"x"));
+        assert_ne!(fa, f.fingerprint(&c, b"x"));
+    }
+
+    #[test]
+    fn included_headers_join_and_absence_differs_from_empty() {
+        let f = Fingerprinter::new().include_headers([HeaderName::from_static("x-tenant")]);
+        let body = b"{}";
+        let none = f.fingerprint(&parts("POST", "/o", &[]), body);
+        let empty = f.fingerprint(&parts("POST", "/o", &[("x-tenant", "")]), body);
+        let a = f.fingerprint(&parts("POST", "/o", &[("x-tenant", "a")]), body);
+        let b = f.fingerprint(&parts("POST", "/o", &[("x-tenant", "b")]), body);
+        let ab = f.fingerprint(
+            &parts("POST", "/o", &[("x-tenant", "a"), ("x-tenant", "b")]),
+            body,
+        );
+        let ba = f.fingerprint(
+            &parts("POST", "/o", &[("x-tenant", "b"), ("x-tenant", "a")]),
+            body,
+        );
+        let all = [none, empty, a, b, ab, ba];
+        for (i, x) in all.iter().enumerate() {
+            for y in &all[i + 1..] {
+                assert_ne!(x, y);
+            }
+        }
+    }
+
+    #[test]
+    fn headers_not_included_do_not_matter() {
+        let f = Fingerprinter::new();
+        assert_eq!(
+            f.fingerprint(&parts("POST", "/o", &[("x-trace", "1")]), b"x"),
+            f.fingerprint(&parts("POST", "/o", &[("x-trace", "2")]), b"x")
+        );
+    }
+
+    #[test]
+    fn header_configuration_order_does_not_matter() {
+        let (a, b) = (
+            HeaderName::from_static("x-a"),
+            HeaderName::from_static("x-b"),
+        );
+        let one = Fingerprinter::new().include_headers([a.clone(), b.clone()]);
+        let two = Fingerprinter::new()
+            .include_headers([b, a.clone()])
+            .include_headers([a]);
+        let p = parts("POST", "/o", &[("x-a", "1"), ("x-b", "2")]);
+        assert_eq!(one.fingerprint(&p, b""), two.fingerprint(&p, b""));
+    }
+
+    #[test]
+    fn job_fingerprints_canonicalise_and_never_equal_http_ones() {
+        let f = Fingerprinter::new().ignore_json_fields(["trace_id"]);
+        let job = f.fingerprint_value("charge", br#"{"amount":1.50,"trace_id":1}"#);
+        assert_eq!(
+            job,
+            f.fingerprint_value("charge", br#"{ "amount": 15e-1 }"#)
+        );
+        assert_ne!(job, f.fingerprint_value("refund", br#"{"amount":1.5}"#));
+        assert_ne!(
+            f.fingerprint_value("op", b"not json"),
+            f.fingerprint_value("op", b"not json ")
+        );
+        let p = parts("charge", "/", &[("content-type", "application/json")]);
+        assert_ne!(f.fingerprint(&p, br#"{"amount":1.5}"#), job);
+    }
+
+    #[test]
+    fn query_is_normalised_but_values_count() {
+        let f = Fingerprinter::new();
+        let fp = |uri: &str| f.fingerprint(&parts("POST", uri, &[]), b"");
+        assert_eq!(fp("/o?b=2&a=1"), fp("/o?a=1&b=2"));
+        assert_eq!(fp("/o?a=1&&b=2&"), fp("/o?a=1&b=2"));
+        assert_eq!(fp("/o"), fp("/o?"));
+        assert_ne!(fp("/o?a=1"), fp("/o?a=2"));
+        assert_ne!(fp("/o?a=1"), fp("/o"));
+        assert_ne!(fp("/o?a=%41"), fp("/o?a=A"));
+        // Fields are length-prefixed, so bytes cannot move between pairs or into the path.
+        assert_ne!(fp("/o?ab&c"), fp("/o?a&bc"));
+    }
+
+    #[test]
+    fn method_and_path_count() {
+        let f = Fingerprinter::new();
+        let body = br#"{"a":1}"#;
+        let base = f.fingerprint(&json_parts(), body);
+        assert_ne!(
+            base,
+            f.fingerprint(
+                &parts("PATCH", "/orders", &[("content-type", "application/json")]),
+                body
+            )
+        );
+        assert_ne!(
+            base,
+            f.fingerprint(
+                &parts("POST", "/orders/1", &[("content-type", "application/json")]),
+                body
+            )
+        );
+    }
+}

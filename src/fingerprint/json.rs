@@ -146,7 +146,7 @@ pub(crate) fn with_canonical<R>(
     f: impl FnOnce(Option<&mut Vec<u8>>) -> R,
 ) -> R {
     SCRATCH.with(|cell| {
-        // Only a panic inside `f` could leave the cell borrowed; fall back to fresh buffers then.
+        // A nested call from inside `f` finds the cell borrowed; it gets fresh buffers instead.
         let mut fallback;
         let mut borrowed = cell.try_borrow_mut();
         let scratch: &mut Scratch = match borrowed.as_deref_mut() {

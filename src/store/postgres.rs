@@ -26,7 +26,10 @@ impl Sealed for Postgres {}
 
 impl Dialect for Postgres {
     const MIGRATIONS: &'static [(i64, &'static str)] = &[
-        (1, include_str!("../../migrations/postgres/0001_records.sql")),
+        (
+            1,
+            include_str!("../../migrations/postgres/0001_records.sql"),
+        ),
         (2, include_str!("../../migrations/postgres/0002_leases.sql")),
     ];
     const MIGRATION_BEGIN: &'static str = "BEGIN";

@@ -71,7 +71,7 @@ use crate::error::{Error, Rejection};
 use crate::fingerprint::Fingerprint;
 use crate::record::{Record, RecordState, StoredResponse};
 use crate::scope::{Scope, ScopedKey};
-use crate::store::{LeaseClaim, NewRecord, Store};
+use crate::store::{LeaseClaim, NewRecord, Opened, Store};
 use crate::tx::{Tx, TxSlot};
 
 /// The header a replayed response carries.
@@ -391,16 +391,11 @@ impl<S: Store> Engine<S> {
                 }
             }
             Ok(_) => {
-                let claim = self
-                    .claim(
-                        key,
-                        scope,
-                        fingerprint,
-                        RecordState::Processing,
-                        None,
-                        Some(claim_at(now)),
-                    )
-                    .await;
+                let record = NewRecord {
+                    lease: Some(claim_at(now)),
+                    ..self.new_record(key, scope, fingerprint, RecordState::Processing)
+                };
+                let claim = self.claim(&record, None).await;
                 match claim {
                     Ok(Claim::Ours(tx)) => {
                         if let Err(error) = tx.commit().await {
@@ -500,19 +495,16 @@ impl<S: Store> Engine<S> {
         Fut: Future<Output = R>,
         R: IntoResponse,
     {
-        let now = now_ms();
-        let expired = match self.store.lookup(&key).await {
-            Ok(Some(record)) if !record.is_expired(now) => {
-                return self.answer_existing(record, fingerprint);
-            }
-            Ok(found) => found.is_some(),
+        // One connection serves the read and, for a key not yet taken, the claim transaction:
+        // a replay costs one indexed read, a new key no extra connection checkout.
+        let (begun, expired) = match self.store.open(&key, now_ms(), self.settings.wait).await {
+            Ok(Opened::Live(record)) => return self.answer_existing(record, fingerprint),
+            Ok(Opened::Claimable { tx, expired }) => (tx, expired),
+            Err(Error::Busy) => return (Err(IN_PROGRESS), "in_flight"),
             Err(error) => return internal(error),
         };
-
-        let mut tx = match self
-            .claim(key, scope, fingerprint, RecordState::Processing, None, None)
-            .await
-        {
+        let record = self.new_record(key, scope, fingerprint, RecordState::Processing);
+        let mut tx = match self.claim(&record, Some(begun)).await {
             Ok(Claim::Ours(tx)) => tx,
             Ok(Claim::Theirs(record)) => return self.answer_existing(record, fingerprint),
             Err(rejection) => {
@@ -577,17 +569,11 @@ impl<S: Store> Engine<S> {
                     return internal(error);
                 }
                 let stored = self.storable(&response);
-                match self
-                    .claim(
-                        key,
-                        scope,
-                        fingerprint,
-                        RecordState::FailedPermanent,
-                        Some(&stored),
-                        None,
-                    )
-                    .await
-                {
+                let record = NewRecord {
+                    response: Some(&stored),
+                    ..self.new_record(key, scope, fingerprint, RecordState::FailedPermanent)
+                };
+                match self.claim(&record, None).await {
                     Ok(Claim::Ours(tx)) => {
                         if let Err(error) = tx.commit().await {
                             return internal(error);
@@ -619,39 +605,49 @@ impl<S: Store> Engine<S> {
         }
     }
 
-    /// Begins a transaction and claims `key` in it, or reads the live record that holds it.
-    async fn claim(
+    /// A record for `scope` created now, expiring after the retention.
+    fn new_record<'a>(
         &self,
         key: ScopedKey,
-        scope: &Scope,
+        scope: &'a Scope,
         fingerprint: Fingerprint,
         state: RecordState,
-        response: Option<&StoredResponse>,
-        lease: Option<LeaseClaim>,
-    ) -> Result<Claim<S::Database>, Rejection> {
+    ) -> NewRecord<'a> {
         let now = now_ms();
-        let record = NewRecord {
+        NewRecord {
             key,
             scope,
             fingerprint,
             state,
-            response,
-            lease,
+            response: None,
+            lease: None,
             created_at_ms: now,
             expires_at_ms: now
                 .saturating_add(i64::try_from(self.settings.ttl.as_millis()).unwrap_or(i64::MAX)),
-        };
+        }
+    }
+
+    /// Claims the record's key in `begun` (or a transaction begun now), or reads the live
+    /// record that holds it.
+    async fn claim(
+        &self,
+        record: &NewRecord<'_>,
+        mut begun: Option<Transaction<'static, S::Database>>,
+    ) -> Result<Claim<S::Database>, Rejection> {
         // A record can vanish between a failed claim and the read (purged when it expired),
         // so a second round settles it either way.
         for _ in 0..2 {
-            let mut tx = self
-                .store
-                .begin(self.settings.wait)
-                .await
-                .map_err(busy_or_internal)?;
+            let mut tx = match begun.take() {
+                Some(tx) => tx,
+                None => self
+                    .store
+                    .begin(self.settings.wait)
+                    .await
+                    .map_err(busy_or_internal)?,
+            };
             if self
                 .store
-                .claim(&mut tx, &record)
+                .claim(&mut tx, record)
                 .await
                 .map_err(busy_or_internal)?
             {
@@ -659,7 +655,7 @@ impl<S: Store> Engine<S> {
             }
             if let Some(existing) = self
                 .store
-                .find(&mut tx, &key)
+                .find(&mut tx, &record.key)
                 .await
                 .map_err(busy_or_internal)?
             {

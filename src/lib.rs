@@ -97,5 +97,5 @@ pub use scope::{IdempotencyContext, Principal, Scope, ScopedKey};
 pub use store::PgStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
-pub use store::{Dialect, LeaseClaim, NewRecord, SqlStore, Store};
+pub use store::{Dialect, LeaseClaim, NewRecord, Opened, SqlStore, Store};
 pub use tx::Tx;

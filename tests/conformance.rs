@@ -847,11 +847,11 @@ mod suite {
                     .run_leased(
                         &scope,
                         fingerprint,
-                        Duration::from_millis(300),
+                        Duration::from_millis(600),
                         || async { None::<&str> },
                         move |_lease| async move {
                             runs.fetch_add(1, Ordering::SeqCst);
-                            tokio::time::sleep(Duration::from_millis(700)).await;
+                            tokio::time::sleep(Duration::from_millis(1500)).await;
                             (StatusCode::CREATED, "settled")
                         },
                     )
@@ -881,7 +881,7 @@ mod suite {
         assert_eq!(
             runs.load(Ordering::SeqCst),
             1,
-            "renewal kept the lease past its 300 ms while the work ran"
+            "renewal kept the lease past its 600 ms while the work ran"
         );
     }
 
@@ -962,7 +962,7 @@ mod suite {
             .run_leased(
                 &scope,
                 fingerprint,
-                Duration::from_millis(300),
+                Duration::from_millis(2000),
                 || async { None::<&str> },
                 |_l| async {
                     panic!("the holder dies mid-work");
@@ -985,7 +985,7 @@ mod suite {
             matches!(soon, Err(Rejection::InProgress { .. })),
             "the dead holder's lease still counts: {soon:?}"
         );
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::time::sleep(Duration::from_millis(2300)).await;
         let taken = engine
             .run_leased(
                 &scope,

@@ -236,18 +236,21 @@ pub struct AppState {
     pub executions: Arc<AtomicUsize>,
 }
 
+/// Counts an execution and writes its effect row through the request's transaction.
+async fn execute<DB: Db>(state: &AppState, tx: &mut Tx<DB>, body: &Value) -> (i64, String) {
+    state.executions.fetch_add(1, Ordering::SeqCst);
+    let label = body["label"].as_str().unwrap_or("none").to_owned();
+    let id = DB::insert_effect(tx, &label).await.expect("insert effect");
+    (id, label)
+}
+
 /// Creates an effect row per execution and answers with headers a replay must reproduce.
 async fn create_effect<DB: Db>(
     State(state): State<AppState>,
     mut tx: Tx<DB>,
     Json(body): Json<Value>,
 ) -> Response {
-    state.executions.fetch_add(1, Ordering::SeqCst);
-    let label = body["label"].as_str().unwrap_or("none").to_owned();
-    let id = match DB::insert_effect(&mut tx, &label).await {
-        Ok(id) => id,
-        Err(e) => return (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
-    };
+    let (id, label) = execute(&state, &mut tx, &body).await;
     if let Some(ms) = body["sleep_ms"].as_u64() {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
@@ -277,11 +280,7 @@ async fn fail_with<DB: Db>(
     Path(status): Path<u16>,
     Json(body): Json<Value>,
 ) -> Response {
-    state.executions.fetch_add(1, Ordering::SeqCst);
-    let label = body["label"].as_str().unwrap_or("none").to_owned();
-    if let Err(e) = DB::insert_effect(&mut tx, &label).await {
-        return (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response();
-    }
+    execute(&state, &mut tx, &body).await;
     let status = StatusCode::from_u16(status).expect("status");
     (
         status,
@@ -295,13 +294,8 @@ async fn panic_after_write<DB: Db>(
     mut tx: Tx<DB>,
     Json(body): Json<Value>,
 ) -> Response {
-    state.executions.fetch_add(1, Ordering::SeqCst);
-    let label = body["label"].as_str().unwrap_or("none").to_owned();
-    DB::insert_effect(&mut tx, &label).await.expect("insert");
-    if body["panic"].as_bool().unwrap_or(true) {
-        panic!("handler panicked after writing");
-    }
-    (StatusCode::CREATED, "no panic this time").into_response()
+    execute(&state, &mut tx, &body).await;
+    panic!("handler panicked after writing");
 }
 
 async fn hold_tx<DB: Db>(
@@ -309,9 +303,7 @@ async fn hold_tx<DB: Db>(
     mut tx: Tx<DB>,
     Json(body): Json<Value>,
 ) -> Response {
-    state.executions.fetch_add(1, Ordering::SeqCst);
-    let label = body["label"].as_str().unwrap_or("none").to_owned();
-    DB::insert_effect(&mut tx, &label).await.expect("insert");
+    execute(&state, &mut tx, &body).await;
     tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(500)).await;
         drop(tx);
@@ -324,9 +316,7 @@ async fn big_response<DB: Db>(
     mut tx: Tx<DB>,
     Json(body): Json<Value>,
 ) -> Response {
-    state.executions.fetch_add(1, Ordering::SeqCst);
-    let label = body["label"].as_str().unwrap_or("none").to_owned();
-    DB::insert_effect(&mut tx, &label).await.expect("insert");
+    execute(&state, &mut tx, &body).await;
     (StatusCode::CREATED, vec![b'x'; 2 * 1024 * 1024]).into_response()
 }
 

@@ -1,17 +1,19 @@
-//! The SQL of each database, behind one sealed trait the outbox and the dispatcher are generic
-//! over. Adding a database means one file here implementing [`Ops`] and one `impl Backend`.
+//! The outbox's SQL, behind one sealed trait the outbox and the dispatcher are generic over.
+//! Every query runs once, generically, in [`sql`]; a backend file only states its dialect: the
+//! SQL text, how it creates the table, and how it claims and numbers messages. Adding a
+//! database means one file here implementing `Dialect` and one `impl Backend`.
 
 use std::future::Future;
 
-use sqlx::{ColumnIndex, Decode, Pool, Row, Type};
+use sqlx::Pool;
 
-use super::status::from_millis;
 use super::{DownstreamKey, Message, MessageId, Record, Status};
 
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
+mod sql;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
@@ -22,6 +24,18 @@ mod sqlite;
 pub trait Backend: sqlx::Database + private::Ops {}
 
 pub(crate) use private::{Claim, Settlement};
+
+/// The columns every read selects, under the names the one row decoder reads them by. A macro,
+/// not a constant, so each backend can `concat!` it into its SQL text at compile time.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+macro_rules! record_columns {
+    () => {
+        "id, topic, downstream_key, payload, status, attempts, outcome_unknown, receipt, \
+         last_error, created_at, next_attempt_at, last_attempt_at, finished_at"
+    };
+}
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+use record_columns;
 
 mod private {
     use super::*;
@@ -47,6 +61,64 @@ mod private {
         pub outcome_unknown: bool,
         pub next_attempt_at: i64,
         pub finished_at: Option<i64>,
+    }
+
+    /// How an insert learns the new message's id.
+    #[allow(unreachable_pub)]
+    #[derive(Debug, Clone, Copy)]
+    pub enum NewId<DB: sqlx::Database> {
+        /// `INSERT … ON CONFLICT DO NOTHING RETURNING id`: no row when the key is present.
+        Returning,
+        /// A plain `INSERT` whose unique violation means the key is present; the id is read
+        /// from the statement's result.
+        LastInsertId(fn(&DB::QueryResult) -> u64),
+    }
+
+    /// How a claim leases due messages.
+    #[allow(unreachable_pub)]
+    #[derive(Debug, Clone, Copy)]
+    pub enum ClaimSql {
+        /// One `UPDATE … RETURNING` leases and returns the rows. Parameters: lease_until, token,
+        /// now, limit. `probe`, if any, runs first and tells whether anything is due.
+        /// Parameter: now.
+        UpdateReturning {
+            probe: Option<&'static str>,
+            update: &'static str,
+        },
+        /// In one transaction, `select` locks the due rows (parameters: now, now, limit;
+        /// columns: `record_columns!()`) and `lease` leases each of them (parameters:
+        /// lease_until, token, id).
+        LockThenLease {
+            select: &'static str,
+            lease: &'static str,
+        },
+    }
+
+    /// One backend's SQL; the execution lives once, in `sql`, which implements [`Ops`] for
+    /// every dialect. Sealed the same way as [`Ops`].
+    #[allow(unreachable_pub)]
+    pub trait Dialect: sqlx::Database {
+        /// Parameters: topic, downstream_key, payload, created_at, next_attempt_at.
+        const INSERT: &'static str;
+        /// How [`INSERT`](Dialect::INSERT) reports the new id.
+        const NEW_ID: NewId<Self>;
+        /// Parameter: id. Columns: `record_columns!()`.
+        const FETCH_BY_ID: &'static str;
+        /// Parameter: downstream_key. Columns: `record_columns!()`.
+        const FETCH_BY_KEY: &'static str;
+        /// How due messages are leased.
+        const CLAIM: ClaimSql;
+        /// Parameters: last_attempt_at, id, lease_token.
+        const BEGIN_ATTEMPT: &'static str;
+        /// Parameters: status, receipt, last_error, outcome_unknown, next_attempt_at,
+        /// finished_at, id, lease_token. Releases the lease.
+        const SETTLE: &'static str;
+
+        /// Creates the table and its index if missing; safe when run by two instances at once.
+        fn create_table(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+        /// How many rows a statement affected.
+        fn rows_affected(result: &Self::QueryResult) -> u64;
     }
 
     // `pub` inside a private module is the sealed-trait idiom: `Backend` can name it as a
@@ -99,41 +171,4 @@ mod private {
             settlement: &Settlement,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
     }
-}
-
-/// Every backend selects the same columns under the same names, so one decoder serves them all.
-fn record_from_row<'r, R>(row: &'r R) -> Result<Record, sqlx::Error>
-where
-    R: Row,
-    &'static str: ColumnIndex<R>,
-    i64: Decode<'r, R::Database> + Type<R::Database>,
-    bool: Decode<'r, R::Database> + Type<R::Database>,
-    String: Decode<'r, R::Database> + Type<R::Database>,
-    Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
-{
-    let status: String = row.try_get("status")?;
-    let status = Status::parse(&status).ok_or_else(|| sqlx::Error::ColumnDecode {
-        index: "status".into(),
-        source: format!("unknown outbox status {status:?}").into(),
-    })?;
-    let attempts: i64 = row.try_get("attempts")?;
-    Ok(Record {
-        id: MessageId::from(row.try_get::<i64, _>("id")?),
-        topic: row.try_get("topic")?,
-        downstream_key: DownstreamKey::from_stored(row.try_get("downstream_key")?),
-        payload: row.try_get("payload")?,
-        status,
-        attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
-        outcome_unknown: row.try_get("outcome_unknown")?,
-        receipt: row.try_get("receipt")?,
-        last_error: row.try_get("last_error")?,
-        created_at: from_millis(row.try_get("created_at")?),
-        next_attempt_at: from_millis(row.try_get("next_attempt_at")?),
-        last_attempt_at: row
-            .try_get::<Option<i64>, _>("last_attempt_at")?
-            .map(from_millis),
-        finished_at: row
-            .try_get::<Option<i64>, _>("finished_at")?
-            .map(from_millis),
-    })
 }

@@ -1,0 +1,197 @@
+//! The outbox's queries, run once for every backend: the binds, the execution and the row
+//! decoding, with only the SQL text and the claim and id strategies taken from the dialect.
+
+use sqlx::{ColumnIndex, Decode, Encode, Executor, IntoArguments, Pool, Row, Type};
+
+use super::private::{Claim, ClaimSql, Dialect, NewId, Ops, Settlement};
+use crate::outbox::status::from_millis;
+use crate::outbox::{DownstreamKey, Message, MessageId, Record, Status};
+
+impl<DB> Ops for DB
+where
+    DB: Dialect,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB>,
+    usize: ColumnIndex<DB::Row>,
+    &'static str: ColumnIndex<DB::Row>,
+    i64: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+    bool: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+    String: for<'r> Decode<'r, DB> + Type<DB>,
+    Vec<u8>: for<'r> Decode<'r, DB> + Type<DB>,
+    Option<i64>: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+    for<'a> &'a str: Encode<'a, DB> + Type<DB>,
+    for<'a> &'a [u8]: Encode<'a, DB> + Type<DB>,
+    for<'a> Option<&'a str>: Encode<'a, DB> + Type<DB>,
+{
+    async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
+        DB::create_table(pool).await
+    }
+
+    async fn insert(
+        conn: &mut DB::Connection,
+        message: &Message,
+        now: i64,
+    ) -> Result<Option<MessageId>, sqlx::Error> {
+        let query = sqlx::query(DB::INSERT)
+            .bind(message.topic())
+            .bind(message.key().as_str())
+            .bind(message.payload())
+            .bind(now)
+            .bind(now);
+        let id = match DB::NEW_ID {
+            NewId::Returning => match query.fetch_optional(conn).await? {
+                Some(row) => Some(row.try_get::<i64, _>(0)?),
+                None => None,
+            },
+            NewId::LastInsertId(last_insert_id) => match query.execute(conn).await {
+                Ok(done) => Some(i64::try_from(last_insert_id(&done)).map_err(|e| {
+                    sqlx::Error::Decode(format!("outbox id out of range: {e}").into())
+                })?),
+                Err(sqlx::Error::Database(e)) if e.is_unique_violation() => None,
+                Err(e) => return Err(e),
+            },
+        };
+        Ok(id.map(MessageId::from))
+    }
+
+    async fn fetch_by_id(
+        conn: &mut DB::Connection,
+        id: MessageId,
+    ) -> Result<Option<Record>, sqlx::Error> {
+        let row = sqlx::query(DB::FETCH_BY_ID)
+            .bind(id.get())
+            .fetch_optional(conn)
+            .await?;
+        row.as_ref().map(record_from_row).transpose()
+    }
+
+    async fn fetch_by_key(
+        conn: &mut DB::Connection,
+        key: &DownstreamKey,
+    ) -> Result<Option<Record>, sqlx::Error> {
+        let row = sqlx::query(DB::FETCH_BY_KEY)
+            .bind(key.as_str())
+            .fetch_optional(conn)
+            .await?;
+        row.as_ref().map(record_from_row).transpose()
+    }
+
+    async fn claim(pool: &Pool<Self>, claim: Claim) -> Result<Vec<Record>, sqlx::Error> {
+        match DB::CLAIM {
+            ClaimSql::UpdateReturning { probe, update } => {
+                if let Some(probe) = probe {
+                    let due: bool = sqlx::query_scalar(probe)
+                        .bind(claim.now)
+                        .fetch_one(pool)
+                        .await?;
+                    if !due {
+                        return Ok(Vec::new());
+                    }
+                }
+                let rows = sqlx::query(update)
+                    .bind(claim.lease_until)
+                    .bind(claim.token)
+                    .bind(claim.now)
+                    .bind(claim.limit)
+                    .fetch_all(pool)
+                    .await?;
+                rows.iter().map(record_from_row).collect()
+            }
+            ClaimSql::LockThenLease { select, lease } => {
+                let mut tx = pool.begin().await?;
+                let rows = sqlx::query(select)
+                    .bind(claim.now)
+                    .bind(claim.now)
+                    .bind(claim.limit)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                let records = rows
+                    .iter()
+                    .map(record_from_row)
+                    .collect::<Result<Vec<_>, _>>()?;
+                for record in &records {
+                    sqlx::query(lease)
+                        .bind(claim.lease_until)
+                        .bind(claim.token)
+                        .bind(record.id.get())
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                tx.commit().await?;
+                Ok(records)
+            }
+        }
+    }
+
+    async fn begin_attempt(
+        pool: &Pool<Self>,
+        id: MessageId,
+        token: i64,
+        now: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(DB::BEGIN_ATTEMPT)
+            .bind(now)
+            .bind(id.get())
+            .bind(token)
+            .execute(pool)
+            .await?;
+        Ok(DB::rows_affected(&done) == 1)
+    }
+
+    async fn settle(
+        pool: &Pool<Self>,
+        id: MessageId,
+        token: i64,
+        settlement: &Settlement,
+    ) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(DB::SETTLE)
+            .bind(settlement.status.as_str())
+            .bind(settlement.receipt.as_deref())
+            .bind(settlement.last_error.as_deref())
+            .bind(settlement.outcome_unknown)
+            .bind(settlement.next_attempt_at)
+            .bind(settlement.finished_at)
+            .bind(id.get())
+            .bind(token)
+            .execute(pool)
+            .await?;
+        Ok(DB::rows_affected(&done) == 1)
+    }
+}
+
+/// Every backend selects the same columns under the same names, so one decoder serves them all.
+fn record_from_row<'r, R>(row: &'r R) -> Result<Record, sqlx::Error>
+where
+    R: Row,
+    &'static str: ColumnIndex<R>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+    bool: Decode<'r, R::Database> + Type<R::Database>,
+    String: Decode<'r, R::Database> + Type<R::Database>,
+    Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let status: String = row.try_get("status")?;
+    let status = Status::parse(&status).ok_or_else(|| sqlx::Error::ColumnDecode {
+        index: "status".into(),
+        source: format!("unknown outbox status {status:?}").into(),
+    })?;
+    let attempts: i64 = row.try_get("attempts")?;
+    Ok(Record {
+        id: MessageId::from(row.try_get::<i64, _>("id")?),
+        topic: row.try_get("topic")?,
+        downstream_key: DownstreamKey::from_stored(row.try_get("downstream_key")?),
+        payload: row.try_get("payload")?,
+        status,
+        attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
+        outcome_unknown: row.try_get("outcome_unknown")?,
+        receipt: row.try_get("receipt")?,
+        last_error: row.try_get("last_error")?,
+        created_at: from_millis(row.try_get("created_at")?),
+        next_attempt_at: from_millis(row.try_get("next_attempt_at")?),
+        last_attempt_at: row
+            .try_get::<Option<i64>, _>("last_attempt_at")?
+            .map(from_millis),
+        finished_at: row
+            .try_get::<Option<i64>, _>("finished_at")?
+            .map(from_millis),
+    })
+}

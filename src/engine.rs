@@ -50,9 +50,12 @@
 //! The transactional part runs in a task of its own: a client that hangs up mid-request
 //! cannot cancel it halfway and leave a pooled connection inside an open transaction.
 
+use std::collections::hash_map::RandomState;
 use std::fmt;
 use std::future::Future;
+use std::hash::BuildHasher;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Body;
@@ -61,13 +64,14 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use http_body_util::{BodyExt, Limited};
 use sqlx::Transaction;
+use tokio::sync::watch;
 use tracing::Instrument;
 
 use crate::error::{Error, Rejection};
 use crate::fingerprint::Fingerprint;
 use crate::record::{Record, RecordState, StoredResponse};
 use crate::scope::{Scope, ScopedKey};
-use crate::store::{NewRecord, Store};
+use crate::store::{LeaseClaim, NewRecord, Store};
 use crate::tx::{Tx, TxSlot};
 
 /// The header a replayed response carries.
@@ -110,6 +114,9 @@ pub enum Outcome {
     Replayed,
     /// The work ran but its outcome was retryable, so everything was rolled back.
     RolledBack,
+    /// A lease that had run out was taken over and the recovery hook found the work done: its
+    /// answer was recorded without running the work again.
+    Recovered,
 }
 
 /// The response to an intent and how it was obtained.
@@ -273,32 +280,212 @@ impl<S: Store> Engine<S> {
         Fut: Future<Output = R> + Send + 'static,
         R: IntoResponse,
     {
-        let key = scope.scoped_key();
-        let span = tracing::info_span!(
-            "idempotency",
-            key = %key,
-            method = scope.method(),
-            route = scope.route(),
-            outcome = tracing::field::Empty,
-        );
         let engine = self.clone();
-        let scope = scope.clone();
-        let task = tokio::spawn(
-            async move { engine.execute(key, &scope, fingerprint, work).await }
-                .instrument(span.clone()),
-        );
-        let (result, outcome) = match task.await {
-            Ok(done) => done,
-            Err(error) => {
-                let _enter = span.enter();
-                tracing::error!(%error, "the idempotent work panicked; rolled back");
-                (Err(Rejection::Internal), "retryable")
+        supervise(scope, move |key, scope| async move {
+            engine.execute(key, &scope, fingerprint, work).await
+        })
+        .await
+    }
+
+    /// Runs `work` once for `scope` under a lease, for work that cannot live inside one
+    /// transaction (a job calling other systems, a long reconciliation).
+    ///
+    /// The claim is committed as `processing` with a lease of `lease`, renewed every third of
+    /// it while `work` runs; duplicates meanwhile get [`Rejection::InProgress`]. If the holder
+    /// dies, its lease runs out and the next caller takes the claim over; before redoing the work
+    /// it asks `recover` whether the work in fact completed (look the effect up downstream:
+    /// querying beats a blind redo). `Some(response)` is recorded as the outcome without running
+    /// `work`; `None` runs it. The outcome is recorded only while the lease is still held; a
+    /// holder that lost its lease gets [`Rejection::LeaseLost`]. The work has no transaction
+    /// of its own: what it does outside the database is its own to make safe.
+    ///
+    /// ```
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use axum_idempotency::{Engine, Fingerprinter, Outcome, Scope, SqliteStore, Store};
+    ///
+    /// let store = SqliteStore::new(sqlx::SqlitePool::connect("sqlite::memory:").await?);
+    /// store.migrate().await?;
+    /// let engine = Engine::new(store);
+    /// let scope = Scope::new("reconciler", "RUN", "settle-day", "2026-12-01".parse()?);
+    /// let fingerprint = Fingerprinter::new().fingerprint_value("settle-day", b"{}");
+    ///
+    /// let done = engine
+    ///     .run_leased(
+    ///         &scope,
+    ///         fingerprint,
+    ///         Duration::from_secs(30),
+    ///         || async { None::<&'static str> }, // ask the bank whether the day was settled
+    ///         |lease| async move {
+    ///             assert!(!lease.is_lost());
+    ///             "settled"
+    ///         },
+    ///     )
+    ///     .await?;
+    /// assert_eq!(done.outcome, Outcome::Executed);
+    /// # Ok(()) }
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(run()).unwrap();
+    /// ```
+    pub async fn run_leased<C, CF, CR, W, WF, WR>(
+        &self,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        recover: C,
+        work: W,
+    ) -> Result<Execution, Rejection>
+    where
+        C: FnOnce() -> CF + Send + 'static,
+        CF: Future<Output = Option<CR>> + Send,
+        CR: IntoResponse,
+        W: FnOnce(Lease) -> WF + Send + 'static,
+        WF: Future<Output = WR> + Send,
+        WR: IntoResponse,
+    {
+        let engine = self.clone();
+        supervise(scope, move |key, scope| async move {
+            engine
+                .execute_leased(key, &scope, fingerprint, lease, recover, work)
+                .await
+        })
+        .await
+    }
+
+    async fn execute_leased<C, CF, CR, W, WF, WR>(
+        &self,
+        key: ScopedKey,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        recover: C,
+        work: W,
+    ) -> (Result<Execution, Rejection>, &'static str)
+    where
+        C: FnOnce() -> CF,
+        CF: Future<Output = Option<CR>>,
+        CR: IntoResponse,
+        W: FnOnce(Lease) -> WF,
+        WF: Future<Output = WR>,
+        WR: IntoResponse,
+    {
+        let owner = lease_owner();
+        let lease_ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX);
+        let claim_at = move |now: i64| LeaseClaim {
+            owner,
+            until_ms: now.saturating_add(lease_ms),
+        };
+        let now = now_ms();
+        let taken_over = match self.store.lookup(&key).await {
+            Err(error) => return internal(error),
+            Ok(Some(record)) if !record.is_expired(now) => {
+                let lease_ran_out = record.state == RecordState::Processing
+                    && record.fingerprint == fingerprint
+                    && record.lease_expires_at_ms.is_some_and(|until| until <= now);
+                if !lease_ran_out {
+                    return self.answer_existing(record, fingerprint);
+                }
+                match self.store.take_over_lease(&key, claim_at(now), now).await {
+                    Ok(true) => true,
+                    Ok(false) => return (Err(IN_PROGRESS), "in_flight"),
+                    Err(error) => return internal(error),
+                }
+            }
+            Ok(_) => {
+                let claim = self
+                    .claim(
+                        key,
+                        scope,
+                        fingerprint,
+                        RecordState::Processing,
+                        None,
+                        Some(claim_at(now)),
+                    )
+                    .await;
+                match claim {
+                    Ok(Claim::Ours(tx)) => {
+                        if let Err(error) = tx.commit().await {
+                            return internal(error);
+                        }
+                        false
+                    }
+                    Ok(Claim::Theirs(record)) => return self.answer_existing(record, fingerprint),
+                    Err(rejection) => return (Err(rejection), "in_flight"),
+                }
             }
         };
-        span.record("outcome", outcome);
-        let _enter = span.enter();
-        tracing::info!(outcome, "idempotent request");
-        result
+
+        let (lost_tx, lost_rx) = watch::channel(false);
+        let store = self.store.clone();
+        let _renewer = AbortOnDrop(tokio::spawn(async move {
+            let mut tick = tokio::time::interval((lease / 3).max(Duration::from_millis(10)));
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                if !matches!(store.renew_lease(&key, claim_at(now_ms())).await, Ok(true)) {
+                    let _ = lost_tx.send(true);
+                    return;
+                }
+            }
+        }));
+        let found = match taken_over {
+            true => recover().await.map(IntoResponse::into_response),
+            false => None,
+        };
+        let recovered = found.is_some();
+        let response = match found {
+            Some(found) => found,
+            None => work(Lease { lost: lost_rx }).await.into_response(),
+        };
+        let (parts, body) = response.into_parts();
+        let body = match Limited::new(body, self.settings.max_response_body)
+            .collect()
+            .await
+        {
+            Ok(collected) => collected.to_bytes(),
+            Err(_) => {
+                let _ = self.store.release_lease(&key, owner).await;
+                return (Err(Rejection::ResponseTooLarge), "retryable");
+            }
+        };
+        let response = http::Response::from_parts(parts, body);
+        let state = match (self.settings.classify)(response.status()) {
+            Classification::Completed => RecordState::Completed,
+            Classification::FailedPermanent => RecordState::FailedPermanent,
+            Classification::Retryable => {
+                if let Err(error) = self.store.release_lease(&key, owner).await {
+                    return internal(error);
+                }
+                return (
+                    Ok(Execution {
+                        response,
+                        outcome: Outcome::RolledBack,
+                    }),
+                    "retryable",
+                );
+            }
+        };
+        match self
+            .store
+            .finish_leased(&key, owner, state, &self.storable(&response))
+            .await
+        {
+            Ok(true) if recovered => (
+                Ok(Execution {
+                    response,
+                    outcome: Outcome::Recovered,
+                }),
+                "recovered",
+            ),
+            Ok(true) => (
+                Ok(Execution {
+                    response,
+                    outcome: Outcome::Executed,
+                }),
+                "executed",
+            ),
+            Ok(false) => (Err(Rejection::LeaseLost), "lease_lost"),
+            Err(error) => internal(error),
+        }
     }
 
     async fn execute<F, Fut, R>(
@@ -323,7 +510,7 @@ impl<S: Store> Engine<S> {
         };
 
         let mut tx = match self
-            .claim(key, scope, fingerprint, RecordState::Processing, None)
+            .claim(key, scope, fingerprint, RecordState::Processing, None, None)
             .await
         {
             Ok(Claim::Ours(tx)) => tx,
@@ -397,6 +584,7 @@ impl<S: Store> Engine<S> {
                         fingerprint,
                         RecordState::FailedPermanent,
                         Some(&stored),
+                        None,
                     )
                     .await
                 {
@@ -439,6 +627,7 @@ impl<S: Store> Engine<S> {
         fingerprint: Fingerprint,
         state: RecordState,
         response: Option<&StoredResponse>,
+        lease: Option<LeaseClaim>,
     ) -> Result<Claim<S::Database>, Rejection> {
         let now = now_ms();
         let record = NewRecord {
@@ -447,6 +636,7 @@ impl<S: Store> Engine<S> {
             fingerprint,
             state,
             response,
+            lease,
             created_at_ms: now,
             expires_at_ms: now
                 .saturating_add(i64::try_from(self.settings.ttl.as_millis()).unwrap_or(i64::MAX)),
@@ -534,6 +724,77 @@ impl<S: Store> Engine<S> {
             body: response.body().clone(),
         }
     }
+}
+
+/// Runs one intent's future in a task of its own, inside its tracing span, and logs the outcome.
+/// The task outlives a caller that goes away, so no transaction is ever left half-way; a panic
+/// in it surfaces as [`Rejection::Internal`].
+async fn supervise<F, Fut>(scope: &Scope, run: F) -> Result<Execution, Rejection>
+where
+    F: FnOnce(ScopedKey, Scope) -> Fut,
+    Fut: Future<Output = (Result<Execution, Rejection>, &'static str)> + Send + 'static,
+{
+    let key = scope.scoped_key();
+    let span = tracing::info_span!(
+        "idempotency",
+        key = %key,
+        method = scope.method(),
+        route = scope.route(),
+        outcome = tracing::field::Empty,
+    );
+    let task = tokio::spawn(run(key, scope.clone()).instrument(span.clone()));
+    let (result, outcome) = match task.await {
+        Ok(done) => done,
+        Err(error) => {
+            let _enter = span.enter();
+            tracing::error!(%error, "the idempotent work panicked; rolled back");
+            (Err(Rejection::Internal), "retryable")
+        }
+    };
+    span.record("outcome", outcome);
+    let _enter = span.enter();
+    tracing::info!(outcome, "idempotent request");
+    result
+}
+
+/// Leased work is told through this when its lease was lost (another worker took over).
+#[derive(Debug, Clone)]
+pub struct Lease {
+    lost: watch::Receiver<bool>,
+}
+
+impl Lease {
+    /// Whether the lease was lost: the work should stop, its outcome will not be recorded.
+    pub fn is_lost(&self) -> bool {
+        *self.lost.borrow()
+    }
+
+    /// Resolves once the lease is lost, e.g. to `select!` against the work.
+    pub async fn lost(&mut self) {
+        let _ = self.lost.wait_for(|lost| *lost).await;
+    }
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// An id for one lease holder: unique per call, not a secret.
+fn lease_owner() -> [u8; 16] {
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    let seed = (
+        CALLS.fetch_add(1, Ordering::Relaxed),
+        now_ms(),
+        std::process::id(),
+    );
+    let mut owner = [0; 16];
+    owner[..8].copy_from_slice(&RandomState::new().hash_one(seed).to_be_bytes());
+    owner[8..].copy_from_slice(&RandomState::new().hash_one(seed).to_be_bytes());
+    owner
 }
 
 enum Claim<DB: sqlx::Database> {

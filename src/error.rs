@@ -10,6 +10,7 @@
 //! | no verified principal on a scoped route | 401 | `idempotency_principal_missing` |
 //! | same scoped key, different intent | 422 | `idempotency_key_reused` |
 //! | same scoped key still in flight after the wait | 409 + `Retry-After` | `idempotency_request_in_progress` |
+//! | leased work lost its lease to another worker (jobs only) | 409 | `idempotency_lease_lost` |
 //! | request body over the layer's limit | 413 | `idempotency_body_too_large` |
 //! | request body could not be read (the client went away mid-body) | 400 | `idempotency_body_unreadable` |
 //! | handler response over the storable limit (rolled back) | 500 | `idempotency_response_too_large` |
@@ -74,6 +75,9 @@ pub enum Rejection {
         /// The limit in bytes.
         limit: usize,
     },
+    /// Leased work lost its lease to another worker; the outcome is that worker's to record.
+    #[error("the lease on this idempotency key was lost to another worker")]
+    LeaseLost,
     /// The request body could not be read, typically because the client went away.
     #[error("the request body could not be read")]
     BodyUnreadable,
@@ -99,7 +103,7 @@ impl Rejection {
             }
             Self::PrincipalMissing => StatusCode::UNAUTHORIZED,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::InProgress { .. } => StatusCode::CONFLICT,
+            Self::InProgress { .. } | Self::LeaseLost => StatusCode::CONFLICT,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::ResponseTooLarge | Self::TransactionHeld | Self::Internal => {
                 StatusCode::INTERNAL_SERVER_ERROR
@@ -115,6 +119,7 @@ impl Rejection {
             Self::PrincipalMissing => "idempotency_principal_missing",
             Self::KeyReused => "idempotency_key_reused",
             Self::InProgress { .. } => "idempotency_request_in_progress",
+            Self::LeaseLost => "idempotency_lease_lost",
             Self::BodyTooLarge { .. } => "idempotency_body_too_large",
             Self::BodyUnreadable => "idempotency_body_unreadable",
             Self::ResponseTooLarge => "idempotency_response_too_large",
@@ -130,6 +135,7 @@ impl Rejection {
             Self::PrincipalMissing => "PrincipalMissing",
             Self::KeyReused => "KeyReused",
             Self::InProgress { .. } => "InProgress",
+            Self::LeaseLost => "LeaseLost",
             Self::BodyTooLarge { .. } => "BodyTooLarge",
             Self::BodyUnreadable => "BodyUnreadable",
             Self::ResponseTooLarge => "ResponseTooLarge",
@@ -145,6 +151,7 @@ impl Rejection {
             Self::PrincipalMissing => "Principal missing",
             Self::KeyReused => "Idempotency key reused",
             Self::InProgress { .. } => "Request in progress",
+            Self::LeaseLost => "Lease lost",
             Self::BodyTooLarge { .. } => "Request body too large",
             Self::BodyUnreadable => "Request body unreadable",
             Self::ResponseTooLarge => "Response too large to store",

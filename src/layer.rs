@@ -52,7 +52,7 @@ use crate::engine::{Classification, Engine, into_body_response};
 use crate::error::Rejection;
 use crate::fingerprint::Fingerprinter;
 use crate::key::IdempotencyKey;
-use crate::scope::{Principal, Scope};
+use crate::scope::{IdempotencyContext, Principal, Scope};
 use crate::store::Store;
 use crate::tx::TxSlot;
 
@@ -395,7 +395,10 @@ impl<S: Store> IdempotencyLayer<S> {
             None => Scope::anonymous(method, route, key),
         };
 
-        let request = Request::from_parts(parts, Body::from(bytes));
+        let mut request = Request::from_parts(parts, Body::from(bytes));
+        request
+            .extensions_mut()
+            .insert(IdempotencyContext::new(scope.clone()));
         let execution = self
             .engine
             .run_in_slot(&scope, fingerprint, move |slot| {

@@ -72,28 +72,32 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(feature = "client")]
+pub mod client;
 pub mod engine;
 pub mod error;
 pub mod fingerprint;
 pub mod key;
 pub mod layer;
+#[cfg(feature = "outbox")]
+pub mod outbox;
 pub mod record;
 pub mod scope;
 pub mod store;
 pub mod tx;
 
-pub use engine::{Classification, Engine, Execution, IDEMPOTENT_REPLAYED, Outcome};
+pub use engine::{Classification, Engine, Execution, IDEMPOTENT_REPLAYED, Lease, Outcome};
 pub use error::{Error, Rejection};
 pub use fingerprint::{Fingerprint, Fingerprinter, canonical_json};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use layer::{IDEMPOTENCY_KEY, IdempotencyLayer, IdempotencyService};
 pub use record::{Record, RecordState, StoredResponse};
-pub use scope::{Principal, Scope, ScopedKey};
+pub use scope::{IdempotencyContext, Principal, Scope, ScopedKey};
 #[cfg(feature = "mysql")]
 pub use store::MySqlStore;
 #[cfg(feature = "postgres")]
 pub use store::PgStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
-pub use store::{Dialect, NewRecord, SqlStore, Store};
+pub use store::{Dialect, LeaseClaim, NewRecord, SqlStore, Store};
 pub use tx::Tx;

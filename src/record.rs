@@ -14,6 +14,11 @@ use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 
 /// The lifecycle state of a record.
+///
+/// Work that cannot run inside one transaction (a job calling other systems, say) is claimed
+/// with a lease instead ([`Engine::run_leased`](crate::Engine::run_leased)): then `Processing`
+/// is committed, carries a lease its holder renews, and may be taken over only once the lease
+/// has run out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RecordState {
     /// Claimed; the handler is running in the claiming transaction.
@@ -120,6 +125,8 @@ pub struct Record {
     pub created_at_ms: i64,
     /// When it stops counting, in milliseconds since the Unix epoch.
     pub expires_at_ms: i64,
+    /// For processing work held under a lease: when the lease runs out unless renewed.
+    pub lease_expires_at_ms: Option<i64>,
 }
 
 impl Record {

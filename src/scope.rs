@@ -225,3 +225,59 @@ mod tests {
         assert!(!format!("{scope:?}").contains("super-secret-key-123"));
     }
 }
+
+/// The scope a keyed request runs under, for handlers that derive further identities from it
+/// (for example the downstream key of an outbox message, so every resend of one intent carries
+/// the same key downstream).
+///
+/// ```
+/// use axum_idempotency::IdempotencyContext;
+///
+/// async fn charge(context: IdempotencyContext) -> String {
+///     format!("downstream key: charge-{}", context.scoped_key_digest())
+/// }
+/// ```
+///
+/// Extracting it on a request that carries no key (or outside the layer) is a 500: the route
+/// is wired wrongly.
+#[derive(Debug, Clone)]
+pub struct IdempotencyContext {
+    scope: Scope,
+    scoped_key: ScopedKey,
+}
+
+impl IdempotencyContext {
+    pub(crate) fn new(scope: Scope) -> Self {
+        let scoped_key = scope.scoped_key();
+        Self { scope, scoped_key }
+    }
+
+    /// The scope: principal, method, route template, key.
+    pub fn scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    /// The digest of the scoped key.
+    pub fn scoped_key(&self) -> ScopedKey {
+        self.scoped_key
+    }
+
+    /// The digest of the scoped key in lowercase hex (64 characters).
+    pub fn scoped_key_digest(&self) -> String {
+        self.scoped_key.to_hex()
+    }
+}
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for IdempotencyContext {
+    type Rejection = crate::error::Rejection;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        parts.extensions.get::<Self>().cloned().ok_or_else(|| {
+            tracing::error!("IdempotencyContext extracted on a request without an idempotency key");
+            crate::error::Rejection::Internal
+        })
+    }
+}

@@ -2,7 +2,6 @@
 //!
 //! Each test creates a database of its own and drops it at the end, so tests run in parallel.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -14,13 +13,18 @@ use axum::http::{Request, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum_idempotency::{
-    Error, Fingerprinter, IdempotencyKey, IdempotencyLayer, MySqlStore, NewRecord, RecordState,
-    Scope, Store, StoredResponse, Tx,
+    Classification, Error, Fingerprinter, IdempotencyKey, IdempotencyLayer, MySqlStore, NewRecord,
+    RecordState, Scope, Store, StoredResponse, Tx,
 };
 use http_body_util::BodyExt;
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::{Connection, MySql};
 use tower::ServiceExt;
+
+mod common;
+
+use common::{App, Backend, Db, Reply, second_instance, serve, unique};
+use serde_json::json;
 
 const SERVER: &str = "mysql://root@127.0.0.1:3306";
 
@@ -123,6 +127,7 @@ fn record<'a>(
         response,
         created_at_ms,
         expires_at_ms: created_at_ms + ttl_ms,
+        lease: None,
     }
 }
 
@@ -610,123 +615,93 @@ async fn layer_treats_an_expired_key_as_a_new_intent() {
 
 // ---------------------------------------------------------------- InnoDB under a storm
 
-/// Serves `app` on a loopback port of its own.
-async fn serve(app: Router) -> SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    addr
-}
-
-/// Sends `n` duplicates at once, alternating between the servers; returns (status, replayed,
-/// problem code) per answer.
-async fn storm(addrs: [SocketAddr; 2], n: usize) -> Vec<(StatusCode, bool, Option<String>)> {
-    let client = reqwest::Client::new();
-    let requests = (0..n).map(|i| {
-        let url = format!("http://{}/orders", addrs[i % 2]);
-        let client = client.clone();
-        async move {
-            let response = client
-                .post(url)
-                .header("idempotency-key", KEY)
-                .body("widget")
-                .send()
-                .await
-                .unwrap();
-            let status = StatusCode::from_u16(response.status().as_u16()).unwrap();
-            let replayed = response.headers().get("idempotent-replayed").is_some();
-            let body = response.bytes().await.unwrap();
-            let code = serde_json::from_slice::<serde_json::Value>(&body)
-                .ok()
-                .and_then(|p| p["code"].as_str().map(str::to_owned));
-            (status, replayed, code)
-        }
-    });
+/// Sends `n` duplicates of one request at once, alternating between two app instances.
+async fn storm(apps: [&App<MySql>; 2], key: &str, n: usize) -> Vec<Reply> {
+    let payload = json!({ "label": "storm", "sleep_ms": 300 }).to_string();
+    let requests = (0..n).map(|i| apps[i % 2].post("/effects", Some("alice"), Some(key), &payload));
     futures_util::future::join_all(requests).await
 }
 
-#[tokio::test]
-async fn fifty_duplicates_across_two_pools_execute_once_without_5xx() {
-    let db = TestDb::create().await;
-    let (one, two) = (db.store().await, MySqlStore::new(db.pool(8).await));
-    create_orders_table(one.pool()).await;
-    let hold = Duration::from_millis(300);
-    let addrs = [
-        serve(app(one.clone(), |l| l, hold)).await,
-        serve(app(two, |l| l, hold)).await,
-    ];
-
-    let answers = storm(addrs, 50).await;
-
-    assert_eq!(count(one.pool(), "SELECT COUNT(*) FROM orders").await, 1);
-    assert!(
-        answers.iter().all(|(s, ..)| !s.is_server_error()),
-        "{answers:?}"
-    );
-    let executed = answers
-        .iter()
-        .filter(|(s, replayed, _)| *s == StatusCode::CREATED && !replayed)
-        .count();
-    assert_eq!(executed, 1, "{answers:?}");
-    for (status, replayed, code) in &answers {
-        let in_progress = *status == StatusCode::CONFLICT
-            && code.as_deref() == Some("idempotency_request_in_progress");
-        assert!(
-            *status == StatusCode::CREATED || in_progress,
-            "{status} {replayed} {code:?}"
-        );
-    }
-    db.drop().await;
+fn is_in_progress(reply: &Reply) -> bool {
+    reply.status == StatusCode::CONFLICT && reply.code() == "idempotency_request_in_progress"
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fifty_duplicates_across_two_pools_execute_once_without_5xx() {
+    let isolated = <MySql as Backend>::fresh(8).await;
+    let one = serve(isolated.pool.clone(), |layer| layer).await;
+    let two = second_instance(&isolated).await;
+
+    let replies = storm([&one, &two], &unique("storm"), 50).await;
+
+    assert_eq!(<MySql as Db>::count_effects(&one.pool, "storm").await, 1);
+    assert_eq!(one.executions() + two.executions(), 1);
+    assert!(
+        replies.iter().all(|r| !r.status.is_server_error()),
+        "{replies:?}"
+    );
+    let first: Vec<_> = replies
+        .iter()
+        .filter(|r| !r.replayed() && !is_in_progress(r))
+        .collect();
+    assert_eq!(first.len(), 1, "{replies:?}");
+    assert_eq!(first[0].status, StatusCode::CREATED);
+    for reply in &replies {
+        assert!(
+            reply.status == StatusCode::CREATED || is_in_progress(reply),
+            "{reply:?}"
+        );
+        if reply.replayed() {
+            assert_eq!(reply.body, first[0].body);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicates_queued_behind_a_rolled_back_original_execute_once_more_without_5xx() {
-    let db = TestDb::create().await;
-    let (one, two) = (db.store().await, MySqlStore::new(db.pool(8).await));
-    create_orders_table(one.pool()).await;
-    let hold = Duration::from_millis(300);
-    // The first execution fails retryably (rolled back), so a queued duplicate takes the key.
+    let isolated = <MySql as Backend>::fresh(8).await;
+    // The first execution is classified retryable (rolled back), so a queued duplicate takes
+    // the key over while the others wait on it.
     let attempts = Arc::new(AtomicUsize::new(0));
-    let layer = |attempts: Arc<AtomicUsize>| {
-        move |l: IdempotencyLayer<MySqlStore>| {
-            l.wait_for_in_flight(Duration::from_secs(30))
+    let first_rolls_back = |attempts: Arc<AtomicUsize>| {
+        move |layer: IdempotencyLayer<MySqlStore>| {
+            layer
+                .wait_for_in_flight(Duration::from_secs(30))
                 .classify(move |status| {
                     if attempts.fetch_add(1, Ordering::SeqCst) == 0 {
-                        axum_idempotency::Classification::Retryable
+                        Classification::Retryable
                     } else {
-                        axum_idempotency::Classification::of_status(status)
+                        Classification::of_status(status)
                     }
                 })
         }
     };
-    let addrs = [
-        serve(app(one.clone(), layer(Arc::clone(&attempts)), hold)).await,
-        serve(app(two, layer(Arc::clone(&attempts)), hold)).await,
-    ];
+    let one = serve(
+        isolated.pool.clone(),
+        first_rolls_back(Arc::clone(&attempts)),
+    )
+    .await;
+    let two = serve(
+        <MySql as Backend>::another_pool(&isolated, 8).await,
+        first_rolls_back(Arc::clone(&attempts)),
+    )
+    .await;
 
-    let answers = storm(addrs, 50).await;
+    let replies = storm([&one, &two], &unique("rollback"), 50).await;
 
-    assert_eq!(count(one.pool(), "SELECT COUNT(*) FROM orders").await, 1);
+    assert_eq!(<MySql as Db>::count_effects(&one.pool, "storm").await, 1);
     assert_eq!(
-        attempts.load(Ordering::SeqCst),
+        one.executions() + two.executions(),
         2,
         "one rolled back, one committed"
     );
-    // The rolled-back original answered 201 as well (its classifier overrode the status).
-    let executed = answers
-        .iter()
-        .filter(|(s, replayed, _)| *s == StatusCode::CREATED && !replayed)
-        .count();
-    assert_eq!(executed, 2, "{answers:?}");
+    assert_eq!(attempts.load(Ordering::SeqCst), 2);
     // When the original rolls back, InnoDB turns the waiters' locks on its row into gap locks,
     // and waiters that then insert may deadlock: the victims answer 409, never 5xx.
-    for (status, replayed, code) in &answers {
-        let in_progress = *status == StatusCode::CONFLICT
-            && code.as_deref() == Some("idempotency_request_in_progress");
+    for reply in &replies {
         assert!(
-            *status == StatusCode::CREATED || in_progress,
-            "{status} {replayed} {code:?}"
+            reply.status == StatusCode::CREATED || is_in_progress(reply),
+            "{reply:?}"
         );
     }
-    db.drop().await;
 }

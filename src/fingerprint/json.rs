@@ -61,9 +61,51 @@ fn array_index(token: &str) -> Option<usize> {
 
 /// One member of an object being written.
 struct Member {
-    key: (usize, usize),
+    key: Key,
+    /// The key's first 8 bytes, big-endian and zero-padded: most comparisons end here, without
+    /// a call to `memcmp`.
+    prefix: u64,
     text: (usize, usize),
     removed: bool,
+}
+
+/// Where a member's unescaped key lies: in the input when it had no escapes, else in
+/// `Scratch::keys`.
+#[derive(Clone, Copy)]
+enum Key {
+    Input(usize, usize),
+    Unescaped(usize, usize),
+}
+
+#[inline]
+fn key_bytes<'k>(input: &'k [u8], unescaped: &'k [u8], key: Key) -> &'k [u8] {
+    match key {
+        Key::Input(start, end) => &input[start..end],
+        Key::Unescaped(start, end) => &unescaped[start..end],
+    }
+}
+
+#[inline]
+fn key_prefix(key: &[u8]) -> u64 {
+    if let Some(Ok(bytes)) = key.get(..8).map(<[u8; 8]>::try_from) {
+        return u64::from_be_bytes(bytes);
+    }
+    // A byte loop: for keys this short a `memcpy` call costs more than the copy.
+    let mut prefix = 0u64;
+    for (i, &b) in key.iter().enumerate() {
+        prefix |= u64::from(b) << (56 - 8 * i);
+    }
+    prefix
+}
+
+/// Byte order of the two members' keys.
+#[inline]
+fn key_order(input: &[u8], unescaped: &[u8], a: &Member, b: &Member) -> std::cmp::Ordering {
+    // Zero padding keeps the order: a key that ends inside the prefix is a prefix of the other
+    // one there, or both are equal so far and the full comparison decides.
+    a.prefix
+        .cmp(&b.prefix)
+        .then_with(|| key_bytes(input, unescaped, a.key).cmp(key_bytes(input, unescaped, b.key)))
 }
 
 /// Buffers reused across calls on one thread, so a request allocates nothing in steady state.
@@ -71,7 +113,7 @@ struct Member {
 pub(crate) struct Scratch {
     /// The canonical text.
     pub(crate) out: Vec<u8>,
-    /// Unescaped keys of the members of the objects currently open.
+    /// Unescaped keys, for those members of the open objects whose keys had escapes.
     keys: Vec<u8>,
     members: Vec<Member>,
     /// Indexes of the pointers that still match the current path, stacked by depth.
@@ -104,7 +146,7 @@ pub(crate) fn with_canonical<R>(
     f: impl FnOnce(Option<&mut Vec<u8>>) -> R,
 ) -> R {
     SCRATCH.with(|cell| {
-        // Only a panic inside `f` could leave the cell borrowed; fall back to fresh buffers then.
+        // A nested call from inside `f` finds the cell borrowed; it gets fresh buffers instead.
         let mut fallback;
         let mut borrowed = cell.try_borrow_mut();
         let scratch: &mut Scratch = match borrowed.as_deref_mut() {
@@ -201,6 +243,14 @@ impl Parser<'_> {
             b'{' => self.object(depth, active),
             b'[' => self.array(depth, active),
             b'"' => {
+                let start = self.pos;
+                let plain_end = scan_plain(self.input, start + 1);
+                if self.input.get(plain_end) == Some(&b'"') {
+                    // No escapes: the string as sent is canonical.
+                    self.pos = plain_end + 1;
+                    self.s.out.extend_from_slice(&self.input[start..self.pos]);
+                    return Ok(());
+                }
                 self.pos += 1;
                 self.s.out.push(b'"');
                 string(self.input, &mut self.pos, &mut self.s.out, true)?;
@@ -242,21 +292,21 @@ impl Parser<'_> {
         }
         let mut in_order = true;
         let mut written_any = false;
-        let mut previous_key: Option<(usize, usize)> = None;
         loop {
             self.skip_whitespace();
             self.expect(b'"')?;
-            let key_start = self.s.keys.len();
-            string(self.input, &mut self.pos, &mut self.s.keys, false)?;
-            let key = (key_start, self.s.keys.len());
+            let key = self.key()?;
+            let name = key_bytes(self.input, &self.s.keys, key);
+            let prefix = key_prefix(name);
             self.skip_whitespace();
             self.expect(b':')?;
             self.skip_whitespace();
 
             let (removed, child_active) = if active.is_empty() {
-                (false, self.s.active.len()..self.s.active.len())
+                let top = self.s.active.len();
+                (false, top..top)
             } else {
-                let name = &self.s.keys[key.0..key.1];
+                let name = key_bytes(self.input, &self.s.keys, key);
                 descend(&mut self.s.active, self.pointers, depth, &active, |t| {
                     *t.name == *name
                 })
@@ -267,9 +317,18 @@ impl Parser<'_> {
                 self.s.out.push(b',');
             }
             let text_start = self.s.out.len();
-            self.s.out.push(b'"');
-            encode_string(&self.s.keys[key.0..key.1], &mut self.s.out);
-            self.s.out.extend_from_slice(b"\":");
+            match key {
+                // Without escapes the key as sent, quotes included, is already canonical.
+                Key::Input(start, end) => {
+                    self.s.out.extend_from_slice(&self.input[start - 1..=end])
+                }
+                Key::Unescaped(start, end) => {
+                    self.s.out.push(b'"');
+                    encode_string(&self.s.keys[start..end], &mut self.s.out);
+                    self.s.out.push(b'"');
+                }
+            }
+            self.s.out.push(b':');
             self.value(depth + 1, child_active.clone())?;
             self.s.active.truncate(child_active.start);
             if removed {
@@ -278,15 +337,16 @@ impl Parser<'_> {
             } else {
                 written_any = true;
             }
-            if let Some(prev) = previous_key {
-                in_order &= self.s.keys[prev.0..prev.1] < self.s.keys[key.0..key.1];
-            }
-            previous_key = Some(key);
-            self.s.members.push(Member {
+            let member = Member {
                 key,
+                prefix,
                 text: (text_start, self.s.out.len()),
                 removed,
-            });
+            };
+            if let Some(previous) = self.s.members[members_base..].last() {
+                in_order &= key_order(self.input, &self.s.keys, previous, &member).is_lt();
+            }
+            self.s.members.push(member);
 
             self.skip_whitespace();
             match self.peek() {
@@ -307,8 +367,22 @@ impl Parser<'_> {
         Ok(())
     }
 
+    /// Reads a member name from just after its opening quote through its closing quote.
+    fn key(&mut self) -> Result<Key, Invalid> {
+        let start = self.pos;
+        let plain_end = scan_plain(self.input, start);
+        if self.input.get(plain_end) == Some(&b'"') {
+            self.pos = plain_end + 1;
+            return Ok(Key::Input(start, plain_end));
+        }
+        let unescaped_start = self.s.keys.len();
+        string(self.input, &mut self.pos, &mut self.s.keys, false)?;
+        Ok(Key::Unescaped(unescaped_start, self.s.keys.len()))
+    }
+
     /// Rewrites the members written since `content_start` in key order.
     fn sort_members(&mut self, members_base: usize, content_start: usize) -> Result<(), Invalid> {
+        let input = self.input;
         let Scratch {
             out,
             keys,
@@ -317,12 +391,12 @@ impl Parser<'_> {
             ..
         } = &mut *self.s;
         let members = &mut members[members_base..];
-        members.sort_unstable_by(|a, b| keys[a.key.0..a.key.1].cmp(&keys[b.key.0..b.key.1]));
+        members.sort_unstable_by(|a, b| key_order(input, keys, a, b));
         // A duplicate key has no single meaning (parsers keep the first, the last, or both), so
         // two requests that differ only in which duplicate wins must not look alike: refuse it.
         if members
             .windows(2)
-            .any(|w| keys[w[0].key.0..w[0].key.1] == keys[w[1].key.0..w[1].key.1])
+            .any(|w| key_order(input, keys, &w[0], &w[1]).is_eq())
         {
             return Err(Invalid);
         }
@@ -355,7 +429,8 @@ impl Parser<'_> {
         loop {
             self.skip_whitespace();
             let (removed, child_active) = if active.is_empty() {
-                (false, self.s.active.len()..self.s.active.len())
+                let top = self.s.active.len();
+                (false, top..top)
             } else {
                 descend(&mut self.s.active, self.pointers, depth, &active, |t| {
                     t.index == Some(index)
@@ -448,6 +523,12 @@ impl Parser<'_> {
         }
 
         let out = &mut self.s.out;
+        if frac.is_empty() && exponent == 0 && int.last().is_some_and(|&d| d != b'0') {
+            // The common integer: its sign and digits are already canonical (a written zero
+            // exponent such as `e+0` is dropped).
+            out.extend_from_slice(&input[int_start - usize::from(negative)..int_start + int.len()]);
+            return Ok(());
+        }
         let is_zero = |b: &u8| *b == b'0';
         let int_lead = int.iter().position(|b| !is_zero(b));
         let frac_lead = frac.iter().position(|b| !is_zero(b));
@@ -548,12 +629,7 @@ fn string(
 ) -> Result<(), Invalid> {
     loop {
         let start = *pos;
-        while let Some(&b) = input.get(*pos) {
-            if STRING_SPECIAL[usize::from(b)] {
-                break;
-            }
-            *pos += 1;
-        }
+        *pos = scan_plain(input, start);
         // Plain bytes are their own canonical spelling; the input is known to be UTF-8.
         dest.extend_from_slice(&input[start..*pos]);
         match input.get(*pos) {
@@ -574,6 +650,38 @@ fn string(
             _ => return Err(Invalid),
         }
     }
+}
+
+/// The position of the first quote, backslash or control byte at or after `pos` (or the end).
+fn scan_plain(input: &[u8], mut pos: usize) -> usize {
+    // Eight bytes at a time: a byte of `word` is flagged in `special` when it equals `"` or `\`
+    // or is below 0x20. Borrows can flag bytes above a real match but never below one, so the
+    // lowest flag is exact.
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGHS: u64 = 0x8080_8080_8080_8080;
+    while let Some(chunk) = input.get(pos..pos + 8) {
+        let Ok(bytes) = <[u8; 8]>::try_from(chunk) else {
+            break;
+        };
+        let word = u64::from_le_bytes(bytes);
+        let quote = word ^ (ONES * u64::from(b'"'));
+        let backslash = word ^ (ONES * u64::from(b'\\'));
+        let special = (quote.wrapping_sub(ONES) & !quote)
+            | (backslash.wrapping_sub(ONES) & !backslash)
+            | (word.wrapping_sub(ONES * 0x20) & !word);
+        let special = special & HIGHS;
+        if special != 0 {
+            return pos + (special.trailing_zeros() / 8) as usize;
+        }
+        pos += 8;
+    }
+    while let Some(&b) = input.get(pos) {
+        if STRING_SPECIAL[usize::from(b)] {
+            break;
+        }
+        pos += 1;
+    }
+    pos
 }
 
 /// Decodes the escape after a backslash.
@@ -676,6 +784,9 @@ mod tests {
     #[test]
     fn numbers_have_one_spelling_per_decimal_value() {
         let table = [
+            ("7e+0", "7"),
+            ("-7E0", "-7"),
+            ("10000000000001e-0", "10000000000001"),
             ("12.5", "125e-1"),
             ("12.50", "125e-1"),
             ("1.25e1", "125e-1"),
@@ -863,6 +974,26 @@ mod tests {
             canon(r#"{"~1":1,"/":2}"#, &["/~01"]).as_deref(),
             Some(r#"{"/":2}"#)
         );
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn word_scan_finds_the_first_special_byte(
+            bytes in proptest::collection::vec(proptest::prop_oneof![
+                proptest::prelude::any::<u8>(),
+                proptest::prelude::Just(b'"'),
+                proptest::prelude::Just(b'\\'),
+                proptest::prelude::Just(b'a'),
+            ], 0..40),
+            start in 0usize..40,
+        ) {
+            let start = start.min(bytes.len());
+            let naive = bytes[start..]
+                .iter()
+                .position(|&b| STRING_SPECIAL[usize::from(b)])
+                .map_or(bytes.len(), |i| start + i);
+            proptest::prop_assert_eq!(scan_plain(&bytes, start), naive);
+        }
     }
 
     #[test]

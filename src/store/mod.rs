@@ -61,6 +61,17 @@ pub struct NewRecord<'a> {
     pub created_at_ms: i64,
     /// Expiry time, milliseconds since the Unix epoch.
     pub expires_at_ms: i64,
+    /// For a claim that outlives its transaction: the holder and when its lease runs out.
+    pub lease: Option<LeaseClaim>,
+}
+
+/// The holder of a lease and when the lease runs out unless renewed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseClaim {
+    /// An id unique to one holder, so only it can renew, finish or release the claim.
+    pub owner: [u8; 16],
+    /// Lease expiry, milliseconds since the Unix epoch.
+    pub until_ms: i64,
 }
 
 /// Storage for idempotency records, inside the handler's own database.
@@ -115,6 +126,38 @@ pub trait Store: Clone + Send + Sync + 'static {
         state: RecordState,
         response: &'a StoredResponse,
     ) -> impl Future<Output = Result<(), Error>> + Send + 'a;
+
+    /// Extends a lease held by `lease.owner` to `lease.until_ms`; `false` if it is no longer held.
+    fn renew_lease<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        lease: LeaseClaim,
+    ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
+
+    /// Takes over a processing record whose lease ran out by `now_ms`; `false` if the lease is
+    /// still live or someone else took it first.
+    fn take_over_lease<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        lease: LeaseClaim,
+        now_ms: i64,
+    ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
+
+    /// Records the outcome of leased work and ends the lease; `false` if the lease was lost.
+    fn finish_leased<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        owner: [u8; 16],
+        state: RecordState,
+        response: &'a StoredResponse,
+    ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
+
+    /// Deletes the claim of leased work that failed retryably; `false` if the lease was lost.
+    fn release_lease<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        owner: [u8; 16],
+    ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
 
     /// Deletes up to `limit` records expired at `now_ms`; returns how many it deleted.
     fn purge_expired_batch(
@@ -194,11 +237,6 @@ pub trait Dialect: Database + sealed::Sealed {
     /// Run first in the migration transaction to serialise concurrent migrators, if the begin
     /// statement does not already.
     const MIGRATION_LOCK: Option<&'static str>;
-    /// Whether the row [`MIGRATION_LOCK`](Dialect::MIGRATION_LOCK) returned says the lock was
-    /// granted: a lock with a timeout reports the timeout there, not as an error.
-    fn migration_locked(_row: &Self::Row) -> bool {
-        true
-    }
     /// Releases the lock [`MIGRATION_LOCK`](Dialect::MIGRATION_LOCK) took, when that lock belongs
     /// to the session rather than the transaction (where DDL commits implicitly, a transaction
     /// cannot hold it). Run after the migration, whatever its outcome.
@@ -206,10 +244,10 @@ pub trait Dialect: Database + sealed::Sealed {
     /// Records an applied migration. Parameters: version, applied_at.
     const MIGRATION_RECORD: &'static str;
     /// Parameters: key_digest, principal, method, route, fingerprint, state, status, headers,
-    /// body, created_at, expires_at.
+    /// body, created_at, expires_at, lease_owner, lease_expires_at.
     const CLAIM: &'static str;
     /// Parameter: key_digest. Columns: state, fingerprint, status, headers, body, created_at,
-    /// expires_at.
+    /// expires_at, lease_expires_at.
     const FIND: &'static str;
     /// Run right after [`CLAIM`](Dialect::CLAIM), whatever its outcome, where the lock-wait bound
     /// set by [`begin_statement`](Dialect::begin_statement) would outlive the claim: it gives the
@@ -219,6 +257,20 @@ pub trait Dialect: Database + sealed::Sealed {
     const FINISH: &'static str;
     /// Parameters: now, limit.
     const PURGE: &'static str;
+    /// Parameters: lease_expires_at, key_digest, lease_owner.
+    const RENEW_LEASE: &'static str;
+    /// Parameters: lease_owner, lease_expires_at, key_digest, now.
+    const TAKE_OVER_LEASE: &'static str;
+    /// Parameters: state, status, headers, body, key_digest, lease_owner.
+    const FINISH_LEASED: &'static str;
+    /// Parameters: key_digest, lease_owner.
+    const RELEASE_LEASE: &'static str;
+
+    /// Whether the row [`MIGRATION_LOCK`](Dialect::MIGRATION_LOCK) returned says the lock was
+    /// granted: a lock with a timeout reports the timeout there, not as an error.
+    fn migration_locked(_row: &Self::Row) -> bool {
+        true
+    }
 
     /// The statement that begins a claim transaction with its lock wait bounded.
     fn begin_statement(lock_wait: Duration) -> String;
@@ -315,7 +367,7 @@ where
     i32: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
     Option<Vec<u8>>: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
     Option<String>: for<'q> Encode<'q, DB> + Type<DB>,
-    Option<i64>: for<'r> Decode<'r, DB> + Type<DB>,
+    Option<i64>: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
     Option<i32>: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
 {
     type Database = DB;
@@ -375,6 +427,8 @@ where
             .bind(body)
             .bind(record.created_at_ms)
             .bind(record.expires_at_ms)
+            .bind(record.lease.map(|lease| lease.owner.to_vec()))
+            .bind(record.lease.map(|lease| lease.until_ms))
             .execute(&mut *conn)
             .await;
         let lifted = match DB::LIFT_LOCK_WAIT {
@@ -421,6 +475,7 @@ where
             response,
             created_at_ms: row.try_get(5)?,
             expires_at_ms: row.try_get(6)?,
+            lease_expires_at_ms: row.try_get(7)?,
         }))
     }
 
@@ -441,6 +496,72 @@ where
             .await
             .map_err(classify::<DB>)?;
         Ok(())
+    }
+
+    async fn renew_lease<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        lease: LeaseClaim,
+    ) -> Result<bool, Error> {
+        let result = sqlx::query(DB::RENEW_LEASE)
+            .bind(lease.until_ms)
+            .bind(key.digest().to_vec())
+            .bind(lease.owner.to_vec())
+            .execute(&self.pool)
+            .await
+            .map_err(classify::<DB>)?;
+        Ok(DB::rows_affected(&result) == 1)
+    }
+
+    async fn take_over_lease<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        lease: LeaseClaim,
+        now_ms: i64,
+    ) -> Result<bool, Error> {
+        let result = sqlx::query(DB::TAKE_OVER_LEASE)
+            .bind(lease.owner.to_vec())
+            .bind(lease.until_ms)
+            .bind(key.digest().to_vec())
+            .bind(now_ms)
+            .execute(&self.pool)
+            .await
+            .map_err(classify::<DB>)?;
+        Ok(DB::rows_affected(&result) == 1)
+    }
+
+    async fn finish_leased<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        owner: [u8; 16],
+        state: RecordState,
+        response: &'a StoredResponse,
+    ) -> Result<bool, Error> {
+        let result = sqlx::query(DB::FINISH_LEASED)
+            .bind(state.as_str().to_owned())
+            .bind(i32::from(response.status.as_u16()))
+            .bind(response.encode_headers())
+            .bind(response.body.to_vec())
+            .bind(key.digest().to_vec())
+            .bind(owner.to_vec())
+            .execute(&self.pool)
+            .await
+            .map_err(classify::<DB>)?;
+        Ok(DB::rows_affected(&result) == 1)
+    }
+
+    async fn release_lease<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        owner: [u8; 16],
+    ) -> Result<bool, Error> {
+        let result = sqlx::query(DB::RELEASE_LEASE)
+            .bind(key.digest().to_vec())
+            .bind(owner.to_vec())
+            .execute(&self.pool)
+            .await
+            .map_err(classify::<DB>)?;
+        Ok(DB::rows_affected(&result) == 1)
     }
 
     async fn purge_expired_batch(&self, now_ms: i64, limit: u32) -> Result<u64, Error> {

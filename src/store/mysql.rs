@@ -56,11 +56,13 @@ impl Dialect for MySql {
         Some("DO RELEASE_LOCK(CONCAT('axum_idempotency.migrate:', MD5(DATABASE())))");
     const MIGRATION_RECORD: &'static str =
         "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES (?, ?)";
-    // ON DUPLICATE KEY UPDATE rather than INSERT IGNORE: on a duplicate key it waits for an
-    // exclusive lock, so waiters queue behind an in-flight claim; INSERT IGNORE takes a shared
-    // lock, and two waiters that both need to write afterwards (the original rolled back, or
-    // the record expired) deadlock. It also replaces an expired record in the same statement,
-    // and does not turn unrelated errors into warnings as IGNORE does.
+    // ON DUPLICATE KEY UPDATE rather than INSERT IGNORE: it replaces an expired record in the
+    // same statement, under the row's exclusive lock, so duplicates queue behind an in-flight
+    // claim. INSERT IGNORE takes a shared lock, so two duplicates of an expired record that
+    // both go on to replace it deadlock on the upgrade; and IGNORE turns unrelated errors
+    // (a value too long, say) into warnings. Either way, when an in-flight original rolls
+    // back, InnoDB turns its waiters' locks into gap locks and waiters that then insert may
+    // deadlock: `is_busy` makes the victims answer 409, and their retry replays.
     //
     // The affected-rows count cannot tell a claim from a live record: sqlx connects with
     // CLIENT_FOUND_ROWS, so an insert counts 1, a replaced row 2, and a row left as it was 1
@@ -71,8 +73,8 @@ impl Dialect for MySql {
     // Every column tests the old expires_at, so expires_at is assigned last. VALUES() is
     // deprecated since MySQL 8.0.20 in favour of a row alias, which MariaDB lacks.
     const CLAIM: &'static str = "INSERT INTO idempotency_records \
-        (key_digest, principal, method, route, fingerprint, state, status, headers, body, created_at, expires_at) \
-        VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) \
+        (key_digest, principal, method, route, fingerprint, state, status, headers, body, created_at, expires_at, lease_owner, lease_expires_at) \
+        VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) \
         ON DUPLICATE KEY UPDATE \
         principal = IF(expires_at <= VALUES(created_at), VALUES(principal), principal), \
         method = IF(expires_at <= VALUES(created_at), VALUES(method), method), \
@@ -83,12 +85,14 @@ impl Dialect for MySql {
         headers = IF(expires_at <= VALUES(created_at), VALUES(headers), headers), \
         body = IF(expires_at <= VALUES(created_at), VALUES(body), body), \
         created_at = IF(expires_at <= VALUES(created_at), VALUES(created_at), created_at), \
+        lease_owner = IF(expires_at <= VALUES(created_at), VALUES(lease_owner), lease_owner), \
+        lease_expires_at = IF(expires_at <= VALUES(created_at), VALUES(lease_expires_at), lease_expires_at), \
         expires_at = IF(expires_at <= VALUES(created_at), VALUES(expires_at), LAST_INSERT_ID(expires_at))";
     // Restores the setting saved by `begin_statement`: a session variable outlives the
     // transaction, unlike PostgreSQL's transaction-local one.
     const LIFT_LOCK_WAIT: Option<&'static str> =
         Some("SET SESSION innodb_lock_wait_timeout = @axum_idempotency_lock_wait");
-    const FIND: &'static str = "SELECT state, fingerprint, status, headers, body, created_at, expires_at \
+    const FIND: &'static str = "SELECT state, fingerprint, status, headers, body, created_at, expires_at, lease_expires_at \
         FROM idempotency_records WHERE key_digest = ?";
     const FINISH: &'static str = "UPDATE idempotency_records \
         SET state = ?, status = ?, headers = ?, body = ? WHERE key_digest = ?";
@@ -96,6 +100,18 @@ impl Dialect for MySql {
     // expires_at index entry out of range, so the replacement survives without a re-check.
     const PURGE: &'static str =
         "DELETE FROM idempotency_records WHERE expires_at <= ? ORDER BY expires_at LIMIT ?";
+
+    // sqlx's CLIENT_FOUND_ROWS makes an UPDATE count the rows it matched, changed or not, so a
+    // renewal to the same expiry still reports its one row.
+    const RENEW_LEASE: &'static str = "UPDATE idempotency_records SET lease_expires_at = ? \
+        WHERE key_digest = ? AND lease_owner = ? AND state = 'processing'";
+    const TAKE_OVER_LEASE: &'static str = "UPDATE idempotency_records SET lease_owner = ?, lease_expires_at = ? \
+        WHERE key_digest = ? AND state = 'processing' AND lease_expires_at <= ?";
+    const FINISH_LEASED: &'static str = "UPDATE idempotency_records \
+        SET state = ?, status = ?, headers = ?, body = ?, lease_owner = NULL, lease_expires_at = NULL \
+        WHERE key_digest = ? AND lease_owner = ?";
+    const RELEASE_LEASE: &'static str = "DELETE FROM idempotency_records \
+        WHERE key_digest = ? AND lease_owner = ? AND state = 'processing'";
 
     fn begin_statement(lock_wait: Duration) -> String {
         // Whole seconds only, and 0 is not accepted: round up, so no duplicate gives up early.

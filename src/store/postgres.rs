@@ -25,10 +25,13 @@ pub type PgStore = SqlStore<Postgres>;
 impl Sealed for Postgres {}
 
 impl Dialect for Postgres {
-    const MIGRATIONS: &'static [(i64, &'static str)] = &[(
-        1,
-        include_str!("../../migrations/postgres/0001_records.sql"),
-    )];
+    const MIGRATIONS: &'static [(i64, &'static str)] = &[
+        (
+            1,
+            include_str!("../../migrations/postgres/0001_records.sql"),
+        ),
+        (2, include_str!("../../migrations/postgres/0002_leases.sql")),
+    ];
     const MIGRATION_BEGIN: &'static str = "BEGIN";
     // A transaction-scoped advisory lock: two instances starting at once migrate one after the
     // other, and the second finds nothing left to do. The number is this crate's own.
@@ -41,17 +44,18 @@ impl Dialect for Postgres {
     // The lock wait was bounded at BEGIN; RETURNING lifts that bound for the handler's own
     // statements once the key is ours, without another round trip.
     const CLAIM: &'static str = "INSERT INTO idempotency_records AS r \
-        (key_digest, principal, method, route, fingerprint, state, status, headers, body, created_at, expires_at) \
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) \
+        (key_digest, principal, method, route, fingerprint, state, status, headers, body, created_at, expires_at, lease_owner, lease_expires_at) \
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
         ON CONFLICT (key_digest) DO UPDATE SET \
         principal = EXCLUDED.principal, method = EXCLUDED.method, route = EXCLUDED.route, \
         fingerprint = EXCLUDED.fingerprint, state = EXCLUDED.state, status = EXCLUDED.status, \
         headers = EXCLUDED.headers, body = EXCLUDED.body, created_at = EXCLUDED.created_at, \
-        expires_at = EXCLUDED.expires_at \
+        expires_at = EXCLUDED.expires_at, lease_owner = EXCLUDED.lease_owner, \
+        lease_expires_at = EXCLUDED.lease_expires_at \
         WHERE r.expires_at <= EXCLUDED.created_at \
         RETURNING set_config('lock_timeout', \
         COALESCE(current_setting('axum_idempotency.lock_timeout', true), '0'), true)";
-    const FIND: &'static str = "SELECT state, fingerprint, status, headers, body, created_at, expires_at \
+    const FIND: &'static str = "SELECT state, fingerprint, status, headers, body, created_at, expires_at, lease_expires_at \
         FROM idempotency_records WHERE key_digest = $1";
     const FINISH: &'static str = "UPDATE idempotency_records \
         SET state = $1, status = $2, headers = $3, body = $4 WHERE key_digest = $5";
@@ -59,6 +63,16 @@ impl Dialect for Postgres {
     // while this DELETE waited for its row lock must survive the re-check.
     const PURGE: &'static str = "DELETE FROM idempotency_records WHERE expires_at <= $1 \
         AND key_digest IN (SELECT key_digest FROM idempotency_records WHERE expires_at <= $1 LIMIT $2)";
+
+    const RENEW_LEASE: &'static str = "UPDATE idempotency_records SET lease_expires_at = $1 \
+        WHERE key_digest = $2 AND lease_owner = $3 AND state = 'processing'";
+    const TAKE_OVER_LEASE: &'static str = "UPDATE idempotency_records SET lease_owner = $1, lease_expires_at = $2 \
+        WHERE key_digest = $3 AND state = 'processing' AND lease_expires_at <= $4";
+    const FINISH_LEASED: &'static str = "UPDATE idempotency_records \
+        SET state = $1, status = $2, headers = $3, body = $4, lease_owner = NULL, lease_expires_at = NULL \
+        WHERE key_digest = $5 AND lease_owner = $6";
+    const RELEASE_LEASE: &'static str = "DELETE FROM idempotency_records \
+        WHERE key_digest = $1 AND lease_owner = $2 AND state = 'processing'";
 
     fn begin_statement(lock_wait: Duration) -> String {
         // lock_timeout = 0 would mean "wait forever".

@@ -1,0 +1,1431 @@
+//! What idempotency costs over HTTP, measured side by side in one run (issue 6).
+//!
+//! Real axum servers on loopback, driven by a hyper client load generator in the same process
+//! (separate runtimes). Every scenario is measured in the same run as its baseline, interleaved
+//! round by round, because the machine is shared and noisy: the ratios are the result, the
+//! absolute numbers drift.
+//!
+//! Settings (environment):
+//! - `BENCH_BACKENDS` (default `sqlite,postgres,mysql`): backends to run; one whose cargo feature
+//!   is not compiled in is skipped, and the run says so.
+//! - `BENCH_SECS` (default 3) seconds per scenario per round, `BENCH_ROUNDS` (default 3),
+//!   `BENCH_CONNECTIONS` (default 32).
+//! - `BENCH_TRIPS` (default 200): sequential requests over which round trips are counted.
+//! - `BENCH_BIG` (default 256): concurrent 1 MiB requests for the memory test.
+//! - `BENCH_SOAK_SECS` (default 45) and `BENCH_SOAK_REQUESTS` (default 1000000): the soak run
+//!   stops at whichever comes first.
+//! - `BENCH_TEST_BEFORE_ACQUIRE` (default `true`, sqlx's default): whether the SQLite and
+//!   PostgreSQL pools ping a connection each time they hand it out.
+//! - `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`).
+
+use std::error::Error;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::http::{HeaderValue, Request, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::runtime::Runtime;
+use tokio::sync::Barrier;
+use tracing::subscriber::Interest;
+use tracing::{Event, Metadata, Subscriber};
+use tracing_subscriber::layer::{Context, SubscriberExt};
+
+type BoxError = Box<dyn Error + Send + Sync>;
+
+const TTL_MS: i64 = 24 * 3600 * 1000;
+const STORM: usize = 64;
+const ORDER_BODY: &str = r#"{"sku":"widget","qty":3}"#;
+
+struct Settings {
+    backends: Vec<String>,
+    secs: f64,
+    rounds: usize,
+    conns: usize,
+    trips: usize,
+    big: usize,
+    soak_secs: f64,
+    soak_requests: u64,
+    test_before_acquire: bool,
+    database_url: String,
+}
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+impl Settings {
+    fn from_env() -> Self {
+        Self {
+            backends: std::env::var("BENCH_BACKENDS")
+                .unwrap_or_else(|_| "sqlite,postgres,mysql".into())
+                .split(',')
+                .map(|s| s.trim().to_owned())
+                .filter(|s| !s.is_empty())
+                .collect(),
+            secs: env_or("BENCH_SECS", 3.0),
+            rounds: env_or("BENCH_ROUNDS", 3),
+            conns: env_or("BENCH_CONNECTIONS", 32),
+            trips: env_or("BENCH_TRIPS", 200),
+            big: env_or("BENCH_BIG", 256),
+            soak_secs: env_or("BENCH_SOAK_SECS", 45.0),
+            soak_requests: env_or("BENCH_SOAK_REQUESTS", 1_000_000),
+            test_before_acquire: env_or("BENCH_TEST_BEFORE_ACQUIRE", true),
+            database_url: std::env::var("DATABASE_URL")
+                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
+        }
+    }
+
+    fn duration(&self) -> Duration {
+        Duration::from_secs_f64(self.secs)
+    }
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+fn created(id: i64) -> Response {
+    (
+        StatusCode::CREATED,
+        [(header::CONTENT_TYPE, "application/json")],
+        format!("{{\"id\":{id}}}"),
+    )
+        .into_response()
+}
+
+fn failed(status: StatusCode) -> Response {
+    status.into_response()
+}
+
+#[derive(serde::Deserialize)]
+struct Order {
+    sku: String,
+    qty: i32,
+}
+
+/// The order-creating app for one backend: `/bare`, `/manual` and `/layer` (under the layer).
+macro_rules! order_app {
+    (
+        $module:ident, $db:ty,
+        manual_begin = $begin:literal,
+        schema = $schema:literal,
+        insert_order = $insert:literal,
+        manual_claim = $claim:literal,
+        manual_finish = $finish:literal $(,)?
+    ) => {
+        mod $module {
+            use super::*;
+            use axum::extract::State;
+            use axum::http::HeaderMap;
+            use axum_idempotency::{IdempotencyLayer, SqlStore, Tx};
+            use sha2::{Digest, Sha256};
+            use sqlx::Pool;
+
+            type Db = $db;
+
+            pub(crate) const SCHEMA: &str = $schema;
+
+            pub(crate) fn router(pool: Pool<Db>) -> Router {
+                let layer =
+                    IdempotencyLayer::new(SqlStore::<Db>::new(pool.clone())).allow_anonymous();
+                Router::new()
+                    .route("/layer", post(layer_order))
+                    .route_layer(layer)
+                    .route("/bare", post(bare))
+                    .route("/manual", post(manual))
+                    .with_state(pool)
+            }
+
+            async fn bare(State(pool): State<Pool<Db>>, body: Bytes) -> Response {
+                let Ok(order) = serde_json::from_slice::<Order>(&body) else {
+                    return failed(StatusCode::BAD_REQUEST);
+                };
+                let result: Result<i64, sqlx::Error> = async {
+                    let mut tx = pool.begin().await?;
+                    let id = sqlx::query_scalar($insert)
+                        .bind(order.sku)
+                        .bind(order.qty)
+                        .fetch_one(&mut *tx)
+                        .await?;
+                    tx.commit().await?;
+                    Ok(id)
+                }
+                .await;
+                result.map_or_else(|_| failed(StatusCode::INTERNAL_SERVER_ERROR), created)
+            }
+
+            /// The claim and the response record by hand: claim on the unique key, insert the
+            /// order, store the response, commit. No read before the claim, no replay path.
+            async fn manual(
+                State(pool): State<Pool<Db>>,
+                headers: HeaderMap,
+                body: Bytes,
+            ) -> Response {
+                let Some(key) = headers
+                    .get("idempotency-key")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned)
+                else {
+                    return failed(StatusCode::BAD_REQUEST);
+                };
+                let Ok(order) = serde_json::from_slice::<Order>(&body) else {
+                    return failed(StatusCode::BAD_REQUEST);
+                };
+                let fingerprint = Sha256::digest(&body).to_vec();
+                let result: Result<Option<i64>, sqlx::Error> = async {
+                    let now = now_ms();
+                    let mut tx = pool.begin_with($begin).await?;
+                    let claimed = sqlx::query($claim)
+                        .bind(&key)
+                        .bind(fingerprint)
+                        .bind(now)
+                        .bind(now + TTL_MS)
+                        .execute(&mut *tx)
+                        .await?
+                        .rows_affected()
+                        == 1;
+                    if !claimed {
+                        tx.rollback().await?;
+                        return Ok(None);
+                    }
+                    let id: i64 = sqlx::query_scalar($insert)
+                        .bind(order.sku)
+                        .bind(order.qty)
+                        .fetch_one(&mut *tx)
+                        .await?;
+                    sqlx::query($finish)
+                        .bind(201_i32)
+                        .bind(b"content-type: application/json".to_vec())
+                        .bind(format!("{{\"id\":{id}}}").into_bytes())
+                        .bind(&key)
+                        .execute(&mut *tx)
+                        .await?;
+                    tx.commit().await?;
+                    Ok(Some(id))
+                }
+                .await;
+                match result {
+                    Ok(Some(id)) => created(id),
+                    Ok(None) => failed(StatusCode::CONFLICT),
+                    Err(_) => failed(StatusCode::INTERNAL_SERVER_ERROR),
+                }
+            }
+
+            async fn layer_order(mut tx: Tx<Db>, body: Bytes) -> Response {
+                let Ok(order) = serde_json::from_slice::<Order>(&body) else {
+                    return failed(StatusCode::BAD_REQUEST);
+                };
+                let id = sqlx::query_scalar($insert)
+                    .bind(order.sku)
+                    .bind(order.qty)
+                    .fetch_one(&mut *tx)
+                    .await;
+                id.map_or_else(|_| failed(StatusCode::INTERNAL_SERVER_ERROR), created)
+            }
+        }
+    };
+}
+
+#[cfg(feature = "sqlite")]
+order_app!(
+    sqlite_app,
+    sqlx::Sqlite,
+    manual_begin = "BEGIN IMMEDIATE",
+    schema =
+        "CREATE TABLE orders (id INTEGER PRIMARY KEY, sku TEXT NOT NULL, qty INTEGER NOT NULL);
+        CREATE TABLE manual_claims (key TEXT PRIMARY KEY NOT NULL, fingerprint BLOB NOT NULL,
+            state TEXT NOT NULL, status INTEGER, headers BLOB, body BLOB,
+            created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL) WITHOUT ROWID;
+        CREATE INDEX manual_claims_expires_at ON manual_claims (expires_at);",
+    insert_order = "INSERT INTO orders (sku, qty) VALUES (?1, ?2) RETURNING id",
+    manual_claim = "INSERT INTO manual_claims (key, fingerprint, state, created_at, expires_at)
+        VALUES (?1, ?2, 'processing', ?3, ?4) ON CONFLICT (key) DO NOTHING",
+    manual_finish =
+        "UPDATE manual_claims SET state = 'completed', status = ?1, headers = ?2, body = ?3
+        WHERE key = ?4",
+);
+
+#[cfg(feature = "postgres")]
+order_app!(
+    postgres_app,
+    sqlx::Postgres,
+    manual_begin = "BEGIN",
+    schema =
+        "CREATE TABLE orders (id BIGSERIAL PRIMARY KEY, sku TEXT NOT NULL, qty INTEGER NOT NULL);
+        CREATE TABLE manual_claims (key TEXT PRIMARY KEY, fingerprint BYTEA NOT NULL,
+            state TEXT NOT NULL, status INTEGER, headers BYTEA, body BYTEA,
+            created_at BIGINT NOT NULL, expires_at BIGINT NOT NULL);
+        CREATE INDEX manual_claims_expires_at ON manual_claims (expires_at);",
+    insert_order = "INSERT INTO orders (sku, qty) VALUES ($1, $2) RETURNING id",
+    manual_claim = "INSERT INTO manual_claims (key, fingerprint, state, created_at, expires_at)
+        VALUES ($1, $2, 'processing', $3, $4) ON CONFLICT (key) DO NOTHING",
+    manual_finish =
+        "UPDATE manual_claims SET state = 'completed', status = $1, headers = $2, body = $3
+        WHERE key = $4",
+);
+
+// ---------------------------------------------------------------------------------------------
+// Counting: statements (sqlx's own statement log) and wire round trips (a counting TCP proxy).
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static STATEMENTS: AtomicU64 = AtomicU64::new(0);
+
+/// Counts sqlx's per-statement events (target `sqlx::query`) while [`COUNTING`] is on. Every
+/// other callsite is disabled for good, so the engine's spans cost what they cost with no
+/// subscriber at all.
+struct StatementCounter;
+
+impl<S: Subscriber> tracing_subscriber::Layer<S> for StatementCounter {
+    fn register_callsite(&self, metadata: &'static Metadata<'static>) -> Interest {
+        if metadata.target() == "sqlx::query" {
+            Interest::sometimes()
+        } else {
+            Interest::never()
+        }
+    }
+
+    fn enabled(&self, metadata: &Metadata<'_>, _ctx: Context<'_, S>) -> bool {
+        metadata.target() == "sqlx::query" && COUNTING.load(Ordering::Relaxed)
+    }
+
+    fn on_event(&self, _event: &Event<'_>, _ctx: Context<'_, S>) {
+        STATEMENTS.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A TCP proxy to the database that counts round trips: each time the server answers after the
+/// client has sent something, one request/response exchange has completed. Pipelined messages
+/// (Parse/Bind/Execute/Sync in one flight) count once, as they cost one network wait.
+async fn counting_proxy(
+    upstream: SocketAddr,
+    trips: Arc<AtomicU64>,
+) -> std::io::Result<SocketAddr> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let trips = Arc::clone(&trips);
+            tokio::spawn(async move {
+                let Ok(server) = TcpStream::connect(upstream).await else {
+                    return;
+                };
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut server_read, mut server_write) = server.into_split();
+                let awaiting = Arc::new(AtomicBool::new(false));
+                let sent = Arc::clone(&awaiting);
+                let up = tokio::spawn(async move {
+                    let mut buf = vec![0_u8; 64 * 1024];
+                    while let Ok(n @ 1..) = client_read.read(&mut buf).await {
+                        // Marked before forwarding, so the answer cannot overtake the mark.
+                        sent.store(true, Ordering::SeqCst);
+                        if server_write.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                    let _ = server_write.shutdown().await;
+                });
+                let mut buf = vec![0_u8; 64 * 1024];
+                while let Ok(n @ 1..) = server_read.read(&mut buf).await {
+                    if awaiting.swap(false, Ordering::SeqCst) && COUNTING.load(Ordering::Relaxed) {
+                        trips.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if client_write.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                let _ = client_write.shutdown().await;
+                let _ = up.await;
+            });
+        }
+    });
+    Ok(addr)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory.
+
+fn status_kib(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(field))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// Peak RSS since the last reset: VmHWM after resetting it through `clear_refs` where the
+/// kernel allows that, else the maximum of VmRSS sampled every 5 ms.
+struct PeakRss {
+    resettable: bool,
+    sampled: Arc<AtomicU64>,
+}
+
+impl PeakRss {
+    fn start() -> Self {
+        let resettable = std::fs::write("/proc/self/clear_refs", "5").is_ok();
+        let sampled = Arc::new(AtomicU64::new(0));
+        let max = Arc::clone(&sampled);
+        std::thread::spawn(move || {
+            loop {
+                if let Some(rss) = status_kib("VmRSS:") {
+                    max.fetch_max(rss, Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        });
+        Self {
+            resettable,
+            sampled,
+        }
+    }
+
+    fn reset(&self) {
+        if self.resettable {
+            let _ = std::fs::write("/proc/self/clear_refs", "5");
+        }
+        self.sampled
+            .store(status_kib("VmRSS:").unwrap_or(0), Ordering::Relaxed);
+    }
+
+    fn peak_mib(&self) -> f64 {
+        let sampled = self.sampled.load(Ordering::Relaxed);
+        let peak = if self.resettable {
+            status_kib("VmHWM:").unwrap_or(0).max(sampled)
+        } else {
+            sampled
+        };
+        peak as f64 / 1024.0
+    }
+
+    fn source(&self) -> &'static str {
+        if self.resettable {
+            "VmHWM (reset per scenario via /proc/self/clear_refs)"
+        } else {
+            "max VmRSS sampled every 5 ms"
+        }
+    }
+}
+
+fn rss_mib() -> f64 {
+    status_kib("VmRSS:").unwrap_or(0) as f64 / 1024.0
+}
+
+// ---------------------------------------------------------------------------------------------
+// Load generation.
+
+#[derive(Clone, Copy, PartialEq)]
+enum Keys {
+    /// No `Idempotency-Key` header.
+    None,
+    /// A key never sent before on every request.
+    Fresh,
+    /// One key for the whole scenario, so every request after the first replays.
+    Fixed,
+}
+
+#[derive(Clone)]
+struct Plan {
+    addr: SocketAddr,
+    path: &'static str,
+    body: Bytes,
+    keys: Keys,
+    key_prefix: String,
+    conns: usize,
+    duration: Duration,
+    /// Stop after this many requests in total (the soak run).
+    limit: Option<u64>,
+    record_latency: bool,
+}
+
+#[derive(Default)]
+struct Sample {
+    requests: u64,
+    unexpected: u64,
+    elapsed: Duration,
+    latencies_us: Vec<u32>,
+    peak_mib: f64,
+}
+
+impl Sample {
+    fn merge(&mut self, other: Sample) {
+        self.requests += other.requests;
+        self.unexpected += other.unexpected;
+        self.elapsed += other.elapsed;
+        self.latencies_us.extend(other.latencies_us);
+        self.peak_mib = self.peak_mib.max(other.peak_mib);
+    }
+
+    fn rps(&self) -> f64 {
+        self.requests as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    fn percentile_ms(&mut self, q: f64) -> f64 {
+        if self.latencies_us.is_empty() {
+            return 0.0;
+        }
+        self.latencies_us.sort_unstable();
+        let i = ((self.latencies_us.len() as f64 * q) as usize).min(self.latencies_us.len() - 1);
+        f64::from(self.latencies_us[i]) / 1000.0
+    }
+}
+
+type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+
+async fn connect(addr: SocketAddr) -> Result<Sender, BoxError> {
+    let stream = TcpStream::connect(addr).await?;
+    stream.set_nodelay(true)?;
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(conn);
+    Ok(sender)
+}
+
+async fn send(
+    sender: &mut Sender,
+    path: &str,
+    body: &Bytes,
+    key: Option<&str>,
+) -> Result<StatusCode, BoxError> {
+    let mut request = Request::post(path)
+        .header(header::HOST, "127.0.0.1")
+        .header(header::CONTENT_TYPE, "application/json");
+    if let Some(key) = key {
+        request = request.header("idempotency-key", HeaderValue::from_str(key)?);
+    }
+    let request = request.body(Full::new(body.clone()))?;
+    sender.ready().await?;
+    let response = sender.send_request(request).await?;
+    let status = response.status();
+    response.into_body().collect().await?;
+    Ok(status)
+}
+
+/// Runs `plan.conns` connections, each sending requests back to back until the time is up.
+async fn drive(plan: &Plan, progress: Option<Arc<AtomicU64>>) -> Result<Sample, BoxError> {
+    let started = Instant::now();
+    let deadline = started + plan.duration;
+    let total = Arc::new(AtomicU64::new(0));
+    let mut workers = Vec::with_capacity(plan.conns);
+    for worker in 0..plan.conns {
+        let plan = plan.clone();
+        let total = Arc::clone(&total);
+        let progress = progress.clone();
+        workers.push(tokio::spawn(async move {
+            let mut sender = connect(plan.addr).await?;
+            let mut sample = Sample::default();
+            let fixed = format!("{}-fixed", plan.key_prefix);
+            let mut seq = 0_u64;
+            while Instant::now() < deadline {
+                if let Some(limit) = plan.limit
+                    && total.fetch_add(1, Ordering::Relaxed) >= limit
+                {
+                    break;
+                }
+                let key = match plan.keys {
+                    Keys::None => None,
+                    Keys::Fresh => Some(format!("{}-{worker}-{seq}", plan.key_prefix)),
+                    Keys::Fixed => Some(fixed.clone()),
+                };
+                seq += 1;
+                let sent = Instant::now();
+                let status = send(&mut sender, plan.path, &plan.body, key.as_deref()).await?;
+                if plan.record_latency {
+                    sample
+                        .latencies_us
+                        .push(u32::try_from(sent.elapsed().as_micros()).unwrap_or(u32::MAX));
+                }
+                sample.requests += 1;
+                if !status.is_success() {
+                    sample.unexpected += 1;
+                }
+                if let Some(progress) = &progress {
+                    progress.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Ok::<_, BoxError>(sample)
+        }));
+    }
+    let mut merged = Sample::default();
+    for worker in workers {
+        merged.merge(worker.await??);
+    }
+    merged.elapsed = started.elapsed();
+    Ok(merged)
+}
+
+/// `STORM` connections send the same fresh key at the same moment, round after round.
+async fn storm(plan: &Plan) -> Result<(Sample, u64), BoxError> {
+    const STOP: u64 = u64::MAX;
+    let start = Arc::new(Barrier::new(STORM + 1));
+    let done = Arc::new(Barrier::new(STORM + 1));
+    let round = Arc::new(AtomicU64::new(0));
+    let mut workers = Vec::with_capacity(STORM);
+    for _ in 0..STORM {
+        let (plan, start, done, round) = (
+            plan.clone(),
+            Arc::clone(&start),
+            Arc::clone(&done),
+            Arc::clone(&round),
+        );
+        workers.push(tokio::spawn(async move {
+            let mut sender = connect(plan.addr).await;
+            let mut sample = Sample::default();
+            loop {
+                start.wait().await;
+                let r = round.load(Ordering::SeqCst);
+                if r == STOP {
+                    break;
+                }
+                // A failed connection still takes part in the barriers, or the storm hangs.
+                if let Ok(sender) = sender.as_mut() {
+                    let key = format!("{}-storm-{r}", plan.key_prefix);
+                    let sent = Instant::now();
+                    match send(sender, plan.path, &plan.body, Some(&key)).await {
+                        Ok(status) if status.is_success() => {}
+                        _ => sample.unexpected += 1,
+                    }
+                    sample
+                        .latencies_us
+                        .push(u32::try_from(sent.elapsed().as_micros()).unwrap_or(u32::MAX));
+                    sample.requests += 1;
+                }
+                done.wait().await;
+            }
+            let _ = sender?;
+            Ok::<_, BoxError>(sample)
+        }));
+    }
+    let started = Instant::now();
+    let mut rounds = 0_u64;
+    loop {
+        let stop = started.elapsed() >= plan.duration;
+        round.store(if stop { STOP } else { rounds }, Ordering::SeqCst);
+        start.wait().await;
+        if stop {
+            break;
+        }
+        done.wait().await;
+        rounds += 1;
+    }
+    let mut merged = Sample::default();
+    for worker in workers {
+        merged.merge(worker.await??);
+    }
+    merged.elapsed = started.elapsed();
+    Ok((merged, rounds))
+}
+
+/// Statements and wire round trips per request, over `n` sequential requests on one connection.
+async fn count_per_request(
+    addr: SocketAddr,
+    path: &'static str,
+    keys: Keys,
+    prefix: &str,
+    n: usize,
+    wire: Option<&AtomicU64>,
+) -> Result<(f64, Option<f64>), BoxError> {
+    let body = Bytes::from_static(ORDER_BODY.as_bytes());
+    let mut sender = connect(addr).await?;
+    let key = |i: usize| match keys {
+        Keys::None => None,
+        Keys::Fresh => Some(format!("{prefix}-{i}")),
+        Keys::Fixed => Some(format!("{prefix}-fixed")),
+    };
+    // Warm up: connections opened, statements prepared, the replayed record written.
+    for i in 0..20 {
+        send(&mut sender, path, &body, key(i).as_deref()).await?;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    STATEMENTS.store(0, Ordering::SeqCst);
+    if let Some(wire) = wire {
+        wire.store(0, Ordering::SeqCst);
+    }
+    COUNTING.store(true, Ordering::SeqCst);
+    for i in 20..20 + n {
+        let status = send(&mut sender, path, &body, key(i).as_deref()).await?;
+        if !status.is_success() {
+            return Err(format!("{path}: {status} while counting").into());
+        }
+    }
+    // The pool tests a connection as it takes it back, after the response: wait for that too.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    COUNTING.store(false, Ordering::SeqCst);
+    let statements = STATEMENTS.load(Ordering::SeqCst) as f64 / n as f64;
+    let trips = wire.map(|w| w.load(Ordering::SeqCst) as f64 / n as f64);
+    Ok((statements, trips))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Servers and backends.
+
+async fn serve(router: Router) -> std::io::Result<SocketAddr> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        if let Err(error) = axum::serve(listener, router).await {
+            eprintln!("server failed: {error}");
+        }
+    });
+    Ok(addr)
+}
+
+type CountOrders = Box<dyn Fn(&Runtime) -> Result<i64, BoxError>>;
+
+struct Backend {
+    name: &'static str,
+    addr: SocketAddr,
+    /// The same app on a pool that goes through the counting proxy, where there is a wire.
+    counting_addr: SocketAddr,
+    wire: Option<Arc<AtomicU64>>,
+    orders: CountOrders,
+    note: String,
+}
+
+#[cfg(feature = "sqlite")]
+fn sqlite_backend(
+    server: &Runtime,
+    dir: &std::path::Path,
+    test_before_acquire: bool,
+) -> Result<Backend, BoxError> {
+    use sqlx::sqlite::{
+        SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous,
+    };
+    let options = SqliteConnectOptions::new()
+        .filename(dir.join("bench.db"))
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Normal);
+    server.block_on(async {
+        let pool = SqlitePoolOptions::new()
+            .max_connections(8)
+            .test_before_acquire(test_before_acquire)
+            .connect_with(options)
+            .await?;
+        sqlx::raw_sql(sqlite_app::SCHEMA).execute(&pool).await?;
+        axum_idempotency::Store::migrate(&axum_idempotency::SqliteStore::new(pool.clone())).await?;
+        let addr = serve(sqlite_app::router(pool.clone())).await?;
+        let orders: CountOrders = Box::new(move |rt: &Runtime| {
+            let pool = pool.clone();
+            rt.block_on(async move {
+                Ok(sqlx::query_scalar("SELECT COUNT(*) FROM orders")
+                    .fetch_one(&pool)
+                    .await?)
+            })
+        });
+        Ok(Backend {
+            name: "sqlite",
+            addr,
+            counting_addr: addr,
+            wire: None,
+            orders,
+            note: format!(
+                "file in a temp dir, WAL, synchronous=NORMAL, pool of 8, test_before_acquire={test_before_acquire}"
+            ),
+        })
+    })
+}
+
+#[cfg(feature = "postgres")]
+fn postgres_backend(
+    server: &Runtime,
+    url: &str,
+    run: &str,
+    test_before_acquire: bool,
+) -> Result<Backend, BoxError> {
+    use std::str::FromStr;
+
+    use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+    let schema = format!("bench_http_{run}");
+    let base = PgConnectOptions::from_str(url)?;
+    server.block_on(async {
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(base.clone())
+            .await?;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+            .execute(&admin)
+            .await?;
+        let options = base.clone().options([("search_path", schema.as_str())]);
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .test_before_acquire(test_before_acquire)
+            .connect_with(options.clone())
+            .await?;
+        sqlx::raw_sql(postgres_app::SCHEMA).execute(&pool).await?;
+        axum_idempotency::Store::migrate(&axum_idempotency::PgStore::new(pool.clone())).await?;
+        let addr = serve(postgres_app::router(pool.clone())).await?;
+
+        let upstream = tokio::net::lookup_host((base.get_host(), base.get_port()))
+            .await?
+            .next()
+            .ok_or("cannot resolve the database host")?;
+        let wire = Arc::new(AtomicU64::new(0));
+        let proxy = counting_proxy(upstream, Arc::clone(&wire)).await?;
+        let counted = PgPoolOptions::new()
+            .max_connections(4)
+            .test_before_acquire(test_before_acquire)
+            .connect_with(options.host("127.0.0.1").port(proxy.port()))
+            .await?;
+        let counting_addr = serve(postgres_app::router(counted)).await?;
+
+        let orders: CountOrders = Box::new(move |rt: &Runtime| {
+            let pool = pool.clone();
+            rt.block_on(async move {
+                Ok(sqlx::query_scalar("SELECT COUNT(*) FROM orders")
+                    .fetch_one(&pool)
+                    .await?)
+            })
+        });
+        Ok(Backend {
+            name: "postgres",
+            addr,
+            counting_addr,
+            wire: Some(wire),
+            orders,
+            note: format!(
+                "server on loopback, schema {schema}, pool of 16, sqlx defaults otherwise"
+            ),
+        })
+    })
+}
+
+#[cfg(feature = "postgres")]
+fn drop_postgres_schema(server: &Runtime, url: &str, run: &str) -> Result<(), BoxError> {
+    server.block_on(async {
+        let admin = sqlx::PgPool::connect(url).await?;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP SCHEMA IF EXISTS bench_http_{run} CASCADE"
+        )))
+        .execute(&admin)
+        .await?;
+        Ok(())
+    })
+}
+
+/// The middleware alone: an empty handler with and without the layer, 1 KiB JSON bodies. The
+/// layer needs a store; it is SQLite on tmpfs (`/dev/shm` where it exists), WAL, no fsync,
+/// pool of 8 without the pre-acquire ping: the nearest to no database a keyed request can get.
+#[cfg(feature = "sqlite")]
+fn noop_app(server: &Runtime, dir: &std::path::Path) -> Result<SocketAddr, BoxError> {
+    use axum_idempotency::{IdempotencyLayer, SqliteStore, Store};
+    use sqlx::sqlite::{
+        SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous,
+    };
+
+    async fn noop(_body: Bytes) -> StatusCode {
+        StatusCode::OK
+    }
+
+    let options = SqliteConnectOptions::new()
+        .filename(dir.join("noop.db"))
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Off);
+    server.block_on(async {
+        let pool = SqlitePoolOptions::new()
+            .max_connections(8)
+            .test_before_acquire(false)
+            .connect_with(options)
+            .await?;
+        let store = SqliteStore::new(pool);
+        store.migrate().await?;
+        let layer = IdempotencyLayer::new(store).allow_anonymous();
+        let keyed = Router::new()
+            .route("/noop-layer", post(noop))
+            .route_layer(layer.clone());
+        let optional = Router::new()
+            .route("/noop-optional", post(noop))
+            .route_layer(layer.key_optional());
+        let router = Router::new()
+            .route("/noop", post(noop))
+            .merge(keyed)
+            .merge(optional);
+        Ok(serve(router).await?)
+    })
+}
+
+fn json_body(len: usize) -> Bytes {
+    let head = r#"{"customer":"c-42","items":[{"sku":"widget","qty":3},{"sku":"gadget","qty":1}],"sku":"widget","qty":3,"note":""#;
+    let tail = "\"}";
+    let pad = len.saturating_sub(head.len() + tail.len());
+    let mut body = String::with_capacity(len);
+    body.push_str(head);
+    body.extend(std::iter::repeat_n('x', pad));
+    body.push_str(tail);
+    Bytes::from(body)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Report.
+
+struct Row {
+    group: String,
+    scenario: String,
+    conns: usize,
+    sample: Sample,
+    note: String,
+}
+
+struct Ratio {
+    what: String,
+    value: f64,
+    target: Option<f64>,
+}
+
+#[derive(Default)]
+struct Report {
+    rows: Vec<Row>,
+    ratios: Vec<Ratio>,
+    trips: Vec<String>,
+    notes: Vec<String>,
+    memory: Vec<String>,
+    soak: Vec<String>,
+}
+
+impl Report {
+    fn rps(&self, group: &str, scenario: &str) -> Option<f64> {
+        self.rows
+            .iter()
+            .find(|r| r.group == group && r.scenario == scenario)
+            .map(|r| r.sample.rps())
+    }
+
+    fn ratio(&mut self, group: &str, what: &str, over: &str, target: Option<f64>) {
+        if let (Some(a), Some(b)) = (self.rps(group, what), self.rps(group, over)) {
+            self.ratios.push(Ratio {
+                what: format!("{group}: {what} / {over}"),
+                value: a / b,
+                target,
+            });
+        }
+    }
+
+    fn print(&mut self) {
+        println!("\n## Throughput and latency\n");
+        println!(
+            "| backend | scenario | conns | requests | req/s | p50 ms | p99 ms | peak RSS MiB | non-2xx | note |"
+        );
+        println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---|");
+        for row in &mut self.rows {
+            let (p50, p99) = (
+                row.sample.percentile_ms(0.50),
+                row.sample.percentile_ms(0.99),
+            );
+            println!(
+                "| {} | {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.1} | {} | {} |",
+                row.group,
+                row.scenario,
+                row.conns,
+                row.sample.requests,
+                row.sample.rps(),
+                p50,
+                p99,
+                row.sample.peak_mib,
+                row.sample.unexpected,
+                row.note
+            );
+        }
+        println!("\n## Ratios (same run)\n");
+        println!("| ratio | measured | target | met |");
+        println!("|---|---:|---:|---|");
+        for ratio in &self.ratios {
+            let (target, met) = match ratio.target {
+                Some(t) => (
+                    format!("≥ {t:.2}"),
+                    if ratio.value >= t { "yes" } else { "**no**" },
+                ),
+                None => ("–".into(), ""),
+            };
+            println!("| {} | {:.2} | {target} | {met} |", ratio.what, ratio.value);
+        }
+        if !self.trips.is_empty() {
+            println!("\n## Database work per request\n");
+            println!(
+                "| backend | scenario | statements logged by sqlx / req | wire round trips / req |"
+            );
+            println!("|---|---|---:|---:|");
+            for line in &self.trips {
+                println!("{line}");
+            }
+        }
+        for (title, lines) in [
+            ("Memory: concurrent 1 MiB requests", &self.memory),
+            ("Soak: RSS over a long run", &self.soak),
+            ("Notes", &self.notes),
+        ] {
+            if !lines.is_empty() {
+                println!("\n## {title}\n");
+                for line in lines {
+                    println!("{line}");
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+fn main() -> Result<(), BoxError> {
+    let settings = Settings::from_env();
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(StatementCounter))?;
+    let server = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("bench-server")
+        .enable_all()
+        .build()?;
+    let client = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("bench-load")
+        .enable_all()
+        .build()?;
+    let run = format!("{}_{}", std::process::id(), now_ms());
+    let peak = PeakRss::start();
+    let mut report = Report::default();
+    let dir = std::env::temp_dir().join(format!("axum-idempotency-bench-{run}"));
+    std::fs::create_dir_all(&dir)?;
+
+    println!(
+        "# cargo bench --bench http — {} s × {} rounds per scenario, {} connections",
+        settings.secs, settings.rounds, settings.conns
+    );
+    let mut backends = Vec::new();
+    let mut postgres_used = false;
+    for name in &settings.backends {
+        match name.as_str() {
+            #[cfg(feature = "sqlite")]
+            "sqlite" => backends.push(sqlite_backend(&server, &dir, settings.test_before_acquire)?),
+            #[cfg(feature = "postgres")]
+            "postgres" => {
+                backends.push(postgres_backend(
+                    &server,
+                    &settings.database_url,
+                    &run,
+                    settings.test_before_acquire,
+                )?);
+                postgres_used = true;
+            }
+            #[cfg(not(feature = "sqlite"))]
+            "sqlite" => report.notes.push(skipped_feature(name)),
+            #[cfg(not(feature = "postgres"))]
+            "postgres" => report.notes.push(skipped_feature(name)),
+            "mysql" => report.notes.push(
+                "- mysql: skipped, this build of the crate has no MySQL backend (no `mysql` feature)."
+                    .into(),
+            ),
+            other => report.notes.push(format!("- {other}: skipped, unknown backend.")),
+        }
+    }
+
+    for backend in &backends {
+        run_backend(
+            &settings,
+            &server,
+            &client,
+            &peak,
+            &run,
+            backend,
+            &mut report,
+        )?;
+    }
+    #[cfg(feature = "sqlite")]
+    run_noop(&settings, &server, &client, &peak, &run, &mut report)?;
+    if let Some(backend) = backends.first() {
+        run_big_bodies(&settings, &client, &peak, &run, backend, &mut report)?;
+    }
+    if let Some(backend) = backends
+        .iter()
+        .find(|b| b.name == "postgres")
+        .or(backends.first())
+    {
+        run_soak(&settings, &client, &run, backend, &mut report)?;
+    }
+
+    for backend in &backends {
+        report
+            .notes
+            .push(format!("- {}: {}.", backend.name, backend.note));
+    }
+    report.notes.push(
+        "- Statements are sqlx's own `sqlx::query` events, counted by a tracing layer; sqlx does \
+         not log transaction control on SQLite (BEGIN, COMMIT) nor a custom BEGIN on PostgreSQL. \
+         Wire round trips are counted by a TCP proxy between the pool and PostgreSQL: one per \
+         answer that follows a client send, so pool pings (sqlx tests a connection when it hands \
+         it out and again when it takes it back) count too. Both over sequential requests on one \
+         connection, after a warm-up."
+            .into(),
+    );
+    report.notes.push(format!(
+        "- Peak RSS is the whole process (servers and load generator): {}.",
+        peak.source()
+    ));
+    report.print();
+
+    let _ = std::fs::remove_dir_all(&dir);
+    #[cfg(feature = "postgres")]
+    if postgres_used {
+        drop_postgres_schema(&server, &settings.database_url, &run)?;
+    }
+    let _ = postgres_used;
+    Ok(())
+}
+
+#[cfg(not(all(feature = "sqlite", feature = "postgres")))]
+fn skipped_feature(name: &str) -> String {
+    format!("- {name}: skipped, this build lacks the `{name}` feature (add `--features {name}`).")
+}
+
+fn measure_rounds(
+    settings: &Settings,
+    client: &Runtime,
+    peak: &PeakRss,
+    plans: &[(&str, Plan)],
+) -> Result<Vec<Sample>, BoxError> {
+    let mut samples: Vec<Sample> = plans.iter().map(|_| Sample::default()).collect();
+    for round in 0..settings.rounds {
+        for ((name, plan), total) in plans.iter().zip(&mut samples) {
+            let mut plan = plan.clone();
+            plan.key_prefix = format!("{}-{name}-r{round}", plan.key_prefix);
+            if plan.keys == Keys::Fixed {
+                // One key for all rounds: only the very first request executes.
+                plan.key_prefix = format!("{}-{name}", plans[0].1.key_prefix);
+            }
+            // Warm up off the clock (connections, prepared statements, the replayed record).
+            let mut warm = plan.clone();
+            warm.duration = Duration::from_millis(300);
+            warm.key_prefix = format!("{}-warm", plan.key_prefix);
+            if plan.keys == Keys::Fixed {
+                warm.key_prefix = plan.key_prefix.clone();
+            }
+            client.block_on(drive(&warm, None))?;
+            peak.reset();
+            let mut sample = client.block_on(drive(&plan, None))?;
+            sample.peak_mib = peak.peak_mib();
+            total.merge(sample);
+        }
+    }
+    Ok(samples)
+}
+
+fn run_backend(
+    settings: &Settings,
+    server: &Runtime,
+    client: &Runtime,
+    peak: &PeakRss,
+    run: &str,
+    backend: &Backend,
+    report: &mut Report,
+) -> Result<(), BoxError> {
+    let name = backend.name;
+    eprintln!("[{name}] throughput…");
+    let base = Plan {
+        addr: backend.addr,
+        path: "/bare",
+        body: Bytes::from_static(ORDER_BODY.as_bytes()),
+        keys: Keys::None,
+        key_prefix: format!("{run}-{name}"),
+        conns: settings.conns,
+        duration: settings.duration(),
+        limit: None,
+        record_latency: true,
+    };
+    let plans = [
+        ("bare", base.clone()),
+        (
+            "manual",
+            Plan {
+                path: "/manual",
+                keys: Keys::Fresh,
+                ..base.clone()
+            },
+        ),
+        (
+            "layer-fresh",
+            Plan {
+                path: "/layer",
+                keys: Keys::Fresh,
+                ..base.clone()
+            },
+        ),
+        (
+            "layer-replay",
+            Plan {
+                path: "/layer",
+                keys: Keys::Fixed,
+                ..base.clone()
+            },
+        ),
+    ];
+    let samples = measure_rounds(settings, client, peak, &plans)?;
+    for ((scenario, _), sample) in plans.iter().zip(samples) {
+        report.rows.push(Row {
+            group: name.into(),
+            scenario: (*scenario).into(),
+            conns: settings.conns,
+            sample,
+            note: String::new(),
+        });
+    }
+
+    eprintln!("[{name}] storm…");
+    let before = (backend.orders)(server)?;
+    let storm_plan = Plan {
+        path: "/layer",
+        duration: settings.duration().mul_f64(settings.rounds as f64),
+        key_prefix: format!("{run}-{name}-storm"),
+        ..base.clone()
+    };
+    peak.reset();
+    let (mut sample, keys) = client.block_on(storm(&storm_plan))?;
+    sample.peak_mib = peak.peak_mib();
+    let executed = (backend.orders)(server)? - before;
+    report.rows.push(Row {
+        group: name.into(),
+        scenario: "layer-storm".into(),
+        conns: STORM,
+        sample,
+        note: format!("{keys} keys × {STORM} duplicates; orders inserted: {executed}"),
+    });
+
+    report.ratio(name, "manual", "bare", None);
+    report.ratio(name, "layer-fresh", "manual", Some(0.85));
+    report.ratio(name, "layer-fresh", "bare", None);
+    report.ratio(name, "layer-replay", "bare", Some(1.5));
+
+    eprintln!("[{name}] counting round trips…");
+    let wire = backend.wire.as_deref();
+    for (scenario, path, keys) in [
+        ("bare", "/bare", Keys::None),
+        ("manual", "/manual", Keys::Fresh),
+        ("layer-fresh", "/layer", Keys::Fresh),
+        ("layer-replay", "/layer", Keys::Fixed),
+    ] {
+        let prefix = format!("{run}-{name}-count-{scenario}");
+        let (statements, trips) = client.block_on(count_per_request(
+            backend.counting_addr,
+            path,
+            keys,
+            &prefix,
+            settings.trips,
+            wire,
+        ))?;
+        let trips = trips.map_or_else(|| "– (in-process)".into(), |t| format!("{t:.2}"));
+        report.trips.push(format!(
+            "| {name} | {scenario} | {statements:.2} | {trips} |"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(feature = "sqlite")]
+fn run_noop(
+    settings: &Settings,
+    server: &Runtime,
+    client: &Runtime,
+    peak: &PeakRss,
+    run: &str,
+    report: &mut Report,
+) -> Result<(), BoxError> {
+    eprintln!("[noop] throughput…");
+    let shm = std::path::Path::new("/dev/shm");
+    let dir = if shm.is_dir() {
+        shm.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    }
+    .join(format!("axum-idempotency-bench-{run}"));
+    std::fs::create_dir_all(&dir)?;
+    let addr = noop_app(server, &dir);
+    let addr = addr?;
+    let base = Plan {
+        addr,
+        path: "/noop",
+        body: json_body(1024),
+        keys: Keys::None,
+        key_prefix: format!("{run}-noop"),
+        conns: settings.conns,
+        duration: settings.duration(),
+        limit: None,
+        record_latency: true,
+    };
+    let plans = [
+        ("noop", base.clone()),
+        (
+            "noop-layer-nokey",
+            Plan {
+                path: "/noop-optional",
+                ..base.clone()
+            },
+        ),
+        (
+            "noop-layer-replay",
+            Plan {
+                path: "/noop-layer",
+                keys: Keys::Fixed,
+                ..base.clone()
+            },
+        ),
+        (
+            "noop-layer-fresh",
+            Plan {
+                path: "/noop-layer",
+                keys: Keys::Fresh,
+                ..base.clone()
+            },
+        ),
+    ];
+    let samples = measure_rounds(settings, client, peak, &plans)?;
+    let notes = [
+        "no layer",
+        "layer, no key (key_optional): pass-through",
+        "layer, one key: parse, buffer, fingerprint, 1 indexed read (tmpfs SQLite), replay",
+        "layer, new keys: full claim/record on tmpfs SQLite",
+    ];
+    for (((scenario, _), sample), note) in plans.iter().zip(samples).zip(notes) {
+        report.rows.push(Row {
+            group: "noop 1 KiB".into(),
+            scenario: (*scenario).into(),
+            conns: settings.conns,
+            sample,
+            note: note.into(),
+        });
+    }
+    report.ratio("noop 1 KiB", "noop-layer-replay", "noop", Some(0.8));
+    report.ratio("noop 1 KiB", "noop-layer-fresh", "noop", Some(0.8));
+    report.ratio("noop 1 KiB", "noop-layer-nokey", "noop", None);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+fn run_big_bodies(
+    settings: &Settings,
+    client: &Runtime,
+    peak: &PeakRss,
+    run: &str,
+    backend: &Backend,
+    report: &mut Report,
+) -> Result<(), BoxError> {
+    const MIB: usize = 1024 * 1024;
+    eprintln!("[memory] {} concurrent 1 MiB requests…", settings.big);
+    let body = json_body(MIB);
+    let name = backend.name;
+    report.memory.push(format!(
+        "{} connections, each sending 1 MiB JSON bodies (the layer's default limit is 1 MiB) \
+         back to back for {} s, on {name}:\n",
+        settings.big, settings.secs
+    ));
+    report
+        .memory
+        .push("| route | requests | non-2xx | RSS before MiB | peak RSS MiB | peak − before, MiB per in-flight request |".into());
+    report.memory.push("|---|---:|---:|---:|---:|---:|".into());
+    for (label, path, keys) in [
+        ("bare", "/bare", Keys::None),
+        ("layer-fresh", "/layer", Keys::Fresh),
+    ] {
+        let plan = Plan {
+            addr: backend.addr,
+            path,
+            body: body.clone(),
+            keys,
+            key_prefix: format!("{run}-{name}-big-{label}"),
+            conns: settings.big,
+            duration: settings.duration(),
+            limit: None,
+            record_latency: false,
+        };
+        let before = rss_mib();
+        peak.reset();
+        let sample = client.block_on(drive(&plan, None))?;
+        let top = peak.peak_mib();
+        report.memory.push(format!(
+            "| {label} | {} | {} | {before:.1} | {top:.1} | {:.2} |",
+            sample.requests,
+            sample.unexpected,
+            (top - before) / settings.big as f64
+        ));
+    }
+    Ok(())
+}
+
+fn run_soak(
+    settings: &Settings,
+    client: &Runtime,
+    run: &str,
+    backend: &Backend,
+    report: &mut Report,
+) -> Result<(), BoxError> {
+    let name = backend.name;
+    eprintln!(
+        "[soak] layer-fresh on {name}, up to {} requests or {} s…",
+        settings.soak_requests, settings.soak_secs
+    );
+    let plan = Plan {
+        addr: backend.addr,
+        path: "/layer",
+        body: Bytes::from_static(ORDER_BODY.as_bytes()),
+        keys: Keys::Fresh,
+        key_prefix: format!("{run}-{name}-soak"),
+        conns: settings.conns,
+        duration: Duration::from_secs_f64(settings.soak_secs),
+        limit: Some(settings.soak_requests),
+        // Recording latencies would itself grow memory by 4 bytes a request.
+        record_latency: false,
+    };
+    let progress = Arc::new(AtomicU64::new(0));
+    let watched = Arc::clone(&progress);
+    let finished = Arc::new(AtomicBool::new(false));
+    let stop = Arc::clone(&finished);
+    let every = Duration::from_secs_f64((settings.soak_secs / 10.0).max(0.5));
+    let sampler = std::thread::spawn(move || {
+        let mut points = vec![(0, rss_mib())];
+        while !stop.load(Ordering::Relaxed) {
+            std::thread::sleep(every);
+            points.push((watched.load(Ordering::Relaxed), rss_mib()));
+        }
+        points
+    });
+    let sample = client.block_on(drive(&plan, Some(progress)));
+    finished.store(true, Ordering::Relaxed);
+    let points = sampler.join().map_err(|_| "the RSS sampler panicked")?;
+    let sample = sample?;
+    report.soak.push(format!(
+        "layer-fresh on {name}, {} connections: {} requests in {:.0} s ({:.0} req/s), {} non-2xx \
+         (target 1000000 requests; `BENCH_SOAK_SECS` / `BENCH_SOAK_REQUESTS` set the length).\n",
+        settings.conns,
+        sample.requests,
+        sample.elapsed.as_secs_f64(),
+        sample.rps(),
+        sample.unexpected
+    ));
+    report.soak.push("| requests so far | VmRSS MiB |".into());
+    report.soak.push("|---:|---:|".into());
+    for (requests, rss) in &points {
+        report.soak.push(format!("| {requests} | {rss:.1} |"));
+    }
+    // Growth between the first sample after warm-up (10 %) and the last.
+    if let (Some(first), Some(last)) = (points.get(1), points.last())
+        && last.0 > first.0
+    {
+        let per_100k = (last.1 - first.1) / (last.0 - first.0) as f64 * 100_000.0;
+        report.soak.push(format!(
+            "\nGrowth from {} to {} requests: {:+.1} MiB ({per_100k:+.2} MiB per 100k requests).",
+            first.0,
+            last.0,
+            last.1 - first.1
+        ));
+    }
+    Ok(())
+}

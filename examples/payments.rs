@@ -1,0 +1,523 @@
+//! Payments that charge the provider exactly once, whatever fails in between.
+//!
+//! ```text
+//! cargo run --example payment_provider &
+//! cargo run --example payments --features outbox
+//! curl -i -X POST http://127.0.0.1:3001/payments \
+//!      -H 'Authorization: Bearer alice-token' -H 'Idempotency-Key: 6d1c8a52-…' \
+//!      -H 'Content-Type: application/json' \
+//!      -d '{"order_id":"o-1","amount":12.5,"currency":"EUR","payee":"acme"}'
+//! ```
+//!
+//! `POST /payments` never calls the provider. It writes the payment and an outbox message in
+//! the request's transaction — the one that also holds the idempotency claim — and answers
+//! `202 Accepted` with `{ id, status: "pending" }`. A dispatcher task sends the charge after the
+//! commit with a downstream key derived from the request's scoped key, so retries, resends and
+//! crashes all reach the provider as one charge. `GET /payments/{id}` shows `pending`,
+//! `succeeded` (with the provider's charge id) or `failed` (with the reason).
+//!
+//! Environment: `BIND` (default `127.0.0.1:3001`), `DATABASE_URL` (default
+//! `sqlite:payments.db`; `postgres://…` switches), `PROVIDER_URL` (default
+//! `http://127.0.0.1:4000`), `DISPATCHERS` (dispatcher tasks, default 1; 0 only accepts
+//! payments), `PROVIDER_LOOKUP=off` (resend on an unknown outcome without looking the charge up
+//! first), and `OUTBOX_POLL_MS`, `OUTBOX_SEND_TIMEOUT_MS`, `OUTBOX_LOOKUP_GRACE_MS`,
+//! `OUTBOX_MAX_ATTEMPTS`, `OUTBOX_BACKOFF_MS` to tune the dispatcher.
+//!
+//! Users: `Authorization: Bearer alice-token` (alice) or `bob-token` (bob); anything else is 401.
+
+use std::borrow::Cow;
+use std::str::FromStr;
+use std::time::Duration;
+
+use axum::extract::{FromRequestParts, Path, State};
+use axum::http::request::Parts;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router, middleware};
+use axum_idempotency::outbox::{
+    Backend, DispatchWaker, Dispatcher, DownstreamKey, LookupOutcome, Message, MessageId, Outbox,
+    Record, SendOutcome, Sender, Status,
+};
+use axum_idempotency::{
+    Dialect, IDEMPOTENCY_KEY, IdempotencyContext, IdempotencyLayer, Principal, SqlStore, Store, Tx,
+};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Type};
+use tokio::sync::watch;
+
+const CHARGE_TOPIC: &str = "payments.charge";
+
+/// The authenticated caller; the idempotency layer scopes keys to it.
+#[derive(Clone, Debug)]
+struct AuthUser(&'static str);
+
+impl<S: Send + Sync> FromRequestParts<S> for AuthUser {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        let token = parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.strip_prefix("Bearer "));
+        match token {
+            Some("alice-token") => Ok(Self("alice")),
+            Some("bob-token") => Ok(Self("bob")),
+            _ => Err(problem(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "a valid bearer token is required",
+            )),
+        }
+    }
+}
+
+impl Principal for AuthUser {
+    fn principal_id(&self) -> Cow<'_, str> {
+        Cow::Borrowed(self.0)
+    }
+}
+
+/// The SQL that differs between the databases this example runs on; the queries themselves
+/// are portable (SQLite accepts `$1` placeholders too).
+trait PaymentsDb: Backend + Dialect {
+    const SCHEMA: &'static str;
+}
+
+impl PaymentsDb for sqlx::Sqlite {
+    const SCHEMA: &'static str = "CREATE TABLE IF NOT EXISTS payments (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        owner TEXT NOT NULL,
+        order_id TEXT NOT NULL,
+        amount TEXT NOT NULL,
+        currency TEXT NOT NULL,
+        payee TEXT NOT NULL,
+        outbox_id BIGINT NOT NULL
+    )";
+}
+
+#[cfg(feature = "postgres")]
+impl PaymentsDb for sqlx::Postgres {
+    const SCHEMA: &'static str = "CREATE TABLE IF NOT EXISTS payments (
+        id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        owner TEXT NOT NULL,
+        order_id TEXT NOT NULL,
+        amount TEXT NOT NULL,
+        currency TEXT NOT NULL,
+        payee TEXT NOT NULL,
+        outbox_id BIGINT NOT NULL
+    )";
+}
+
+struct AppState<DB: PaymentsDb> {
+    pool: Pool<DB>,
+    outbox: Outbox<DB>,
+}
+
+impl<DB: PaymentsDb> Clone for AppState<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            outbox: self.outbox.clone(),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct NewPayment {
+    order_id: String,
+    amount: Value,
+    currency: String,
+    payee: String,
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+        .init();
+    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "sqlite:payments.db".into());
+    if url.starts_with("postgres") {
+        #[cfg(feature = "postgres")]
+        {
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(16)
+                .connect(&url)
+                .await?;
+            return serve(pool).await;
+        }
+        #[cfg(not(feature = "postgres"))]
+        return Err("DATABASE_URL is postgres://…, build with --features postgres".into());
+    } else {
+        let options = SqliteConnectOptions::from_str(&url)?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal);
+        let pool = SqlitePoolOptions::new().connect_with(options).await?;
+        serve(pool).await
+    }
+}
+
+async fn serve<DB>(pool: Pool<DB>) -> Result<(), Box<dyn std::error::Error>>
+where
+    DB: PaymentsDb,
+    SqlStore<DB>: Store,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> <DB as Database>::Arguments: IntoArguments<DB>,
+    for<'e> &'e Pool<DB>: Executor<'e, Database = DB>,
+    for<'q> String: Encode<'q, DB> + Type<DB>,
+    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'r> String: Decode<'r, DB>,
+    &'static str: ColumnIndex<DB::Row>,
+    usize: ColumnIndex<DB::Row>,
+{
+    let store = SqlStore::new(pool.clone());
+    store.migrate().await?;
+    let outbox = Outbox::new(pool.clone());
+    outbox.migrate().await?;
+    sqlx::query(DB::SCHEMA).execute(&pool).await?;
+
+    let (stop, stopped) = watch::channel(false);
+    let mut dispatchers = Vec::new();
+    let mut wakers = Vec::new();
+    for _ in 0..env_or("DISPATCHERS", 1u32) {
+        let dispatcher = dispatcher(outbox.clone());
+        wakers.push(dispatcher.waker());
+        let mut stopped = stopped.clone();
+        dispatchers.push(tokio::spawn(dispatcher.run(async move {
+            let _ = stopped.wait_for(|stop| *stop).await;
+        })));
+    }
+
+    let state = AppState { pool, outbox };
+    let app = Router::new()
+        .route("/payments", post(create_payment::<DB>))
+        .route_layer(IdempotencyLayer::new(store).principal::<AuthUser>())
+        // Outside the idempotency layer, so it runs after the commit: a dispatcher woken
+        // earlier would find nothing to send yet.
+        .route_layer(middleware::map_response(move |response: Response| {
+            let wakers = wakers.clone();
+            async move {
+                if response.status() == StatusCode::ACCEPTED {
+                    wakers.iter().for_each(DispatchWaker::wake);
+                }
+                response
+            }
+        }))
+        .route("/payments/{id}", get(show_payment::<DB>))
+        .with_state(state);
+
+    let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3001".into());
+    let listener = tokio::net::TcpListener::bind(&bind).await?;
+    println!("payments listening on http://{}", listener.local_addr()?);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    let _ = stop.send(true);
+    for dispatcher in dispatchers {
+        let _ = dispatcher.await;
+    }
+    Ok(())
+}
+
+fn dispatcher<DB: PaymentsDb>(outbox: Outbox<DB>) -> Dispatcher<DB, Provider> {
+    let provider = Provider {
+        client: Client::builder(TokioExecutor::new()).build_http(),
+        base: std::env::var("PROVIDER_URL").unwrap_or_else(|_| "http://127.0.0.1:4000".into()),
+        lookup: std::env::var("PROVIDER_LOOKUP").as_deref() != Ok("off"),
+    };
+    let millis = |name, default| Duration::from_millis(env_or(name, default));
+    Dispatcher::new(outbox, provider)
+        .poll_interval(millis("OUTBOX_POLL_MS", 500))
+        .send_timeout(millis("OUTBOX_SEND_TIMEOUT_MS", 5_000))
+        .lookup_grace(millis("OUTBOX_LOOKUP_GRACE_MS", 10_000))
+        .max_attempts(env_or("OUTBOX_MAX_ATTEMPTS", 10))
+        .backoff(millis("OUTBOX_BACKOFF_MS", 200), Duration::from_secs(10))
+}
+
+async fn create_payment<DB>(
+    State(state): State<AppState<DB>>,
+    user: AuthUser,
+    context: IdempotencyContext,
+    mut tx: Tx<DB>,
+    Json(payment): Json<NewPayment>,
+) -> Response
+where
+    DB: PaymentsDb,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> <DB as Database>::Arguments: IntoArguments<DB>,
+    for<'q> String: Encode<'q, DB> + Type<DB>,
+    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    usize: ColumnIndex<DB::Row>,
+{
+    let amount = match &payment.amount {
+        Value::Number(n) if n.as_f64().is_some_and(|a| a > 0.0) => n.to_string(),
+        _ => return invalid("amount must be a positive number"),
+    };
+    if payment.currency.len() != 3 || !payment.currency.bytes().all(|b| b.is_ascii_uppercase()) {
+        return invalid("currency must be a three-letter ISO 4217 code such as EUR");
+    }
+    if payment.payee.trim().is_empty() || payment.order_id.trim().is_empty() {
+        return invalid("order_id and payee are required");
+    }
+
+    // Derived from the request's scoped key, so every retry of this intent carries the same
+    // key downstream.
+    let downstream_key =
+        DownstreamKey::for_request(&context.scoped_key_digest(), CHARGE_TOPIC, "charge");
+    let charge = json!({
+        "order_id": payment.order_id,
+        "amount": amount,
+        "currency": payment.currency,
+        "payee": payment.payee,
+    });
+    let message = match Message::json(CHARGE_TOPIC, downstream_key, &charge) {
+        Ok(message) => message,
+        Err(error) => return internal(&error.to_string()),
+    };
+    let outbox_id = match state.outbox.enqueue(&mut tx, message).await {
+        Ok(id) => id,
+        Err(error) => return internal(&error.to_string()),
+    };
+    let id: Result<i64, _> = sqlx::query_scalar(
+        "INSERT INTO payments (owner, order_id, amount, currency, payee, outbox_id)
+         VALUES ($1, $2, $3, $4, $5, $6) RETURNING id",
+    )
+    .bind(user.0.to_owned())
+    .bind(payment.order_id)
+    .bind(amount)
+    .bind(payment.currency)
+    .bind(payment.payee)
+    .bind(outbox_id.get())
+    .fetch_one(&mut *tx)
+    .await;
+    let id = match id {
+        Ok(id) => id,
+        Err(error) => return internal(&error.to_string()),
+    };
+    (
+        StatusCode::ACCEPTED,
+        [(header::LOCATION, format!("/payments/{id}"))],
+        Json(json!({ "id": id, "status": "pending" })),
+    )
+        .into_response()
+}
+
+async fn show_payment<DB>(
+    State(state): State<AppState<DB>>,
+    user: AuthUser,
+    Path(id): Path<i64>,
+) -> Response
+where
+    DB: PaymentsDb,
+    for<'e> &'e Pool<DB>: Executor<'e, Database = DB>,
+    for<'q> <DB as Database>::Arguments: IntoArguments<DB>,
+    for<'q> String: Encode<'q, DB> + Type<DB>,
+    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'r> String: Decode<'r, DB>,
+    &'static str: ColumnIndex<DB::Row>,
+{
+    let row = sqlx::query(
+        "SELECT order_id, amount, currency, payee, outbox_id FROM payments
+         WHERE id = $1 AND owner = $2",
+    )
+    .bind(id)
+    .bind(user.0.to_owned())
+    .fetch_optional(&state.pool)
+    .await;
+    let row = match row {
+        Ok(Some(row)) => row,
+        Ok(None) => return problem(StatusCode::NOT_FOUND, "not_found", "no such payment"),
+        Err(error) => return internal(&error.to_string()),
+    };
+    let field = |name: &'static str| row.try_get::<String, _>(name).unwrap_or_default();
+    let mut body = json!({
+        "id": id,
+        "order_id": field("order_id"),
+        "amount": field("amount"),
+        "currency": field("currency"),
+        "payee": field("payee"),
+    });
+    let outbox_id = MessageId::from(row.try_get::<i64, _>("outbox_id").unwrap_or_default());
+    match state.outbox.status(outbox_id).await {
+        Ok(Some(record)) => match record.status {
+            Status::Pending => body["status"] = "pending".into(),
+            Status::Delivered => {
+                body["status"] = "succeeded".into();
+                body["charge_id"] = record.receipt.into();
+            }
+            Status::Failed => {
+                body["status"] = "failed".into();
+                body["reason"] = record.last_error.into();
+            }
+        },
+        Ok(None) => return internal("the payment's outbox message is missing"),
+        Err(error) => return internal(&error.to_string()),
+    }
+    Json(body).into_response()
+}
+
+/// Charges through the provider's HTTP API, with the downstream key as `Idempotency-Key`.
+struct Provider {
+    client: Client<HttpConnector, Full<Bytes>>,
+    base: String,
+    lookup: bool,
+}
+
+impl Sender for Provider {
+    async fn send(&self, message: &Record) -> SendOutcome {
+        let request = http::Request::post(format!("{}/charges", self.base))
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(IDEMPOTENCY_KEY, message.downstream_key.as_str())
+            .body(Full::new(Bytes::from(message.payload.clone())));
+        let request = match request {
+            Ok(request) => request,
+            Err(error) => {
+                return SendOutcome::Rejected {
+                    reason: error.to_string(),
+                };
+            }
+        };
+        let response = match self.client.request(request).await {
+            Ok(response) => response,
+            // Refused before anything was sent: certainly not charged.
+            Err(error) if error.is_connect() => {
+                return SendOutcome::Retry {
+                    after: None,
+                    reason: format!("provider unreachable: {error}"),
+                };
+            }
+            Err(error) => {
+                return SendOutcome::Unknown {
+                    reason: format!("no answer from the provider: {error}"),
+                };
+            }
+        };
+        let status = response.status();
+        let retry_after = response
+            .headers()
+            .get(header::RETRY_AFTER)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.parse().ok())
+            .map(Duration::from_secs);
+        let body = match response.into_body().collect().await {
+            Ok(body) => body.to_bytes(),
+            Err(error) => {
+                return SendOutcome::Unknown {
+                    reason: format!("answer cut off: {error}"),
+                };
+            }
+        };
+        match status.as_u16() {
+            200 | 201 => match charge_id(&body) {
+                Some(receipt) => SendOutcome::Delivered { receipt },
+                None => SendOutcome::Unknown {
+                    reason: "unreadable charge in the answer".into(),
+                },
+            },
+            429 | 503 => SendOutcome::Retry {
+                after: retry_after,
+                reason: format!("provider answered {status}"),
+            },
+            // A 500 may come after the charge was written: only a lookup or a resend with the
+            // same key can tell.
+            500..=599 => SendOutcome::Unknown {
+                reason: format!("provider answered {status}"),
+            },
+            _ => SendOutcome::Rejected {
+                reason: format!(
+                    "provider refused the charge ({status}): {}",
+                    String::from_utf8_lossy(&body)
+                ),
+            },
+        }
+    }
+
+    async fn lookup(&self, message: &Record) -> LookupOutcome {
+        if !self.lookup {
+            return LookupOutcome::Unsupported;
+        }
+        let request = http::Request::get(format!(
+            "{}/charges?key={}",
+            self.base, message.downstream_key
+        ))
+        .body(Full::new(Bytes::new()));
+        let request = match request {
+            Ok(request) => request,
+            Err(error) => {
+                return LookupOutcome::Failed {
+                    reason: error.to_string(),
+                };
+            }
+        };
+        let response = match self.client.request(request).await {
+            Ok(response) => response,
+            Err(error) => {
+                return LookupOutcome::Failed {
+                    reason: error.to_string(),
+                };
+            }
+        };
+        let status = response.status();
+        let body = match response.into_body().collect().await {
+            Ok(body) => body.to_bytes(),
+            Err(error) => {
+                return LookupOutcome::Failed {
+                    reason: error.to_string(),
+                };
+            }
+        };
+        match (status, charge_id(&body)) {
+            (StatusCode::OK, Some(receipt)) => LookupOutcome::Found { receipt },
+            (StatusCode::NOT_FOUND, _) => LookupOutcome::NotFound,
+            _ => LookupOutcome::Failed {
+                reason: format!("lookup answered {status}"),
+            },
+        }
+    }
+}
+
+fn charge_id(body: &[u8]) -> Option<String> {
+    let charge: Value = serde_json::from_slice(body).ok()?;
+    charge["id"].as_str().map(str::to_owned)
+}
+
+fn env_or<T: FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(default)
+}
+
+fn problem(status: StatusCode, code: &str, detail: &str) -> Response {
+    let body = json!({ "title": status.canonical_reason(), "status": status.as_u16(), "code": code, "detail": detail });
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/problem+json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+fn invalid(detail: &str) -> Response {
+    problem(StatusCode::BAD_REQUEST, "invalid_payment", detail)
+}
+
+fn internal(detail: &str) -> Response {
+    // Details go to the log; the client gets a retryable 500 (the layer keeps no record of it).
+    tracing::error!(detail, "payment request failed");
+    problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal",
+        "internal error",
+    )
+}

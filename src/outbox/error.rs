@@ -1,0 +1,16 @@
+//! Errors the outbox reports to the application (for operators; never shown to clients).
+
+use super::DownstreamKey;
+
+/// An outbox operation that did not complete.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OutboxError {
+    /// The database refused or lost the operation; the caller's transaction should roll back.
+    #[error("outbox database operation failed")]
+    Database(#[from] sqlx::Error),
+    /// The downstream key is already enqueued with another topic or payload: two different
+    /// intents were given the same key, and sending either would be wrong for the other.
+    #[error("downstream key {0} is already enqueued with another topic or payload")]
+    KeyReused(DownstreamKey),
+}

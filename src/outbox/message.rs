@@ -1,0 +1,164 @@
+//! What a handler enqueues: a topic, a payload and the downstream idempotency key.
+
+use std::fmt;
+
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+/// The idempotency key the downstream sees on every attempt of one message.
+///
+/// Derived, never random: the same request (its scoped key digest), the same topic and the same
+/// discriminator always give the same key, so a resend after a crash, a timeout or a replayed
+/// background job carries exactly the key of the first attempt and a deduplicating downstream
+/// applies the effect once.
+///
+/// The key is 64 lowercase hex characters, which fits every provider's key limits (Stripe allows
+/// 255) and the crate's own key protocol.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DownstreamKey(String);
+
+impl DownstreamKey {
+    /// Derives the key of one side effect of an idempotent request.
+    ///
+    /// `scoped_digest` is the request's scoped key digest (`IdempotencyContext::scoped_key_digest`),
+    /// so two users or two routes never share downstream keys. `discriminator` names the side
+    /// effect within the request (`"charge"`, `"receipt-email"`) so one request may enqueue several
+    /// messages, each with its own stable key.
+    ///
+    /// ```
+    /// use axum_idempotency::outbox::DownstreamKey;
+    ///
+    /// let first = DownstreamKey::for_request("3f2a…", "payments.charge", "charge");
+    /// let retry = DownstreamKey::for_request("3f2a…", "payments.charge", "charge");
+    /// assert_eq!(first, retry);
+    /// assert_ne!(first, DownstreamKey::for_request("3f2a…", "payments.charge", "refund"));
+    /// ```
+    pub fn for_request(scoped_digest: &str, topic: &str, discriminator: &str) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(b"axum-idempotency/outbox/v1");
+        // Length prefixes keep ("ab", "c") and ("a", "bc") apart.
+        for part in [scoped_digest, topic, discriminator] {
+            hasher.update((part.len() as u64).to_be_bytes());
+            hasher.update(part.as_bytes());
+        }
+        Self(hex::encode(hasher.finalize()))
+    }
+
+    /// Uses a key the caller already has, for work that does not come from an HTTP request: a
+    /// nightly job keyed by its date, a reconciliation keyed by the order id.
+    ///
+    /// The key must be 1–255 visible ASCII characters (0x21–0x7E), the same protocol as
+    /// `Idempotency-Key`, so it can be sent in an HTTP header as it is.
+    pub fn new(key: impl Into<String>) -> Result<Self, InvalidDownstreamKey> {
+        let key = key.into();
+        let visible = key.bytes().all(|b| (0x21..=0x7e).contains(&b));
+        if key.is_empty() || key.len() > 255 || !visible {
+            return Err(InvalidDownstreamKey);
+        }
+        Ok(Self(key))
+    }
+
+    /// Rebuilds a key read back from the outbox table, which only ever holds validated keys.
+    pub(crate) fn from_stored(key: String) -> Self {
+        Self(key)
+    }
+
+    /// The key as the downstream must receive it.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for DownstreamKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A caller-given downstream key that is empty, longer than 255 characters or not visible ASCII.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("a downstream key must be 1-255 visible ASCII characters")]
+pub struct InvalidDownstreamKey;
+
+/// One external side effect, written to the outbox in the caller's transaction.
+///
+/// ```
+/// use axum_idempotency::outbox::{DownstreamKey, Message};
+///
+/// let key = DownstreamKey::for_request("3f2a…", "payments.charge", "charge");
+/// let message = Message::json(
+///     "payments.charge",
+///     key,
+///     &serde_json::json!({ "amount": "12.50", "currency": "EUR" }),
+/// )?;
+/// assert_eq!(message.topic(), "payments.charge");
+/// # Ok::<(), serde_json::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    topic: String,
+    key: DownstreamKey,
+    payload: Vec<u8>,
+}
+
+impl Message {
+    /// A message with an opaque payload; the [`Sender`](super::Sender) decides what it means.
+    pub fn new(topic: impl Into<String>, key: DownstreamKey, payload: impl Into<Vec<u8>>) -> Self {
+        Self {
+            topic: topic.into(),
+            key,
+            payload: payload.into(),
+        }
+    }
+
+    /// A message whose payload is `payload` serialized as JSON.
+    pub fn json<T: Serialize + ?Sized>(
+        topic: impl Into<String>,
+        key: DownstreamKey,
+        payload: &T,
+    ) -> Result<Self, serde_json::Error> {
+        Ok(Self::new(topic, key, serde_json::to_vec(payload)?))
+    }
+
+    /// The topic the sender routes on.
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    /// The key every attempt of this message carries.
+    pub fn key(&self) -> &DownstreamKey {
+        &self.key
+    }
+
+    /// The payload bytes.
+    pub fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn derived_key_depends_on_every_part_without_ambiguity() {
+        let base = DownstreamKey::for_request("ab", "c", "d");
+        assert_eq!(base, DownstreamKey::for_request("ab", "c", "d"));
+        assert_ne!(base, DownstreamKey::for_request("a", "bc", "d"));
+        assert_ne!(base, DownstreamKey::for_request("ab", "c", "e"));
+        assert_ne!(base, DownstreamKey::for_request("ab", "x", "d"));
+        assert_eq!(base.as_str().len(), 64);
+    }
+
+    #[test]
+    fn caller_keys_follow_the_header_protocol() {
+        assert!(DownstreamKey::new("job-2024-05-01").is_ok());
+        assert_eq!(DownstreamKey::new(""), Err(InvalidDownstreamKey));
+        assert_eq!(DownstreamKey::new("has space"), Err(InvalidDownstreamKey));
+        assert_eq!(
+            DownstreamKey::new("x".repeat(256)),
+            Err(InvalidDownstreamKey)
+        );
+        assert!(DownstreamKey::new("x".repeat(255)).is_ok());
+    }
+}

@@ -1,0 +1,87 @@
+//! Transactional outbox: external side effects that happen once, after the commit, with a
+//! stable downstream idempotency key.
+//!
+//! A handler that calls a payment provider directly charges twice when its transaction fails to
+//! commit after the call, or when the client's retry runs the handler again. The database can
+//! only protect its own writes, so the call becomes a write: [`Outbox::enqueue`] stores the
+//! message in the handler's own transaction, next to the business rows and the idempotency
+//! claim. A rolled-back request leaves no message; a committed one leaves exactly one, however
+//! often the client retries (the retry replays the stored response and enqueues nothing).
+//!
+//! A [`Dispatcher`] — a task you spawn, as many as you like — then delivers committed messages
+//! through your [`Sender`] and records each outcome in the message's [`Record`]:
+//!
+//! - **delivered**, with what the downstream answered (a charge id);
+//! - **retry later**, with exponential backoff and full jitter, never before a `Retry-After`;
+//! - **unknown** (timeout, reset, a dispatcher that died mid-send): before resending, the
+//!   dispatcher asks the sender to [look the message up](Sender::lookup) — found means
+//!   delivered; not found within the lookup grace means wait, the first attempt may still be
+//!   running; not found after it means resend;
+//! - **failed** for good after a refusal or `max_attempts` attempts.
+//!
+//! Nothing is dropped silently: the app reads the outcome with [`Outbox::status`] or
+//! [`Outbox::status_by_key`].
+//!
+//! # What it guarantees
+//!
+//! Delivery is **at least once**, and every attempt of a message carries the same
+//! [`DownstreamKey`], derived from the request's scoped idempotency key. Where the downstream
+//! deduplicates by that key (as payment providers do with `Idempotency-Key`), the effect happens
+//! **exactly once**. Where it does not, a lookup by key before each resend closes the gap.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use axum_idempotency::outbox::{
+//!     Dispatcher, DownstreamKey, Message, Outbox, Record, SendOutcome, Sender,
+//! };
+//! use sqlx::SqlitePool;
+//!
+//! struct Provider;
+//!
+//! impl Sender for Provider {
+//!     async fn send(&self, message: &Record) -> SendOutcome {
+//!         // POST message.payload with `Idempotency-Key: {message.downstream_key}` …
+//!         SendOutcome::Delivered { receipt: "ch_123".into() }
+//!     }
+//! }
+//!
+//! # async fn run(scoped_key_digest: &str) -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = SqlitePool::connect("sqlite:payments.db?mode=rwc").await?;
+//! let outbox = Outbox::new(pool.clone());
+//! outbox.migrate().await?;
+//! tokio::spawn(Dispatcher::new(outbox.clone(), Provider).run(std::future::pending()));
+//!
+//! // In the handler, on the request's transaction:
+//! let mut tx = pool.begin().await?;
+//! let key = DownstreamKey::for_request(scoped_key_digest, "charges", "charge");
+//! let charge = serde_json::json!({ "amount": "12.50", "currency": "EUR" });
+//! let id = outbox.enqueue(&mut tx, Message::json("charges", key, &charge)?).await?;
+//! tx.commit().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Backends
+//!
+//! SQLite, PostgreSQL and MySQL/MariaDB (10.6+), each behind its cargo feature, share one table
+//! layout (`idempotency_outbox`), created by [`Outbox::migrate`]. PostgreSQL and MySQL claim
+//! with `FOR UPDATE SKIP LOCKED`, so dispatchers on many hosts never pick the same message;
+//! SQLite's single writer gives the same guarantee. Timestamps come from the clock of the
+//! process writing them; dispatchers on several hosts assume clocks kept in sync.
+
+mod backend;
+mod backoff;
+mod dispatcher;
+mod error;
+mod message;
+mod sender;
+mod status;
+mod store;
+
+pub use backend::Backend;
+pub use dispatcher::{DispatchWaker, Dispatcher};
+pub use error::OutboxError;
+pub use message::{DownstreamKey, InvalidDownstreamKey, Message};
+pub use sender::{LookupOutcome, SendOutcome, Sender};
+pub use status::{MessageId, Record, Status};
+pub use store::Outbox;

@@ -1,0 +1,91 @@
+//! The user's side of delivery: how a message reaches the downstream, and how to ask it later.
+
+use std::future::Future;
+use std::time::Duration;
+
+use super::Record;
+
+/// Delivers outbox messages to a downstream (a payment provider, an SMS gateway, a broker).
+///
+/// The dispatcher calls [`send`](Sender::send) with the stored message; the implementation must
+/// pass [`Record::downstream_key`] to the downstream as its idempotency key on every attempt,
+/// which is what makes a resend harmless. Each call is bounded by the dispatcher's send timeout;
+/// a call that runs past it counts as [`SendOutcome::Unknown`].
+///
+/// ```
+/// use axum_idempotency::outbox::{Record, SendOutcome, Sender};
+///
+/// struct Log;
+///
+/// impl Sender for Log {
+///     async fn send(&self, message: &Record) -> SendOutcome {
+///         println!("{} {}", message.topic, message.downstream_key);
+///         SendOutcome::Delivered { receipt: "logged".into() }
+///     }
+/// }
+/// ```
+pub trait Sender: Send + Sync + 'static {
+    /// Makes one attempt and says how it ended.
+    fn send(&self, message: &Record) -> impl Future<Output = SendOutcome> + Send;
+
+    /// Asks the downstream whether it already holds the effect of `message`, found by its
+    /// downstream key.
+    ///
+    /// Called before resending a message whose last attempt ended without a definite answer.
+    /// Downstreams that deduplicate by key need no lookup (the default answers
+    /// [`LookupOutcome::Unsupported`] and the dispatcher simply resends); for those that do not,
+    /// the lookup is what keeps a resend from doing the work twice.
+    fn lookup(&self, message: &Record) -> impl Future<Output = LookupOutcome> + Send {
+        let _ = message;
+        std::future::ready(LookupOutcome::Unsupported)
+    }
+}
+
+/// How one attempt ended, as the sender classifies the downstream's answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SendOutcome {
+    /// Done; `receipt` is kept in the record (a charge id, a message id).
+    Delivered {
+        /// What the downstream answered.
+        receipt: String,
+    },
+    /// Definitely not done, worth retrying later (503, 429, connection refused).
+    Retry {
+        /// The downstream's `Retry-After`, if it gave one; the next attempt is never earlier.
+        after: Option<Duration>,
+        /// Kept in the record's `last_error`.
+        reason: String,
+    },
+    /// May or may not have happened (timeout, connection reset after the request was sent). The
+    /// next attempt looks the message up first when the sender supports lookups.
+    Unknown {
+        /// Kept in the record's `last_error`.
+        reason: String,
+    },
+    /// Refused for good (invalid request, card declined); the message fails without retrying.
+    Rejected {
+        /// Kept in the record's `last_error`.
+        reason: String,
+    },
+}
+
+/// The answer of a [`Sender::lookup`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LookupOutcome {
+    /// The downstream holds the effect; the message becomes delivered with this receipt.
+    Found {
+        /// What the downstream holds (a charge id).
+        receipt: String,
+    },
+    /// The downstream has no trace of it. Once the last attempt is older than the lookup grace
+    /// the message is resent; before that the dispatcher waits, since that attempt may still be
+    /// in progress at the downstream.
+    NotFound,
+    /// The sender cannot look messages up; the dispatcher resends, relying on the downstream key.
+    Unsupported,
+    /// The lookup itself failed; the dispatcher asks again later and does not resend meanwhile.
+    Failed {
+        /// Kept in the record's `last_error`.
+        reason: String,
+    },
+}

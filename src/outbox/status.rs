@@ -1,0 +1,124 @@
+//! What the app can read back about a message: its id, its status and its delivery history.
+
+use std::fmt;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::de::DeserializeOwned;
+
+use super::DownstreamKey;
+
+/// The outbox row id of an enqueued message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MessageId(i64);
+
+impl MessageId {
+    /// The id as stored, for keeping it in the app's own tables.
+    pub fn get(self) -> i64 {
+        self.0
+    }
+}
+
+impl From<i64> for MessageId {
+    fn from(id: i64) -> Self {
+        Self(id)
+    }
+}
+
+impl fmt::Display for MessageId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Where a message stands.
+///
+/// Only `Delivered` and `Failed` are final; a pending message is retried until one of them is
+/// reached, so nothing leaves the outbox without a recorded outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Status {
+    /// Not delivered yet: waiting for its first attempt, for a retry, or for a lookup.
+    Pending,
+    /// The downstream accepted it; [`Record::receipt`] holds what it answered.
+    Delivered,
+    /// Given up on: rejected by the downstream or out of attempts; [`Record::last_error`] says why.
+    Failed,
+}
+
+impl Status {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Delivered => "delivered",
+            Self::Failed => "failed",
+        }
+    }
+
+    pub(crate) fn parse(stored: &str) -> Option<Self> {
+        match stored {
+            "pending" => Some(Self::Pending),
+            "delivered" => Some(Self::Delivered),
+            "failed" => Some(Self::Failed),
+            _ => None,
+        }
+    }
+}
+
+/// One outbox message as stored, with its delivery history.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Record {
+    /// The row id.
+    pub id: MessageId,
+    /// The topic given at enqueue time.
+    pub topic: String,
+    /// The key every attempt carries.
+    pub downstream_key: DownstreamKey,
+    /// The payload given at enqueue time.
+    pub payload: Vec<u8>,
+    /// Where the message stands.
+    pub status: Status,
+    /// How many times the sender was called (lookups do not count).
+    pub attempts: u32,
+    /// Whether the last attempt ended without a definite answer (timeout, reset, crash), so a
+    /// lookup runs before any resend.
+    pub outcome_unknown: bool,
+    /// What the downstream answered on delivery (for example a provider's charge id).
+    pub receipt: Option<String>,
+    /// Why the last attempt did not deliver, or why the message failed for good.
+    pub last_error: Option<String>,
+    /// When the message was enqueued.
+    pub created_at: SystemTime,
+    /// When the next attempt (or lookup) is due, for a pending message.
+    pub next_attempt_at: SystemTime,
+    /// When the sender was last called.
+    pub last_attempt_at: Option<SystemTime>,
+    /// When the message became delivered or failed.
+    pub finished_at: Option<SystemTime>,
+}
+
+impl Record {
+    /// The payload parsed as JSON, for messages built with [`Message::json`](super::Message::json).
+    pub fn payload_json<T: DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
+        serde_json::from_slice(&self.payload)
+    }
+}
+
+/// Timestamps are stored as milliseconds since the Unix epoch (a BIGINT on every backend), taken
+/// from the clock of the process that writes them; dispatchers on several hosts therefore assume
+/// clocks kept in sync (NTP), within a small fraction of the lease.
+pub(crate) fn now_millis() -> i64 {
+    to_millis(SystemTime::now())
+}
+
+pub(crate) fn to_millis(time: SystemTime) -> i64 {
+    let since = time.duration_since(UNIX_EPOCH).unwrap_or_default();
+    i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+}
+
+pub(crate) fn from_millis(millis: i64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(u64::try_from(millis).unwrap_or(0))
+}
+
+pub(crate) fn duration_millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}

@@ -1,0 +1,103 @@
+//! The outbox table as the application sees it: create it, enqueue into it, read it back.
+
+use std::fmt;
+
+use sqlx::Pool;
+
+use super::backend::Backend;
+use super::status::now_millis;
+use super::{DownstreamKey, Message, MessageId, OutboxError, Record};
+
+/// Handle on the `idempotency_outbox` table of one database; cheap to clone.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use axum_idempotency::outbox::{DownstreamKey, Message, Outbox};
+/// use sqlx::SqlitePool;
+///
+/// let pool = SqlitePool::connect("sqlite:app.db?mode=rwc").await?;
+/// let outbox = Outbox::new(pool.clone());
+/// outbox.migrate().await?;
+///
+/// let mut tx = pool.begin().await?;
+/// // … the business writes, in `tx` …
+/// let key = DownstreamKey::new("nightly-report-2024-05-01")?;
+/// let id = outbox.enqueue(&mut tx, Message::new("reports", key, "payload")).await?;
+/// tx.commit().await?; // only now can a dispatcher see the message
+///
+/// let record = outbox.status(id).await?;
+/// # Ok(()) }
+/// ```
+pub struct Outbox<DB: Backend> {
+    pool: Pool<DB>,
+}
+
+impl<DB: Backend> Outbox<DB> {
+    /// An outbox whose table lives in `pool`'s database.
+    pub fn new(pool: Pool<DB>) -> Self {
+        Self { pool }
+    }
+
+    /// Creates the table and its indexes if they are missing.
+    ///
+    /// Idempotent, and safe when several instances of the app start at the same time.
+    pub async fn migrate(&self) -> Result<(), OutboxError> {
+        DB::migrate(&self.pool).await?;
+        Ok(())
+    }
+
+    /// Writes `message` as pending on `conn`, inside whatever transaction `conn` is in.
+    ///
+    /// Pass the handler's transaction (`&mut *tx`): the message then commits or rolls back with
+    /// the business rows, and no dispatcher can see it before the commit. Enqueuing a message
+    /// whose downstream key is already present returns the existing message's id when topic and
+    /// payload are the same (a replayed job enqueues nothing new), and
+    /// [`OutboxError::KeyReused`] when they differ.
+    pub async fn enqueue(
+        &self,
+        conn: &mut DB::Connection,
+        message: Message,
+    ) -> Result<MessageId, OutboxError> {
+        if let Some(id) = DB::insert(conn, &message, now_millis()).await? {
+            return Ok(id);
+        }
+        match DB::fetch_by_key(conn, message.key()).await? {
+            Some(existing)
+                if existing.topic == message.topic() && existing.payload == message.payload() =>
+            {
+                Ok(existing.id)
+            }
+            _ => Err(OutboxError::KeyReused(message.key().clone())),
+        }
+    }
+
+    /// The message with this id, as last recorded.
+    pub async fn status(&self, id: MessageId) -> Result<Option<Record>, OutboxError> {
+        let mut conn = self.pool.acquire().await?;
+        Ok(DB::fetch_by_id(&mut conn, id).await?)
+    }
+
+    /// The message with this downstream key, as last recorded.
+    pub async fn status_by_key(&self, key: &DownstreamKey) -> Result<Option<Record>, OutboxError> {
+        let mut conn = self.pool.acquire().await?;
+        Ok(DB::fetch_by_key(&mut conn, key).await?)
+    }
+
+    pub(crate) fn pool(&self) -> &Pool<DB> {
+        &self.pool
+    }
+}
+
+impl<DB: Backend> Clone for Outbox<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+        }
+    }
+}
+
+impl<DB: Backend> fmt::Debug for Outbox<DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Outbox").finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,1030 @@
+//! The behaviour every store must show, run once per backend from this one source.
+//! A new backend gets the whole suite by adding one line to the `conformance!` call below.
+
+mod common;
+
+macro_rules! conformance {
+    ($($backend:ident: $db:ty, $feature:literal;)*) => {$(
+        #[cfg(feature = $feature)]
+        mod $backend {
+            type Db = $db;
+            conformance!(@tests
+                replay_reproduces_status_headers_and_body_with_replay_header,
+                storm_of_50_concurrent_duplicates_executes_once,
+                two_instances_on_separate_pools_execute_once,
+                panic_leaves_no_record_and_the_retry_executes_once,
+                server_error_leaves_no_record_and_the_retry_executes_once,
+                final_client_error_is_replayed_with_its_writes_undone,
+                changed_intent_is_rejected_without_execution,
+                equivalent_json_and_ignored_fields_replay,
+                other_principal_and_other_route_are_isolated,
+                concrete_path_and_query_are_part_of_the_intent,
+                expired_key_is_a_new_intent_claimed_once,
+                purge_deletes_only_expired_records,
+                body_over_the_limit_is_rejected_before_any_claim,
+                duplicate_past_the_wait_gets_409_with_retry_after,
+                missing_or_malformed_key_is_rejected,
+                missing_principal_is_401_unless_anonymous_is_allowed,
+                transaction_held_past_the_handler_is_rolled_back_with_an_error,
+                oversized_response_is_rolled_back,
+                job_and_http_request_racing_on_one_key_execute_once,
+                migrate_twice_and_concurrently_is_a_no_op,
+                clients_hanging_up_mid_request_leave_no_open_transaction,
+                unkeyed_requests_commit_on_success_and_roll_back_on_failure,
+                leased_work_runs_once_while_duplicates_wait_then_replay,
+                expired_lease_is_taken_over_only_after_asking_recovery,
+                holder_that_dies_mid_work_is_taken_over_after_its_lease,
+            );
+        }
+    )*};
+    (@tests $($test:ident),* $(,)?) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn $test() {
+            crate::suite::$test::<Db>().await
+        }
+    )*};
+}
+
+conformance! {
+    sqlite: sqlx::Sqlite, "sqlite";
+    postgres: sqlx::Postgres, "postgres";
+    mysql: sqlx::MySql, "mysql";
+}
+
+#[allow(dead_code, unreachable_pub)]
+mod suite {
+    use std::time::{Duration, Instant};
+
+    use axum::http::{Request, StatusCode};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use axum_idempotency::{
+        Fingerprint, Fingerprinter, IdempotencyKey, LeaseClaim, NewRecord, Outcome, RecordState,
+        Rejection, Scope, Store, Tx,
+    };
+    use serde_json::json;
+
+    use crate::common::{App, Backend, Db, body, second_instance, serve, unique};
+
+    async fn app<DB: Db>() -> App<DB> {
+        serve(DB::fresh(16).await.pool, |layer| layer).await
+    }
+
+    pub async fn replay_reproduces_status_headers_and_body_with_replay_header<DB: Db>() {
+        let app = app::<DB>().await;
+        let key = unique("key");
+        let first = app
+            .post("/effects", Some("alice"), Some(&key), &body("replay"))
+            .await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        assert!(
+            !first.replayed(),
+            "a first execution carries no replay header"
+        );
+        assert!(first.headers.get("set-cookie").is_some());
+
+        let again = app
+            .post("/effects", Some("alice"), Some(&key), &body("replay"))
+            .await;
+        assert_eq!(again.status, StatusCode::CREATED);
+        assert!(again.replayed());
+        assert_eq!(again.body, first.body, "byte-identical body");
+        assert_eq!(again.headers["location"], first.headers["location"]);
+        let links: Vec<_> = again.headers.get_all("link").iter().collect();
+        assert_eq!(
+            links,
+            ["</a>; rel=\"a\"", "</b>; rel=\"b\""],
+            "multi-valued headers kept in order"
+        );
+        assert!(
+            again.headers.get("set-cookie").is_none(),
+            "Set-Cookie is never replayed"
+        );
+        assert_eq!(app.executions(), 1);
+        assert_eq!(DB::count_effects(&app.pool, "replay").await, 1);
+    }
+
+    async fn storm<DB: Db>(apps: &[&App<DB>], n: usize, label: &str) -> Vec<crate::common::Reply> {
+        let key = unique("storm");
+        let payload = body(label);
+        let mut requests = Vec::new();
+        for i in 0..n {
+            let app = apps[i % apps.len()];
+            requests.push(app.post("/effects", Some("alice"), Some(&key), &payload));
+        }
+        futures_util::future::join_all(requests).await
+    }
+
+    pub async fn storm_of_50_concurrent_duplicates_executes_once<DB: Db>() {
+        let app = app::<DB>().await;
+        let replies = storm(&[&app], 50, "storm").await;
+        assert_eq!(app.executions(), 1, "the business ran once");
+        assert_eq!(DB::count_effects(&app.pool, "storm").await, 1);
+        let first = replies
+            .iter()
+            .find(|r| !r.replayed())
+            .expect("one original")
+            .clone();
+        assert_eq!(first.status, StatusCode::CREATED);
+        for reply in &replies {
+            assert!(!reply.status.is_server_error(), "no 5xx: {reply:?}");
+            assert_eq!(
+                reply.status,
+                StatusCode::CREATED,
+                "every duplicate waited and replayed: {reply:?}"
+            );
+            assert_eq!(reply.body, first.body);
+        }
+        assert_eq!(replies.iter().filter(|r| !r.replayed()).count(), 1);
+    }
+
+    pub async fn two_instances_on_separate_pools_execute_once<DB: Db>() {
+        let isolated = DB::fresh(8).await;
+        let one = serve(isolated.pool.clone(), |layer| layer).await;
+        let two = second_instance(&isolated).await;
+        let replies = storm(&[&one, &two], 50, "two-instances").await;
+        assert_eq!(one.executions() + two.executions(), 1);
+        assert_eq!(DB::count_effects(&one.pool, "two-instances").await, 1);
+        assert!(
+            replies.iter().all(|r| r.status == StatusCode::CREATED),
+            "{replies:?}"
+        );
+    }
+
+    pub async fn panic_leaves_no_record_and_the_retry_executes_once<DB: Db>() {
+        let app = app::<DB>().await;
+        let key = unique("panic");
+        let crashed = app
+            .post("/panic", Some("alice"), Some(&key), r#"{"label":"panic"}"#)
+            .await;
+        assert_eq!(crashed.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(crashed.code(), "idempotency_internal_error");
+        assert_eq!(
+            DB::count_records(&app.pool).await,
+            0,
+            "no record after a panic"
+        );
+        assert_eq!(
+            DB::count_effects(&app.pool, "panic").await,
+            0,
+            "no partial write"
+        );
+    }
+
+    pub async fn server_error_leaves_no_record_and_the_retry_executes_once<DB: Db>() {
+        let app = app::<DB>().await;
+        let key = unique("5xx");
+        let failed = app
+            .post("/fail/503", Some("alice"), Some(&key), &body("5xx"))
+            .await;
+        assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(!failed.replayed());
+        assert_eq!(DB::count_records(&app.pool).await, 0);
+        assert_eq!(DB::count_effects(&app.pool, "5xx").await, 0);
+
+        let retried = app
+            .post("/fail/503", Some("alice"), Some(&key), &body("5xx"))
+            .await;
+        assert_eq!(retried.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            !retried.replayed(),
+            "a retryable failure is executed again, not replayed"
+        );
+        assert_eq!(app.executions(), 2);
+
+        for status in [408, 429, 500] {
+            let key = unique("retryable");
+            let reply = app
+                .post(
+                    &format!("/fail/{status}"),
+                    Some("alice"),
+                    Some(&key),
+                    &body("retryable"),
+                )
+                .await;
+            assert_eq!(reply.status.as_u16(), status);
+        }
+        assert_eq!(DB::count_records(&app.pool).await, 0);
+        assert_eq!(DB::count_effects(&app.pool, "retryable").await, 0);
+    }
+
+    pub async fn final_client_error_is_replayed_with_its_writes_undone<DB: Db>() {
+        let app = app::<DB>().await;
+        for status in [400u16, 403, 404, 409, 422] {
+            let key = unique("final");
+            let label = format!("final-{status}");
+            let first = app
+                .post(
+                    &format!("/fail/{status}"),
+                    Some("alice"),
+                    Some(&key),
+                    &body(&label),
+                )
+                .await;
+            assert_eq!(first.status.as_u16(), status);
+            assert!(!first.replayed());
+            assert_eq!(
+                DB::count_effects(&app.pool, &label).await,
+                0,
+                "the refusal's writes are undone"
+            );
+
+            let again = app
+                .post(
+                    &format!("/fail/{status}"),
+                    Some("alice"),
+                    Some(&key),
+                    &body(&label),
+                )
+                .await;
+            assert_eq!(again.status.as_u16(), status);
+            assert!(again.replayed(), "a final refusal is replayed");
+            assert_eq!(again.body, first.body);
+        }
+        assert_eq!(app.executions(), 5);
+        assert_eq!(DB::count_records(&app.pool).await, 5);
+    }
+
+    pub async fn changed_intent_is_rejected_without_execution<DB: Db>() {
+        let app = app::<DB>().await;
+        let key = unique("reuse");
+        let first = app
+            .post(
+                "/effects",
+                Some("alice"),
+                Some(&key),
+                r#"{"label":"reuse","amount":12.5}"#,
+            )
+            .await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        let changed = app
+            .post(
+                "/effects",
+                Some("alice"),
+                Some(&key),
+                r#"{"label":"reuse","amount":12.500000001}"#,
+            )
+            .await;
+        assert_eq!(changed.status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(changed.code(), "idempotency_key_reused");
+        assert_eq!(changed.headers["content-type"], "application/problem+json");
+        assert!(!changed.replayed());
+        assert_eq!(
+            app.executions(),
+            1,
+            "neither the old nor the new parameters ran again"
+        );
+        assert_eq!(DB::count_effects(&app.pool, "reuse").await, 1);
+    }
+
+    pub async fn equivalent_json_and_ignored_fields_replay<DB: Db>() {
+        let app = serve(DB::fresh(8).await.pool, |layer| {
+            layer.ignore_json_fields(["/trace_id", "/request_time"])
+        })
+        .await;
+        let key = unique("canon");
+        let first = app
+            .post(
+                "/effects",
+                Some("alice"),
+                Some(&key),
+                r#"{"label":"canon","amount":12.5,"trace_id":"a","request_time":"10:00"}"#,
+            )
+            .await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        let same = app
+            .post("/effects", Some("alice"), Some(&key), "{ \"request_time\": \"10:05\", \"amount\" : 1.25e1,\n \"label\":\"canon\", \"trace_id\":\"b\" }")
+            .await;
+        assert!(
+            same.replayed(),
+            "key order, whitespace, number spelling and ignored fields do not change intent: {same:?}"
+        );
+        assert_eq!(same.body, first.body);
+        assert_eq!(app.executions(), 1);
+    }
+
+    pub async fn other_principal_and_other_route_are_isolated<DB: Db>() {
+        let app = app::<DB>().await;
+        let key = unique("shared");
+        let alice = app
+            .post("/effects", Some("alice"), Some(&key), &body("alice"))
+            .await;
+        let bob = app
+            .post("/effects", Some("bob"), Some(&key), &body("bob"))
+            .await;
+        assert_eq!(bob.status, StatusCode::CREATED);
+        assert!(!bob.replayed(), "bob never sees alice's result");
+        assert_ne!(bob.body, alice.body);
+        let other_route = app
+            .post("/other", Some("alice"), Some(&key), &body("alice"))
+            .await;
+        assert_eq!(other_route.status, StatusCode::CREATED);
+        assert!(
+            !other_route.replayed(),
+            "a key on another route is another intent"
+        );
+        assert_eq!(app.executions(), 3);
+        let bob_again = app
+            .post("/effects", Some("bob"), Some(&key), &body("bob"))
+            .await;
+        assert!(bob_again.replayed());
+        assert_eq!(bob_again.body, bob.body);
+    }
+
+    pub async fn concrete_path_and_query_are_part_of_the_intent<DB: Db>() {
+        let app = app::<DB>().await;
+        let key = unique("path");
+        let one = app
+            .post("/effects/1/touch", Some("alice"), Some(&key), &body("path"))
+            .await;
+        assert_eq!(one.status, StatusCode::CREATED);
+        let two = app
+            .post("/effects/2/touch", Some("alice"), Some(&key), &body("path"))
+            .await;
+        assert_eq!(
+            two.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "same route template, other resource"
+        );
+        let key = unique("query");
+        let a = app
+            .post(
+                "/effects?a=1&b=2",
+                Some("alice"),
+                Some(&key),
+                &body("query"),
+            )
+            .await;
+        assert_eq!(a.status, StatusCode::CREATED);
+        let reordered = app
+            .post(
+                "/effects?b=2&a=1",
+                Some("alice"),
+                Some(&key),
+                &body("query"),
+            )
+            .await;
+        assert!(reordered.replayed());
+        let changed = app
+            .post(
+                "/effects?a=1&b=3",
+                Some("alice"),
+                Some(&key),
+                &body("query"),
+            )
+            .await;
+        assert_eq!(changed.status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(app.executions(), 2);
+    }
+
+    pub async fn expired_key_is_a_new_intent_claimed_once<DB: Db>() {
+        let app = serve(DB::fresh(16).await.pool, |layer| {
+            layer.ttl(Duration::from_millis(400))
+        })
+        .await;
+        let key = unique("ttl");
+        let first = app
+            .post("/effects", Some("alice"), Some(&key), &body("ttl"))
+            .await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        assert!(
+            app.post("/effects", Some("alice"), Some(&key), &body("ttl"))
+                .await
+                .replayed()
+        );
+        tokio::time::sleep(Duration::from_millis(600)).await;
+
+        let payload = body("ttl");
+        let storm = (0..20).map(|_| app.post("/effects", Some("alice"), Some(&key), &payload));
+        let replies = futures_util::future::join_all(storm).await;
+        assert_eq!(
+            app.executions(),
+            2,
+            "the expired record was replaced exactly once"
+        );
+        assert_eq!(replies.iter().filter(|r| !r.replayed()).count(), 1);
+        assert!(replies.iter().all(|r| r.status == StatusCode::CREATED));
+        assert_eq!(DB::count_records(&app.pool).await, 1);
+    }
+
+    pub async fn purge_deletes_only_expired_records<DB: Db>() {
+        let isolated = DB::fresh(8).await;
+        let short = serve(isolated.pool.clone(), |layer| {
+            layer.ttl(Duration::from_millis(200))
+        })
+        .await;
+        let long = second_instance(&isolated).await;
+        for i in 0..5 {
+            short
+                .post(
+                    "/effects",
+                    Some("alice"),
+                    Some(&unique("short")),
+                    &body(&format!("s{i}")),
+                )
+                .await;
+        }
+        long.post(
+            "/effects",
+            Some("alice"),
+            Some(&unique("long")),
+            &body("kept"),
+        )
+        .await;
+        assert_eq!(DB::count_records(&short.pool).await, 6);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let purged = short
+            .layer
+            .engine()
+            .store()
+            .purge_expired()
+            .await
+            .expect("purge");
+        assert_eq!(purged, 5);
+        assert_eq!(
+            DB::count_records(&short.pool).await,
+            1,
+            "the live record survives"
+        );
+        assert_eq!(
+            short
+                .layer
+                .engine()
+                .store()
+                .purge_expired()
+                .await
+                .expect("purge"),
+            0
+        );
+    }
+
+    pub async fn body_over_the_limit_is_rejected_before_any_claim<DB: Db>() {
+        let app = serve(DB::fresh(8).await.pool, |layer| {
+            layer.max_request_body(1024)
+        })
+        .await;
+        let big = json!({ "label": "big", "pad": "x".repeat(2048) }).to_string();
+        let reply = app
+            .post("/effects", Some("alice"), Some(&unique("big")), &big)
+            .await;
+        assert_eq!(reply.status, StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(reply.code(), "idempotency_body_too_large");
+        assert_eq!(app.executions(), 0);
+        assert_eq!(DB::count_records(&app.pool).await, 0);
+    }
+
+    pub async fn duplicate_past_the_wait_gets_409_with_retry_after<DB: Db>() {
+        let app = serve(DB::fresh(8).await.pool, |layer| {
+            layer.wait_for_in_flight(Duration::from_millis(200))
+        })
+        .await;
+        let key = unique("slow");
+        let payload = r#"{"label":"slow","sleep_ms":1500}"#;
+        let original = app.post("/effects", Some("alice"), Some(&key), payload);
+        let duplicate = async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            app.post("/effects", Some("alice"), Some(&key), payload)
+                .await
+        };
+        let (original, duplicate) = tokio::join!(original, duplicate);
+        assert_eq!(original.status, StatusCode::CREATED);
+        assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
+        assert_eq!(duplicate.code(), "idempotency_request_in_progress");
+        assert!(duplicate.headers.get("retry-after").is_some());
+        assert_eq!(
+            app.executions(),
+            1,
+            "the duplicate never started the business"
+        );
+        let later = app
+            .post("/effects", Some("alice"), Some(&key), payload)
+            .await;
+        assert!(later.replayed());
+        assert_eq!(later.body, original.body);
+    }
+
+    pub async fn missing_or_malformed_key_is_rejected<DB: Db>() {
+        let app = app::<DB>().await;
+        let missing = app.post("/effects", Some("alice"), None, &body("k")).await;
+        assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+        assert_eq!(missing.code(), "idempotency_key_missing");
+        for bad in ["", "has space", &"x".repeat(256), "a,b"] {
+            let reply = app
+                .post("/effects", Some("alice"), Some(bad), &body("k"))
+                .await;
+            assert_eq!(reply.status, StatusCode::BAD_REQUEST, "key {bad:?}");
+            assert_eq!(reply.code(), "idempotency_key_invalid", "key {bad:?}");
+        }
+        let two = app
+            .send(
+                "POST",
+                "/effects",
+                &[
+                    ("authorization", "Bearer alice".into()),
+                    ("content-type", "application/json".into()),
+                    ("idempotency-key", "k1".into()),
+                    ("idempotency-key", "k2".into()),
+                ],
+                body("k").into_bytes(),
+            )
+            .await;
+        assert_eq!(two.code(), "idempotency_key_invalid");
+        assert_eq!(app.executions(), 0);
+        let key = unique("sf");
+        let bare = app
+            .post("/effects", Some("alice"), Some(&key), &body("sf"))
+            .await;
+        let quoted = app
+            .post(
+                "/effects",
+                Some("alice"),
+                Some(&format!("\"{key}\"")),
+                &body("sf"),
+            )
+            .await;
+        assert!(!bare.replayed());
+        assert!(
+            quoted.replayed(),
+            "bare and sf-string spellings are one key"
+        );
+    }
+
+    pub async fn missing_principal_is_401_unless_anonymous_is_allowed<DB: Db>() {
+        let app = app::<DB>().await;
+        let reply = app
+            .post("/effects", None, Some(&unique("anon")), &body("anon"))
+            .await;
+        assert_eq!(reply.status, StatusCode::UNAUTHORIZED);
+        assert_eq!(reply.code(), "idempotency_principal_missing");
+        assert_eq!(app.executions(), 0);
+
+        let open = serve(DB::fresh(8).await.pool, |layer| layer.allow_anonymous()).await;
+        let key = unique("anon");
+        let first = open.post("/effects", None, Some(&key), &body("anon")).await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        assert!(
+            open.post("/effects", None, Some(&key), &body("anon"))
+                .await
+                .replayed()
+        );
+        let alice = open
+            .post("/effects", Some("alice"), Some(&key), &body("anon"))
+            .await;
+        assert!(!alice.replayed(), "the anonymous scope is not alice's");
+    }
+
+    pub async fn transaction_held_past_the_handler_is_rolled_back_with_an_error<DB: Db>() {
+        let app = app::<DB>().await;
+        let reply = app
+            .post("/hold", Some("alice"), Some(&unique("hold")), &body("held"))
+            .await;
+        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(reply.code(), "idempotency_transaction_held");
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        assert_eq!(DB::count_effects(&app.pool, "held").await, 0);
+        assert_eq!(DB::count_records(&app.pool).await, 0);
+    }
+
+    pub async fn oversized_response_is_rolled_back<DB: Db>() {
+        let app = app::<DB>().await;
+        let reply = app
+            .post("/big", Some("alice"), Some(&unique("big")), &body("big"))
+            .await;
+        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(reply.code(), "idempotency_response_too_large");
+        assert_eq!(DB::count_effects(&app.pool, "big").await, 0);
+        assert_eq!(DB::count_records(&app.pool).await, 0);
+    }
+
+    pub async fn job_and_http_request_racing_on_one_key_execute_once<DB: Db>() {
+        let app = app::<DB>().await;
+        let key = unique("race");
+        let payload = body("race");
+        let (parts, _) = Request::post("/effects")
+            .header("content-type", "application/json")
+            .body(())
+            .expect("request")
+            .into_parts();
+        let fingerprint = Fingerprinter::new().fingerprint(&parts, payload.as_bytes());
+        let scope = Scope::new(
+            "alice",
+            "POST",
+            "/effects",
+            key.parse::<IdempotencyKey>().expect("key"),
+        );
+
+        let engine = app.layer.engine().clone();
+        let jobs = (0..10).map(|_| {
+            let engine = engine.clone();
+            let scope = scope.clone();
+            async move {
+                engine
+                    .run(&scope, fingerprint, |mut tx: Tx<DB>| async move {
+                        let id = DB::insert_effect(&mut tx, "race").await.expect("insert");
+                        (
+                            StatusCode::CREATED,
+                            axum::Json(json!({ "id": id, "label": "race", "by": "job" })),
+                        )
+                    })
+                    .await
+            }
+        });
+        let https = (0..10).map(|_| app.post("/effects", Some("alice"), Some(&key), &payload));
+        let (jobs, https) = tokio::join!(
+            futures_util::future::join_all(jobs),
+            futures_util::future::join_all(https)
+        );
+
+        assert_eq!(
+            DB::count_effects(&app.pool, "race").await,
+            1,
+            "the business ran once"
+        );
+        let executed = jobs
+            .iter()
+            .filter(|r| matches!(r, Ok(e) if e.outcome == Outcome::Executed))
+            .count()
+            + https.iter().filter(|r| !r.replayed()).count();
+        assert_eq!(executed, 1);
+        assert!(jobs.iter().all(|r| r.is_ok()), "{jobs:?}");
+        assert!(https.iter().all(|r| r.status == StatusCode::CREATED));
+        let bodies: Vec<_> = https.iter().map(|r| r.body.clone()).collect();
+        assert!(
+            bodies.windows(2).all(|w| w[0] == w[1]),
+            "everyone got the one outcome"
+        );
+
+        let other = Fingerprinter::new().fingerprint(&parts, body("different").as_bytes());
+        let mismatch = engine
+            .run(&scope, other, |_tx: Tx<DB>| async { StatusCode::OK })
+            .await;
+        assert!(matches!(mismatch, Err(Rejection::KeyReused)));
+    }
+
+    pub async fn migrate_twice_and_concurrently_is_a_no_op<DB: Db>() {
+        let isolated = DB::fresh(8).await;
+        let store = DB::store(isolated.pool.clone());
+        let other = DB::store(DB::another_pool(&isolated, 4).await);
+        let (a, b) = tokio::join!(store.migrate(), other.migrate());
+        a.expect("first concurrent migrate");
+        b.expect("second concurrent migrate");
+        store.migrate().await.expect("third migrate is a no-op");
+        assert_eq!(DB::count_records(&isolated.pool).await, 0);
+    }
+
+    pub async fn clients_hanging_up_mid_request_leave_no_open_transaction<DB: Db>() {
+        let isolated = DB::fresh(4).await;
+        let app = serve(isolated.pool.clone(), |layer| layer).await;
+        let keys: Vec<String> = (0..60).map(|_| unique("hangup")).collect();
+        let payload = r#"{"label":"hangup","sleep_ms":20}"#;
+        let hangups = keys.iter().enumerate().map(|(i, key)| {
+            let app = &app;
+            async move {
+                let patience = Duration::from_millis((i % 7) as u64 * 5);
+                let _ = tokio::time::timeout(
+                    patience,
+                    app.post("/effects", Some("alice"), Some(key), payload),
+                )
+                .await;
+            }
+        });
+        futures_util::future::join_all(hangups).await;
+
+        // Every key then settles to exactly one execution, and nothing waits forever on a
+        // connection left inside a transaction (the pool has only four).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for key in &keys {
+            let reply = tokio::time::timeout(
+                Duration::from_secs(15),
+                app.post("/effects", Some("alice"), Some(key), payload),
+            )
+            .await
+            .expect("a request after the hang-ups completes");
+            assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+            assert!(Instant::now() < deadline);
+        }
+        assert_eq!(
+            DB::count_effects(&app.pool, "hangup").await,
+            keys.len() as i64
+        );
+        assert_eq!(DB::count_records(&app.pool).await, keys.len() as i64);
+        assert_eq!(open_transactions::<DB>(&isolated.url).await, 0);
+    }
+
+    /// Sessions of this test's database left idle inside a transaction.
+    async fn open_transactions<DB: Backend>(url: &str) -> i64 {
+        #[cfg(feature = "mysql")]
+        if DB::NAME == "MySQL" {
+            use sqlx::Connection;
+            let mut admin = sqlx::MySqlConnection::connect(&crate::common::mysql_url())
+                .await
+                .expect("admin");
+            let mut open = 0;
+            for _ in 0..20 {
+                open = sqlx::query_scalar(
+                    "SELECT COUNT(*) FROM information_schema.innodb_trx t \
+                     JOIN information_schema.processlist p ON p.id = t.trx_mysql_thread_id \
+                     WHERE p.db = ? AND p.command = 'Sleep'",
+                )
+                .bind(url)
+                .fetch_one(&mut admin)
+                .await
+                .expect("innodb_trx");
+                if open == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            return open;
+        }
+        if DB::NAME != "PostgreSQL" {
+            return 0;
+        }
+        #[cfg(feature = "postgres")]
+        {
+            let admin = sqlx::PgPool::connect(&crate::common::postgres_url())
+                .await
+                .expect("admin");
+            let mut open = 0;
+            for _ in 0..20 {
+                open = sqlx::query_scalar(
+                    "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1 AND state LIKE 'idle in transaction%'",
+                )
+                .bind(url)
+                .fetch_one(&admin)
+                .await
+                .expect("pg_stat_activity");
+                if open == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            return open;
+        }
+        #[allow(unreachable_code)]
+        0
+    }
+
+    pub async fn unkeyed_requests_commit_on_success_and_roll_back_on_failure<DB: Db>() {
+        let app = app::<DB>().await;
+        let headers = [
+            ("authorization", "Bearer alice".to_owned()),
+            ("content-type", "application/json".to_owned()),
+        ];
+        for _ in 0..2 {
+            let ok = app
+                .send("PUT", "/unkeyed", &headers, body("unkeyed").into_bytes())
+                .await;
+            assert_eq!(ok.status, StatusCode::CREATED);
+            assert!(!ok.replayed());
+        }
+        assert_eq!(
+            DB::count_effects(&app.pool, "unkeyed").await,
+            2,
+            "no key: not deduplicated, committed"
+        );
+        let failed = app
+            .send(
+                "PUT",
+                "/unkeyed/fail/409",
+                &headers,
+                body("unkeyed-fail").into_bytes(),
+            )
+            .await;
+        assert_eq!(failed.status, StatusCode::CONFLICT);
+        assert_eq!(
+            DB::count_effects(&app.pool, "unkeyed-fail").await,
+            0,
+            "rolled back"
+        );
+        assert_eq!(
+            DB::count_records(&app.pool).await,
+            0,
+            "no records without a key"
+        );
+    }
+
+    /// A job's scope and fingerprint, chosen equal to those of `POST /effects` with `body(label)`
+    /// under that key, so HTTP duplicates meet the job's claim.
+    fn job(label: &str) -> (String, Scope, Fingerprint) {
+        let key = unique(label);
+        let scope = Scope::new(
+            "alice",
+            "POST",
+            "/effects",
+            key.parse::<IdempotencyKey>().expect("key"),
+        );
+        let (parts, _) = Request::post("/effects")
+            .header("content-type", "application/json")
+            .body(())
+            .expect("request")
+            .into_parts();
+        (
+            key,
+            scope,
+            Fingerprinter::new().fingerprint(&parts, body(label).as_bytes()),
+        )
+    }
+
+    /// Leaves behind what a lease holder that died would: a committed processing claim.
+    async fn abandoned_claim<DB: Db>(
+        app: &App<DB>,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        until_ms: i64,
+    ) {
+        let store = app.layer.engine().store();
+        let mut tx = store.begin(Duration::from_secs(1)).await.expect("begin");
+        let now = until_ms - 1_000;
+        let record = NewRecord {
+            key: scope.scoped_key(),
+            scope,
+            fingerprint,
+            state: RecordState::Processing,
+            response: None,
+            created_at_ms: now,
+            expires_at_ms: now + 3_600_000,
+            lease: Some(LeaseClaim {
+                owner: [7; 16],
+                until_ms,
+            }),
+        };
+        assert!(store.claim(&mut tx, &record).await.expect("claim"));
+        tx.commit().await.expect("commit");
+    }
+
+    fn epoch_ms() -> i64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64)
+    }
+
+    pub async fn leased_work_runs_once_while_duplicates_wait_then_replay<DB: Db>() {
+        let app = app::<DB>().await;
+        let engine = app.layer.engine().clone();
+        let (key, scope, fingerprint) = job("leased");
+        let runs = Arc::new(AtomicUsize::new(0));
+        let attempt = || {
+            let (engine, scope, runs) = (engine.clone(), scope.clone(), runs.clone());
+            async move {
+                engine
+                    .run_leased(
+                        &scope,
+                        fingerprint,
+                        Duration::from_millis(300),
+                        || async { None::<&str> },
+                        move |_lease| async move {
+                            runs.fetch_add(1, Ordering::SeqCst);
+                            tokio::time::sleep(Duration::from_millis(700)).await;
+                            (StatusCode::CREATED, "settled")
+                        },
+                    )
+                    .await
+            }
+        };
+        let first = tokio::spawn(attempt());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let during = attempt().await;
+        assert!(
+            matches!(during, Err(Rejection::InProgress { .. })),
+            "{during:?}"
+        );
+        let over_http = app
+            .post("/effects", Some("alice"), Some(&key), &body("leased"))
+            .await;
+        assert_eq!(
+            over_http.status,
+            StatusCode::CONFLICT,
+            "the live lease holds HTTP duplicates off too"
+        );
+        let first = first.await.expect("join").expect("first run");
+        assert_eq!(first.outcome, Outcome::Executed);
+        let after = attempt().await.expect("replay");
+        assert_eq!(after.outcome, Outcome::Replayed);
+        assert_eq!(after.response.body().as_ref(), b"settled");
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "renewal kept the lease past its 300 ms while the work ran"
+        );
+    }
+
+    pub async fn expired_lease_is_taken_over_only_after_asking_recovery<DB: Db>() {
+        let app = app::<DB>().await;
+        let engine = app.layer.engine().clone();
+        let runs = Arc::new(AtomicUsize::new(0));
+
+        // A live lease held by someone else: no takeover.
+        let (_, live, fingerprint) = job("live");
+        abandoned_claim(&app, &live, fingerprint, epoch_ms() + 60_000).await;
+        let busy = engine
+            .run_leased(
+                &live,
+                fingerprint,
+                Duration::from_secs(1),
+                || async { None::<&str> },
+                |_l| async { "never" },
+            )
+            .await;
+        assert!(
+            matches!(busy, Err(Rejection::InProgress { .. })),
+            "{busy:?}"
+        );
+
+        // An expired lease whose work did complete downstream: recorded, not redone.
+        let (_, done, fingerprint) = job("done");
+        abandoned_claim(&app, &done, fingerprint, epoch_ms() - 1).await;
+        let counter = runs.clone();
+        let recovered = engine
+            .run_leased(
+                &done,
+                fingerprint,
+                Duration::from_secs(1),
+                || async { Some((StatusCode::CREATED, "found downstream")) },
+                move |_l| async move {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                    "redone"
+                },
+            )
+            .await
+            .expect("recovered");
+        assert_eq!(recovered.outcome, Outcome::Recovered);
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "querying beat a blind redo");
+        let replay = engine
+            .run(&done, fingerprint, |_tx: Tx<DB>| async { "never" })
+            .await
+            .expect("replay");
+        assert_eq!(replay.outcome, Outcome::Replayed);
+        assert_eq!(replay.response.body().as_ref(), b"found downstream");
+
+        // An expired lease whose work never happened: redone once.
+        let (_, lost, fingerprint) = job("lost");
+        abandoned_claim(&app, &lost, fingerprint, epoch_ms() - 1).await;
+        let counter = runs.clone();
+        let redone = engine
+            .run_leased(
+                &lost,
+                fingerprint,
+                Duration::from_secs(1),
+                || async { None::<&str> },
+                move |_l| async move {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                    "redone"
+                },
+            )
+            .await
+            .expect("redone");
+        assert_eq!(redone.outcome, Outcome::Executed);
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+
+    pub async fn holder_that_dies_mid_work_is_taken_over_after_its_lease<DB: Db>() {
+        let app = app::<DB>().await;
+        let engine = app.layer.engine().clone();
+        let (_, scope, fingerprint) = job("dies");
+        let died = engine
+            .run_leased(
+                &scope,
+                fingerprint,
+                Duration::from_millis(300),
+                || async { None::<&str> },
+                |_l| async {
+                    panic!("the holder dies mid-work");
+                    #[allow(unreachable_code)]
+                    "unreachable"
+                },
+            )
+            .await;
+        assert!(matches!(died, Err(Rejection::Internal)), "{died:?}");
+        let soon = engine
+            .run_leased(
+                &scope,
+                fingerprint,
+                Duration::from_millis(300),
+                || async { None::<&str> },
+                |_l| async { "too early" },
+            )
+            .await;
+        assert!(
+            matches!(soon, Err(Rejection::InProgress { .. })),
+            "the dead holder's lease still counts: {soon:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let taken = engine
+            .run_leased(
+                &scope,
+                fingerprint,
+                Duration::from_millis(300),
+                || async { None::<&str> },
+                |_l| async { "finished by the next worker" },
+            )
+            .await
+            .expect("taken over");
+        assert_eq!(taken.outcome, Outcome::Executed);
+        assert_eq!(
+            taken.response.body().as_ref(),
+            b"finished by the next worker"
+        );
+    }
+}

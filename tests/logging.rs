@@ -1,0 +1,89 @@
+//! What the logs say about a request: a short digest of the scoped key and the outcome, never
+//! the key itself or a body (R13).
+
+mod common;
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use axum_idempotency::{IdempotencyKey, Scope};
+use common::{Backend, serve};
+use tracing_subscriber::fmt::MakeWriter;
+
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("log buffer").extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> MakeWriter<'a> for Captured {
+    type Writer = Captured;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+// A current-thread runtime keeps every task (server, engine) on the thread that owns the
+// subscriber set below.
+#[tokio::test]
+async fn logs_carry_a_digest_of_the_key_never_the_key_or_a_body() {
+    let captured = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(captured.clone())
+        .with_max_level(tracing::Level::TRACE)
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let app = serve(sqlx::Sqlite::fresh(4).await.pool, |layer| layer).await;
+    let key = "the-raw-key-3f9a7c21e5b84d06";
+    let secret = r#"{"label":"body-marker-7d1e"}"#;
+    app.post("/effects", Some("alice"), Some(key), secret).await;
+    app.post("/effects", Some("alice"), Some(key), secret).await;
+    app.post(
+        "/effects",
+        Some("alice"),
+        Some(key),
+        r#"{"label":"other-marker-2b"}"#,
+    )
+    .await;
+
+    let logs =
+        String::from_utf8(captured.0.lock().expect("log buffer").clone()).expect("utf-8 logs");
+    let digest = Scope::new(
+        "alice",
+        "POST",
+        "/effects",
+        key.parse::<IdempotencyKey>().expect("key"),
+    )
+    .scoped_key()
+    .short();
+    for outcome in [
+        "outcome=\"executed\"",
+        "outcome=\"replayed\"",
+        "outcome=\"mismatch\"",
+    ] {
+        assert!(logs.contains(outcome), "missing {outcome} in:\n{logs}");
+    }
+    assert!(
+        logs.contains(&digest),
+        "the short digest correlates the lines:\n{logs}"
+    );
+    assert!(
+        !logs.contains(key),
+        "the raw key leaked into the logs:\n{logs}"
+    );
+    assert!(
+        !logs.contains("body-marker-7d1e") && !logs.contains("other-marker-2b"),
+        "a body leaked:\n{logs}"
+    );
+}

@@ -1,0 +1,695 @@
+//! Conformance suite of the outbox: every test runs against real SQLite, PostgreSQL and MySQL
+//! databases (each in its own file, schema or database), with a scripted downstream that
+//! records every call the dispatcher makes.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use axum_idempotency::outbox::{
+    Backend, Dispatcher, DownstreamKey, LookupOutcome, Message, Outbox, OutboxError, Record,
+    SendOutcome, Sender, Status,
+};
+use sqlx::Pool;
+use tokio::sync::Notify;
+
+mod databases {
+    use std::str::FromStr;
+
+    use sqlx::ConnectOptions;
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool};
+
+    fn unique_name() -> String {
+        format!("outbox_{:016x}", unique_suffix())
+    }
+
+    // Tests must not share schemas; the nanosecond clock mixed with the pid is unique enough
+    // within one run and needs no extra dependency.
+    fn unique_suffix() -> u64 {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let counter = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        nanos ^ (u64::from(std::process::id()) << 40) ^ counter.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    }
+
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+    pub(crate) struct SqliteDb {
+        pub(crate) pool: SqlitePool,
+        _dir: tempfile::TempDir,
+    }
+
+    pub(crate) async fn sqlite() -> SqliteDb {
+        let dir = tempfile::tempdir().unwrap();
+        let options = SqliteConnectOptions::new()
+            .filename(dir.path().join("outbox.db"))
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal);
+        let pool = SqlitePool::connect_with(options).await.unwrap();
+        SqliteDb { pool, _dir: dir }
+    }
+
+    #[cfg(feature = "postgres")]
+    pub(crate) async fn postgres() -> (sqlx::PgPool, String) {
+        use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+        let url = std::env::var("TEST_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        let schema = unique_name();
+        let mut admin = PgConnectOptions::from_str(&url)
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        let options = PgConnectOptions::from_str(&url)
+            .unwrap()
+            .options([("search_path", schema.as_str())]);
+        let pool = PgPoolOptions::new()
+            .max_connections(8)
+            .connect_with(options)
+            .await
+            .unwrap();
+        (pool, schema)
+    }
+
+    #[cfg(feature = "postgres")]
+    pub(crate) async fn drop_postgres(pool: sqlx::PgPool, schema: String) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+            .execute(&pool)
+            .await
+            .unwrap();
+        pool.close().await;
+    }
+
+    #[cfg(feature = "mysql")]
+    pub(crate) async fn mysql() -> (sqlx::MySqlPool, String) {
+        use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
+        let url = std::env::var("TEST_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        let database = unique_name();
+        let mut admin = MySqlConnectOptions::from_str(&url)
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        let options = MySqlConnectOptions::from_str(&url)
+            .unwrap()
+            .database(&database);
+        let pool = MySqlPoolOptions::new()
+            .max_connections(8)
+            .connect_with(options)
+            .await
+            .unwrap();
+        (pool, database)
+    }
+
+    #[cfg(feature = "mysql")]
+    pub(crate) async fn drop_mysql(pool: sqlx::MySqlPool, database: String) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP DATABASE {database}")))
+            .execute(&pool)
+            .await
+            .unwrap();
+        pool.close().await;
+    }
+}
+
+/// Instantiates every generic test below once per backend.
+macro_rules! conformance {
+    ($($test:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    let db = crate::databases::sqlite().await;
+                    super::$test(db.pool.clone()).await;
+                }
+            )*
+        }
+
+        #[cfg(feature = "postgres")]
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    let (pool, schema) = crate::databases::postgres().await;
+                    super::$test(pool.clone()).await;
+                    crate::databases::drop_postgres(pool, schema).await;
+                }
+            )*
+        }
+
+        #[cfg(feature = "mysql")]
+        mod mysql {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    let (pool, database) = crate::databases::mysql().await;
+                    super::$test(pool.clone()).await;
+                    crate::databases::drop_mysql(pool, database).await;
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    rolled_back_enqueue_is_never_sent,
+    uncommitted_message_is_invisible_to_dispatchers,
+    committed_message_is_delivered_once_with_its_key,
+    same_intent_enqueued_twice_is_one_message,
+    same_key_with_other_payload_is_rejected,
+    retry_after_is_honoured,
+    gives_up_after_max_attempts_and_says_why,
+    rejection_fails_without_retrying,
+    unknown_outcome_found_by_lookup_is_delivered_without_resending,
+    unknown_outcome_not_found_waits_for_the_grace_then_resends_with_same_key,
+    failing_lookup_never_resends,
+    unknown_outcome_without_lookup_resends_with_same_key,
+    crashed_dispatcher_lease_expires_then_message_is_looked_up,
+    two_dispatchers_deliver_each_message_exactly_once,
+    migrate_is_idempotent_and_safe_when_run_concurrently,
+);
+
+/// A downstream whose answers are scripted and whose calls are recorded.
+#[derive(Clone, Default)]
+struct Downstream(Arc<Inner>);
+
+#[derive(Default)]
+struct Inner {
+    sends: Mutex<Vec<(String, u32)>>,
+    lookups: Mutex<Vec<String>>,
+    send_script: Mutex<VecDeque<SendOutcome>>,
+    lookup_script: Mutex<VecDeque<LookupOutcome>>,
+    lookup_default: Mutex<Option<LookupOutcome>>,
+    hang: AtomicBool,
+    max_delay_ms: AtomicU64,
+    entered: Notify,
+}
+
+impl Downstream {
+    fn answering(outcomes: impl IntoIterator<Item = SendOutcome>) -> Self {
+        let downstream = Self::default();
+        downstream.0.send_script.lock().unwrap().extend(outcomes);
+        downstream
+    }
+
+    fn looking_up(self, outcomes: impl IntoIterator<Item = LookupOutcome>) -> Self {
+        self.0.lookup_script.lock().unwrap().extend(outcomes);
+        self
+    }
+
+    fn always_looking_up(self, outcome: LookupOutcome) -> Self {
+        *self.0.lookup_default.lock().unwrap() = Some(outcome);
+        self
+    }
+
+    fn sends(&self) -> Vec<(String, u32)> {
+        self.0.sends.lock().unwrap().clone()
+    }
+
+    fn lookups(&self) -> Vec<String> {
+        self.0.lookups.lock().unwrap().clone()
+    }
+}
+
+impl Sender for Downstream {
+    async fn send(&self, message: &Record) -> SendOutcome {
+        self.0
+            .sends
+            .lock()
+            .unwrap()
+            .push((message.downstream_key.to_string(), message.attempts));
+        self.0.entered.notify_one();
+        if self.0.hang.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        let max_delay = self.0.max_delay_ms.load(Ordering::SeqCst);
+        if max_delay > 0 {
+            tokio::time::sleep(Duration::from_millis(fastrand_delay(max_delay))).await;
+        }
+        let scripted = self.0.send_script.lock().unwrap().pop_front();
+        scripted.unwrap_or_else(|| SendOutcome::Delivered {
+            receipt: format!("receipt-{}", message.id),
+        })
+    }
+
+    async fn lookup(&self, message: &Record) -> LookupOutcome {
+        self.0
+            .lookups
+            .lock()
+            .unwrap()
+            .push(message.downstream_key.to_string());
+        let scripted = self.0.lookup_script.lock().unwrap().pop_front();
+        scripted
+            .or_else(|| self.0.lookup_default.lock().unwrap().clone())
+            .unwrap_or(LookupOutcome::Unsupported)
+    }
+}
+
+fn fastrand_delay(max: u64) -> u64 {
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    u64::from(nanos) % max
+}
+
+fn key(discriminator: &str) -> DownstreamKey {
+    DownstreamKey::for_request("digest-of-alice-post-payments-k1", "charges", discriminator)
+}
+
+fn charge(discriminator: &str, amount: &str) -> Message {
+    Message::json(
+        "charges",
+        key(discriminator),
+        &serde_json::json!({ "amount": amount, "currency": "EUR" }),
+    )
+    .unwrap()
+}
+
+async fn outbox<DB: Backend>(pool: &Pool<DB>) -> Outbox<DB> {
+    let outbox = Outbox::new(pool.clone());
+    outbox.migrate().await.unwrap();
+    outbox
+}
+
+/// A dispatcher that retries at once, so tests step through attempts with `run_once`.
+fn dispatcher<DB: Backend>(
+    outbox: &Outbox<DB>,
+    downstream: &Downstream,
+) -> Dispatcher<DB, Downstream> {
+    Dispatcher::new(outbox.clone(), downstream.clone())
+        .backoff(Duration::ZERO, Duration::ZERO)
+        .lookup_grace(Duration::ZERO)
+        .send_timeout(Duration::from_secs(5))
+}
+
+async fn enqueue_committed<DB: Backend>(pool: &Pool<DB>, outbox: &Outbox<DB>, message: Message) {
+    let mut tx = pool.begin().await.unwrap();
+    outbox.enqueue(&mut tx, message).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+async fn record<DB: Backend>(outbox: &Outbox<DB>, discriminator: &str) -> Record {
+    outbox
+        .status_by_key(&key(discriminator))
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+async fn rolled_back_enqueue_is_never_sent<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    let downstream = Downstream::default();
+    let mut tx = pool.begin().await.unwrap();
+    outbox.enqueue(&mut tx, charge("c", "12.50")).await.unwrap();
+    tx.rollback().await.unwrap();
+
+    assert_eq!(
+        dispatcher(&outbox, &downstream).run_once().await.unwrap(),
+        0
+    );
+    assert!(downstream.sends().is_empty());
+    assert_eq!(outbox.status_by_key(&key("c")).await.unwrap(), None);
+}
+
+async fn uncommitted_message_is_invisible_to_dispatchers<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    let downstream = Downstream::default();
+    let dispatcher = dispatcher(&outbox, &downstream);
+    let mut tx = pool.begin().await.unwrap();
+    outbox.enqueue(&mut tx, charge("c", "12.50")).await.unwrap();
+
+    assert_eq!(dispatcher.run_once().await.unwrap(), 0);
+    tx.commit().await.unwrap();
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    assert_eq!(downstream.sends().len(), 1);
+}
+
+async fn committed_message_is_delivered_once_with_its_key<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    let downstream = Downstream::default();
+    let dispatcher = dispatcher(&outbox, &downstream);
+    let mut tx = pool.begin().await.unwrap();
+    let id = outbox.enqueue(&mut tx, charge("c", "12.50")).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let pending = outbox.status(id).await.unwrap().unwrap();
+    assert_eq!(pending.status, Status::Pending);
+    assert_eq!(pending.attempts, 0);
+
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    assert_eq!(dispatcher.run_once().await.unwrap(), 0);
+
+    assert_eq!(downstream.sends(), vec![(key("c").to_string(), 1)]);
+    let delivered = outbox.status(id).await.unwrap().unwrap();
+    assert_eq!(delivered.status, Status::Delivered);
+    assert_eq!(
+        delivered.receipt.as_deref(),
+        Some(format!("receipt-{id}").as_str())
+    );
+    assert_eq!(delivered.attempts, 1);
+    assert!(delivered.finished_at.is_some());
+    let payload: serde_json::Value = delivered.payload_json().unwrap();
+    assert_eq!(payload["amount"], "12.50");
+    assert_eq!(
+        outbox.status_by_key(&key("c")).await.unwrap(),
+        Some(delivered)
+    );
+}
+
+async fn same_intent_enqueued_twice_is_one_message<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    let mut tx = pool.begin().await.unwrap();
+    let first = outbox.enqueue(&mut tx, charge("c", "12.50")).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let again = outbox.enqueue(&mut tx, charge("c", "12.50")).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(first, again);
+
+    let downstream = Downstream::default();
+    dispatcher(&outbox, &downstream).run_once().await.unwrap();
+    assert_eq!(downstream.sends().len(), 1);
+}
+
+async fn same_key_with_other_payload_is_rejected<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    enqueue_committed(&pool, &outbox, charge("c", "12.50")).await;
+
+    let mut tx = pool.begin().await.unwrap();
+    let reused = outbox.enqueue(&mut tx, charge("c", "99.00")).await;
+    assert!(matches!(reused, Err(OutboxError::KeyReused(k)) if k == key("c")));
+    // The caller's transaction is still usable after the refusal.
+    outbox.enqueue(&mut tx, charge("d", "1.00")).await.unwrap();
+    tx.commit().await.unwrap();
+
+    assert_eq!(
+        record(&outbox, "c")
+            .await
+            .payload_json::<serde_json::Value>()
+            .unwrap()["amount"],
+        "12.50"
+    );
+    assert_eq!(record(&outbox, "d").await.status, Status::Pending);
+}
+
+async fn retry_after_is_honoured<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    enqueue_committed(&pool, &outbox, charge("c", "12.50")).await;
+    let downstream = Downstream::answering([SendOutcome::Retry {
+        after: Some(Duration::from_secs(3600)),
+        reason: "503 Service Unavailable".into(),
+    }]);
+    let dispatcher = dispatcher(&outbox, &downstream);
+
+    let before = SystemTime::now();
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    assert_eq!(dispatcher.run_once().await.unwrap(), 0);
+
+    let waiting = record(&outbox, "c").await;
+    assert_eq!(waiting.status, Status::Pending);
+    assert_eq!(waiting.attempts, 1);
+    assert!(!waiting.outcome_unknown);
+    assert_eq!(
+        waiting.last_error.as_deref(),
+        Some("503 Service Unavailable")
+    );
+    assert!(waiting.next_attempt_at >= before + Duration::from_secs(3599));
+    assert_eq!(downstream.sends().len(), 1);
+}
+
+async fn gives_up_after_max_attempts_and_says_why<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    enqueue_committed(&pool, &outbox, charge("c", "12.50")).await;
+    let unavailable = || SendOutcome::Retry {
+        after: None,
+        reason: "503 Service Unavailable".into(),
+    };
+    let downstream =
+        Downstream::answering([unavailable(), unavailable(), unavailable(), unavailable()]);
+    let dispatcher = dispatcher(&outbox, &downstream).max_attempts(3);
+
+    for _ in 0..3 {
+        assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    }
+    assert_eq!(dispatcher.run_once().await.unwrap(), 0);
+
+    let failed = record(&outbox, "c").await;
+    assert_eq!(failed.status, Status::Failed);
+    assert_eq!(failed.attempts, 3);
+    assert_eq!(
+        failed.last_error.as_deref(),
+        Some("gave up after 3 attempts: 503 Service Unavailable")
+    );
+    let attempts: Vec<u32> = downstream.sends().into_iter().map(|(_, n)| n).collect();
+    assert_eq!(attempts, vec![1, 2, 3]);
+}
+
+async fn rejection_fails_without_retrying<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    enqueue_committed(&pool, &outbox, charge("c", "12.50")).await;
+    let downstream = Downstream::answering([SendOutcome::Rejected {
+        reason: "card declined".into(),
+    }]);
+    let dispatcher = dispatcher(&outbox, &downstream);
+
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    assert_eq!(dispatcher.run_once().await.unwrap(), 0);
+    let failed = record(&outbox, "c").await;
+    assert_eq!(failed.status, Status::Failed);
+    assert_eq!(failed.last_error.as_deref(), Some("card declined"));
+    assert_eq!(downstream.sends().len(), 1);
+}
+
+async fn unknown_outcome_found_by_lookup_is_delivered_without_resending<DB: Backend>(
+    pool: Pool<DB>,
+) {
+    let outbox = outbox(&pool).await;
+    enqueue_committed(&pool, &outbox, charge("c", "12.50")).await;
+    let downstream = Downstream::answering([SendOutcome::Unknown {
+        reason: "connection reset".into(),
+    }])
+    .looking_up([LookupOutcome::Found {
+        receipt: "ch_found".into(),
+    }]);
+    let dispatcher = dispatcher(&outbox, &downstream);
+
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    let unknown = record(&outbox, "c").await;
+    assert_eq!(unknown.status, Status::Pending);
+    assert!(unknown.outcome_unknown);
+    assert_eq!(unknown.last_error.as_deref(), Some("connection reset"));
+
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    let delivered = record(&outbox, "c").await;
+    assert_eq!(delivered.status, Status::Delivered);
+    assert_eq!(delivered.receipt.as_deref(), Some("ch_found"));
+    assert_eq!(delivered.attempts, 1);
+    assert_eq!(downstream.sends().len(), 1);
+    assert_eq!(downstream.lookups(), vec![key("c").to_string()]);
+}
+
+async fn unknown_outcome_not_found_waits_for_the_grace_then_resends_with_same_key<DB: Backend>(
+    pool: Pool<DB>,
+) {
+    let outbox = outbox(&pool).await;
+    enqueue_committed(&pool, &outbox, charge("c", "12.50")).await;
+    let downstream = Downstream::answering([SendOutcome::Unknown {
+        reason: "timed out".into(),
+    }])
+    .always_looking_up(LookupOutcome::NotFound);
+    let grace = Duration::from_millis(1500);
+    let dispatcher = dispatcher(&outbox, &downstream).lookup_grace(grace);
+
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    let sent_at = record(&outbox, "c").await.last_attempt_at.unwrap();
+
+    // Looked up within the grace: not found, but the first attempt may still be running.
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    let waiting = record(&outbox, "c").await;
+    assert_eq!(waiting.status, Status::Pending);
+    assert!(waiting.outcome_unknown);
+    assert_eq!(waiting.next_attempt_at, sent_at + grace);
+    assert_eq!(downstream.sends().len(), 1);
+    assert_eq!(downstream.lookups().len(), 1);
+    assert_eq!(dispatcher.run_once().await.unwrap(), 0);
+
+    let until_due = waiting
+        .next_attempt_at
+        .duration_since(SystemTime::now())
+        .unwrap_or_default();
+    tokio::time::sleep(until_due + Duration::from_millis(50)).await;
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+
+    let delivered = record(&outbox, "c").await;
+    assert_eq!(delivered.status, Status::Delivered);
+    assert_eq!(downstream.lookups().len(), 2);
+    assert_eq!(
+        downstream.sends(),
+        vec![(key("c").to_string(), 1), (key("c").to_string(), 2)]
+    );
+}
+
+async fn failing_lookup_never_resends<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    enqueue_committed(&pool, &outbox, charge("c", "12.50")).await;
+    let downstream = Downstream::answering([SendOutcome::Unknown {
+        reason: "timed out".into(),
+    }])
+    .always_looking_up(LookupOutcome::Failed {
+        reason: "lookup returned 500".into(),
+    });
+    let dispatcher = dispatcher(&outbox, &downstream).max_attempts(2);
+
+    for _ in 0..4 {
+        dispatcher.run_once().await.unwrap();
+    }
+    let waiting = record(&outbox, "c").await;
+    assert_eq!(waiting.status, Status::Pending);
+    assert!(waiting.outcome_unknown);
+    assert_eq!(
+        waiting.last_error.as_deref(),
+        Some("lookup failed: lookup returned 500")
+    );
+    assert_eq!(downstream.sends().len(), 1);
+    assert_eq!(downstream.lookups().len(), 3);
+}
+
+async fn unknown_outcome_without_lookup_resends_with_same_key<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    enqueue_committed(&pool, &outbox, charge("c", "12.50")).await;
+    let downstream = Downstream::answering([SendOutcome::Unknown {
+        reason: "connection reset".into(),
+    }]);
+    let dispatcher = dispatcher(&outbox, &downstream);
+
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    assert_eq!(record(&outbox, "c").await.status, Status::Delivered);
+    assert_eq!(
+        downstream.sends(),
+        vec![(key("c").to_string(), 1), (key("c").to_string(), 2)]
+    );
+}
+
+async fn crashed_dispatcher_lease_expires_then_message_is_looked_up<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    enqueue_committed(&pool, &outbox, charge("c", "12.50")).await;
+
+    let stuck = Downstream::default();
+    stuck.0.hang.store(true, Ordering::SeqCst);
+    let lease = Duration::from_millis(1200);
+    let crashing = dispatcher(&outbox, &stuck)
+        .send_timeout(Duration::from_millis(500))
+        .lease(lease);
+    let task = tokio::spawn(async move { crashing.run_once().await });
+    stuck.0.entered.notified().await;
+    // Killed mid-send: nothing records the outcome, only the lease remains.
+    task.abort();
+    let _ = task.await;
+    let orphan = record(&outbox, "c").await;
+    assert!(orphan.outcome_unknown);
+    assert_eq!(orphan.attempts, 1);
+
+    let survivor = Downstream::default().looking_up([LookupOutcome::Found {
+        receipt: "ch_1".into(),
+    }]);
+    let taking_over = dispatcher(&outbox, &survivor);
+    assert_eq!(
+        taking_over.run_once().await.unwrap(),
+        0,
+        "the lease still holds"
+    );
+
+    let leased_at = orphan.last_attempt_at.unwrap();
+    let until_expiry = (leased_at + lease)
+        .duration_since(SystemTime::now())
+        .unwrap_or_default();
+    tokio::time::sleep(until_expiry + Duration::from_millis(100)).await;
+    assert_eq!(taking_over.run_once().await.unwrap(), 1);
+
+    let delivered = record(&outbox, "c").await;
+    assert_eq!(delivered.status, Status::Delivered);
+    assert_eq!(delivered.receipt.as_deref(), Some("ch_1"));
+    assert!(
+        survivor.sends().is_empty(),
+        "found by lookup, so never resent"
+    );
+    assert_eq!(survivor.lookups(), vec![key("c").to_string()]);
+}
+
+async fn two_dispatchers_deliver_each_message_exactly_once<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    let total = 40;
+    for n in 0..total {
+        enqueue_committed(&pool, &outbox, charge(&format!("c{n}"), "1.00")).await;
+    }
+    let downstream = Downstream::default();
+    downstream.0.max_delay_ms.store(30, Ordering::SeqCst);
+
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let mut stopped = stopped.clone();
+        let dispatcher = dispatcher(&outbox, &downstream)
+            .batch_size(4)
+            .poll_interval(Duration::from_millis(20));
+        runs.push(tokio::spawn(dispatcher.run(async move {
+            let _ = stopped.wait_for(|stop| *stop).await;
+        })));
+    }
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut delivered = 0;
+        for n in 0..total {
+            if record(&outbox, &format!("c{n}")).await.status == Status::Delivered {
+                delivered += 1;
+            }
+        }
+        if delivered == total {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {delivered} delivered"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.send(true).unwrap();
+    for run in runs {
+        tokio::time::timeout(Duration::from_secs(10), run)
+            .await
+            .expect("run() returns after shutdown")
+            .unwrap();
+    }
+
+    let mut per_key: HashMap<String, usize> = HashMap::new();
+    for (key, _) in downstream.sends() {
+        *per_key.entry(key).or_default() += 1;
+    }
+    assert_eq!(per_key.len(), total);
+    assert!(per_key.values().all(|&sends| sends == 1), "{per_key:?}");
+}
+
+async fn migrate_is_idempotent_and_safe_when_run_concurrently<DB: Backend>(pool: Pool<DB>) {
+    let first = Outbox::new(pool.clone());
+    let second = Outbox::new(pool.clone());
+    let (a, b) = tokio::join!(first.migrate(), second.migrate());
+    a.unwrap();
+    b.unwrap();
+    enqueue_committed(&pool, &first, charge("c", "12.50")).await;
+    first.migrate().await.unwrap();
+    assert_eq!(record(&first, "c").await.status, Status::Pending);
+}

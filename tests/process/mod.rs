@@ -1,0 +1,104 @@
+//! Examples run as real processes on loopback, and an HTTP client to talk to them.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+pub fn example(name: &str) -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"));
+    let path = target.join("debug").join("examples").join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the examples first (`cargo test --all-features` does)",
+        path.display()
+    );
+    path
+}
+
+/// A running example; killed with SIGKILL when dropped.
+pub struct Process {
+    child: Child,
+    pub url: String,
+}
+
+impl Process {
+    pub async fn start(name: &str, env: &[(&str, &str)]) -> Self {
+        let mut command = Command::new(example(name));
+        command
+            .env("BIND", "127.0.0.1:0")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        let mut child = command.spawn().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        let url = tokio::time::timeout(Duration::from_secs(30), async {
+            while let Some(line) = lines.next_line().await.unwrap() {
+                if let Some(rest) = line.split("listening on ").nth(1) {
+                    return rest.split_whitespace().next().unwrap().to_owned();
+                }
+            }
+            panic!("{name} exited before listening");
+        })
+        .await
+        .unwrap();
+        // Keep draining stdout so the child never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Self { child, url }
+    }
+
+    pub async fn kill(mut self) {
+        self.child.start_kill().unwrap();
+        self.child.wait().await.unwrap();
+    }
+}
+
+pub struct Http(Client<HttpConnector, Full<Bytes>>);
+
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap()
+    }
+}
+
+impl Http {
+    pub fn new() -> Self {
+        Self(Client::builder(TokioExecutor::new()).build_http())
+    }
+
+    pub async fn call(&self, request: Request<Full<Bytes>>) -> Answer {
+        let response = self.0.request(request).await.unwrap();
+        let status = response.status();
+        let headers = response.headers().clone();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        Answer {
+            status,
+            headers,
+            body,
+        }
+    }
+}

@@ -93,6 +93,8 @@ pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use layer::{IDEMPOTENCY_KEY, IdempotencyLayer, IdempotencyService};
 pub use record::{Record, RecordState, StoredResponse};
 pub use scope::{IdempotencyContext, Principal, Scope, ScopedKey};
+#[cfg(feature = "mysql")]
+pub use store::MySqlStore;
 #[cfg(feature = "postgres")]
 pub use store::PgStore;
 #[cfg(feature = "sqlite")]

@@ -48,6 +48,7 @@ macro_rules! conformance {
 conformance! {
     sqlite: sqlx::Sqlite, "sqlite";
     postgres: sqlx::Postgres, "postgres";
+    mysql: sqlx::MySql, "mysql";
 }
 
 #[allow(dead_code, unreachable_pub)]
@@ -713,6 +714,30 @@ mod suite {
 
     /// Sessions of this test's database left idle inside a transaction.
     async fn open_transactions<DB: Backend>(url: &str) -> i64 {
+        #[cfg(feature = "mysql")]
+        if DB::NAME == "MySQL" {
+            use sqlx::Connection;
+            let mut admin = sqlx::MySqlConnection::connect(&crate::common::mysql_url())
+                .await
+                .expect("admin");
+            let mut open = 0;
+            for _ in 0..20 {
+                open = sqlx::query_scalar(
+                    "SELECT COUNT(*) FROM information_schema.innodb_trx t \
+                     JOIN information_schema.processlist p ON p.id = t.trx_mysql_thread_id \
+                     WHERE p.db = ? AND p.command = 'Sleep'",
+                )
+                .bind(url)
+                .fetch_one(&mut admin)
+                .await
+                .expect("innodb_trx");
+                if open == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            return open;
+        }
         if DB::NAME != "PostgreSQL" {
             return 0;
         }

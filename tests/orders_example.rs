@@ -287,3 +287,40 @@ async fn orders_example_keeps_the_contract_on_postgres() {
 async fn orders_example_replays_out_of_stock_on_postgres() {
     out_of_stock_is_final_and_replayed(Orders::start(&postgres_url().await).await).await;
 }
+
+#[cfg(feature = "mysql")]
+async fn mysql_url() -> String {
+    use sqlx::Connection;
+    let base = std::env::var("TEST_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+    let database = format!(
+        "orders_{}_{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    );
+    let mut admin = sqlx::MySqlConnection::connect(&base)
+        .await
+        .unwrap_or_else(|e| panic!("MariaDB/MySQL at {base} is unreachable: {e}"));
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+        .execute(&mut admin)
+        .await
+        .expect("database");
+    let server = base
+        .rsplit_once('/')
+        .map_or(base.as_str(), |(server, _)| server);
+    format!("{server}/{database}")
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn orders_example_keeps_the_contract_on_mysql() {
+    the_contract_holds(Orders::start(&mysql_url().await).await).await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn orders_example_replays_out_of_stock_on_mysql() {
+    out_of_stock_is_final_and_replayed(Orders::start(&mysql_url().await).await).await;
+}

@@ -51,6 +51,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         #[cfg(feature = "postgres")]
         "postgres" | "postgresql" => app(sqlx::PgPool::connect(&url).await?, ttl).await?,
+        #[cfg(feature = "mysql")]
+        "mysql" | "mariadb" => app(sqlx::MySqlPool::connect(&url).await?, ttl).await?,
         other => {
             return Err(
                 format!("DATABASE_URL scheme {other:?} is not built in (see --features)").into(),

@@ -2,7 +2,8 @@
 //!
 //! Records sit in their own table, `idempotency_records`, keyed by the SHA-256 digest of the
 //! scoped key, so a client's key can never touch a business row or another record's fields.
-//! [`SqlStore`] holds every query once; each backend (`SqliteStore`, `PgStore`) only states its
+//! [`SqlStore`] holds every query once; each backend (`SqliteStore`, `PgStore`, `MySqlStore`)
+//! only states its
 //! dialect: the SQL text, how a transaction bounds its lock wait, which errors mean "busy".
 //!
 //! Create the tables with [`Store::migrate`] at start-up. The SQL it runs ships in the
@@ -18,7 +19,8 @@ use std::time::Duration;
 use sqlx::SqlSafeStr;
 use sqlx::error::DatabaseError;
 use sqlx::{
-    ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Transaction, Type,
+    ColumnIndex, Connection, Database, Decode, Encode, Executor, IntoArguments, Pool, Row,
+    Transaction, Type,
 };
 
 use crate::error::Error;
@@ -26,11 +28,15 @@ use crate::fingerprint::Fingerprint;
 use crate::record::{Record, RecordState, StoredResponse};
 use crate::scope::{Scope, ScopedKey};
 
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
+#[cfg(feature = "mysql")]
+pub use mysql::MySqlStore;
 #[cfg(feature = "postgres")]
 pub use postgres::PgStore;
 #[cfg(feature = "sqlite")]
@@ -266,6 +272,10 @@ pub trait Dialect: Database + sealed::Sealed {
     /// Run first in the migration transaction to serialise concurrent migrators, if the begin
     /// statement does not already.
     const MIGRATION_LOCK: Option<&'static str>;
+    /// Releases the lock [`MIGRATION_LOCK`](Dialect::MIGRATION_LOCK) took, when that lock belongs
+    /// to the session rather than the transaction (where DDL commits implicitly, a transaction
+    /// cannot hold it). Run after the migration, whatever its outcome.
+    const MIGRATION_UNLOCK: Option<&'static str> = None;
     /// Records an applied migration. Parameters: version, applied_at.
     const MIGRATION_RECORD: &'static str;
     /// Parameters: key_digest, principal, method, route, fingerprint, state, status, headers,
@@ -274,6 +284,10 @@ pub trait Dialect: Database + sealed::Sealed {
     /// Parameter: key_digest. Columns: state, fingerprint, status, headers, body, created_at,
     /// expires_at, lease_expires_at.
     const FIND: &'static str;
+    /// Run right after [`CLAIM`](Dialect::CLAIM), whatever its outcome, where the lock-wait bound
+    /// set by [`begin_statement`](Dialect::begin_statement) would outlive the claim: it gives the
+    /// handler's own statements, and the pooled connection's next user, their usual bound back.
+    const LIFT_LOCK_WAIT: Option<&'static str> = None;
     /// Parameters: state, status, headers, body, key_digest.
     const FINISH: &'static str;
     /// Parameters: now, limit.
@@ -287,6 +301,12 @@ pub trait Dialect: Database + sealed::Sealed {
     /// Parameters: key_digest, lease_owner.
     const RELEASE_LEASE: &'static str;
 
+    /// Whether the row [`MIGRATION_LOCK`](Dialect::MIGRATION_LOCK) returned says the lock was
+    /// granted: a lock with a timeout reports the timeout there, not as an error.
+    fn migration_locked(_row: &Self::Row) -> bool {
+        true
+    }
+
     /// The statement that begins a claim transaction with its lock wait bounded.
     fn begin_statement(lock_wait: Duration) -> String;
 
@@ -296,9 +316,9 @@ pub trait Dialect: Database + sealed::Sealed {
     /// How many rows a statement affected.
     fn rows_affected(result: &Self::QueryResult) -> u64;
 
-    /// Whether a claim statement that affected `rows` rows took the key.
-    fn claimed(rows: u64) -> bool {
-        rows == 1
+    /// Whether the claim statement took the key.
+    fn claimed(result: &Self::QueryResult) -> bool {
+        Self::rows_affected(result) == 1
     }
 }
 
@@ -314,6 +334,60 @@ fn classify<DB: Dialect>(error: sqlx::Error) -> Error {
         sqlx::Error::Database(db) if DB::is_busy(db.as_ref()) => Error::Busy,
         _ => Error::Database(error),
     }
+}
+
+/// Applies the migrations newer than the recorded version, on one connection.
+async fn apply_migrations<DB>(conn: &mut DB::Connection) -> Result<(), Error>
+where
+    DB: Dialect,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB>,
+    usize: ColumnIndex<DB::Row>,
+    i64: for<'q> Encode<'q, DB> + Type<DB>,
+    Option<i64>: for<'r> Decode<'r, DB> + Type<DB>,
+{
+    // Wrapped: a bare `&'static str` here makes the future fail `Send` checks once spawned.
+    let mut tx = conn
+        .begin_with(sqlx::AssertSqlSafe(DB::MIGRATION_BEGIN))
+        .await?;
+    if let Some(lock) = DB::MIGRATION_LOCK {
+        let granted = sqlx::query(lock).fetch_optional(&mut *tx).await?;
+        if granted
+            .as_ref()
+            .is_some_and(|row| !DB::migration_locked(row))
+        {
+            return Err(Error::Migration(
+                "the lock that serialises migrators was not granted".into(),
+            ));
+        }
+    }
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS idempotency_schema_versions (\
+         version BIGINT PRIMARY KEY, applied_at BIGINT NOT NULL)",
+    )
+    .execute(&mut *tx)
+    .await?;
+    let current: Option<i64> = sqlx::query("SELECT MAX(version) FROM idempotency_schema_versions")
+        .fetch_one(&mut *tx)
+        .await?
+        .try_get(0)?;
+    let current = current.unwrap_or(0);
+    for &(version, script) in DB::MIGRATIONS {
+        if version <= current {
+            continue;
+        }
+        sqlx::raw_sql(script)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| Error::Migration(format!("version {version}: {e}")))?;
+        sqlx::query(DB::MIGRATION_RECORD)
+            .bind(version)
+            .bind(crate::engine::now_ms())
+            .execute(&mut *tx)
+            .await?;
+    }
+    tx.commit().await?;
+    Ok(())
 }
 
 impl<DB> Store for SqlStore<DB>
@@ -338,35 +412,17 @@ where
     }
 
     async fn migrate(&self) -> Result<(), Error> {
-        let mut tx = self.pool.begin_with(DB::MIGRATION_BEGIN).await?;
-        if let Some(lock) = DB::MIGRATION_LOCK {
-            sqlx::query(lock).execute(&mut *tx).await?;
+        let mut conn = self.pool.acquire().await?;
+        let applied = apply_migrations::<DB>(&mut conn).await;
+        if let Some(unlock) = DB::MIGRATION_UNLOCK
+            && let Err(error) = sqlx::raw_sql(unlock).execute(&mut *conn).await
+        {
+            // The session may still hold the lock; ending it releases the lock, pooling it would not.
+            conn.close_on_drop();
+            applied?;
+            return Err(error.into());
         }
-        sqlx::raw_sql(
-            "CREATE TABLE IF NOT EXISTS idempotency_schema_versions (\
-             version BIGINT PRIMARY KEY, applied_at BIGINT NOT NULL)",
-        )
-        .execute(&mut *tx)
-        .await?;
-        let current: Option<i64> =
-            sqlx::query("SELECT MAX(version) FROM idempotency_schema_versions")
-                .fetch_one(&mut *tx)
-                .await?
-                .try_get(0)?;
-        let current = current.unwrap_or(0);
-        for &(version, script) in DB::MIGRATIONS.iter().filter(|(v, _)| *v > current) {
-            sqlx::raw_sql(script)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| Error::Migration(format!("version {version}: {e}")))?;
-            sqlx::query(DB::MIGRATION_RECORD)
-                .bind(version)
-                .bind(crate::engine::now_ms())
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
-        Ok(())
+        applied
     }
 
     async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, Error> {
@@ -419,7 +475,7 @@ where
             ),
             None => (None, None, None),
         };
-        let result = sqlx::query(DB::CLAIM)
+        let claimed = sqlx::query(DB::CLAIM)
             .bind(record.key.digest().to_vec())
             .bind(record.scope.principal().map(str::to_owned))
             .bind(record.scope.method().to_owned())
@@ -433,10 +489,15 @@ where
             .bind(record.expires_at_ms)
             .bind(record.lease.map(|lease| lease.owner.to_vec()))
             .bind(record.lease.map(|lease| lease.until_ms))
-            .execute(conn)
-            .await
-            .map_err(classify::<DB>)?;
-        Ok(DB::claimed(DB::rows_affected(&result)))
+            .execute(&mut *conn)
+            .await;
+        let lifted = match DB::LIFT_LOCK_WAIT {
+            Some(lift) => sqlx::raw_sql(lift).execute(&mut *conn).await.map(drop),
+            None => Ok(()),
+        };
+        let claimed = DB::claimed(&claimed.map_err(classify::<DB>)?);
+        lifted.map_err(classify::<DB>)?;
+        Ok(claimed)
     }
 
     async fn find<'a>(

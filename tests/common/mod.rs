@@ -208,6 +208,55 @@ async fn pg_pool(schema: &str, max: u32) -> sqlx::PgPool {
         .expect("connect postgres")
 }
 
+#[cfg(feature = "mysql")]
+pub fn mysql_url() -> String {
+    std::env::var("TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
+#[cfg(feature = "mysql")]
+impl Backend for sqlx::MySql {
+    const EFFECTS_DDL: &'static str = "CREATE TABLE effects \
+        (id BIGINT AUTO_INCREMENT PRIMARY KEY, label TEXT NOT NULL) ENGINE = InnoDB";
+    // RETURNING on INSERT is MariaDB's (10.5+); MySQL 8 would need LAST_INSERT_ID() instead.
+    const INSERT_EFFECT: &'static str = "INSERT INTO effects (label) VALUES (?) RETURNING id";
+    const COUNT_EFFECTS: &'static str = "SELECT COUNT(*) FROM effects WHERE label = ?";
+
+    async fn fresh(max_connections: u32) -> Isolated<Self> {
+        use sqlx::Connection;
+        let database = unique("idem");
+        let mut admin = sqlx::MySqlConnection::connect(&mysql_url())
+            .await
+            .unwrap_or_else(|e| panic!("MariaDB/MySQL at {} is unreachable: {e}", mysql_url()));
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+            .execute(&mut admin)
+            .await
+            .expect("create database");
+        let _ = admin.close().await;
+        Isolated {
+            pool: mysql_pool(&database, max_connections).await,
+            url: database,
+        }
+    }
+
+    async fn another_pool(isolated: &Isolated<Self>, max_connections: u32) -> Pool<Self> {
+        mysql_pool(&isolated.url, max_connections).await
+    }
+}
+
+#[cfg(feature = "mysql")]
+async fn mysql_pool(database: &str, max: u32) -> sqlx::MySqlPool {
+    use sqlx::mysql::MySqlConnectOptions;
+    let options = mysql_url()
+        .parse::<MySqlConnectOptions>()
+        .expect("mysql url")
+        .database(database);
+    sqlx::pool::PoolOptions::new()
+        .max_connections(max)
+        .connect_with(options)
+        .await
+        .expect("connect mysql")
+}
+
 /// The verified caller, set by the test's auth middleware from `Authorization: Bearer <name>`.
 #[derive(Clone)]
 pub struct User(pub String);

@@ -327,8 +327,6 @@ mod sealed {
     pub trait Sealed {}
 }
 
-pub(crate) use sealed::Sealed;
-
 fn classify<DB: Dialect>(error: sqlx::Error) -> Error {
     match &error {
         sqlx::Error::Database(db) if DB::is_busy(db.as_ref()) => Error::Busy,

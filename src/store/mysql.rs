@@ -6,7 +6,7 @@ use sqlx::error::DatabaseError;
 use sqlx::mysql::{MySqlDatabaseError, MySqlRow};
 use sqlx::{MySql, Row};
 
-use super::{Dialect, Sealed, SqlStore};
+use super::{Dialect, SqlStore, sealed::Sealed};
 
 /// Records in MySQL 8 or MariaDB, in an InnoDB table.
 ///

@@ -5,7 +5,7 @@ use std::time::Duration;
 use sqlx::Sqlite;
 use sqlx::error::DatabaseError;
 
-use super::{Dialect, Sealed, SqlStore};
+use super::{Dialect, SqlStore, sealed::Sealed};
 
 /// Records in SQLite.
 ///

@@ -68,7 +68,18 @@
 //! [`fingerprint`] canonicalises the request, [`record`] holds states and stored responses,
 //! [`store`] keeps records in SQL, [`engine`] runs claim → execute → record for HTTP and jobs
 //! alike, [`layer`] adapts it to tower, [`tx`] is the transaction extractor, [`error`] the
-//! rejections.
+//! rejections. Behind features: `outbox` (external side effects sent after commit with a stable
+//! downstream key) and `client` (the caller's half: one key per logical call, reused on every
+//! retry).
+//!
+//! | feature | what it adds |
+//! |---|---|
+//! | `sqlite` (default) | `SqliteStore` |
+//! | `postgres` | `PgStore` |
+//! | `mysql` | `MySqlStore` (MySQL 8, MariaDB) |
+//! | `outbox` | the `outbox` module: `Outbox`, `Dispatcher`, `Sender` |
+//! | `client` | the `client` module: `IdempotentRetryLayer` for tower HTTP clients |
+//! | `reqwest` | `client::IdempotentRetryMiddleware` for `reqwest-middleware` |
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

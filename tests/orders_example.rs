@@ -50,6 +50,13 @@ impl Orders {
     }
 }
 
+impl Orders {
+    /// `POST /orders` as the holder of `token`.
+    async fn place(&self, token: &str, key: Option<&str>, body: Option<Value>) -> Answer {
+        self.send("POST", "/orders", token, key, body).await
+    }
+}
+
 fn replayed(answer: &Answer) -> bool {
     answer
         .headers
@@ -74,13 +81,7 @@ fn key(name: &str) -> String {
 async fn the_contract_holds(orders: Orders) {
     let create = key("create");
     let created = orders
-        .send(
-            "POST",
-            "/orders",
-            "alice-token",
-            Some(&create),
-            Some(order("widget", 2)),
-        )
+        .place("alice-token", Some(&create), Some(order("widget", 2)))
         .await;
     assert_eq!(created.status, StatusCode::CREATED);
     let id = created.json()["id"].as_i64().expect("id");
@@ -100,13 +101,7 @@ async fn the_contract_holds(orders: Orders) {
     assert_eq!(shipped.json()["status"], "shipped");
 
     let replay = orders
-        .send(
-            "POST",
-            "/orders",
-            "alice-token",
-            Some(&create),
-            Some(order("widget", 2)),
-        )
+        .place("alice-token", Some(&create), Some(order("widget", 2)))
         .await;
     assert!(replayed(&replay));
     assert_eq!(replay.status, StatusCode::CREATED);
@@ -126,58 +121,28 @@ async fn the_contract_holds(orders: Orders) {
     assert_eq!(foreign.status, StatusCode::NOT_FOUND);
 
     let reused = orders
-        .send(
-            "POST",
-            "/orders",
-            "alice-token",
-            Some(&create),
-            Some(order("widget", 3)),
-        )
+        .place("alice-token", Some(&create), Some(order("widget", 3)))
         .await;
     assert_eq!(reused.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(reused.json()["code"], "idempotency_key_reused");
 
     let invalid = key("invalid");
     let bad = orders
-        .send(
-            "POST",
-            "/orders",
-            "alice-token",
-            Some(&invalid),
-            Some(order("widget", 0)),
-        )
+        .place("alice-token", Some(&invalid), Some(order("widget", 0)))
         .await;
     assert_eq!(bad.status, StatusCode::BAD_REQUEST);
     assert!(replayed(
         &orders
-            .send(
-                "POST",
-                "/orders",
-                "alice-token",
-                Some(&invalid),
-                Some(order("widget", 0))
-            )
+            .place("alice-token", Some(&invalid), Some(order("widget", 0)))
             .await
     ));
     let unknown = orders
-        .send(
-            "POST",
-            "/orders",
-            "alice-token",
-            Some(&key("sku")),
-            Some(order("nothing", 1)),
-        )
+        .place("alice-token", Some(&key("sku")), Some(order("nothing", 1)))
         .await;
     assert_eq!(unknown.status, StatusCode::BAD_REQUEST);
 
     let stranger = orders
-        .send(
-            "POST",
-            "/orders",
-            "mallory-token",
-            Some(&key("x")),
-            Some(order("widget", 1)),
-        )
+        .place("mallory-token", Some(&key("x")), Some(order("widget", 1)))
         .await;
     assert_eq!(stranger.status, StatusCode::UNAUTHORIZED);
 
@@ -203,35 +168,17 @@ async fn the_contract_holds(orders: Orders) {
 
 async fn out_of_stock_is_final_and_replayed(orders: Orders) {
     let first = orders
-        .send(
-            "POST",
-            "/orders",
-            "bob-token",
-            Some(&key("g1")),
-            Some(order("gadget", 1)),
-        )
+        .place("bob-token", Some(&key("g1")), Some(order("gadget", 1)))
         .await;
     assert_eq!(first.status, StatusCode::CREATED, "the one gadget in stock");
     let refused_key = key("g2");
     let refused = orders
-        .send(
-            "POST",
-            "/orders",
-            "bob-token",
-            Some(&refused_key),
-            Some(order("gadget", 1)),
-        )
+        .place("bob-token", Some(&refused_key), Some(order("gadget", 1)))
         .await;
     assert_eq!(refused.status, StatusCode::CONFLICT);
     assert_eq!(refused.json()["code"], "out_of_stock");
     let again = orders
-        .send(
-            "POST",
-            "/orders",
-            "bob-token",
-            Some(&refused_key),
-            Some(order("gadget", 1)),
-        )
+        .place("bob-token", Some(&refused_key), Some(order("gadget", 1)))
         .await;
     assert!(replayed(&again));
     assert_eq!(again.body, refused.body);

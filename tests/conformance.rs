@@ -155,8 +155,10 @@ mod suite {
     pub async fn panic_leaves_no_record_and_the_retry_executes_once<DB: Db>() {
         let app = app::<DB>().await;
         let key = unique("panic");
+        let label = unique("panic");
+        let payload = json!({ "label": label }).to_string();
         let crashed = app
-            .post("/panic", Some("alice"), Some(&key), r#"{"label":"panic"}"#)
+            .post("/panic", Some("alice"), Some(&key), &payload)
             .await;
         assert_eq!(crashed.status, StatusCode::INTERNAL_SERVER_ERROR);
         assert_eq!(crashed.code(), "idempotency_internal_error");
@@ -166,10 +168,28 @@ mod suite {
             "no record after a panic"
         );
         assert_eq!(
-            DB::count_effects(&app.pool, "panic").await,
+            DB::count_effects(&app.pool, &label).await,
             0,
             "no partial write"
         );
+
+        let retried = app
+            .post("/panic", Some("alice"), Some(&key), &payload)
+            .await;
+        assert_eq!(
+            retried.status,
+            StatusCode::CREATED,
+            "the retry executes: {retried:?}"
+        );
+        assert!(!retried.replayed());
+        assert_eq!(DB::count_effects(&app.pool, &label).await, 1);
+        assert_eq!(app.executions(), 2);
+        assert!(
+            app.post("/panic", Some("alice"), Some(&key), &payload)
+                .await
+                .replayed()
+        );
+        assert_eq!(app.executions(), 2, "executed once after the crash");
     }
 
     pub async fn server_error_leaves_no_record_and_the_retry_executes_once<DB: Db>() {

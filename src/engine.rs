@@ -500,7 +500,7 @@ impl<S: Store> Engine<S> {
         let (begun, expired) = match self.store.open(&key, now_ms(), self.settings.wait).await {
             Ok(Opened::Live(record)) => return self.answer_existing(record, fingerprint),
             Ok(Opened::Claimable { tx, expired }) => (tx, expired),
-            Err(Error::Busy) => return (Err(IN_PROGRESS), "in_flight"),
+            Err(Error::Busy | Error::Conflict) => return (Err(IN_PROGRESS), "in_flight"),
             Err(error) => return internal(error),
         };
         let record = self.new_record(key, scope, fingerprint, RecordState::Processing);
@@ -634,32 +634,30 @@ impl<S: Store> Engine<S> {
         record: &NewRecord<'_>,
         mut begun: Option<Transaction<'static, S::Database>>,
     ) -> Result<Claim<S::Database>, Rejection> {
-        // A record can vanish between a failed claim and the read (purged when it expired),
-        // so a second round settles it either way.
-        for _ in 0..2 {
+        // Another round settles the two races a claim can lose without an answer: the record
+        // vanished between the failed claim and the read (purged as it expired), or the
+        // database picked this transaction as a deadlock victim (InnoDB does when an original
+        // rolls back under waiting duplicates). The victim's transaction is gone; claiming again
+        // queues it behind the winner like any duplicate.
+        for _ in 0..3 {
             let mut tx = match begun.take() {
                 Some(tx) => tx,
-                None => self
-                    .store
-                    .begin(self.settings.wait)
-                    .await
-                    .map_err(busy_or_internal)?,
+                None => match self.store.begin(self.settings.wait).await {
+                    Ok(tx) => tx,
+                    Err(Error::Conflict) => continue,
+                    Err(error) => return Err(busy_or_internal(error)),
+                },
             };
-            if self
-                .store
-                .claim(&mut tx, record)
-                .await
-                .map_err(busy_or_internal)?
-            {
-                return Ok(Claim::Ours(tx));
+            match self.store.claim(&mut tx, record).await {
+                Ok(true) => return Ok(Claim::Ours(tx)),
+                Ok(false) => {}
+                Err(Error::Conflict) => continue,
+                Err(error) => return Err(busy_or_internal(error)),
             }
-            if let Some(existing) = self
-                .store
-                .find(&mut tx, &record.key)
-                .await
-                .map_err(busy_or_internal)?
-            {
-                return Ok(Claim::Theirs(existing));
+            match self.store.find(&mut tx, &record.key).await {
+                Ok(Some(existing)) => return Ok(Claim::Theirs(existing)),
+                Ok(None) | Err(Error::Conflict) => {}
+                Err(error) => return Err(busy_or_internal(error)),
             }
         }
         Err(IN_PROGRESS)
@@ -805,7 +803,7 @@ const IN_PROGRESS: Rejection = Rejection::InProgress {
 
 fn busy_or_internal(error: Error) -> Rejection {
     match error {
-        Error::Busy => IN_PROGRESS,
+        Error::Busy | Error::Conflict => IN_PROGRESS,
         error => {
             tracing::error!(%error, "idempotency store failed");
             Rejection::Internal

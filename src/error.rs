@@ -35,10 +35,13 @@ pub enum Error {
     /// The database failed.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
-    /// A lock wait ran out, or the database reported a deadlock or serialization conflict:
-    /// another transaction holds what this one needs. Transient.
-    #[error("the database is busy: a lock wait ran out or transactions conflicted")]
+    /// A lock wait ran out: another transaction still holds what this one needs. Transient.
+    #[error("the database is busy: a lock wait ran out")]
     Busy,
+    /// The database rolled this transaction back to resolve a deadlock or a serialization
+    /// conflict. Transient; trying again at once is safe.
+    #[error("the transaction was rolled back by a deadlock or serialization conflict")]
+    Conflict,
     /// A stored record could not be read back.
     #[error("corrupt idempotency record: {0}")]
     CorruptRecord(String),

@@ -95,7 +95,8 @@ pub enum Opened<DB: Database> {
 /// - [`claim`](Store::claim) relies on the table's unique key alone (never check-then-insert),
 ///   waits for a concurrent claimer's transaction within the bound set by
 ///   [`begin`](Store::begin), and replaces an expired record atomically;
-/// - a wait that runs out, a deadlock or a serialization failure surfaces as [`Error::Busy`].
+/// - a wait that runs out surfaces as [`Error::Busy`], a deadlock or serialization failure as
+///   [`Error::Conflict`].
 pub trait Store: Clone + Send + Sync + 'static {
     /// The sqlx database the records (and the handler's writes) live in.
     type Database: Database;
@@ -310,8 +311,14 @@ pub trait Dialect: Database + sealed::Sealed {
     /// The statement that begins a claim transaction with its lock wait bounded.
     fn begin_statement(lock_wait: Duration) -> String;
 
-    /// Whether the error means "a lock wait ran out" or another transient conflict.
+    /// Whether the error means "a lock wait ran out".
     fn is_busy(error: &dyn DatabaseError) -> bool;
+
+    /// Whether the error means the database rolled the transaction back to resolve a deadlock
+    /// or a serialization conflict.
+    fn is_conflict(_error: &dyn DatabaseError) -> bool {
+        false
+    }
 
     /// How many rows a statement affected.
     fn rows_affected(result: &Self::QueryResult) -> u64;
@@ -329,6 +336,7 @@ mod sealed {
 
 fn classify<DB: Dialect>(error: sqlx::Error) -> Error {
     match &error {
+        sqlx::Error::Database(db) if DB::is_conflict(db.as_ref()) => Error::Conflict,
         sqlx::Error::Database(db) if DB::is_busy(db.as_ref()) => Error::Busy,
         _ => Error::Database(error),
     }

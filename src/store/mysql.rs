@@ -34,9 +34,13 @@ pub type MySqlStore = SqlStore<MySql>;
 
 impl Sealed for MySql {}
 
-/// InnoDB's "lock wait timeout exceeded" and "deadlock found", and "record has changed since
-/// last read" (MariaDB with `innodb_snapshot_isolation`, the analogue of a serialization failure).
-const BUSY_ERRORS: [u16; 3] = [1205, 1213, 1020];
+/// InnoDB's "lock wait timeout exceeded".
+const LOCK_WAIT_TIMEOUT: u16 = 1205;
+
+/// InnoDB's "deadlock found", and "record has changed since last read" (MariaDB with
+/// `innodb_snapshot_isolation`, the analogue of a serialization failure): the transaction was
+/// rolled back.
+const CONFLICT_ERRORS: [u16; 2] = [1213, 1020];
 
 /// The largest `innodb_lock_wait_timeout` the server accepts, in seconds.
 const MAX_LOCK_WAIT_SECS: u64 = 1_073_741_824;
@@ -141,6 +145,12 @@ impl Dialect for MySql {
     fn is_busy(error: &dyn DatabaseError) -> bool {
         error
             .try_downcast_ref::<MySqlDatabaseError>()
-            .is_some_and(|error| BUSY_ERRORS.contains(&error.number()))
+            .is_some_and(|error| error.number() == LOCK_WAIT_TIMEOUT)
+    }
+
+    fn is_conflict(error: &dyn DatabaseError) -> bool {
+        error
+            .try_downcast_ref::<MySqlDatabaseError>()
+            .is_some_and(|error| CONFLICT_ERRORS.contains(&error.number()))
     }
 }

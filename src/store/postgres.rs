@@ -88,7 +88,12 @@ impl Dialect for Postgres {
     }
 
     fn is_busy(error: &dyn DatabaseError) -> bool {
-        // lock_not_available, deadlock_detected, serialization_failure
-        matches!(error.code().as_deref(), Some("55P03" | "40P01" | "40001"))
+        // lock_not_available
+        error.code().as_deref() == Some("55P03")
+    }
+
+    fn is_conflict(error: &dyn DatabaseError) -> bool {
+        // deadlock_detected, serialization_failure
+        matches!(error.code().as_deref(), Some("40P01" | "40001"))
     }
 }

@@ -334,6 +334,20 @@ mod sealed {
     pub trait Sealed {}
 }
 
+/// Runs an autocommit statement on the pool; returns how many rows it affected.
+async fn on_pool<DB>(
+    pool: &Pool<DB>,
+    query: sqlx::query::Query<'_, DB, DB::Arguments>,
+) -> Result<u64, Error>
+where
+    DB: Dialect,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB>,
+{
+    let result = query.execute(pool).await.map_err(classify::<DB>)?;
+    Ok(DB::rows_affected(&result))
+}
+
 fn classify<DB: Dialect>(error: sqlx::Error) -> Error {
     match &error {
         sqlx::Error::Database(db) if DB::is_conflict(db.as_ref()) => Error::Conflict,
@@ -569,14 +583,11 @@ where
         key: &'a ScopedKey,
         lease: LeaseClaim,
     ) -> Result<bool, Error> {
-        let result = sqlx::query(DB::RENEW_LEASE)
+        let query = sqlx::query(DB::RENEW_LEASE)
             .bind(lease.until_ms)
             .bind(key.digest().to_vec())
-            .bind(lease.owner.to_vec())
-            .execute(&self.pool)
-            .await
-            .map_err(classify::<DB>)?;
-        Ok(DB::rows_affected(&result) == 1)
+            .bind(lease.owner.to_vec());
+        Ok(on_pool(&self.pool, query).await? == 1)
     }
 
     async fn take_over_lease<'a>(
@@ -585,15 +596,12 @@ where
         lease: LeaseClaim,
         now_ms: i64,
     ) -> Result<bool, Error> {
-        let result = sqlx::query(DB::TAKE_OVER_LEASE)
+        let query = sqlx::query(DB::TAKE_OVER_LEASE)
             .bind(lease.owner.to_vec())
             .bind(lease.until_ms)
             .bind(key.digest().to_vec())
-            .bind(now_ms)
-            .execute(&self.pool)
-            .await
-            .map_err(classify::<DB>)?;
-        Ok(DB::rows_affected(&result) == 1)
+            .bind(now_ms);
+        Ok(on_pool(&self.pool, query).await? == 1)
     }
 
     async fn finish_leased<'a>(
@@ -603,17 +611,14 @@ where
         state: RecordState,
         response: &'a StoredResponse,
     ) -> Result<bool, Error> {
-        let result = sqlx::query(DB::FINISH_LEASED)
+        let query = sqlx::query(DB::FINISH_LEASED)
             .bind(state.as_str().to_owned())
             .bind(i32::from(response.status.as_u16()))
             .bind(response.encode_headers())
             .bind(response.body.to_vec())
             .bind(key.digest().to_vec())
-            .bind(owner.to_vec())
-            .execute(&self.pool)
-            .await
-            .map_err(classify::<DB>)?;
-        Ok(DB::rows_affected(&result) == 1)
+            .bind(owner.to_vec());
+        Ok(on_pool(&self.pool, query).await? == 1)
     }
 
     async fn release_lease<'a>(
@@ -621,22 +626,14 @@ where
         key: &'a ScopedKey,
         owner: [u8; 16],
     ) -> Result<bool, Error> {
-        let result = sqlx::query(DB::RELEASE_LEASE)
+        let query = sqlx::query(DB::RELEASE_LEASE)
             .bind(key.digest().to_vec())
-            .bind(owner.to_vec())
-            .execute(&self.pool)
-            .await
-            .map_err(classify::<DB>)?;
-        Ok(DB::rows_affected(&result) == 1)
+            .bind(owner.to_vec());
+        Ok(on_pool(&self.pool, query).await? == 1)
     }
 
     async fn purge_expired_batch(&self, now_ms: i64, limit: u32) -> Result<u64, Error> {
-        let result = sqlx::query(DB::PURGE)
-            .bind(now_ms)
-            .bind(i64::from(limit))
-            .execute(&self.pool)
-            .await
-            .map_err(classify::<DB>)?;
-        Ok(DB::rows_affected(&result))
+        let query = sqlx::query(DB::PURGE).bind(now_ms).bind(i64::from(limit));
+        on_pool(&self.pool, query).await
     }
 }

@@ -16,6 +16,9 @@
 //!   stops at whichever comes first.
 //! - `BENCH_TEST_BEFORE_ACQUIRE` (default `true`, sqlx's default): whether the pools ping a
 //!   connection each time they hand it out.
+//! - `BENCH_ONLY` (default: all): a comma-separated list of scenarios to measure, the others
+//!   are skipped (to profile one scenario; ratios need their baselines measured too). The
+//!   sections `layer-storm`, `round-trips`, `soak` and `memory` are named the same way.
 //! - `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`): the PostgreSQL server;
 //!   the run creates a schema of its own there and drops it at the end.
 //! - `MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`): the MySQL/MariaDB server; the run
@@ -46,6 +49,8 @@ type BoxError = Box<dyn Error + Send + Sync>;
 
 const TTL_MS: i64 = 24 * 3600 * 1000;
 const STORM: usize = 64;
+/// The replay cache's budget where a scenario turns it on.
+const CACHE_BYTES: usize = 64 * 1024 * 1024;
 const ORDER_BODY: &str = r#"{"sku":"widget","qty":3}"#;
 
 struct Settings {
@@ -148,9 +153,13 @@ macro_rules! order_app {
             pub(crate) fn router(pool: Pool<Db>) -> Router {
                 let layer =
                     IdempotencyLayer::new(SqlStore::<Db>::new(pool.clone())).allow_anonymous();
+                let cached = Router::new()
+                    .route("/layer-cached", post(layer_order))
+                    .route_layer(layer.clone().cache_replays(CACHE_BYTES));
                 Router::new()
                     .route("/layer", post(layer_order))
                     .route_layer(layer)
+                    .merge(cached)
                     .route("/bare", post(bare))
                     .route("/manual", post(manual))
                     .with_state(pool)
@@ -954,12 +963,16 @@ fn noop_app(server: &Runtime, dir: &std::path::Path) -> Result<SocketAddr, BoxEr
         let keyed = Router::new()
             .route("/noop-layer", post(noop))
             .route_layer(layer.clone());
+        let cached = Router::new()
+            .route("/noop-layer-cached", post(noop))
+            .route_layer(layer.clone().cache_replays(CACHE_BYTES));
         let optional = Router::new()
             .route("/noop-optional", post(noop))
             .route_layer(layer.key_optional());
         let router = Router::new()
             .route("/noop", post(noop))
             .merge(keyed)
+            .merge(cached)
             .merge(optional);
         Ok(serve(router).await?)
     })
@@ -1167,10 +1180,11 @@ fn main() -> Result<(), BoxError> {
         .iter()
         .find(|b| b.name == "postgres")
         .or(backends.first())
+        .filter(|_| wanted("soak"))
     {
         run_soak(&settings, &client, &run, backend, &mut report)?;
     }
-    if let Some(backend) = backends.first() {
+    if let Some(backend) = backends.first().filter(|_| wanted("memory")) {
         run_big_bodies(&settings, &client, &peak, &run, backend, &mut report)?;
     }
 
@@ -1213,6 +1227,11 @@ fn skipped_feature(name: &str) -> String {
     format!("- {name}: skipped, this build lacks the `{name}` feature (add `--features {name}`).")
 }
 
+/// Whether `BENCH_ONLY` leaves this scenario (or section) in.
+fn wanted(scenario: &str) -> bool {
+    std::env::var("BENCH_ONLY").map_or(true, |only| only.split(',').any(|o| o.trim() == scenario))
+}
+
 fn measure_rounds(
     settings: &Settings,
     client: &Runtime,
@@ -1222,6 +1241,9 @@ fn measure_rounds(
     let mut samples: Vec<Sample> = plans.iter().map(|_| Sample::default()).collect();
     for round in 0..settings.rounds {
         for ((name, plan), total) in plans.iter().zip(&mut samples) {
+            if !wanted(name) {
+                continue;
+            }
             let mut plan = plan.clone();
             plan.key_prefix = format!("{}-{name}-r{round}", plan.key_prefix);
             if plan.keys == Keys::Fixed {
@@ -1293,6 +1315,14 @@ fn run_backend(
                 ..base.clone()
             },
         ),
+        (
+            "layer-replay-cached",
+            Plan {
+                path: "/layer-cached",
+                keys: Keys::Fixed,
+                ..base.clone()
+            },
+        ),
     ];
     let samples = measure_rounds(settings, client, peak, &plans)?;
     for ((scenario, _), sample) in plans.iter().zip(samples) {
@@ -1305,31 +1335,37 @@ fn run_backend(
         });
     }
 
-    eprintln!("[{name}] storm…");
-    let before = (backend.orders)(server)?;
-    let storm_plan = Plan {
-        path: "/layer",
-        duration: settings.duration().mul_f64(settings.rounds as f64),
-        key_prefix: format!("{run}-{name}-storm"),
-        ..base.clone()
-    };
-    peak.reset();
-    let (mut sample, keys) = client.block_on(storm(&storm_plan))?;
-    sample.peak_mib = peak.peak_mib();
-    let executed = (backend.orders)(server)? - before;
-    report.rows.push(Row {
-        group: name.into(),
-        scenario: "layer-storm".into(),
-        conns: STORM,
-        sample,
-        note: format!("{keys} keys × {STORM} duplicates; orders inserted: {executed}"),
-    });
+    if wanted("layer-storm") {
+        eprintln!("[{name}] storm…");
+        let before = (backend.orders)(server)?;
+        let storm_plan = Plan {
+            path: "/layer",
+            duration: settings.duration().mul_f64(settings.rounds as f64),
+            key_prefix: format!("{run}-{name}-storm"),
+            ..base.clone()
+        };
+        peak.reset();
+        let (mut sample, keys) = client.block_on(storm(&storm_plan))?;
+        sample.peak_mib = peak.peak_mib();
+        let executed = (backend.orders)(server)? - before;
+        report.rows.push(Row {
+            group: name.into(),
+            scenario: "layer-storm".into(),
+            conns: STORM,
+            sample,
+            note: format!("{keys} keys × {STORM} duplicates; orders inserted: {executed}"),
+        });
+    }
 
     report.ratio(name, "manual", "bare", None);
     report.ratio(name, "layer-fresh", "manual", Some(0.85));
     report.ratio(name, "layer-fresh", "bare", None);
     report.ratio(name, "layer-replay", "bare", Some(1.5));
+    report.ratio(name, "layer-replay-cached", "bare", None);
 
+    if !wanted("round-trips") {
+        return Ok(());
+    }
     eprintln!("[{name}] counting round trips…");
     let wire = backend.wire.as_deref();
     for (scenario, path, keys) in [
@@ -1396,6 +1432,14 @@ fn run_noop(
             },
         ),
         (
+            "noop-layer-replay-cached",
+            Plan {
+                path: "/noop-layer-cached",
+                keys: Keys::Fixed,
+                ..base.clone()
+            },
+        ),
+        (
             "noop-layer-replay",
             Plan {
                 path: "/noop-layer",
@@ -1416,6 +1460,7 @@ fn run_noop(
     let notes = [
         "no layer",
         "layer, no key (key_optional): pass-through",
+        "layer with .cache_replays, one key: parse, buffer, fingerprint, replay from memory",
         "layer, one key: parse, buffer, fingerprint, 1 indexed read (tmpfs SQLite), replay",
         "layer, new keys: full claim/record on tmpfs SQLite",
     ];
@@ -1428,6 +1473,7 @@ fn run_noop(
             note: note.into(),
         });
     }
+    report.ratio("noop 1 KiB", "noop-layer-replay-cached", "noop", Some(0.8));
     report.ratio("noop 1 KiB", "noop-layer-replay", "noop", Some(0.8));
     report.ratio("noop 1 KiB", "noop-layer-fresh", "noop", Some(0.8));
     report.ratio("noop 1 KiB", "noop-layer-nokey", "noop", None);

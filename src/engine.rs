@@ -67,6 +67,7 @@ use sqlx::Transaction;
 use tokio::sync::watch;
 use tracing::Instrument;
 
+use crate::cache::ReplayCache;
 use crate::error::{Error, Rejection};
 use crate::fingerprint::Fingerprint;
 use crate::record::{Record, RecordState, StoredResponse};
@@ -137,6 +138,7 @@ struct Settings {
     max_response_body: usize,
     classify: Classifier,
     replayed_headers: Vec<HeaderName>,
+    cache: Option<ReplayCache>,
 }
 
 /// Runs intents exactly once per scoped key, on a [`Store`]. Cheap to clone.
@@ -161,6 +163,7 @@ impl<S: fmt::Debug> fmt::Debug for Engine<S> {
             .field("ttl", &self.settings.ttl)
             .field("wait_for_in_flight", &self.settings.wait)
             .field("max_response_body", &self.settings.max_response_body)
+            .field("replay_cache", &self.settings.cache)
             .finish_non_exhaustive()
     }
 }
@@ -193,6 +196,7 @@ impl<S: Store> Engine<S> {
                 max_response_body: 1024 * 1024,
                 classify: Arc::new(Classification::of_status),
                 replayed_headers: Vec::new(),
+                cache: None,
             }),
         }
     }
@@ -234,6 +238,33 @@ impl<S: Store> Engine<S> {
     /// Hop-by-hop headers and `Content-Length` are never replayed.
     pub fn replay_header(mut self, name: HeaderName) -> Self {
         self.settings_mut().replayed_headers.push(name);
+        self
+    }
+
+    /// Keeps final records this engine has stored or read in memory, up to `max_bytes` of
+    /// responses, so that replaying them costs no database read (off by default).
+    ///
+    /// A final record (completed or failed permanently) is never rewritten before it expires,
+    /// so the copy answers as the table would, on every instance, with nothing to invalidate;
+    /// entries are dropped at the record's expiry or evicted when the budget is full. A
+    /// duplicate of work still in flight, or a key this instance has not seen, still goes to
+    /// the store. The one thing the copy does not follow is a record deleted from the table by
+    /// hand before it expires: the instance that holds it keeps replaying it until expiry or
+    /// eviction (restart the instance, or leave the cache off, if operators delete records).
+    ///
+    /// ```
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use axum_idempotency::{Engine, SqliteStore};
+    ///
+    /// let store = SqliteStore::new(sqlx::SqlitePool::connect("sqlite::memory:").await?);
+    /// let engine = Engine::new(store).cache_replays(16 * 1024 * 1024);
+    /// # let _ = engine;
+    /// # Ok(()) }
+    /// ```
+    pub fn cache_replays(mut self, max_bytes: usize) -> Self {
+        self.settings_mut().cache = Some(ReplayCache::new(
+            u64::try_from(max_bytes).unwrap_or(u64::MAX),
+        ));
         self
     }
 
@@ -281,7 +312,7 @@ impl<S: Store> Engine<S> {
         R: IntoResponse,
     {
         let engine = self.clone();
-        supervise(scope, move |key, scope| async move {
+        self.supervise(scope, fingerprint, move |key, scope| async move {
             engine.execute(key, &scope, fingerprint, work).await
         })
         .await
@@ -343,7 +374,7 @@ impl<S: Store> Engine<S> {
         WR: IntoResponse,
     {
         let engine = self.clone();
-        supervise(scope, move |key, scope| async move {
+        self.supervise(scope, fingerprint, move |key, scope| async move {
             engine
                 .execute_leased(key, &scope, fingerprint, lease, recover, work)
                 .await
@@ -382,7 +413,7 @@ impl<S: Store> Engine<S> {
                     && record.fingerprint == fingerprint
                     && record.lease_expires_at_ms.is_some_and(|until| until <= now);
                 if !lease_ran_out {
-                    return self.answer_existing(record, fingerprint);
+                    return self.answer_stored(key, record, fingerprint);
                 }
                 match self.store.take_over_lease(&key, claim_at(now), now).await {
                     Ok(true) => true,
@@ -403,7 +434,9 @@ impl<S: Store> Engine<S> {
                         }
                         false
                     }
-                    Ok(Claim::Theirs(record)) => return self.answer_existing(record, fingerprint),
+                    Ok(Claim::Theirs(record)) => {
+                        return self.answer_stored(key, record, fingerprint);
+                    }
                     Err(rejection) => return (Err(rejection), "in_flight"),
                 }
             }
@@ -498,7 +531,7 @@ impl<S: Store> Engine<S> {
         // One connection serves the read and, for a key not yet taken, the claim transaction:
         // a replay costs one indexed read, a new key no extra connection checkout.
         let (begun, expired) = match self.store.open(&key, now_ms(), self.settings.wait).await {
-            Ok(Opened::Live(record)) => return self.answer_existing(record, fingerprint),
+            Ok(Opened::Live(record)) => return self.answer_stored(key, record, fingerprint),
             Ok(Opened::Claimable { tx, expired }) => (tx, expired),
             Err(Error::Busy | Error::Conflict) => return (Err(IN_PROGRESS), "in_flight"),
             Err(error) => return internal(error),
@@ -506,7 +539,7 @@ impl<S: Store> Engine<S> {
         let record = self.new_record(key, scope, fingerprint, RecordState::Processing);
         let mut tx = match self.claim(&record, Some(begun)).await {
             Ok(Claim::Ours(tx)) => tx,
-            Ok(Claim::Theirs(record)) => return self.answer_existing(record, fingerprint),
+            Ok(Claim::Theirs(record)) => return self.answer_stored(key, record, fingerprint),
             Err(rejection) => {
                 let outcome = if matches!(rejection, Rejection::InProgress { .. }) {
                     "in_flight"
@@ -552,6 +585,7 @@ impl<S: Store> Engine<S> {
                 if let Err(error) = committed.await {
                     return internal(error);
                 }
+                self.remember(&record, RecordState::Completed, &stored);
                 let outcome = if expired { "expired" } else { "executed" };
                 (
                     Ok(Execution {
@@ -578,6 +612,7 @@ impl<S: Store> Engine<S> {
                         if let Err(error) = tx.commit().await {
                             return internal(error);
                         }
+                        self.remember(&record, RecordState::FailedPermanent, &stored);
                         (
                             Ok(Execution {
                                 response,
@@ -586,7 +621,7 @@ impl<S: Store> Engine<S> {
                             "failed_permanent",
                         )
                     }
-                    Ok(Claim::Theirs(record)) => self.answer_existing(record, fingerprint),
+                    Ok(Claim::Theirs(record)) => self.answer_stored(key, record, fingerprint),
                     Err(rejection) => (Err(rejection), "retryable"),
                 }
             }
@@ -648,7 +683,7 @@ impl<S: Store> Engine<S> {
                     Err(error) => return Err(busy_or_internal(error)),
                 },
             };
-            match self.store.claim(&mut tx, record).await {
+            match self.store.claim(&mut tx, record, self.settings.wait).await {
                 Ok(true) => return Ok(Claim::Ours(tx)),
                 Ok(false) => {}
                 Err(Error::Conflict) => continue,
@@ -663,30 +698,81 @@ impl<S: Store> Engine<S> {
         Err(IN_PROGRESS)
     }
 
-    fn answer_existing(
+    /// Answers from a record read from the store, and keeps it for the next replay when the
+    /// replay cache is on.
+    fn answer_stored(
         &self,
+        key: ScopedKey,
         record: Record,
         fingerprint: Fingerprint,
     ) -> (Result<Execution, Rejection>, &'static str) {
-        if record.fingerprint != fingerprint {
-            return (Err(Rejection::KeyReused), "mismatch");
+        let answer = answer_existing(&record, fingerprint);
+        if let Some(cache) = &self.settings.cache {
+            cache.insert(key, Arc::new(record), now_ms());
         }
-        match (record.state, record.response) {
-            (RecordState::Completed | RecordState::FailedPermanent, Some(stored)) => {
-                let mut response = stored.to_response();
-                response
-                    .headers_mut()
-                    .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-                (
-                    Ok(Execution {
-                        response,
-                        outcome: Outcome::Replayed,
-                    }),
-                    "replayed",
-                )
+        answer
+    }
+
+    /// Keeps the outcome this engine has just committed for `record`, when the replay cache is on.
+    fn remember(&self, record: &NewRecord<'_>, state: RecordState, response: &StoredResponse) {
+        if let Some(cache) = &self.settings.cache {
+            let kept = Record {
+                state,
+                fingerprint: record.fingerprint,
+                response: Some(response.clone()),
+                created_at_ms: record.created_at_ms,
+                expires_at_ms: record.expires_at_ms,
+                lease_expires_at_ms: None,
+            };
+            cache.insert(record.key, Arc::new(kept), now_ms());
+        }
+    }
+
+    /// Runs one intent's future in a task of its own, inside its tracing span, and logs the
+    /// outcome. The task outlives a caller that goes away, so no transaction is ever left
+    /// half-way; a panic in it surfaces as [`Rejection::Internal`]. A final record held by the
+    /// replay cache answers at once, without a task or a store access.
+    async fn supervise<F, Fut>(
+        &self,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        run: F,
+    ) -> Result<Execution, Rejection>
+    where
+        F: FnOnce(ScopedKey, Scope) -> Fut,
+        Fut: Future<Output = (Result<Execution, Rejection>, &'static str)> + Send + 'static,
+    {
+        let key = scope.scoped_key();
+        let span = tracing::info_span!(
+            "idempotency",
+            key = %key,
+            method = scope.method(),
+            route = scope.route(),
+            outcome = tracing::field::Empty,
+        );
+        let cached = self
+            .settings
+            .cache
+            .as_ref()
+            .and_then(|cache| cache.get(&key, now_ms()));
+        let (result, outcome) = match cached {
+            Some(record) => answer_existing(&record, fingerprint),
+            None => {
+                let task = tokio::spawn(run(key, scope.clone()).instrument(span.clone()));
+                match task.await {
+                    Ok(done) => done,
+                    Err(error) => {
+                        let _enter = span.enter();
+                        tracing::error!(%error, "the idempotent work panicked; rolled back");
+                        (Err(Rejection::Internal), "retryable")
+                    }
+                }
             }
-            _ => (Err(IN_PROGRESS), "in_flight"),
-        }
+        };
+        span.record("outcome", outcome);
+        let _enter = span.enter();
+        tracing::info!(outcome, "idempotent request");
+        result
     }
 
     fn storable(&self, response: &http::Response<Bytes>) -> StoredResponse {
@@ -720,35 +806,31 @@ impl<S: Store> Engine<S> {
     }
 }
 
-/// Runs one intent's future in a task of its own, inside its tracing span, and logs the outcome.
-/// The task outlives a caller that goes away, so no transaction is ever left half-way; a panic
-/// in it surfaces as [`Rejection::Internal`].
-async fn supervise<F, Fut>(scope: &Scope, run: F) -> Result<Execution, Rejection>
-where
-    F: FnOnce(ScopedKey, Scope) -> Fut,
-    Fut: Future<Output = (Result<Execution, Rejection>, &'static str)> + Send + 'static,
-{
-    let key = scope.scoped_key();
-    let span = tracing::info_span!(
-        "idempotency",
-        key = %key,
-        method = scope.method(),
-        route = scope.route(),
-        outcome = tracing::field::Empty,
-    );
-    let task = tokio::spawn(run(key, scope.clone()).instrument(span.clone()));
-    let (result, outcome) = match task.await {
-        Ok(done) => done,
-        Err(error) => {
-            let _enter = span.enter();
-            tracing::error!(%error, "the idempotent work panicked; rolled back");
-            (Err(Rejection::Internal), "retryable")
+/// Replays a final record whose fingerprint matches; refuses a mismatch; reports work still
+/// in flight.
+fn answer_existing(
+    record: &Record,
+    fingerprint: Fingerprint,
+) -> (Result<Execution, Rejection>, &'static str) {
+    if record.fingerprint != fingerprint {
+        return (Err(Rejection::KeyReused), "mismatch");
+    }
+    match (record.state, &record.response) {
+        (RecordState::Completed | RecordState::FailedPermanent, Some(stored)) => {
+            let mut response = stored.to_response();
+            response
+                .headers_mut()
+                .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+            (
+                Ok(Execution {
+                    response,
+                    outcome: Outcome::Replayed,
+                }),
+                "replayed",
+            )
         }
-    };
-    span.record("outcome", outcome);
-    let _enter = span.enter();
-    tracing::info!(outcome, "idempotent request");
-    result
+        _ => (Err(IN_PROGRESS), "in_flight"),
+    }
 }
 
 /// Leased work is told through this when its lease was lost (another worker took over).

@@ -250,6 +250,12 @@ impl<S: Store> IdempotencyLayer<S> {
         self
     }
 
+    /// See [`Engine::cache_replays`]: replays this instance has seen are answered from memory.
+    pub fn cache_replays(mut self, max_bytes: usize) -> Self {
+        self.engine = self.engine.cache_replays(max_bytes);
+        self
+    }
+
     /// See [`Engine::wait_for_in_flight`].
     pub fn wait_for_in_flight(mut self, wait: Duration) -> Self {
         self.engine = self.engine.wait_for_in_flight(wait);
@@ -395,14 +401,15 @@ impl<S: Store> IdempotencyLayer<S> {
             None => Scope::anonymous(method, route, key),
         };
 
-        let mut request = Request::from_parts(parts, Body::from(bytes));
-        request
-            .extensions_mut()
-            .insert(IdempotencyContext::new(scope.clone()));
+        let context_scope = scope.clone();
         let execution = self
             .engine
             .run_in_slot(&scope, fingerprint, move |slot| {
-                let mut request = request;
+                // Built here, not before: a replay answered from the cache never needs it.
+                let mut request = Request::from_parts(parts, Body::from(bytes));
+                request
+                    .extensions_mut()
+                    .insert(IdempotencyContext::new(context_scope));
                 request.extensions_mut().insert(slot);
                 async move {
                     match inner.oneshot(request).await {

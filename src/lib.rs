@@ -83,6 +83,7 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod cache;
 #[cfg(feature = "client")]
 pub mod client;
 pub mod engine;

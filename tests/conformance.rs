@@ -34,6 +34,9 @@ macro_rules! conformance {
                 leased_work_runs_once_while_duplicates_wait_then_replay,
                 expired_lease_is_taken_over_only_after_asking_recovery,
                 holder_that_dies_mid_work_is_taken_over_after_its_lease,
+                cached_replays_are_answered_without_reading_the_store,
+                cached_record_stops_answering_at_its_expiry,
+                storm_across_two_caching_instances_executes_once,
             );
         }
     )*};
@@ -103,6 +106,111 @@ mod suite {
         );
         assert_eq!(app.executions(), 1);
         assert_eq!(DB::count_effects(&app.pool, "replay").await, 1);
+    }
+
+    pub async fn cached_replays_are_answered_without_reading_the_store<DB: Db>() {
+        let app = serve(DB::fresh(8).await.pool, |layer| {
+            layer.cache_replays(1 << 20)
+        })
+        .await;
+        let key = unique("cached");
+        let first = app
+            .post("/effects", Some("alice"), Some(&key), &body("cached"))
+            .await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        let refused_key = unique("cached-refusal");
+        let refused = app
+            .post("/fail/403", Some("alice"), Some(&refused_key), &body("no"))
+            .await;
+        assert_eq!(refused.status, StatusCode::FORBIDDEN);
+
+        // With the table emptied behind its back, only the cache can still answer.
+        DB::delete_records(&app.pool).await;
+        let again = app
+            .post("/effects", Some("alice"), Some(&key), &body("cached"))
+            .await;
+        assert_eq!(again.status, StatusCode::CREATED);
+        assert!(again.replayed());
+        assert_eq!(again.body, first.body, "byte-identical body");
+        assert_eq!(again.headers["location"], first.headers["location"]);
+        assert!(again.headers.get("set-cookie").is_none());
+        let refused_again = app
+            .post("/fail/403", Some("alice"), Some(&refused_key), &body("no"))
+            .await;
+        assert_eq!(refused_again.status, StatusCode::FORBIDDEN);
+        assert!(refused_again.replayed(), "a final refusal is cached too");
+        assert_eq!(refused_again.body, refused.body);
+
+        let changed = app
+            .post("/effects", Some("alice"), Some(&key), &body("changed"))
+            .await;
+        assert_eq!(changed.status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(changed.code(), "idempotency_key_reused");
+        let bob = app
+            .post("/effects", Some("bob"), Some(&key), &body("cached"))
+            .await;
+        assert_eq!(bob.status, StatusCode::CREATED);
+        assert!(
+            !bob.replayed(),
+            "another principal's scope is not in the cache"
+        );
+        assert_eq!(app.executions(), 3);
+        assert_eq!(DB::count_effects(&app.pool, "cached").await, 2);
+    }
+
+    pub async fn cached_record_stops_answering_at_its_expiry<DB: Db>() {
+        let app = serve(DB::fresh(8).await.pool, |layer| {
+            layer.ttl(Duration::from_millis(400)).cache_replays(1 << 20)
+        })
+        .await;
+        let key = unique("cached-ttl");
+        let first = app
+            .post("/effects", Some("alice"), Some(&key), &body("cached-ttl"))
+            .await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        assert!(
+            app.post("/effects", Some("alice"), Some(&key), &body("cached-ttl"))
+                .await
+                .replayed()
+        );
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let after = app
+            .post("/effects", Some("alice"), Some(&key), &body("cached-ttl"))
+            .await;
+        assert_eq!(after.status, StatusCode::CREATED);
+        assert!(!after.replayed(), "an expired key is a new intent");
+        assert_eq!(app.executions(), 2);
+        assert_eq!(DB::count_effects(&app.pool, "cached-ttl").await, 2);
+        assert_eq!(DB::count_records(&app.pool).await, 1);
+    }
+
+    pub async fn storm_across_two_caching_instances_executes_once<DB: Db>() {
+        let isolated = DB::fresh(8).await;
+        let one = serve(isolated.pool.clone(), |layer| layer.cache_replays(1 << 20)).await;
+        let two = serve(DB::another_pool(&isolated, 8).await, |layer| {
+            layer.cache_replays(1 << 20)
+        })
+        .await;
+        let key = unique("cached-storm");
+        let payload = body("cached-storm");
+        let mut first_body = None;
+        for round in 0..2 {
+            let requests = (0..50).map(|i| {
+                let app = if i % 2 == 0 { &one } else { &two };
+                app.post("/effects", Some("alice"), Some(&key), &payload)
+            });
+            let replies = futures_util::future::join_all(requests).await;
+            assert!(
+                replies.iter().all(|r| r.status == StatusCode::CREATED),
+                "round {round}: {replies:?}"
+            );
+            let expected = first_body.get_or_insert_with(|| replies[0].body.clone());
+            assert!(replies.iter().all(|r| &r.body == expected));
+            let originals = replies.iter().filter(|r| !r.replayed()).count();
+            assert_eq!(originals, usize::from(round == 0), "round {round}");
+        }
+        assert_eq!(one.executions() + two.executions(), 1);
+        assert_eq!(DB::count_effects(&one.pool, "cached-storm").await, 1);
     }
 
     async fn storm<DB: Db>(apps: &[&App<DB>], n: usize, label: &str) -> Vec<crate::common::Reply> {
@@ -870,7 +978,12 @@ mod suite {
                 until_ms,
             }),
         };
-        assert!(store.claim(&mut tx, &record).await.expect("claim"));
+        assert!(
+            store
+                .claim(&mut tx, &record, Duration::from_secs(1))
+                .await
+                .expect("claim")
+        );
         tx.commit().await.expect("commit");
     }
 

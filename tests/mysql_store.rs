@@ -252,7 +252,12 @@ async fn claim_takes_a_fresh_key_and_not_a_live_one() {
 
     let mut tx = store.begin(Duration::from_secs(1)).await.unwrap();
     let claim = record(&first, "a", RecordState::Processing, None, now, 60_000);
-    assert!(store.claim(&mut tx, &claim).await.unwrap());
+    assert!(
+        store
+            .claim(&mut tx, &claim, Duration::from_secs(1))
+            .await
+            .unwrap()
+    );
     store
         .finish(
             &mut tx,
@@ -266,7 +271,12 @@ async fn claim_takes_a_fresh_key_and_not_a_live_one() {
 
     let mut tx = store.begin(Duration::from_secs(1)).await.unwrap();
     let duplicate = record(&first, "b", RecordState::Processing, None, now + 1, 60_000);
-    assert!(!store.claim(&mut tx, &duplicate).await.unwrap());
+    assert!(
+        !store
+            .claim(&mut tx, &duplicate, Duration::from_secs(1))
+            .await
+            .unwrap()
+    );
     let found = store
         .find(&mut tx, &first.scoped_key())
         .await
@@ -281,7 +291,12 @@ async fn claim_takes_a_fresh_key_and_not_a_live_one() {
     let second = scope("k-fresh");
     let mut tx = store.begin(Duration::from_secs(1)).await.unwrap();
     let claim = record(&second, "c", RecordState::Processing, None, now, 60_000);
-    assert!(store.claim(&mut tx, &claim).await.unwrap());
+    assert!(
+        store
+            .claim(&mut tx, &claim, Duration::from_secs(1))
+            .await
+            .unwrap()
+    );
     tx.commit().await.unwrap();
     assert_eq!(
         count(store.pool(), "SELECT COUNT(*) FROM idempotency_records").await,
@@ -307,13 +322,23 @@ async fn claim_replaces_an_expired_record_in_place() {
         past,
         1_000,
     );
-    assert!(store.claim(&mut tx, &expired).await.unwrap());
+    assert!(
+        store
+            .claim(&mut tx, &expired, Duration::from_secs(1))
+            .await
+            .unwrap()
+    );
     tx.commit().await.unwrap();
 
     let now = now_ms();
     let mut tx = store.begin(Duration::from_secs(1)).await.unwrap();
     let fresh = record(&scope, "new", RecordState::Processing, None, now, 60_000);
-    assert!(store.claim(&mut tx, &fresh).await.unwrap());
+    assert!(
+        store
+            .claim(&mut tx, &fresh, Duration::from_secs(1))
+            .await
+            .unwrap()
+    );
     let found = store
         .find(&mut tx, &scope.scoped_key())
         .await
@@ -355,7 +380,12 @@ async fn lock_wait_is_rounded_up_to_whole_seconds_and_restored_after_the_claim()
         assert_eq!(bound, secs, "a wait of {wait} ms");
         let key = scope(&format!("k-wait-{wait}"));
         let claim = record(&key, "a", RecordState::Processing, None, now_ms(), 60_000);
-        assert!(store.claim(&mut tx, &claim).await.unwrap());
+        assert!(
+            store
+                .claim(&mut tx, &claim, Duration::from_millis(wait))
+                .await
+                .unwrap()
+        );
         let lifted: u64 = sqlx::query_scalar(setting)
             .fetch_one(&mut *tx)
             .await
@@ -382,11 +412,18 @@ async fn duplicate_of_an_in_flight_claim_is_busy_after_the_wait_and_the_bound_is
 
     let mut holder = store.begin(Duration::from_secs(1)).await.unwrap();
     let claim = record(&scope, "a", RecordState::Processing, None, now_ms(), 60_000);
-    assert!(store.claim(&mut holder, &claim).await.unwrap());
+    assert!(
+        store
+            .claim(&mut holder, &claim, Duration::from_secs(1))
+            .await
+            .unwrap()
+    );
 
     let mut waiter = store.begin(Duration::from_secs(1)).await.unwrap();
     let duplicate = record(&scope, "a", RecordState::Processing, None, now_ms(), 60_000);
-    let outcome = store.claim(&mut waiter, &duplicate).await;
+    let outcome = store
+        .claim(&mut waiter, &duplicate, Duration::from_secs(1))
+        .await;
     assert!(matches!(outcome, Err(Error::Busy)), "{outcome:?}");
     let lifted: u64 = sqlx::query_scalar("SELECT @@SESSION.innodb_lock_wait_timeout")
         .fetch_one(&mut *waiter)
@@ -409,12 +446,22 @@ async fn deadlocked_claims_are_conflicts_not_errors() {
 
     let mut first = store.begin(Duration::from_secs(10)).await.unwrap();
     let mut second = store.begin(Duration::from_secs(10)).await.unwrap();
-    assert!(store.claim(&mut first, &claim_a).await.unwrap());
-    assert!(store.claim(&mut second, &claim_b).await.unwrap());
+    assert!(
+        store
+            .claim(&mut first, &claim_a, Duration::from_secs(10))
+            .await
+            .unwrap()
+    );
+    assert!(
+        store
+            .claim(&mut second, &claim_b, Duration::from_secs(10))
+            .await
+            .unwrap()
+    );
     // Each now waits for the other's key: InnoDB detects the cycle and aborts one of them.
     let (one, two) = tokio::join!(
-        store.claim(&mut first, &claim_b),
-        store.claim(&mut second, &claim_a)
+        store.claim(&mut first, &claim_b, Duration::from_secs(10)),
+        store.claim(&mut second, &claim_a, Duration::from_secs(10))
     );
     let victims = [&one, &two]
         .iter()
@@ -449,7 +496,12 @@ async fn purge_deletes_expired_records_in_batches_and_keeps_live_ones() {
             past,
             1_000,
         );
-        assert!(store.claim(&mut tx, &expired).await.unwrap());
+        assert!(
+            store
+                .claim(&mut tx, &expired, Duration::from_secs(5))
+                .await
+                .unwrap()
+        );
     }
     for i in 0..3 {
         let scope = scope(&format!("k-keep-{i}"));
@@ -461,7 +513,12 @@ async fn purge_deletes_expired_records_in_batches_and_keeps_live_ones() {
             now_ms(),
             60_000,
         );
-        assert!(store.claim(&mut tx, &live).await.unwrap());
+        assert!(
+            store
+                .claim(&mut tx, &live, Duration::from_secs(5))
+                .await
+                .unwrap()
+        );
     }
     tx.commit().await.unwrap();
 

@@ -93,8 +93,9 @@ pub enum Opened<DB: Database> {
 ///
 /// The engine drives a store through these steps; a backend implements them so that:
 /// - [`claim`](Store::claim) relies on the table's unique key alone (never check-then-insert),
-///   waits for a concurrent claimer's transaction within the bound set by
-///   [`begin`](Store::begin), and replaces an expired record atomically;
+///   waits for a concurrent claimer's transaction no longer than its `lock_wait` (bounded by the
+///   claim statement itself, or for the whole transaction by [`begin`](Store::begin), as the
+///   backend can), and replaces an expired record atomically;
 /// - a wait that runs out surfaces as [`Error::Busy`], a deadlock or serialization failure as
 ///   [`Error::Conflict`].
 pub trait Store: Clone + Send + Sync + 'static {
@@ -139,12 +140,14 @@ pub trait Store: Clone + Send + Sync + 'static {
         lock_wait: Duration,
     ) -> impl Future<Output = Result<Transaction<'static, Self::Database>, Error>> + Send;
 
-    /// Inserts `record`, or replaces an expired record under the same key. Returns `false`,
-    /// changing nothing, when a live record holds the key.
+    /// Inserts `record`, or replaces an expired record under the same key, waiting up to
+    /// `lock_wait` for a concurrent claimer. Returns `false`, changing nothing, when a live
+    /// record holds the key.
     fn claim<'a>(
         &'a self,
         conn: &'a mut <Self::Database as Database>::Connection,
         record: &'a NewRecord<'a>,
+        lock_wait: Duration,
     ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
 
     /// Reads the record under `key` within the transaction.
@@ -280,7 +283,8 @@ pub trait Dialect: Database + sealed::Sealed {
     /// Records an applied migration. Parameters: version, applied_at.
     const MIGRATION_RECORD: &'static str;
     /// Parameters: key_digest, principal, method, route, fingerprint, state, status, headers,
-    /// body, created_at, expires_at, lease_owner, lease_expires_at.
+    /// body, created_at, expires_at, lease_owner, lease_expires_at, and then
+    /// [`claim_lock_wait`](Dialect::claim_lock_wait) where the dialect gives one.
     const CLAIM: &'static str;
     /// Parameter: key_digest. Columns: state, fingerprint, status, headers, body, created_at,
     /// expires_at, lease_expires_at.
@@ -308,8 +312,15 @@ pub trait Dialect: Database + sealed::Sealed {
         true
     }
 
-    /// The statement that begins a claim transaction with its lock wait bounded.
-    fn begin_statement(lock_wait: Duration) -> String;
+    /// The statement that begins a claim transaction with its lock wait bounded; `None` for a
+    /// plain `BEGIN`, where [`CLAIM`](Dialect::CLAIM) bounds its own wait.
+    fn begin_statement(lock_wait: Duration) -> Option<String>;
+
+    /// The lock-wait bound passed to [`CLAIM`](Dialect::CLAIM) as its last parameter, for a
+    /// dialect whose claim statement bounds its own wait.
+    fn claim_lock_wait(_lock_wait: Duration) -> Option<String> {
+        None
+    }
 
     /// Whether the error means "a lock wait ran out".
     fn is_busy(error: &dyn DatabaseError) -> bool;
@@ -463,8 +474,9 @@ where
                 // sqlx's own `Pool::begin_with` is this very call on a fresh checkout. The call
                 // is hidden from sqlx's docs, so a sqlx release may move it: this is the one
                 // place to adapt, and the conformance suite is what notices.
-                let statement = sqlx::AssertSqlSafe(DB::begin_statement(lock_wait)).into_sql_str();
-                let tx = Transaction::begin(conn, Some(statement))
+                let statement = DB::begin_statement(lock_wait)
+                    .map(|statement| sqlx::AssertSqlSafe(statement).into_sql_str());
+                let tx = Transaction::begin(conn, statement)
                     .await
                     .map_err(classify::<DB>)?;
                 Ok(Opened::Claimable {
@@ -476,16 +488,18 @@ where
     }
 
     async fn begin(&self, lock_wait: Duration) -> Result<Transaction<'static, DB>, Error> {
-        self.pool
-            .begin_with(sqlx::AssertSqlSafe(DB::begin_statement(lock_wait)))
-            .await
-            .map_err(classify::<DB>)
+        let begun = match DB::begin_statement(lock_wait) {
+            Some(statement) => self.pool.begin_with(sqlx::AssertSqlSafe(statement)).await,
+            None => self.pool.begin().await,
+        };
+        begun.map_err(classify::<DB>)
     }
 
     async fn claim<'a>(
         &'a self,
         conn: &'a mut DB::Connection,
         record: &'a NewRecord<'a>,
+        lock_wait: Duration,
     ) -> Result<bool, Error> {
         let (status, headers, body) = match record.response {
             Some(response) => (
@@ -495,7 +509,7 @@ where
             ),
             None => (None, None, None),
         };
-        let claimed = sqlx::query(DB::CLAIM)
+        let mut query = sqlx::query(DB::CLAIM)
             .bind(record.key.digest().to_vec())
             .bind(record.scope.principal().map(str::to_owned))
             .bind(record.scope.method().to_owned())
@@ -508,9 +522,11 @@ where
             .bind(record.created_at_ms)
             .bind(record.expires_at_ms)
             .bind(record.lease.map(|lease| lease.owner.to_vec()))
-            .bind(record.lease.map(|lease| lease.until_ms))
-            .execute(&mut *conn)
-            .await;
+            .bind(record.lease.map(|lease| lease.until_ms));
+        if let Some(bound) = DB::claim_lock_wait(lock_wait) {
+            query = query.bind(bound);
+        }
+        let claimed = query.execute(&mut *conn).await;
         let lifted = match DB::LIFT_LOCK_WAIT {
             Some(lift) => sqlx::raw_sql(lift).execute(&mut *conn).await.map(drop),
             None => Ok(()),

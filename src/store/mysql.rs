@@ -117,16 +117,16 @@ impl Dialect for MySql {
     const RELEASE_LEASE: &'static str = "DELETE FROM idempotency_records \
         WHERE key_digest = ? AND lease_owner = ? AND state = 'processing'";
 
-    fn begin_statement(lock_wait: Duration) -> String {
+    fn begin_statement(lock_wait: Duration) -> Option<String> {
         // Whole seconds only, and 0 is not accepted: round up, so no duplicate gives up early.
         let secs = lock_wait
             .as_millis()
             .div_ceil(1000)
             .clamp(1, u128::from(MAX_LOCK_WAIT_SECS));
-        format!(
+        Some(format!(
             "SET @axum_idempotency_lock_wait = @@SESSION.innodb_lock_wait_timeout; \
              SET SESSION innodb_lock_wait_timeout = {secs}; BEGIN"
-        )
+        ))
     }
 
     fn migration_locked(row: &MySqlRow) -> bool {

@@ -41,11 +41,19 @@ impl Dialect for Postgres {
         "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES ($1, $2)";
     // A duplicate of an in-flight claim blocks on the uncommitted row until the claimer
     // commits (then it sees the live record and gets `false`) or rolls back (then it claims).
-    // The lock wait was bounded at BEGIN; RETURNING lifts that bound for the handler's own
-    // statements once the key is ours, without another round trip.
+    // The statement bounds its own lock wait, so the claim transaction begins with a plain
+    // `BEGIN` (a utility statement PostgreSQL neither analyses nor plans) and the bound is part
+    // of a prepared statement: the one-row subquery saves the session's `lock_timeout` (the
+    // nested call runs first) and sets the bound before the row reaches the insert and its
+    // conflict wait; RETURNING gives the handler's own statements the saved value back once
+    // the key is ours. Both settings are transaction-local, so a claim that returns no row
+    // leaves nothing behind past its transaction.
     const CLAIM: &'static str = "INSERT INTO idempotency_records AS r \
         (key_digest, principal, method, route, fingerprint, state, status, headers, body, created_at, expires_at, lease_owner, lease_expires_at) \
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
+        SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13 \
+        FROM (SELECT set_config('lock_timeout', \
+            $14 || left(set_config('axum_idempotency.lock_timeout', current_setting('lock_timeout'), true), 0), \
+            true)) AS bound \
         ON CONFLICT (key_digest) DO UPDATE SET \
         principal = EXCLUDED.principal, method = EXCLUDED.method, route = EXCLUDED.route, \
         fingerprint = EXCLUDED.fingerprint, state = EXCLUDED.state, status = EXCLUDED.status, \
@@ -53,8 +61,7 @@ impl Dialect for Postgres {
         expires_at = EXCLUDED.expires_at, lease_owner = EXCLUDED.lease_owner, \
         lease_expires_at = EXCLUDED.lease_expires_at \
         WHERE r.expires_at <= EXCLUDED.created_at \
-        RETURNING set_config('lock_timeout', \
-        COALESCE(current_setting('axum_idempotency.lock_timeout', true), '0'), true)";
+        RETURNING set_config('lock_timeout', current_setting('axum_idempotency.lock_timeout'), true)";
     const FIND: &'static str = "SELECT state, fingerprint, status, headers, body, created_at, expires_at, lease_expires_at \
         FROM idempotency_records WHERE key_digest = $1";
     const FINISH: &'static str = "UPDATE idempotency_records \
@@ -74,13 +81,13 @@ impl Dialect for Postgres {
     const RELEASE_LEASE: &'static str = "DELETE FROM idempotency_records \
         WHERE key_digest = $1 AND lease_owner = $2 AND state = 'processing'";
 
-    fn begin_statement(lock_wait: Duration) -> String {
+    fn begin_statement(_lock_wait: Duration) -> Option<String> {
+        None
+    }
+
+    fn claim_lock_wait(lock_wait: Duration) -> Option<String> {
         // lock_timeout = 0 would mean "wait forever".
-        let ms = lock_wait.as_millis().max(1);
-        format!(
-            "BEGIN; SELECT set_config('axum_idempotency.lock_timeout', current_setting('lock_timeout'), true), \
-             set_config('lock_timeout', '{ms}ms', true)"
-        )
+        Some(format!("{}ms", lock_wait.as_millis().max(1)))
     }
 
     fn rows_affected(result: &Self::QueryResult) -> u64 {

@@ -72,11 +72,11 @@ impl Dialect for Sqlite {
     const RELEASE_LEASE: &'static str = "DELETE FROM idempotency_records \
         WHERE key_digest = ?1 AND lease_owner = ?2 AND state = 'processing'";
 
-    fn begin_statement(lock_wait: Duration) -> String {
-        format!(
+    fn begin_statement(lock_wait: Duration) -> Option<String> {
+        Some(format!(
             "PRAGMA busy_timeout = {}; BEGIN IMMEDIATE",
             lock_wait.as_millis().clamp(1, i32::MAX as u128)
-        )
+        ))
     }
 
     fn rows_affected(result: &Self::QueryResult) -> u64 {

@@ -70,6 +70,8 @@ pub trait Db: Backend {
         label: &'a str,
     ) -> impl Future<Output = i64> + Send + 'a;
     fn count_records(pool: &Pool<Self>) -> impl Future<Output = i64> + Send + '_;
+    /// Deletes every record behind the layer's back, as an operator might by hand.
+    fn delete_records(pool: &Pool<Self>) -> impl Future<Output = ()> + Send + '_;
     fn create_effects_table(pool: &Pool<Self>) -> impl Future<Output = ()> + Send + '_;
 }
 
@@ -121,6 +123,13 @@ where
             .await
             .and_then(|row| row.try_get(0))
             .expect("count records")
+    }
+
+    async fn delete_records(pool: &Pool<Self>) {
+        sqlx::query("DELETE FROM idempotency_records")
+            .execute(pool)
+            .await
+            .expect("delete records");
     }
 }
 

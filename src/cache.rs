@@ -1,0 +1,173 @@
+//! Final records held in memory, so a replay this instance has already answered costs no
+//! database read.
+//!
+//! Only records in a final state are held (completed or failed permanently). Such a record is
+//! never rewritten while it lives: the store replaces a record only once it has expired, and
+//! purges only expired records. A copy held until its `expires_at` therefore answers exactly as
+//! the table would, on every instance, with no invalidation protocol. What the cache cannot see
+//! is a record deleted from the table by hand before it expires: an instance that holds a copy
+//! replays it until it expires or is evicted.
+//!
+//! The cache is bounded by the bytes of the responses it holds; the least useful entries are
+//! evicted first (quick_cache's S3-FIFO policy, which keeps entries that are hit again over
+//! entries seen once).
+
+use std::fmt;
+use std::sync::Arc;
+
+use quick_cache::Weighter;
+use quick_cache::sync::Cache;
+
+use crate::record::{Record, RecordState};
+use crate::scope::ScopedKey;
+
+/// What one entry costs besides its headers and body: the key, the record's fixed fields and
+/// the cache's own bookkeeping, rounded up.
+const ENTRY_OVERHEAD: u64 = 256;
+
+/// A size-bounded map from scoped key to final record. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct ReplayCache {
+    entries: Arc<Cache<ScopedKey, Arc<Record>, ByResponseSize>>,
+    max_bytes: u64,
+}
+
+impl fmt::Debug for ReplayCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReplayCache")
+            .field("max_bytes", &self.max_bytes)
+            .field("entries", &self.entries.len())
+            .finish()
+    }
+}
+
+impl ReplayCache {
+    /// A cache holding records whose responses weigh `max_bytes` in all.
+    pub(crate) fn new(max_bytes: u64) -> Self {
+        // The estimate only sizes the initial tables; 1 KiB is a typical stored response.
+        let estimated_items = usize::try_from(max_bytes / 1024).unwrap_or(usize::MAX);
+        Self {
+            entries: Arc::new(Cache::with_weighter(
+                estimated_items.clamp(16, 1 << 20),
+                max_bytes,
+                ByResponseSize,
+            )),
+            max_bytes,
+        }
+    }
+
+    /// The final record under `key`, if held and still live at `now_ms`.
+    pub(crate) fn get(&self, key: &ScopedKey, now_ms: i64) -> Option<Arc<Record>> {
+        let record = self.entries.get(key)?;
+        if record.is_expired(now_ms) {
+            self.entries.remove(key);
+            return None;
+        }
+        Some(record)
+    }
+
+    /// Holds `record` if it is final, carries its response and is live at `now_ms`.
+    pub(crate) fn insert(&self, key: ScopedKey, record: Arc<Record>, now_ms: i64) {
+        let cacheable = matches!(
+            record.state,
+            RecordState::Completed | RecordState::FailedPermanent
+        ) && record.response.is_some()
+            && !record.is_expired(now_ms);
+        if cacheable {
+            self.entries.insert(key, record);
+        }
+    }
+}
+
+#[derive(Clone)]
+struct ByResponseSize;
+
+impl Weighter<ScopedKey, Arc<Record>> for ByResponseSize {
+    fn weight(&self, _key: &ScopedKey, record: &Arc<Record>) -> u64 {
+        let response = record.response.as_ref().map_or(0, |response| {
+            let headers: usize = response
+                .headers
+                .iter()
+                .map(|(name, value)| name.as_str().len() + value.len() + 16)
+                .sum();
+            headers + response.body.len()
+        });
+        ENTRY_OVERHEAD + response as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use http::{HeaderMap, StatusCode};
+
+    use super::*;
+    use crate::fingerprint::Fingerprint;
+    use crate::record::StoredResponse;
+    use crate::scope::Scope;
+
+    fn key(name: &str) -> ScopedKey {
+        Scope::anonymous("POST", "/orders", name.parse().expect("valid key")).scoped_key()
+    }
+
+    fn record(state: RecordState, body: usize, expires_at_ms: i64) -> Arc<Record> {
+        Arc::new(Record {
+            state,
+            fingerprint: Fingerprint::from([7; 32]),
+            response: (state != RecordState::Processing).then(|| StoredResponse {
+                status: StatusCode::CREATED,
+                headers: HeaderMap::new(),
+                body: Bytes::from(vec![b'x'; body]),
+            }),
+            created_at_ms: 0,
+            expires_at_ms,
+            lease_expires_at_ms: None,
+        })
+    }
+
+    #[test]
+    fn holds_final_records_until_they_expire() {
+        let cache = ReplayCache::new(1 << 20);
+        cache.insert(key("a"), record(RecordState::Completed, 10, 1_000), 0);
+        cache.insert(key("b"), record(RecordState::FailedPermanent, 10, 1_000), 0);
+        assert!(cache.get(&key("a"), 999).is_some());
+        assert!(cache.get(&key("b"), 999).is_some());
+        assert!(
+            cache.get(&key("a"), 1_000).is_none(),
+            "expired at expires_at"
+        );
+        assert!(
+            cache.get(&key("a"), 0).is_none(),
+            "an expired entry is dropped"
+        );
+    }
+
+    #[test]
+    fn never_holds_processing_or_expired_records() {
+        let cache = ReplayCache::new(1 << 20);
+        cache.insert(key("p"), record(RecordState::Processing, 0, 1_000), 0);
+        cache.insert(key("e"), record(RecordState::Completed, 10, 1_000), 1_000);
+        assert!(cache.get(&key("p"), 0).is_none());
+        assert!(cache.get(&key("e"), 0).is_none());
+    }
+
+    #[test]
+    fn stays_within_its_byte_budget() {
+        let cache = ReplayCache::new(64 * 1024);
+        for i in 0..1_000 {
+            cache.insert(
+                key(&format!("k{i}")),
+                record(RecordState::Completed, 1024, i64::MAX),
+                0,
+            );
+        }
+        let held = (0..1_000)
+            .filter(|i| cache.get(&key(&format!("k{i}")), 0).is_some())
+            .count();
+        assert!(held > 0, "the newest entries are held");
+        assert!(
+            held as u64 * (1024 + ENTRY_OVERHEAD) <= 64 * 1024,
+            "{held} entries of 1 KiB in a 64 KiB cache"
+        );
+    }
+}

@@ -23,6 +23,16 @@
 //!   the run creates a schema of its own there and drops it at the end.
 //! - `MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`): the MySQL/MariaDB server; the run
 //!   creates a database of its own there and drops it at the end.
+//! - `BENCH_PEER` (default `true`): also measure the peer crate `axum-idempotent` on the same
+//!   order handler (`peer-*` rows on PostgreSQL, `noop-peer-*` rows). The run builds
+//!   `benches/peer` (`cargo build --release`, target dir `target/peer`), starts it as a child
+//!   process on the PostgreSQL schema and stops it at the end; it needs the `postgres` backend.
+//!   Where the build or the start fails, the run says why and goes on without it.
+//! - `BENCH_PEER_STORE` (default `auto`): the peer's session store, `redis`, `postgres`, or
+//!   `auto` (Redis where the server runs ruts' scripts, which need Redis 7.4, else PostgreSQL).
+//! - `BENCH_PEER_REDIS` (default `redis://127.0.0.1:6379`): the Redis server for the peer.
+//! - `BENCH_PEER_KEYING` (default `header`): the peer keys on the `Idempotency-Key` header
+//!   (`header`) or on a hash of method, target, headers and body (`hash`).
 
 use std::error::Error;
 use std::net::SocketAddr;
@@ -65,6 +75,10 @@ struct Settings {
     test_before_acquire: bool,
     database_url: String,
     mysql_url: String,
+    peer: bool,
+    peer_store: String,
+    peer_redis: String,
+    peer_keying: String,
 }
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -95,6 +109,11 @@ impl Settings {
                 .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
             mysql_url: std::env::var("MYSQL_URL")
                 .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into()),
+            peer: env_or("BENCH_PEER", true),
+            peer_store: std::env::var("BENCH_PEER_STORE").unwrap_or_else(|_| "auto".into()),
+            peer_redis: std::env::var("BENCH_PEER_REDIS")
+                .unwrap_or_else(|_| "redis://127.0.0.1:6379".into()),
+            peer_keying: std::env::var("BENCH_PEER_KEYING").unwrap_or_else(|_| "header".into()),
         }
     }
 
@@ -489,6 +508,8 @@ struct Plan {
     /// Stop after this many requests in total (the soak run).
     limit: Option<u64>,
     record_latency: bool,
+    /// Session cookies, one per client: connection `i` sends cookie `i % len`; none if empty.
+    cookies: Arc<[HeaderValue]>,
 }
 
 #[derive(Default)]
@@ -538,12 +559,16 @@ async fn send(
     path: &str,
     body: &Bytes,
     key: Option<&str>,
+    cookie: Option<&HeaderValue>,
 ) -> Result<StatusCode, BoxError> {
     let mut request = Request::post(path)
         .header(header::HOST, "127.0.0.1")
         .header(header::CONTENT_TYPE, "application/json");
     if let Some(key) = key {
         request = request.header("idempotency-key", HeaderValue::from_str(key)?);
+    }
+    if let Some(cookie) = cookie {
+        request = request.header(header::COOKIE, cookie);
     }
     let request = request.body(Full::new(body.clone()))?;
     sender.ready().await?;
@@ -566,6 +591,10 @@ async fn drive(plan: &Plan, progress: Option<Arc<AtomicU64>>) -> Result<Sample, 
         workers.push(tokio::spawn(async move {
             let mut sender = connect(plan.addr).await?;
             let mut sample = Sample::default();
+            let cookie = plan
+                .cookies
+                .get(worker % plan.cookies.len().max(1))
+                .cloned();
             let fixed = format!("{}-fixed", plan.key_prefix);
             let mut seq = 0_u64;
             while Instant::now() < deadline {
@@ -581,7 +610,14 @@ async fn drive(plan: &Plan, progress: Option<Arc<AtomicU64>>) -> Result<Sample, 
                 };
                 seq += 1;
                 let sent = Instant::now();
-                let status = send(&mut sender, plan.path, &plan.body, key.as_deref()).await?;
+                let status = send(
+                    &mut sender,
+                    plan.path,
+                    &plan.body,
+                    key.as_deref(),
+                    cookie.as_ref(),
+                )
+                .await?;
                 if plan.record_latency {
                     sample
                         .latencies_us
@@ -606,7 +642,8 @@ async fn drive(plan: &Plan, progress: Option<Arc<AtomicU64>>) -> Result<Sample, 
     Ok(merged)
 }
 
-/// `STORM` connections send the same fresh key at the same moment, round after round.
+/// `STORM` connections send the same fresh key at the same moment, round after round. They are
+/// one client retrying, so they share the plan's first session cookie.
 async fn storm(plan: &Plan) -> Result<(Sample, u64), BoxError> {
     const STOP: u64 = u64::MAX;
     let start = Arc::new(Barrier::new(STORM + 1));
@@ -633,7 +670,8 @@ async fn storm(plan: &Plan) -> Result<(Sample, u64), BoxError> {
                 if let Ok(sender) = sender.as_mut() {
                     let key = format!("{}-storm-{r}", plan.key_prefix);
                     let sent = Instant::now();
-                    match send(sender, plan.path, &plan.body, Some(&key)).await {
+                    let cookie = plan.cookies.first();
+                    match send(sender, plan.path, &plan.body, Some(&key), cookie).await {
                         Ok(status) if status.is_success() => {}
                         _ => sample.unexpected += 1,
                     }
@@ -686,7 +724,7 @@ async fn count_per_request(
     };
     // Warm up: connections opened, statements prepared, the replayed record written.
     for i in 0..20 {
-        send(&mut sender, path, &body, key(i).as_deref()).await?;
+        send(&mut sender, path, &body, key(i).as_deref(), None).await?;
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     STATEMENTS.store(0, Ordering::SeqCst);
@@ -695,7 +733,7 @@ async fn count_per_request(
     }
     COUNTING.store(true, Ordering::SeqCst);
     for i in 20..20 + n {
-        let status = send(&mut sender, path, &body, key(i).as_deref()).await?;
+        let status = send(&mut sender, path, &body, key(i).as_deref(), None).await?;
         if !status.is_success() {
             return Err(format!("{path}: {status} while counting").into());
         }
@@ -732,6 +770,8 @@ struct Backend {
     wire: Option<Arc<AtomicU64>>,
     orders: CountOrders,
     note: String,
+    /// The peer crate's server on this backend's database (PostgreSQL only).
+    peer: Option<Peer>,
 }
 
 #[cfg(feature = "sqlite")]
@@ -771,6 +811,7 @@ fn sqlite_backend(
             counting_addr: addr,
             wire: None,
             orders,
+            peer: None,
             note: format!(
                 "file in a temp dir, WAL, synchronous=NORMAL, pool of 8, test_before_acquire={test_before_acquire}"
             ),
@@ -835,6 +876,7 @@ fn postgres_backend(
             counting_addr,
             wire: Some(wire),
             orders,
+            peer: None,
             note: format!(
                 "server on loopback, schema {schema}, pool of 16, sqlx defaults otherwise"
             ),
@@ -912,6 +954,7 @@ fn mysql_backend(
             counting_addr,
             wire: Some(wire),
             orders,
+            peer: None,
             note: format!(
                 "MariaDB server on loopback, database {database}, pool of 16, sqlx defaults otherwise"
             ),
@@ -930,6 +973,126 @@ fn drop_mysql_database(server: &Runtime, url: &str, run: &str) -> Result<(), Box
         .await?;
         Ok(())
     })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The peer crate: axum-idempotent, served by benches/peer in a child process.
+
+/// The running peer server; dropping it stops the process.
+struct Peer {
+    child: std::process::Child,
+    addr: SocketAddr,
+    /// What the peer says about its store and keying.
+    store: String,
+    /// One session per load-generator connection: axum-idempotent caches only within a session.
+    cookies: Arc<[HeaderValue]>,
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Builds and starts the peer on the PostgreSQL schema of this run. The error is the reason to
+/// print when it cannot run.
+#[cfg(feature = "postgres")]
+fn start_peer(settings: &Settings, client: &Runtime, run: &str) -> Result<Peer, String> {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let target = root.join("target").join("peer");
+    // Its own target dir: the one of this bench may still be locked by the cargo running it.
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    eprintln!("[peer] building benches/peer (axum-idempotent)…");
+    let built = Command::new(&cargo)
+        .args(["build", "--release", "--quiet", "--manifest-path"])
+        .arg(root.join("benches/peer/Cargo.toml"))
+        .arg("--target-dir")
+        .arg(&target)
+        .stdout(Stdio::null())
+        .status()
+        .map_err(|e| format!("cannot run {cargo}: {e}"))?;
+    if !built.success() {
+        return Err(format!("`cargo build` of benches/peer failed ({built})"));
+    }
+    let mut child = Command::new(target.join("release/axum-idempotency-bench-peer"))
+        .env("PEER_DATABASE_URL", &settings.database_url)
+        .env("PEER_SCHEMA", format!("bench_http_{run}"))
+        .env("PEER_STORE", &settings.peer_store)
+        .env("PEER_REDIS_URL", &settings.peer_redis)
+        .env("PEER_KEYING", &settings.peer_keying)
+        .env(
+            "PEER_TEST_BEFORE_ACQUIRE",
+            settings.test_before_acquire.to_string(),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start the peer binary: {e}"))?;
+    let mut line = String::new();
+    if let Some(stdout) = child.stdout.take() {
+        let _ = std::io::BufReader::new(stdout).read_line(&mut line);
+    }
+    let started = line
+        .trim()
+        .strip_prefix("listening ")
+        .and_then(|rest| rest.split_once(' '))
+        .and_then(|(addr, store)| Some((addr.parse::<SocketAddr>().ok()?, store.to_owned())));
+    let Some((addr, store)) = started else {
+        let _ = child.kill();
+        let _ = child.wait();
+        let why = line
+            .trim()
+            .strip_prefix("unavailable ")
+            .unwrap_or(line.trim());
+        return Err(format!("the peer did not start: {why}"));
+    };
+    let mut peer = Peer {
+        child,
+        addr,
+        store,
+        cookies: Arc::from([]),
+    };
+    let cookies = client
+        .block_on(peer_sessions(addr, settings.conns.max(1)))
+        .map_err(|e| format!("the peer could not start sessions: {e}"))?;
+    peer.cookies = cookies.into();
+    Ok(peer)
+}
+
+/// Starts `n` sessions on the peer and returns their `Cookie` header values.
+#[cfg(feature = "postgres")]
+async fn peer_sessions(addr: SocketAddr, n: usize) -> Result<Vec<HeaderValue>, BoxError> {
+    let mut sender = connect(addr).await?;
+    let mut cookies = Vec::with_capacity(n);
+    for _ in 0..n {
+        let request = Request::post("/session")
+            .header(header::HOST, "127.0.0.1")
+            .body(Full::new(Bytes::new()))?;
+        sender.ready().await?;
+        let response = sender.send_request(request).await?;
+        let status = response.status();
+        let cookie = response
+            .headers()
+            .get(header::SET_COOKIE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split(';').next())
+            .map(HeaderValue::from_str)
+            .transpose()?;
+        let body = response.into_body().collect().await?.to_bytes();
+        match cookie {
+            Some(cookie) if status.is_success() => cookies.push(cookie),
+            _ => {
+                return Err(
+                    format!("POST /session: {status} {}", String::from_utf8_lossy(&body)).into(),
+                );
+            }
+        }
+    }
+    Ok(cookies)
 }
 
 /// The middleware alone: an empty handler with and without the layer, 1 KiB JSON bodies. The
@@ -1161,6 +1324,28 @@ fn main() -> Result<(), BoxError> {
         }
     }
 
+    match peer_or_reason(&settings, &client, &run, postgres_used) {
+        Ok(peer) => {
+            report.notes.push(format!(
+                "- peer: axum-idempotent 0.6 on the same order handler and SQL, served by \
+                 benches/peer in a child process (tokio, 2 workers, pool of 16 on the same \
+                 schema): {}. Each of the {} connections carries a session of its own \
+                 (the layer caches only within a session); the storm's 64 share one. \
+                 `peer-bare` is the same handler in that process without layers. Peak RSS \
+                 of the peer rows is this process's (the load generator's), not the peer's.",
+                peer.store, settings.conns
+            ));
+            if let Some(backend) = backends.iter_mut().find(|b| b.name == "postgres") {
+                backend.peer = Some(peer);
+            }
+        }
+        Err(why) => {
+            eprintln!("[peer] skipped: {why}");
+            report
+                .notes
+                .push(format!("- peer (axum-idempotent): skipped, {why}."));
+        }
+    }
     for backend in &backends {
         run_backend(
             &settings,
@@ -1173,7 +1358,15 @@ fn main() -> Result<(), BoxError> {
         )?;
     }
     #[cfg(feature = "sqlite")]
-    run_noop(&settings, &server, &client, &peak, &run, &mut report)?;
+    run_noop(
+        &settings,
+        &server,
+        &client,
+        &peak,
+        &run,
+        backends.iter().find_map(|b| b.peer.as_ref()),
+        &mut report,
+    )?;
     // The soak before the memory test: RSS in the soak is then not inflated by the memory test's
     // 1 MiB allocations, which the allocator keeps.
     if let Some(backend) = backends
@@ -1210,6 +1403,10 @@ fn main() -> Result<(), BoxError> {
     report.print();
 
     let _ = std::fs::remove_dir_all(&dir);
+    // The peer holds connections to the schema: stopped first.
+    for backend in &mut backends {
+        drop(backend.peer.take());
+    }
     #[cfg(feature = "postgres")]
     if postgres_used {
         drop_postgres_schema(&server, &settings.database_url, &run)?;
@@ -1220,6 +1417,28 @@ fn main() -> Result<(), BoxError> {
     }
     let _ = (postgres_used, mysql_used);
     Ok(())
+}
+
+/// The peer server, or why this run goes without it.
+fn peer_or_reason(
+    settings: &Settings,
+    client: &Runtime,
+    run: &str,
+    postgres_used: bool,
+) -> Result<Peer, String> {
+    if !settings.peer {
+        return Err("BENCH_PEER=false".into());
+    }
+    if !postgres_used {
+        return Err("it runs on PostgreSQL and the postgres backend is not in this run".into());
+    }
+    #[cfg(feature = "postgres")]
+    return start_peer(settings, client, run);
+    #[cfg(not(feature = "postgres"))]
+    {
+        let _ = (client, run);
+        Err("this build lacks the `postgres` feature".into())
+    }
 }
 
 #[cfg(not(all(feature = "sqlite", feature = "postgres", feature = "mysql")))]
@@ -1277,6 +1496,7 @@ fn run_backend(
     report: &mut Report,
 ) -> Result<(), BoxError> {
     let name = backend.name;
+    let peer = backend.peer.as_ref();
     eprintln!("[{name}] throughput…");
     let base = Plan {
         addr: backend.addr,
@@ -1288,8 +1508,9 @@ fn run_backend(
         duration: settings.duration(),
         limit: None,
         record_latency: true,
+        cookies: Arc::from([]),
     };
-    let plans = [
+    let mut plans = vec![
         ("bare", base.clone()),
         (
             "manual",
@@ -1324,26 +1545,58 @@ fn run_backend(
             },
         ),
     ];
+    if let Some(peer) = peer {
+        let on_peer = Plan {
+            addr: peer.addr,
+            cookies: Arc::clone(&peer.cookies),
+            ..base.clone()
+        };
+        plans.extend([
+            ("peer-bare", on_peer.clone()),
+            (
+                "peer-fresh",
+                Plan {
+                    path: "/peer",
+                    keys: Keys::Fresh,
+                    ..on_peer.clone()
+                },
+            ),
+            (
+                "peer-replay",
+                Plan {
+                    path: "/peer",
+                    keys: Keys::Fixed,
+                    ..on_peer
+                },
+            ),
+        ]);
+    }
     let samples = measure_rounds(settings, client, peak, &plans)?;
     for ((scenario, _), sample) in plans.iter().zip(samples) {
+        let note = match *scenario {
+            "peer-bare" => "axum-idempotent's process, no layer",
+            "peer-fresh" => "axum-idempotent, new keys",
+            "peer-replay" => "axum-idempotent, one key per session",
+            _ => "",
+        };
         report.rows.push(Row {
             group: name.into(),
             scenario: (*scenario).into(),
             conns: settings.conns,
             sample,
-            note: String::new(),
+            note: note.into(),
         });
     }
 
+    let storm_plan = Plan {
+        path: "/layer",
+        duration: settings.duration().mul_f64(settings.rounds as f64),
+        key_prefix: format!("{run}-{name}-storm"),
+        ..base.clone()
+    };
     if wanted("layer-storm") {
         eprintln!("[{name}] storm…");
         let before = (backend.orders)(server)?;
-        let storm_plan = Plan {
-            path: "/layer",
-            duration: settings.duration().mul_f64(settings.rounds as f64),
-            key_prefix: format!("{run}-{name}-storm"),
-            ..base.clone()
-        };
         peak.reset();
         let (mut sample, keys) = client.block_on(storm(&storm_plan))?;
         sample.peak_mib = peak.peak_mib();
@@ -1357,11 +1610,46 @@ fn run_backend(
         });
     }
 
+    if let Some(peer) = peer.filter(|_| wanted("peer-storm")) {
+        eprintln!("[{name}] peer storm…");
+        let before = (backend.orders)(server)?;
+        let peer_storm = Plan {
+            addr: peer.addr,
+            path: "/peer",
+            cookies: Arc::clone(&peer.cookies),
+            key_prefix: format!("{run}-{name}-peer-storm"),
+            ..storm_plan
+        };
+        peak.reset();
+        let (mut sample, keys) = client.block_on(storm(&peer_storm))?;
+        sample.peak_mib = peak.peak_mib();
+        let executed = (backend.orders)(server)? - before;
+        report.rows.push(Row {
+            group: name.into(),
+            scenario: "peer-storm".into(),
+            conns: STORM,
+            sample,
+            note: format!(
+                "axum-idempotent: {keys} keys × {STORM} duplicates in one session; \
+                 orders inserted: {executed}"
+            ),
+        });
+    }
+
     report.ratio(name, "manual", "bare", None);
     report.ratio(name, "layer-fresh", "manual", Some(0.85));
     report.ratio(name, "layer-fresh", "bare", None);
     report.ratio(name, "layer-replay", "bare", Some(1.5));
     report.ratio(name, "layer-replay-cached", "bare", None);
+    if peer.is_some() {
+        report.ratio(name, "peer-bare", "bare", None);
+        report.ratio(name, "peer-fresh", "bare", None);
+        report.ratio(name, "peer-replay", "bare", None);
+        report.ratio(name, "peer-fresh", "peer-bare", None);
+        report.ratio(name, "peer-replay", "peer-bare", None);
+        report.ratio(name, "layer-fresh", "peer-fresh", None);
+        report.ratio(name, "layer-replay", "peer-replay", None);
+    }
 
     if !wanted("round-trips") {
         return Ok(());
@@ -1398,6 +1686,7 @@ fn run_noop(
     client: &Runtime,
     peak: &PeakRss,
     run: &str,
+    peer: Option<&Peer>,
     report: &mut Report,
 ) -> Result<(), BoxError> {
     eprintln!("[noop] throughput…");
@@ -1421,8 +1710,9 @@ fn run_noop(
         duration: settings.duration(),
         limit: None,
         record_latency: true,
+        cookies: Arc::from([]),
     };
-    let plans = [
+    let mut plans = vec![
         ("noop", base.clone()),
         (
             "noop-layer-nokey",
@@ -1456,6 +1746,32 @@ fn run_noop(
             },
         ),
     ];
+    if let Some(peer) = peer {
+        let on_peer = Plan {
+            addr: peer.addr,
+            cookies: Arc::clone(&peer.cookies),
+            ..base.clone()
+        };
+        plans.extend([
+            ("noop-peer-bare", on_peer.clone()),
+            (
+                "noop-peer-replay",
+                Plan {
+                    path: "/noop-peer",
+                    keys: Keys::Fixed,
+                    ..on_peer.clone()
+                },
+            ),
+            (
+                "noop-peer-fresh",
+                Plan {
+                    path: "/noop-peer",
+                    keys: Keys::Fresh,
+                    ..on_peer
+                },
+            ),
+        ]);
+    }
     let samples = measure_rounds(settings, client, peak, &plans)?;
     let notes = [
         "no layer",
@@ -1463,6 +1779,9 @@ fn run_noop(
         "layer with .cache_replays, one key: parse, buffer, fingerprint, replay from memory",
         "layer, one key: parse, buffer, fingerprint, 1 indexed read (tmpfs SQLite), replay",
         "layer, new keys: full claim/record on tmpfs SQLite",
+        "axum-idempotent's process, no layer",
+        "axum-idempotent, one key per session: 1 read (in-memory moka store), replay",
+        "axum-idempotent, new keys: 1 read, handler, 1 write (in-memory moka store)",
     ];
     for (((scenario, _), sample), note) in plans.iter().zip(samples).zip(notes) {
         report.rows.push(Row {
@@ -1477,6 +1796,14 @@ fn run_noop(
     report.ratio("noop 1 KiB", "noop-layer-replay", "noop", Some(0.8));
     report.ratio("noop 1 KiB", "noop-layer-fresh", "noop", Some(0.8));
     report.ratio("noop 1 KiB", "noop-layer-nokey", "noop", None);
+    if peer.is_some() {
+        report.ratio("noop 1 KiB", "noop-peer-bare", "noop", None);
+        report.ratio("noop 1 KiB", "noop-peer-replay", "noop-peer-bare", None);
+        report.ratio("noop 1 KiB", "noop-peer-fresh", "noop-peer-bare", None);
+        report.ratio("noop 1 KiB", "noop-layer-replay-cached", "noop-peer-replay", None);
+        report.ratio("noop 1 KiB", "noop-layer-replay", "noop-peer-replay", None);
+        report.ratio("noop 1 KiB", "noop-layer-fresh", "noop-peer-fresh", None);
+    }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
@@ -1516,6 +1843,7 @@ fn run_big_bodies(
             duration: settings.duration(),
             limit: None,
             record_latency: false,
+            cookies: Arc::from([]),
         };
         let before = rss_mib();
         peak.reset();
@@ -1554,6 +1882,7 @@ fn run_soak(
         limit: Some(settings.soak_requests),
         // Recording latencies would itself grow memory by 4 bytes a request.
         record_latency: false,
+        cookies: Arc::from([]),
     };
     let progress = Arc::new(AtomicU64::new(0));
     let watched = Arc::clone(&progress);

@@ -1800,7 +1800,12 @@ fn run_noop(
         report.ratio("noop 1 KiB", "noop-peer-bare", "noop", None);
         report.ratio("noop 1 KiB", "noop-peer-replay", "noop-peer-bare", None);
         report.ratio("noop 1 KiB", "noop-peer-fresh", "noop-peer-bare", None);
-        report.ratio("noop 1 KiB", "noop-layer-replay-cached", "noop-peer-replay", None);
+        report.ratio(
+            "noop 1 KiB",
+            "noop-layer-replay-cached",
+            "noop-peer-replay",
+            None,
+        );
         report.ratio("noop 1 KiB", "noop-layer-replay", "noop-peer-replay", None);
         report.ratio("noop 1 KiB", "noop-layer-fresh", "noop-peer-fresh", None);
     }

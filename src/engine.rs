@@ -47,15 +47,20 @@
 //!    - retryable (5xx, 408, 429, a panic, a response too large to store): everything is rolled
 //!      back, no record remains, and the same key executes afresh next time.
 //!
-//! The transactional part runs in a task of its own: a client that hangs up mid-request
-//! cannot cancel it halfway and leave a pooled connection inside an open transaction.
+//! The transactional part is never cancelled halfway: if a client hangs up mid-request, what is
+//! left of it moves to a task of its own and completes there, so no pooled connection is left
+//! inside an open transaction.
 
+use std::any::Any;
 use std::collections::hash_map::RandomState;
 use std::fmt;
 use std::future::Future;
 use std::hash::BuildHasher;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Body;
@@ -728,10 +733,10 @@ impl<S: Store> Engine<S> {
         }
     }
 
-    /// Runs one intent's future in a task of its own, inside its tracing span, and logs the
-    /// outcome. The task outlives a caller that goes away, so no transaction is ever left
-    /// half-way; a panic in it surfaces as [`Rejection::Internal`]. A final record held by the
-    /// replay cache answers at once, without a task or a store access.
+    /// Runs one intent's future to completion even if the caller goes away ([`Uncancelled`]),
+    /// inside its tracing span, and logs the outcome; a panic in it surfaces as
+    /// [`Rejection::Internal`]. A final record held by the replay cache answers at once,
+    /// without a store access.
     async fn supervise<F, Fut>(
         &self,
         scope: &Scope,
@@ -758,12 +763,12 @@ impl<S: Store> Engine<S> {
         let (result, outcome) = match cached {
             Some(record) => answer_existing(&record, fingerprint),
             None => {
-                let task = tokio::spawn(run(key, scope.clone()).instrument(span.clone()));
-                match task.await {
+                let work = run(key, scope.clone()).instrument(span.clone());
+                match Uncancelled::new(work).await {
                     Ok(done) => done,
-                    Err(error) => {
+                    Err(_panic) => {
                         let _enter = span.enter();
-                        tracing::error!(%error, "the idempotent work panicked; rolled back");
+                        tracing::error!("the idempotent work panicked; rolled back");
                         (Err(Rejection::Internal), "retryable")
                     }
                 }
@@ -851,6 +856,63 @@ impl Lease {
     }
 }
 
+/// A future that is never cancelled halfway: it runs in the caller's task, and if the caller
+/// drops it before it is done (a client hanging up mid-request), what is left of it moves to a
+/// task of its own and finishes there, so no transaction is abandoned mid-statement. Unlike
+/// spawning every request, the common case costs no task and no cross-thread wake-up. A panic
+/// while it is polled here is caught and returned as `Err`.
+pub(crate) struct Uncancelled<F: Future + Send + 'static> {
+    future: Option<Pin<Box<F>>>,
+}
+
+impl<F: Future + Send + 'static> Uncancelled<F> {
+    pub(crate) fn new(future: F) -> Self {
+        Self {
+            future: Some(Box::pin(future)),
+        }
+    }
+}
+
+impl<F> Future for Uncancelled<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    type Output = Result<F::Output, Box<dyn Any + Send>>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(future) = self.future.as_mut() else {
+            return Poll::Pending;
+        };
+        // The future is dropped right after a panic, never polled again, so whatever state the
+        // panic left it in is not observed.
+        let polled = std::panic::catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(cx)));
+        match polled {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(output)) => {
+                self.future = None;
+                Poll::Ready(Ok(output))
+            }
+            Err(panic) => {
+                self.future = None;
+                Poll::Ready(Err(panic))
+            }
+        }
+    }
+}
+
+impl<F: Future + Send + 'static> Drop for Uncancelled<F> {
+    fn drop(&mut self) {
+        if let Some(future) = self.future.take()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(async move {
+                future.await;
+            });
+        }
+    }
+}
+
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
 
 impl Drop for AbortOnDrop {
@@ -908,4 +970,35 @@ pub(crate) fn now_ms() -> i64 {
 
 pub(crate) fn into_body_response(response: http::Response<Bytes>) -> axum::response::Response {
     response.map(Body::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn uncancelled_work_finishes_after_its_caller_is_dropped() {
+        let (release, released) = tokio::sync::oneshot::channel::<()>();
+        let (done, finished) = tokio::sync::oneshot::channel();
+        let work = Uncancelled::new(async move {
+            let _ = released.await;
+            let _ = done.send("finished");
+        });
+        // The caller gives up while the work is parked mid-way.
+        let gave_up = tokio::time::timeout(Duration::from_millis(10), work).await;
+        assert!(gave_up.is_err());
+        let _ = release.send(());
+        assert_eq!(finished.await, Ok("finished"));
+    }
+
+    #[tokio::test]
+    async fn uncancelled_work_that_panics_is_an_error_not_an_unwind() {
+        let outcome = Uncancelled::new(async {
+            if now_ms() > 0 {
+                panic!("handler bug");
+            }
+        })
+        .await;
+        assert!(outcome.is_err());
+    }
 }

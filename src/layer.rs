@@ -48,7 +48,7 @@ use tower::ServiceExt;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::engine::{Classification, Engine, into_body_response};
+use crate::engine::{Classification, Engine, Uncancelled, into_body_response};
 use crate::error::Rejection;
 use crate::fingerprint::Fingerprinter;
 use crate::key::IdempotencyKey;
@@ -431,9 +431,9 @@ impl<S: Store> IdempotencyLayer<S> {
     {
         let slot = TxSlot::lazy(self.engine.store().pool().clone());
         request.extensions_mut().insert(slot.clone());
-        // In a task of its own for the same reason as keyed requests: a client hanging up must
-        // not cancel a transaction halfway through.
-        let task = tokio::spawn(async move {
+        // Never cancelled halfway, for the same reason as keyed requests: a client hanging up
+        // must not abandon a transaction mid-statement.
+        let handled = Uncancelled::new(async move {
             let response = match inner.oneshot(request).await {
                 Ok(response) => response.into_response(),
                 Err(never) => match never {},
@@ -460,8 +460,8 @@ impl<S: Store> IdempotencyLayer<S> {
                 }
             }
         });
-        task.await.unwrap_or_else(|error| {
-            tracing::error!(%error, "the handler panicked; rolled back");
+        handled.await.unwrap_or_else(|_panic| {
+            tracing::error!("the handler panicked; rolled back");
             Rejection::Internal.into_response()
         })
     }

@@ -1451,6 +1451,41 @@ fn wanted(scenario: &str) -> bool {
     std::env::var("BENCH_ONLY").map_or(true, |only| only.split(',').any(|o| o.trim() == scenario))
 }
 
+/// The peer's process without its layer (`base`'s path there), and `path` under its layer with
+/// fresh keys and with one key, named by `names` in that order.
+fn peer_plans(
+    peer: &Peer,
+    base: &Plan,
+    path: &'static str,
+    names: [&'static str; 3],
+) -> [(&'static str, Plan); 3] {
+    let on_peer = Plan {
+        addr: peer.addr,
+        cookies: Arc::clone(&peer.cookies),
+        ..base.clone()
+    };
+    let [bare, fresh, replay] = names;
+    [
+        (bare, on_peer.clone()),
+        (
+            fresh,
+            Plan {
+                path,
+                keys: Keys::Fresh,
+                ..on_peer.clone()
+            },
+        ),
+        (
+            replay,
+            Plan {
+                path,
+                keys: Keys::Fixed,
+                ..on_peer
+            },
+        ),
+    ]
+}
+
 fn measure_rounds(
     settings: &Settings,
     client: &Runtime,
@@ -1546,30 +1581,12 @@ fn run_backend(
         ),
     ];
     if let Some(peer) = peer {
-        let on_peer = Plan {
-            addr: peer.addr,
-            cookies: Arc::clone(&peer.cookies),
-            ..base.clone()
-        };
-        plans.extend([
-            ("peer-bare", on_peer.clone()),
-            (
-                "peer-fresh",
-                Plan {
-                    path: "/peer",
-                    keys: Keys::Fresh,
-                    ..on_peer.clone()
-                },
-            ),
-            (
-                "peer-replay",
-                Plan {
-                    path: "/peer",
-                    keys: Keys::Fixed,
-                    ..on_peer
-                },
-            ),
-        ]);
+        plans.extend(peer_plans(
+            peer,
+            &base,
+            "/peer",
+            ["peer-bare", "peer-fresh", "peer-replay"],
+        ));
     }
     let samples = measure_rounds(settings, client, peak, &plans)?;
     for ((scenario, _), sample) in plans.iter().zip(samples) {
@@ -1747,30 +1764,12 @@ fn run_noop(
         ),
     ];
     if let Some(peer) = peer {
-        let on_peer = Plan {
-            addr: peer.addr,
-            cookies: Arc::clone(&peer.cookies),
-            ..base.clone()
-        };
-        plans.extend([
-            ("noop-peer-bare", on_peer.clone()),
-            (
-                "noop-peer-replay",
-                Plan {
-                    path: "/noop-peer",
-                    keys: Keys::Fixed,
-                    ..on_peer.clone()
-                },
-            ),
-            (
-                "noop-peer-fresh",
-                Plan {
-                    path: "/noop-peer",
-                    keys: Keys::Fresh,
-                    ..on_peer
-                },
-            ),
-        ]);
+        plans.extend(peer_plans(
+            peer,
+            &base,
+            "/noop-peer",
+            ["noop-peer-bare", "noop-peer-fresh", "noop-peer-replay"],
+        ));
     }
     let samples = measure_rounds(settings, client, peak, &plans)?;
     let notes = [
@@ -1780,8 +1779,8 @@ fn run_noop(
         "layer, one key: parse, buffer, fingerprint, 1 indexed read (tmpfs SQLite), replay",
         "layer, new keys: full claim/record on tmpfs SQLite",
         "axum-idempotent's process, no layer",
-        "axum-idempotent, one key per session: 1 read (in-memory moka store), replay",
         "axum-idempotent, new keys: 1 read, handler, 1 write (in-memory moka store)",
+        "axum-idempotent, one key per session: 1 read (in-memory moka store), replay",
     ];
     for (((scenario, _), sample), note) in plans.iter().zip(samples).zip(notes) {
         report.rows.push(Row {

@@ -76,7 +76,7 @@ use crate::cache::ReplayCache;
 use crate::error::{Error, Rejection};
 use crate::fingerprint::Fingerprint;
 use crate::record::{Record, RecordState, StoredResponse};
-use crate::scope::{Scope, ScopedKey};
+use crate::scope::{IdempotencyContext, Scope, ScopedKey};
 use crate::store::{LeaseClaim, NewRecord, Opened, Store};
 use crate::tx::{Tx, TxSlot};
 
@@ -296,7 +296,7 @@ impl<S: Store> Engine<S> {
         Fut: Future<Output = R> + Send + 'static,
         R: IntoResponse,
     {
-        self.run_in_slot(scope, fingerprint, move |slot| async move {
+        self.run_in_slot(scope, fingerprint, move |slot, _context| async move {
             match slot.into_tx() {
                 Ok(tx) => work(tx).await.into_response(),
                 Err(_) => Rejection::TransactionHeld.into_response(),
@@ -312,7 +312,7 @@ impl<S: Store> Engine<S> {
         work: F,
     ) -> Result<Execution, Rejection>
     where
-        F: FnOnce(TxSlot<S::Database>) -> Fut + Send + 'static,
+        F: FnOnce(TxSlot<S::Database>, IdempotencyContext) -> Fut + Send + 'static,
         Fut: Future<Output = R> + Send + 'static,
         R: IntoResponse,
     {
@@ -529,7 +529,7 @@ impl<S: Store> Engine<S> {
         work: F,
     ) -> (Result<Execution, Rejection>, &'static str)
     where
-        F: FnOnce(TxSlot<S::Database>) -> Fut,
+        F: FnOnce(TxSlot<S::Database>, IdempotencyContext) -> Fut,
         Fut: Future<Output = R>,
         R: IntoResponse,
     {
@@ -556,7 +556,8 @@ impl<S: Store> Engine<S> {
         };
 
         let slot = TxSlot::ready(tx);
-        let response = work(slot.clone()).await.into_response();
+        let context = IdempotencyContext::with_key(scope.clone(), key);
+        let response = work(slot.clone(), context).await.into_response();
         let (parts, body) = response.into_parts();
         let body = Limited::new(body, self.settings.max_response_body)
             .collect()

@@ -52,7 +52,7 @@ use crate::engine::{Classification, Engine, Uncancelled, into_body_response};
 use crate::error::Rejection;
 use crate::fingerprint::Fingerprinter;
 use crate::key::IdempotencyKey;
-use crate::scope::{IdempotencyContext, Principal, Scope};
+use crate::scope::{Principal, Scope};
 use crate::store::Store;
 use crate::tx::TxSlot;
 
@@ -401,15 +401,12 @@ impl<S: Store> IdempotencyLayer<S> {
             None => Scope::anonymous(method, route, key),
         };
 
-        let context_scope = scope.clone();
         let execution = self
             .engine
-            .run_in_slot(&scope, fingerprint, move |slot| {
+            .run_in_slot(&scope, fingerprint, move |slot, context| {
                 // Built here, not before: a replay answered from the cache never needs it.
                 let mut request = Request::from_parts(parts, Body::from(bytes));
-                request
-                    .extensions_mut()
-                    .insert(IdempotencyContext::new(context_scope));
+                request.extensions_mut().insert(context);
                 request.extensions_mut().insert(slot);
                 async move {
                     match inner.oneshot(request).await {

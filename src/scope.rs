@@ -247,8 +247,8 @@ pub struct IdempotencyContext {
 }
 
 impl IdempotencyContext {
-    pub(crate) fn new(scope: Scope) -> Self {
-        let scoped_key = scope.scoped_key();
+    /// The context of `scope`, whose scoped key was already computed as `scoped_key`.
+    pub(crate) fn with_key(scope: Scope, scoped_key: ScopedKey) -> Self {
         Self { scope, scoped_key }
     }
 

@@ -2,13 +2,13 @@
 //!
 //! Real axum servers on loopback, driven by a hyper client load generator in the same process
 //! (separate runtimes). Every scenario is measured in the same run as its baseline, interleaved
-//! round by round, because the machine is shared and noisy: the ratios are the result, the
-//! absolute numbers drift.
+//! round by round (each round starting one scenario later), because the machine is shared and
+//! noisy: the ratios are the result, the absolute numbers drift.
 //!
 //! Settings (environment):
 //! - `BENCH_BACKENDS` (default `sqlite,postgres,mysql`): backends to run; one whose cargo feature
 //!   is not compiled in is skipped, and the run says so.
-//! - `BENCH_SECS` (default 3) seconds per scenario per round, `BENCH_ROUNDS` (default 3),
+//! - `BENCH_SECS` (default 3) seconds per scenario per round, `BENCH_ROUNDS` (default 5),
 //!   `BENCH_CONNECTIONS` (default 32).
 //! - `BENCH_TRIPS` (default 200): sequential requests over which round trips are counted.
 //! - `BENCH_BIG` (default 256): concurrent 1 MiB requests for the memory test.
@@ -98,7 +98,7 @@ impl Settings {
                 .filter(|s| !s.is_empty())
                 .collect(),
             secs: env_or("BENCH_SECS", 3.0),
-            rounds: env_or("BENCH_ROUNDS", 3),
+            rounds: env_or("BENCH_ROUNDS", 5),
             conns: env_or("BENCH_CONNECTIONS", 32),
             trips: env_or("BENCH_TRIPS", 200),
             big: env_or("BENCH_BIG", 256),
@@ -1494,10 +1494,15 @@ fn measure_rounds(
 ) -> Result<Vec<Sample>, BoxError> {
     let mut samples: Vec<Sample> = plans.iter().map(|_| Sample::default()).collect();
     for round in 0..settings.rounds {
-        for ((name, plan), total) in plans.iter().zip(&mut samples) {
+        // Each round starts one scenario later, so no scenario always follows the same one
+        // (a checkpoint or WAL growth left by a write-heavy neighbour lands on all in turn).
+        for step in 0..plans.len() {
+            let index = (step + round) % plans.len();
+            let (name, plan) = &plans[index];
             if !wanted(name) {
                 continue;
             }
+            let total = &mut samples[index];
             let mut plan = plan.clone();
             plan.key_prefix = format!("{}-{name}-r{round}", plan.key_prefix);
             if plan.keys == Keys::Fixed {

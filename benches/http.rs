@@ -1446,6 +1446,23 @@ fn skipped_feature(name: &str) -> String {
     format!("- {name}: skipped, this build lacks the `{name}` feature (add `--features {name}`).")
 }
 
+/// Runs a duplicate storm on `plan` and returns its sample, how many keys it stormed and how
+/// many orders the backend's table gained meanwhile.
+fn measure_storm(
+    server: &Runtime,
+    client: &Runtime,
+    peak: &PeakRss,
+    backend: &Backend,
+    plan: &Plan,
+) -> Result<(Sample, u64, i64), BoxError> {
+    let before = (backend.orders)(server)?;
+    peak.reset();
+    let (mut sample, keys) = client.block_on(storm(plan))?;
+    sample.peak_mib = peak.peak_mib();
+    let executed = (backend.orders)(server)? - before;
+    Ok((sample, keys, executed))
+}
+
 /// Whether `BENCH_ONLY` leaves this scenario (or section) in.
 fn wanted(scenario: &str) -> bool {
     std::env::var("BENCH_ONLY").map_or(true, |only| only.split(',').any(|o| o.trim() == scenario))
@@ -1618,11 +1635,7 @@ fn run_backend(
     };
     if wanted("layer-storm") {
         eprintln!("[{name}] storm…");
-        let before = (backend.orders)(server)?;
-        peak.reset();
-        let (mut sample, keys) = client.block_on(storm(&storm_plan))?;
-        sample.peak_mib = peak.peak_mib();
-        let executed = (backend.orders)(server)? - before;
+        let (sample, keys, executed) = measure_storm(server, client, peak, backend, &storm_plan)?;
         report.rows.push(Row {
             group: name.into(),
             scenario: "layer-storm".into(),
@@ -1634,7 +1647,6 @@ fn run_backend(
 
     if let Some(peer) = peer.filter(|_| wanted("peer-storm")) {
         eprintln!("[{name}] peer storm…");
-        let before = (backend.orders)(server)?;
         let peer_storm = Plan {
             addr: peer.addr,
             path: "/peer",
@@ -1642,10 +1654,7 @@ fn run_backend(
             key_prefix: format!("{run}-{name}-peer-storm"),
             ..storm_plan
         };
-        peak.reset();
-        let (mut sample, keys) = client.block_on(storm(&peer_storm))?;
-        sample.peak_mib = peak.peak_mib();
-        let executed = (backend.orders)(server)? - before;
+        let (sample, keys, executed) = measure_storm(server, client, peak, backend, &peer_storm)?;
         report.rows.push(Row {
             group: name.into(),
             scenario: "peer-storm".into(),

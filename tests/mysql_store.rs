@@ -13,8 +13,7 @@ use axum::http::{Request, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum_idempotency::{
-    Classification, Error, Fingerprinter, IdempotencyKey, IdempotencyLayer, MySqlStore, NewRecord,
-    RecordState, Scope, Store, StoredResponse, Tx,
+    Classification, Error, IdempotencyLayer, MySqlStore, RecordState, Store, StoredResponse, Tx,
 };
 use http_body_util::BodyExt;
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
@@ -23,7 +22,7 @@ use tower::ServiceExt;
 
 mod common;
 
-use common::{App, Backend, Db, Reply, second_instance, serve, unique};
+use common::{App, Backend, Db, Reply, now_ms, record, scope, second_instance, serve, unique};
 use serde_json::json;
 
 const SERVER: &str = "mysql://root@127.0.0.1:3306";
@@ -84,50 +83,11 @@ impl TestDb {
     }
 }
 
-fn now_ms() -> i64 {
-    i64::try_from(
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_millis(),
-    )
-    .unwrap()
-}
-
-fn scope(key: &str) -> Scope {
-    Scope::new(
-        "alice",
-        "POST",
-        "/orders",
-        key.parse::<IdempotencyKey>().unwrap(),
-    )
-}
-
 fn completed(body: &'static str) -> StoredResponse {
     StoredResponse {
         status: StatusCode::CREATED,
         headers: http::HeaderMap::new(),
         body: body.into(),
-    }
-}
-
-fn record<'a>(
-    scope: &'a Scope,
-    intent: &str,
-    state: RecordState,
-    response: Option<&'a StoredResponse>,
-    created_at_ms: i64,
-    ttl_ms: i64,
-) -> NewRecord<'a> {
-    NewRecord {
-        key: scope.scoped_key(),
-        scope,
-        fingerprint: Fingerprinter::new().fingerprint_value("test", intent.as_bytes()),
-        state,
-        response,
-        created_at_ms,
-        expires_at_ms: created_at_ms + ttl_ms,
-        lease: None,
     }
 }
 

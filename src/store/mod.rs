@@ -284,8 +284,17 @@ pub trait Dialect: Database + sealed::Sealed {
     const MIGRATION_RECORD: &'static str;
     /// Parameters: key_digest, principal, method, route, fingerprint, state, status, headers,
     /// body, created_at, expires_at, lease_owner, lease_expires_at, and then
-    /// [`claim_lock_wait`](Dialect::claim_lock_wait) where the dialect gives one.
+    /// [`claim_lock_wait`](Dialect::claim_lock_wait) and [`key_lock`](Dialect::key_lock) where
+    /// the dialect gives them.
     const CLAIM: &'static str;
+    /// A claim tried first, which never waits: it takes the [`key_lock`](Dialect::key_lock)
+    /// without waiting and claims only under it. Every claim holds that lock until its
+    /// transaction ends, so while it is free no uncommitted claim of the key exists to wait
+    /// for, and the statement needs no lock-wait bound; while it is held, [`CLAIM`](Dialect::CLAIM)
+    /// waits for it, bounded. The unique key still decides who owns the key: the lock only
+    /// keeps the uncontended claim from paying for the bound. Parameters as for `CLAIM`, without
+    /// the lock-wait bound; the row it returns is read by [`try_claimed`](Dialect::try_claimed).
+    const TRY_CLAIM: Option<&'static str> = None;
     /// Parameter: key_digest. Columns: state, fingerprint, status, headers, body, created_at,
     /// expires_at, lease_expires_at.
     const FIND: &'static str;
@@ -320,6 +329,18 @@ pub trait Dialect: Database + sealed::Sealed {
     /// dialect whose claim statement bounds its own wait.
     fn claim_lock_wait(_lock_wait: Duration) -> Option<String> {
         None
+    }
+
+    /// The number of the transaction-scoped lock [`TRY_CLAIM`](Dialect::TRY_CLAIM) and
+    /// [`CLAIM`](Dialect::CLAIM) take for `key`, for a dialect that has `TRY_CLAIM`.
+    fn key_lock(_key: &ScopedKey) -> Option<i64> {
+        None
+    }
+
+    /// What the row [`TRY_CLAIM`](Dialect::TRY_CLAIM) returned says: whether it took the key,
+    /// or `None` when another transaction holds the key's lock.
+    fn try_claimed(_row: &Self::Row) -> Result<Option<bool>, sqlx::Error> {
+        Ok(None)
     }
 
     /// Whether the error means "a lock wait ran out".
@@ -509,22 +530,39 @@ where
             ),
             None => (None, None, None),
         };
-        let mut query = sqlx::query(DB::CLAIM)
-            .bind(record.key.digest().to_vec())
-            .bind(record.scope.principal().map(str::to_owned))
-            .bind(record.scope.method().to_owned())
-            .bind(record.scope.route().to_owned())
-            .bind(record.fingerprint.as_bytes().to_vec())
-            .bind(record.state.as_str().to_owned())
-            .bind(status)
-            .bind(headers)
-            .bind(body)
-            .bind(record.created_at_ms)
-            .bind(record.expires_at_ms)
-            .bind(record.lease.map(|lease| lease.owner.to_vec()))
-            .bind(record.lease.map(|lease| lease.until_ms));
+        let key_lock = DB::key_lock(&record.key);
+        let bind_record = |sql| {
+            sqlx::query(sql)
+                .bind(record.key.digest().to_vec())
+                .bind(record.scope.principal().map(str::to_owned))
+                .bind(record.scope.method().to_owned())
+                .bind(record.scope.route().to_owned())
+                .bind(record.fingerprint.as_bytes().to_vec())
+                .bind(record.state.as_str().to_owned())
+                .bind(status)
+                .bind(headers.clone())
+                .bind(body.clone())
+                .bind(record.created_at_ms)
+                .bind(record.expires_at_ms)
+                .bind(record.lease.map(|lease| lease.owner.to_vec()))
+                .bind(record.lease.map(|lease| lease.until_ms))
+        };
+        if let (Some(try_claim), Some(lock)) = (DB::TRY_CLAIM, key_lock) {
+            let row = bind_record(try_claim)
+                .bind(lock)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(classify::<DB>)?;
+            if let Some(claimed) = DB::try_claimed(&row)? {
+                return Ok(claimed);
+            }
+        }
+        let mut query = bind_record(DB::CLAIM);
         if let Some(bound) = DB::claim_lock_wait(lock_wait) {
             query = query.bind(bound);
+        }
+        if let Some(lock) = key_lock {
+            query = query.bind(lock);
         }
         let claimed = query.execute(&mut *conn).await;
         let lifted = match DB::LIFT_LOCK_WAIT {

@@ -2,10 +2,12 @@
 
 use std::time::Duration;
 
-use sqlx::Postgres;
 use sqlx::error::DatabaseError;
+use sqlx::postgres::PgRow;
+use sqlx::{Postgres, Row};
 
 use super::{Dialect, SqlStore, sealed::Sealed};
+use crate::scope::ScopedKey;
 
 /// Records in PostgreSQL.
 ///
@@ -39,21 +41,39 @@ impl Dialect for Postgres {
         Some("SELECT pg_advisory_xact_lock(7351906218944770001)");
     const MIGRATION_RECORD: &'static str =
         "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES ($1, $2)";
-    // A duplicate of an in-flight claim blocks on the uncommitted row until the claimer
-    // commits (then it sees the live record and gets `false`) or rolls back (then it claims).
-    // The statement bounds its own lock wait, so the claim transaction begins with a plain
-    // `BEGIN` (a utility statement PostgreSQL neither analyses nor plans) and the bound is part
+    // A claim first tries for its key's advisory lock without waiting (TRY_CLAIM): free, it
+    // means no other transaction is claiming the key, so the insert cannot queue behind an
+    // uncommitted row and needs no lock-wait bound. The `lock` CTE runs once, before the insert
+    // reads from it; the row says whether the lock was free and whether the key was taken.
+    const TRY_CLAIM: Option<&'static str> = Some(
+        "WITH lock AS (SELECT pg_try_advisory_xact_lock($14) AS held), \
+        claimed AS (INSERT INTO idempotency_records AS r \
+        (key_digest, principal, method, route, fingerprint, state, status, headers, body, created_at, expires_at, lease_owner, lease_expires_at) \
+        SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13 FROM lock WHERE held \
+        ON CONFLICT (key_digest) DO UPDATE SET \
+        principal = EXCLUDED.principal, method = EXCLUDED.method, route = EXCLUDED.route, \
+        fingerprint = EXCLUDED.fingerprint, state = EXCLUDED.state, status = EXCLUDED.status, \
+        headers = EXCLUDED.headers, body = EXCLUDED.body, created_at = EXCLUDED.created_at, \
+        expires_at = EXCLUDED.expires_at, lease_owner = EXCLUDED.lease_owner, \
+        lease_expires_at = EXCLUDED.lease_expires_at \
+        WHERE r.expires_at <= EXCLUDED.created_at \
+        RETURNING 1) \
+        SELECT held, EXISTS (SELECT 1 FROM claimed) FROM lock",
+    );
+    // Held, the lock belongs to an in-flight claim of the key (or, once in 2^64, of a key with
+    // the same lock number): this statement waits for it, then claims. The statement bounds
+    // its own wait, so the claim transaction begins with a plain `BEGIN` and the bound is part
     // of a prepared statement: the one-row subquery saves the session's `lock_timeout` (the
-    // nested call runs first) and sets the bound before the row reaches the insert and its
-    // conflict wait; RETURNING gives the handler's own statements the saved value back once
-    // the key is ours. Both settings are transaction-local, so a claim that returns no row
-    // leaves nothing behind past its transaction.
+    // nested call runs first), sets the bound, and only then, as that call's argument is
+    // ready, waits for the key's lock. RETURNING gives the handler's own statements the saved
+    // value back once the key is ours. Both settings are transaction-local, so a claim that
+    // returns no row leaves nothing behind past its transaction.
     const CLAIM: &'static str = "INSERT INTO idempotency_records AS r \
         (key_digest, principal, method, route, fingerprint, state, status, headers, body, created_at, expires_at, lease_owner, lease_expires_at) \
         SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13 \
-        FROM (SELECT set_config('lock_timeout', \
+        FROM (SELECT pg_advisory_xact_lock(CASE WHEN set_config('lock_timeout', \
             $14 || left(set_config('axum_idempotency.lock_timeout', current_setting('lock_timeout'), true), 0), \
-            true)) AS bound \
+            true) IS NOT NULL THEN $15 END)) AS bound \
         ON CONFLICT (key_digest) DO UPDATE SET \
         principal = EXCLUDED.principal, method = EXCLUDED.method, route = EXCLUDED.route, \
         fingerprint = EXCLUDED.fingerprint, state = EXCLUDED.state, status = EXCLUDED.status, \
@@ -88,6 +108,21 @@ impl Dialect for Postgres {
     fn claim_lock_wait(lock_wait: Duration) -> Option<String> {
         // lock_timeout = 0 would mean "wait forever".
         Some(format!("{}ms", lock_wait.as_millis().max(1)))
+    }
+
+    fn key_lock(key: &ScopedKey) -> Option<i64> {
+        // The one-number form: a lock space of its own, apart from the two-number locks apps
+        // often use, and 64 bits of the digest make two in-flight keys sharing a number
+        // vanishingly rare (they would only queue one behind the other).
+        key.digest()
+            .first_chunk::<8>()
+            .map(|prefix| i64::from_be_bytes(*prefix))
+    }
+
+    fn try_claimed(row: &PgRow) -> Result<Option<bool>, sqlx::Error> {
+        let held: bool = row.try_get(0)?;
+        let claimed: bool = row.try_get(1)?;
+        Ok(held.then_some(claimed))
     }
 
     fn rows_affected(result: &Self::QueryResult) -> u64 {

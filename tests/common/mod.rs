@@ -533,3 +533,46 @@ pub async fn second_instance<DB: Db>(isolated: &Isolated<DB>) -> App<DB> {
 pub fn body(label: &str) -> String {
     json!({ "label": label }).to_string()
 }
+
+/// Milliseconds since the epoch, as the engine keeps record times.
+pub fn now_ms() -> i64 {
+    i64::try_from(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_millis(),
+    )
+    .unwrap()
+}
+
+/// Alice's `POST /orders` under `key`, for tests that drive a store directly.
+pub fn scope(key: &str) -> axum_idempotency::Scope {
+    axum_idempotency::Scope::new(
+        "alice",
+        "POST",
+        "/orders",
+        key.parse::<axum_idempotency::IdempotencyKey>().unwrap(),
+    )
+}
+
+/// A record of `scope` whose fingerprint stands for `intent`, living `ttl_ms` from `created_at_ms`.
+pub fn record<'a>(
+    scope: &'a axum_idempotency::Scope,
+    intent: &str,
+    state: axum_idempotency::RecordState,
+    response: Option<&'a axum_idempotency::StoredResponse>,
+    created_at_ms: i64,
+    ttl_ms: i64,
+) -> axum_idempotency::NewRecord<'a> {
+    axum_idempotency::NewRecord {
+        key: scope.scoped_key(),
+        scope,
+        fingerprint: axum_idempotency::Fingerprinter::new()
+            .fingerprint_value("test", intent.as_bytes()),
+        state,
+        response,
+        created_at_ms,
+        expires_at_ms: created_at_ms + ttl_ms,
+        lease: None,
+    }
+}

@@ -119,6 +119,9 @@ pub(crate) struct Scratch {
     /// Indexes of the pointers that still match the current path, stacked by depth.
     active: Vec<usize>,
     sorted: Vec<u8>,
+    /// The members of the object being sorted, as (key prefix, index): sorting these small
+    /// pairs moves far less than sorting the members themselves.
+    order: Vec<(u64, usize)>,
 }
 
 impl Scratch {
@@ -132,6 +135,7 @@ impl Scratch {
         trim(&mut self.keys);
         trim(&mut self.members);
         trim(&mut self.sorted);
+        trim(&mut self.order);
     }
 }
 
@@ -238,6 +242,9 @@ impl Parser<'_> {
 
     /// `depth` is the length of the path to this value; `active` the range of `s.active` holding
     /// the pointers that match that path so far.
+    // Inlined into the containers' loops, which stay out of line: a scalar then costs no call,
+    // and only nesting pays for the containers' large stack frames.
+    #[inline]
     fn value(&mut self, depth: usize, active: std::ops::Range<usize>) -> Result<(), Invalid> {
         match self.peek().ok_or(Invalid)? {
             b'{' => self.object(depth, active),
@@ -251,8 +258,9 @@ impl Parser<'_> {
                     self.s.out.extend_from_slice(&self.input[start..self.pos]);
                     return Ok(());
                 }
-                self.pos += 1;
-                self.s.out.push(b'"');
+                // The plain run already scanned is copied as is, not scanned again.
+                self.pos = plain_end;
+                self.s.out.extend_from_slice(&self.input[start..plain_end]);
                 string(self.input, &mut self.pos, &mut self.s.out, true)?;
                 self.s.out.push(b'"');
                 Ok(())
@@ -275,6 +283,7 @@ impl Parser<'_> {
         }
     }
 
+    #[inline(never)]
     fn object(&mut self, depth: usize, active: std::ops::Range<usize>) -> Result<(), Invalid> {
         if depth >= MAX_DEPTH {
             return Err(Invalid);
@@ -376,6 +385,8 @@ impl Parser<'_> {
             return Ok(Key::Input(start, plain_end));
         }
         let unescaped_start = self.s.keys.len();
+        self.s.keys.extend_from_slice(&self.input[start..plain_end]);
+        self.pos = plain_end;
         string(self.input, &mut self.pos, &mut self.s.keys, false)?;
         Ok(Key::Unescaped(unescaped_start, self.s.keys.len()))
     }
@@ -388,30 +399,56 @@ impl Parser<'_> {
             keys,
             members,
             sorted,
+            order,
             ..
         } = &mut *self.s;
-        let members = &mut members[members_base..];
-        members.sort_unstable_by(|a, b| key_order(input, keys, a, b));
+        let members = &members[members_base..];
+        order.clear();
+        order.extend(members.iter().map(|m| m.prefix).zip(0..));
+        let by_key = |a: &(u64, usize), b: &(u64, usize)| {
+            a.0.cmp(&b.0).then_with(|| {
+                key_bytes(input, keys, members[a.1].key).cmp(key_bytes(
+                    input,
+                    keys,
+                    members[b.1].key,
+                ))
+            })
+        };
+        order.sort_unstable_by(by_key);
         // A duplicate key has no single meaning (parsers keep the first, the last, or both), so
         // two requests that differ only in which duplicate wins must not look alike: refuse it.
-        if members
-            .windows(2)
-            .any(|w| key_order(input, keys, &w[0], &w[1]).is_eq())
-        {
+        if order.windows(2).any(|w| by_key(&w[0], &w[1]).is_eq()) {
             return Err(Invalid);
         }
         sorted.clear();
-        for member in members.iter().filter(|m| !m.removed) {
-            if !sorted.is_empty() {
+        // When less text precedes the object than it holds (always so for the outermost one),
+        // copying that text too and swapping the buffers saves copying the members back.
+        let swap = content_start <= out.len() - content_start;
+        if swap {
+            sorted.extend_from_slice(&out[..content_start]);
+        }
+        let mut first = true;
+        for member in order
+            .iter()
+            .map(|&(_, i)| &members[i])
+            .filter(|m| !m.removed)
+        {
+            if !first {
                 sorted.push(b',');
             }
+            first = false;
             sorted.extend_from_slice(&out[member.text.0..member.text.1]);
         }
-        out.truncate(content_start);
-        out.extend_from_slice(sorted);
+        if swap {
+            std::mem::swap(out, sorted);
+        } else {
+            out.truncate(content_start);
+            out.extend_from_slice(sorted);
+        }
         Ok(())
     }
 
+    #[inline(never)]
     fn array(&mut self, depth: usize, active: std::ops::Range<usize>) -> Result<(), Invalid> {
         if depth >= MAX_DEPTH {
             return Err(Invalid);
@@ -638,6 +675,15 @@ fn string(
                 return Ok(());
             }
             Some(b'\\') => {
+                // These escapes are already their canonical spelling: copied, not decoded.
+                if canonical
+                    && let Some(&e @ (b'"' | b'\\' | b'b' | b'f' | b'n' | b'r' | b't')) =
+                        input.get(*pos + 1)
+                {
+                    dest.extend_from_slice(&[b'\\', e]);
+                    *pos += 2;
+                    continue;
+                }
                 *pos += 1;
                 let c = escape(input, pos)?;
                 if canonical {
@@ -849,6 +895,27 @@ mod tests {
     }
 
     #[test]
+    fn escapes_copied_as_sent_agree_with_decoded_ones() {
+        assert_eq!(
+            canon(r#""a\"\\\b\f\n\r\tz""#, &[]).as_deref(),
+            Some(r#""a\"\\\b\f\n\r\tz""#)
+        );
+        assert_eq!(
+            canon(r#""\u0022\u005c\u0008\u000c\u000A\u000d\u0009\/""#, &[]).as_deref(),
+            Some(r#""\"\\\b\f\n\r\t/""#)
+        );
+        // In a key the escapes are decoded, so the two spellings collide.
+        assert_eq!(canon(r#"{"\n":1,"\u000a":2}"#, &[]), None);
+        assert_eq!(
+            canon(r#"{"\t":1,"\n":2}"#, &[]).as_deref(),
+            Some(r#"{"\t":1,"\n":2}"#)
+        );
+        for input in [r#""\"#, r#""\""#, r#""\n"#, r#""\q""#] {
+            assert_eq!(canon(input, &[]), None, "{input}");
+        }
+    }
+
+    #[test]
     fn malformed_strings_are_invalid() {
         for input in [
             r#""abc"#,
@@ -879,6 +946,28 @@ mod tests {
         assert_eq!(
             canon(r#"{"\"":1,"!":2}"#, &[]).as_deref(),
             Some(r#"{"!":2,"\"":1}"#)
+        );
+    }
+
+    #[test]
+    fn objects_sort_alike_whatever_text_precedes_them() {
+        // Short and long text before an unsorted object: it is sorted in a buffer of its own
+        // then, or in place.
+        assert_eq!(
+            canon(r#"{"b":{"d":1,"c":2},"a":0}"#, &[]).as_deref(),
+            Some(r#"{"a":0,"b":{"c":2,"d":1}}"#)
+        );
+        assert_eq!(
+            canon(r#"["a long string before the object",{"b":1,"a":2}]"#, &[]).as_deref(),
+            Some(r#"["a long string before the object",{"a":2,"b":1}]"#)
+        );
+        assert_eq!(
+            canon(
+                r#"[{"y":[{"q":1,"p":2}],"x":0},{"d":"\u0041","c":{"f":1,"e":2},"t":9}]"#,
+                &["/1/t", "/0/y/0/p"]
+            )
+            .as_deref(),
+            Some(r#"[{"x":0,"y":[{"q":1}]},{"c":{"e":2,"f":1},"d":"A"}]"#)
         );
     }
 

@@ -33,12 +33,16 @@
 //!
 //! # What happens to one intent
 //!
-//! 1. A committed, unexpired record under the scoped key answers at once with one indexed read:
-//!    a replay if the fingerprint matches, [`Rejection::KeyReused`] if it does not.
+//! 1. A committed, unexpired record under the scoped key answers with the stored outcome: a
+//!    replay if the fingerprint matches, [`Rejection::KeyReused`] if it does not. For a key this
+//!    engine has handled lately (a likely retry) it is one indexed read, before any transaction.
 //! 2. Otherwise a transaction begins and claims the key with an insert against the table's
-//!    unique key (never check-then-insert). A concurrent duplicate's claim blocks on that key
-//!    until the first transaction ends, bounded by [`Engine::wait_for_in_flight`]; it then
-//!    replays, claims (the first rolled back), or gives up with [`Rejection::InProgress`].
+//!    unique key (never check-then-insert). A key the engine has not seen lately is claimed
+//!    without that read first, since it is most likely new; if it turns out taken, the record
+//!    is read in the claim's transaction and answers as in step 1. A concurrent duplicate's
+//!    claim blocks on the key until the first transaction ends, bounded by
+//!    [`Engine::wait_for_in_flight`]; it then replays, claims (the first rolled back), or gives
+//!    up with [`Rejection::InProgress`].
 //! 3. The work runs with that same transaction (the [`Tx`] handed to it). Its response is
 //!    buffered and classified ([`Classification`]):
 //!    - completed (2xx/3xx): the response is stored and committed together with the work's writes;
@@ -75,6 +79,7 @@ use tracing::Instrument;
 use crate::cache::ReplayCache;
 use crate::error::{Error, Rejection};
 use crate::fingerprint::Fingerprint;
+use crate::recent::RecentKeys;
 use crate::record::{Record, RecordState, StoredResponse};
 use crate::scope::{IdempotencyContext, Scope, ScopedKey};
 use crate::store::{LeaseClaim, NewRecord, Opened, Store};
@@ -144,6 +149,7 @@ struct Settings {
     classify: Classifier,
     replayed_headers: Vec<HeaderName>,
     cache: Option<ReplayCache>,
+    recent: RecentKeys,
 }
 
 /// Runs intents exactly once per scoped key, on a [`Store`]. Cheap to clone.
@@ -202,6 +208,7 @@ impl<S: Store> Engine<S> {
                 classify: Arc::new(Classification::of_status),
                 replayed_headers: Vec::new(),
                 cache: None,
+                recent: RecentKeys::new(),
             }),
         }
     }
@@ -533,16 +540,21 @@ impl<S: Store> Engine<S> {
         Fut: Future<Output = R>,
         R: IntoResponse,
     {
-        // One connection serves the read and, for a key not yet taken, the claim transaction:
-        // a replay costs one indexed read, a new key no extra connection checkout.
-        let (begun, expired) = match self.store.open(&key, now_ms(), self.settings.wait).await {
-            Ok(Opened::Live(record)) => return self.answer_stored(key, record, fingerprint),
-            Ok(Opened::Claimable { tx, expired }) => (tx, expired),
-            Err(Error::Busy | Error::Conflict) => return (Err(IN_PROGRESS), "in_flight"),
-            Err(error) => return internal(error),
+        // A key this instance has handled lately is likely a retry: one read answers it without
+        // a transaction, on the connection that, for a key not yet taken, goes on to claim it.
+        // Any other key is likely new and is claimed at once, saving the read (see `recent`).
+        let (begun, expired) = if self.settings.recent.saw(&key) {
+            match self.store.open(&key, now_ms(), self.settings.wait).await {
+                Ok(Opened::Live(record)) => return self.answer_stored(key, record, fingerprint),
+                Ok(Opened::Claimable { tx, expired }) => (Some(tx), expired),
+                Err(Error::Busy | Error::Conflict) => return (Err(IN_PROGRESS), "in_flight"),
+                Err(error) => return internal(error),
+            }
+        } else {
+            (None, false)
         };
         let record = self.new_record(key, scope, fingerprint, RecordState::Processing);
-        let mut tx = match self.claim(&record, Some(begun)).await {
+        let mut tx = match self.claim(&record, begun).await {
             Ok(Claim::Ours(tx)) => tx,
             Ok(Claim::Theirs(record)) => return self.answer_stored(key, record, fingerprint),
             Err(rejection) => {

@@ -93,6 +93,7 @@ pub mod key;
 pub mod layer;
 #[cfg(feature = "outbox")]
 pub mod outbox;
+mod recent;
 pub mod record;
 pub mod scope;
 pub mod store;

@@ -12,6 +12,7 @@ macro_rules! conformance {
                 replay_reproduces_status_headers_and_body_with_replay_header,
                 storm_of_50_concurrent_duplicates_executes_once,
                 two_instances_on_separate_pools_execute_once,
+                retry_reaching_an_instance_that_never_saw_the_key_gets_the_stored_answer,
                 panic_leaves_no_record_and_the_retry_executes_once,
                 server_error_leaves_no_record_and_the_retry_executes_once,
                 final_client_error_is_replayed_with_its_writes_undone,
@@ -258,6 +259,80 @@ mod suite {
             replies.iter().all(|r| r.status == StatusCode::CREATED),
             "{replies:?}"
         );
+    }
+
+    pub async fn retry_reaching_an_instance_that_never_saw_the_key_gets_the_stored_answer<
+        DB: Db,
+    >() {
+        // The second instance has handled none of these keys, so it claims each one without
+        // reading first, and must find the stored record through its failed claim.
+        let ttl = Duration::from_millis(1500);
+        let isolated = DB::fresh(8).await;
+        let one = serve(isolated.pool.clone(), |layer| layer.ttl(ttl)).await;
+        let two = serve(DB::another_pool(&isolated, 8).await, |layer| layer.ttl(ttl)).await;
+        let key = unique("elsewhere");
+        let refused_key = unique("elsewhere-refused");
+        let expiring_key = unique("elsewhere-expiring");
+        let started = Instant::now();
+        let first = one
+            .post("/effects", Some("alice"), Some(&key), &body("elsewhere"))
+            .await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        let refused = one
+            .post("/fail/403", Some("alice"), Some(&refused_key), &body("no"))
+            .await;
+        assert_eq!(refused.status, StatusCode::FORBIDDEN);
+        let expiring = one
+            .post(
+                "/effects",
+                Some("alice"),
+                Some(&expiring_key),
+                &body("expiring"),
+            )
+            .await;
+        assert_eq!(expiring.status, StatusCode::CREATED);
+
+        let again = two
+            .post("/effects", Some("alice"), Some(&key), &body("elsewhere"))
+            .await;
+        assert_eq!(again.status, StatusCode::CREATED, "{again:?}");
+        assert!(again.replayed());
+        assert_eq!(again.body, first.body, "byte-identical body");
+        assert_eq!(again.headers["location"], first.headers["location"]);
+        let changed = two
+            .post("/effects", Some("alice"), Some(&key), &body("changed"))
+            .await;
+        assert_eq!(changed.status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(changed.code(), "idempotency_key_reused");
+        let refused_again = two
+            .post("/fail/403", Some("alice"), Some(&refused_key), &body("no"))
+            .await;
+        assert_eq!(refused_again.status, StatusCode::FORBIDDEN);
+        assert!(refused_again.replayed());
+        assert_eq!(refused_again.body, refused.body);
+        assert!(
+            started.elapsed() < ttl,
+            "the replays above must run before the records expire"
+        );
+        assert_eq!(two.executions(), 0, "nothing ran twice");
+        assert_eq!(DB::count_effects(&one.pool, "elsewhere").await, 1);
+
+        // An expired record is replaced by the claim itself, once.
+        tokio::time::sleep(ttl.saturating_sub(started.elapsed()) + Duration::from_millis(200))
+            .await;
+        let payload = body("expiring");
+        let storm =
+            (0..10).map(|_| two.post("/effects", Some("alice"), Some(&expiring_key), &payload));
+        let replies = futures_util::future::join_all(storm).await;
+        assert!(
+            replies.iter().all(|r| r.status == StatusCode::CREATED),
+            "{replies:?}"
+        );
+        assert_eq!(replies.iter().filter(|r| !r.replayed()).count(), 1);
+        assert_eq!(two.executions(), 1, "the expired key ran again, once");
+        assert_eq!(DB::count_effects(&one.pool, "expiring").await, 2);
+        assert_eq!(DB::count_records(&one.pool).await, 3);
+        assert_eq!(open_transactions::<DB>(&isolated.url).await, 0);
     }
 
     pub async fn panic_leaves_no_record_and_the_retry_executes_once<DB: Db>() {

@@ -8,8 +8,12 @@
 //! is a record deleted from the table by hand before it expires: an instance that holds a copy
 //! replays it until it expires or is evicted.
 //!
-//! The cache is bounded by the bytes of the responses it holds; the least useful entries are
-//! evicted first (quick_cache's S3-FIFO policy, which keeps entries that are hit again over
+//! Next to a record the cache keeps the request it was answered for, exactly as sent (a
+//! [`Verbatim`] copy, for bodies up to 64 KiB), so a byte-identical retry is recognised without
+//! fingerprinting it again.
+//!
+//! The cache is bounded by the bytes of the responses and requests it holds; the least useful
+//! entries are evicted first (quick_cache's S3-FIFO policy, which keeps entries that are hit again over
 //! entries seen once).
 
 use std::fmt;
@@ -18,6 +22,7 @@ use std::sync::Arc;
 use quick_cache::Weighter;
 use quick_cache::sync::Cache;
 
+use crate::fingerprint::Verbatim;
 use crate::record::{Record, RecordState};
 use crate::scope::ScopedKey;
 
@@ -25,10 +30,18 @@ use crate::scope::ScopedKey;
 /// the cache's own bookkeeping, rounded up.
 const ENTRY_OVERHEAD: u64 = 256;
 
+/// A final record and, when known, the request it answers as sent.
+#[derive(Debug)]
+pub(crate) struct Cached {
+    pub(crate) record: Record,
+    /// Present only when this request's fingerprint was seen to equal the record's.
+    pub(crate) request: Option<Verbatim>,
+}
+
 /// A size-bounded map from scoped key to final record. Cheap to clone.
 #[derive(Clone)]
 pub(crate) struct ReplayCache {
-    entries: Arc<Cache<ScopedKey, Arc<Record>, ByResponseSize>>,
+    entries: Arc<Cache<ScopedKey, Arc<Cached>, ByWeight>>,
     max_bytes: u64,
 }
 
@@ -50,41 +63,50 @@ impl ReplayCache {
             entries: Arc::new(Cache::with_weighter(
                 estimated_items.clamp(16, 1 << 20),
                 max_bytes,
-                ByResponseSize,
+                ByWeight,
             )),
             max_bytes,
         }
     }
 
     /// The final record under `key`, if held and still live at `now_ms`.
-    pub(crate) fn get(&self, key: &ScopedKey, now_ms: i64) -> Option<Arc<Record>> {
-        let record = self.entries.get(key)?;
-        if record.is_expired(now_ms) {
+    pub(crate) fn get(&self, key: &ScopedKey, now_ms: i64) -> Option<Arc<Cached>> {
+        let cached = self.entries.get(key)?;
+        if cached.record.is_expired(now_ms) {
             self.entries.remove(key);
             return None;
         }
-        Some(record)
+        Some(cached)
     }
 
-    /// Holds `record` if it is final, carries its response and is live at `now_ms`.
-    pub(crate) fn insert(&self, key: ScopedKey, record: Arc<Record>, now_ms: i64) {
+    /// Holds `record` (with the `request` it answers, if known) if it is final, carries its
+    /// response and is live at `now_ms`.
+    pub(crate) fn insert(
+        &self,
+        key: ScopedKey,
+        record: Record,
+        request: Option<Verbatim>,
+        now_ms: i64,
+    ) {
         let cacheable = matches!(
             record.state,
             RecordState::Completed | RecordState::FailedPermanent
         ) && record.response.is_some()
             && !record.is_expired(now_ms);
         if cacheable {
-            self.entries.insert(key, record);
+            self.entries
+                .insert(key, Arc::new(Cached { record, request }));
         }
     }
 }
 
 #[derive(Clone)]
-struct ByResponseSize;
+struct ByWeight;
 
-impl Weighter<ScopedKey, Arc<Record>> for ByResponseSize {
-    fn weight(&self, _key: &ScopedKey, record: &Arc<Record>) -> u64 {
-        let response = record.response.as_ref().map_or(0, |response| {
+impl Weighter<ScopedKey, Arc<Cached>> for ByWeight {
+    fn weight(&self, _key: &ScopedKey, cached: &Arc<Cached>) -> u64 {
+        let request = cached.request.as_ref().map_or(0, Verbatim::weight);
+        let response = cached.record.response.as_ref().map_or(0, |response| {
             let headers: usize = response
                 .headers
                 .iter()
@@ -92,7 +114,7 @@ impl Weighter<ScopedKey, Arc<Record>> for ByResponseSize {
                 .sum();
             headers + response.body.len()
         });
-        ENTRY_OVERHEAD + response as u64
+        ENTRY_OVERHEAD + (request + response) as u64
     }
 }
 
@@ -102,7 +124,7 @@ mod tests {
     use http::{HeaderMap, StatusCode};
 
     use super::*;
-    use crate::fingerprint::Fingerprint;
+    use crate::fingerprint::{Fingerprint, Fingerprinter};
     use crate::record::StoredResponse;
     use crate::scope::Scope;
 
@@ -110,8 +132,8 @@ mod tests {
         Scope::anonymous("POST", "/orders", name.parse().expect("valid key")).scoped_key()
     }
 
-    fn record(state: RecordState, body: usize, expires_at_ms: i64) -> Arc<Record> {
-        Arc::new(Record {
+    fn record(state: RecordState, body: usize, expires_at_ms: i64) -> Record {
+        Record {
             state,
             fingerprint: Fingerprint::from([7; 32]),
             response: (state != RecordState::Processing).then(|| StoredResponse {
@@ -122,14 +144,19 @@ mod tests {
             created_at_ms: 0,
             expires_at_ms,
             lease_expires_at_ms: None,
-        })
+        }
     }
 
     #[test]
     fn holds_final_records_until_they_expire() {
         let cache = ReplayCache::new(1 << 20);
-        cache.insert(key("a"), record(RecordState::Completed, 10, 1_000), 0);
-        cache.insert(key("b"), record(RecordState::FailedPermanent, 10, 1_000), 0);
+        cache.insert(key("a"), record(RecordState::Completed, 10, 1_000), None, 0);
+        cache.insert(
+            key("b"),
+            record(RecordState::FailedPermanent, 10, 1_000),
+            None,
+            0,
+        );
         assert!(cache.get(&key("a"), 999).is_some());
         assert!(cache.get(&key("b"), 999).is_some());
         assert!(
@@ -145,8 +172,13 @@ mod tests {
     #[test]
     fn never_holds_processing_or_expired_records() {
         let cache = ReplayCache::new(1 << 20);
-        cache.insert(key("p"), record(RecordState::Processing, 0, 1_000), 0);
-        cache.insert(key("e"), record(RecordState::Completed, 10, 1_000), 1_000);
+        cache.insert(key("p"), record(RecordState::Processing, 0, 1_000), None, 0);
+        cache.insert(
+            key("e"),
+            record(RecordState::Completed, 10, 1_000),
+            None,
+            1_000,
+        );
         assert!(cache.get(&key("p"), 0).is_none());
         assert!(cache.get(&key("e"), 0).is_none());
     }
@@ -158,6 +190,7 @@ mod tests {
             cache.insert(
                 key(&format!("k{i}")),
                 record(RecordState::Completed, 1024, i64::MAX),
+                None,
                 0,
             );
         }
@@ -168,6 +201,35 @@ mod tests {
         assert!(
             held as u64 * (1024 + ENTRY_OVERHEAD) <= 64 * 1024,
             "{held} entries of 1 KiB in a 64 KiB cache"
+        );
+    }
+
+    #[test]
+    fn kept_requests_count_against_the_budget() {
+        let (parts, ()) = http::Request::post("/orders")
+            .body(())
+            .unwrap()
+            .into_parts();
+        let request = Fingerprinter::new().verbatim(&parts, &[b'r'; 1024]);
+        assert!(request.is_some(), "a 1 KiB body is kept");
+        let cache = ReplayCache::new(64 * 1024);
+        for i in 0..1_000 {
+            cache.insert(
+                key(&format!("k{i}")),
+                record(RecordState::Completed, 1024, i64::MAX),
+                request.clone(),
+                0,
+            );
+        }
+        let held: Vec<_> = (0..1_000)
+            .filter_map(|i| cache.get(&key(&format!("k{i}")), 0))
+            .collect();
+        assert!(!held.is_empty(), "the newest entries are held");
+        assert!(held.iter().all(|cached| cached.request.is_some()));
+        assert!(
+            held.len() as u64 * (2 * 1024 + ENTRY_OVERHEAD) <= 64 * 1024,
+            "{} entries of 1 KiB response and 1 KiB request in a 64 KiB cache",
+            held.len()
         );
     }
 }

@@ -78,7 +78,7 @@ use tracing::Instrument;
 
 use crate::cache::ReplayCache;
 use crate::error::{Error, Rejection};
-use crate::fingerprint::Fingerprint;
+use crate::fingerprint::{Fingerprint, Verbatim};
 use crate::recent::RecentKeys;
 use crate::record::{Record, RecordState, StoredResponse};
 use crate::scope::{IdempotencyContext, Scope, ScopedKey};
@@ -140,6 +140,33 @@ pub struct Execution {
 }
 
 type Classifier = Arc<dyn Fn(StatusCode) -> Classification + Send + Sync>;
+
+/// An attempt as the engine compares it with the record its key holds.
+pub(crate) trait Intent: Send + 'static {
+    /// Its fingerprint, computed only when a comparison needs it.
+    fn fingerprint(&self) -> Fingerprint;
+
+    /// Its fingerprinted parts as sent, kept with its record in the replay cache.
+    fn verbatim(&self) -> Option<Verbatim>;
+
+    /// Whether it is, byte for byte, the attempt `kept` was copied from.
+    fn is(&self, kept: &Verbatim) -> bool;
+}
+
+/// An attempt known only by its fingerprint, such as a job's.
+impl Intent for Fingerprint {
+    fn fingerprint(&self) -> Fingerprint {
+        *self
+    }
+
+    fn verbatim(&self) -> Option<Verbatim> {
+        None
+    }
+
+    fn is(&self, _kept: &Verbatim) -> bool {
+        false
+    }
+}
 
 #[derive(Clone)]
 struct Settings {
@@ -256,6 +283,12 @@ impl<S: Store> Engine<S> {
     /// Keeps final records this engine has stored or read in memory, up to `max_bytes` of
     /// responses, so that replaying them costs no database read (off by default).
     ///
+    /// Next to a record the layer keeps the request it was answered for, exactly as sent
+    /// (bodies up to 64 KiB; its bytes count against `max_bytes`): a retry identical to it byte
+    /// for byte is answered without canonicalising and hashing its body. Any other retry is
+    /// compared by fingerprint as without the cache, so equivalent JSON still replays and
+    /// another intent is still refused.
+    ///
     /// A final record (completed or failed permanently) is never rewritten before it expires,
     /// so the copy answers as the table would, on every instance, with nothing to invalidate;
     /// entries are dropped at the record's expiry or evicted when the budget is full. A
@@ -303,7 +336,7 @@ impl<S: Store> Engine<S> {
         Fut: Future<Output = R> + Send + 'static,
         R: IntoResponse,
     {
-        self.run_in_slot(scope, fingerprint, move |slot, _context| async move {
+        self.run_in_slot(scope, fingerprint, move |_, slot, _context| async move {
             match slot.into_tx() {
                 Ok(tx) => work(tx).await.into_response(),
                 Err(_) => Rejection::TransactionHeld.into_response(),
@@ -312,20 +345,35 @@ impl<S: Store> Engine<S> {
         .await
     }
 
-    pub(crate) async fn run_in_slot<F, Fut, R>(
+    /// [`run`](Self::run) for the layer: `work` gets the intent back (the request it carries)
+    /// with a transaction slot and the request's context.
+    pub(crate) async fn run_in_slot<I, F, Fut, R>(
         &self,
         scope: &Scope,
-        fingerprint: Fingerprint,
+        intent: I,
         work: F,
     ) -> Result<Execution, Rejection>
     where
-        F: FnOnce(TxSlot<S::Database>, IdempotencyContext) -> Fut + Send + 'static,
+        I: Intent,
+        F: FnOnce(I, TxSlot<S::Database>, IdempotencyContext) -> Fut + Send + 'static,
         Fut: Future<Output = R> + Send + 'static,
         R: IntoResponse,
     {
-        let engine = self.clone();
-        self.supervise(scope, fingerprint, move |key, scope| async move {
-            engine.execute(key, &scope, fingerprint, work).await
+        self.supervise(scope, intent, |key, scope, intent| {
+            // Cloned only here: a replay answered from the cache never needs its own engine.
+            let engine = self.clone();
+            async move {
+                let fingerprint = intent.fingerprint();
+                let request = match engine.settings.cache {
+                    Some(_) => intent.verbatim(),
+                    None => None,
+                };
+                engine
+                    .execute(key, &scope, fingerprint, request, move |slot, context| {
+                        work(intent, slot, context)
+                    })
+                    .await
+            }
         })
         .await
     }
@@ -386,11 +434,15 @@ impl<S: Store> Engine<S> {
         WR: IntoResponse,
     {
         let engine = self.clone();
-        self.supervise(scope, fingerprint, move |key, scope| async move {
-            engine
-                .execute_leased(key, &scope, fingerprint, lease, recover, work)
-                .await
-        })
+        self.supervise(
+            scope,
+            fingerprint,
+            move |key, scope, fingerprint| async move {
+                engine
+                    .execute_leased(key, &scope, fingerprint, lease, recover, work)
+                    .await
+            },
+        )
         .await
     }
 
@@ -425,7 +477,7 @@ impl<S: Store> Engine<S> {
                     && record.fingerprint == fingerprint
                     && record.lease_expires_at_ms.is_some_and(|until| until <= now);
                 if !lease_ran_out {
-                    return self.answer_stored(key, record, fingerprint);
+                    return self.answer_stored(key, record, fingerprint, None);
                 }
                 match self.store.take_over_lease(&key, claim_at(now), now).await {
                     Ok(true) => true,
@@ -447,7 +499,7 @@ impl<S: Store> Engine<S> {
                         false
                     }
                     Ok(Claim::Theirs(record)) => {
-                        return self.answer_stored(key, record, fingerprint);
+                        return self.answer_stored(key, record, fingerprint, None);
                     }
                     Err(rejection) => return (Err(rejection), "in_flight"),
                 }
@@ -533,6 +585,7 @@ impl<S: Store> Engine<S> {
         key: ScopedKey,
         scope: &Scope,
         fingerprint: Fingerprint,
+        request: Option<Verbatim>,
         work: F,
     ) -> (Result<Execution, Rejection>, &'static str)
     where
@@ -545,7 +598,9 @@ impl<S: Store> Engine<S> {
         // Any other key is likely new and is claimed at once, saving the read (see `recent`).
         let (begun, expired) = if self.settings.recent.saw(&key) {
             match self.store.open(&key, now_ms(), self.settings.wait).await {
-                Ok(Opened::Live(record)) => return self.answer_stored(key, record, fingerprint),
+                Ok(Opened::Live(record)) => {
+                    return self.answer_stored(key, record, fingerprint, request);
+                }
                 Ok(Opened::Claimable { tx, expired }) => (Some(tx), expired),
                 Err(Error::Busy | Error::Conflict) => return (Err(IN_PROGRESS), "in_flight"),
                 Err(error) => return internal(error),
@@ -556,7 +611,9 @@ impl<S: Store> Engine<S> {
         let record = self.new_record(key, scope, fingerprint, RecordState::Processing);
         let mut tx = match self.claim(&record, begun).await {
             Ok(Claim::Ours(tx)) => tx,
-            Ok(Claim::Theirs(record)) => return self.answer_stored(key, record, fingerprint),
+            Ok(Claim::Theirs(record)) => {
+                return self.answer_stored(key, record, fingerprint, request);
+            }
             Err(rejection) => {
                 let outcome = if matches!(rejection, Rejection::InProgress { .. }) {
                     "in_flight"
@@ -603,7 +660,7 @@ impl<S: Store> Engine<S> {
                 if let Err(error) = committed.await {
                     return internal(error);
                 }
-                self.remember(&record, RecordState::Completed, &stored);
+                self.remember(&record, RecordState::Completed, &stored, request);
                 let outcome = if expired { "expired" } else { "executed" };
                 (
                     Ok(Execution {
@@ -630,7 +687,7 @@ impl<S: Store> Engine<S> {
                         if let Err(error) = tx.commit().await {
                             return internal(error);
                         }
-                        self.remember(&record, RecordState::FailedPermanent, &stored);
+                        self.remember(&record, RecordState::FailedPermanent, &stored, request);
                         (
                             Ok(Execution {
                                 response,
@@ -639,7 +696,9 @@ impl<S: Store> Engine<S> {
                             "failed_permanent",
                         )
                     }
-                    Ok(Claim::Theirs(record)) => self.answer_stored(key, record, fingerprint),
+                    Ok(Claim::Theirs(record)) => {
+                        self.answer_stored(key, record, fingerprint, request)
+                    }
                     Err(rejection) => (Err(rejection), "retryable"),
                 }
             }
@@ -717,22 +776,31 @@ impl<S: Store> Engine<S> {
     }
 
     /// Answers from a record read from the store, and keeps it for the next replay when the
-    /// replay cache is on.
+    /// replay cache is on, with `request` when that is the same intent.
     fn answer_stored(
         &self,
         key: ScopedKey,
         record: Record,
         fingerprint: Fingerprint,
+        request: Option<Verbatim>,
     ) -> (Result<Execution, Rejection>, &'static str) {
-        let answer = answer_existing(&record, fingerprint);
+        let same_intent = record.fingerprint == fingerprint;
+        let answer = answer_existing(&record, same_intent);
         if let Some(cache) = &self.settings.cache {
-            cache.insert(key, Arc::new(record), now_ms());
+            cache.insert(key, record, request.filter(|_| same_intent), now_ms());
         }
         answer
     }
 
-    /// Keeps the outcome this engine has just committed for `record`, when the replay cache is on.
-    fn remember(&self, record: &NewRecord<'_>, state: RecordState, response: &StoredResponse) {
+    /// Keeps the outcome this engine has just committed for `record` and the `request` it
+    /// answers, when the replay cache is on.
+    fn remember(
+        &self,
+        record: &NewRecord<'_>,
+        state: RecordState,
+        response: &StoredResponse,
+        request: Option<Verbatim>,
+    ) {
         if let Some(cache) = &self.settings.cache {
             let kept = Record {
                 state,
@@ -742,22 +810,24 @@ impl<S: Store> Engine<S> {
                 expires_at_ms: record.expires_at_ms,
                 lease_expires_at_ms: None,
             };
-            cache.insert(record.key, Arc::new(kept), now_ms());
+            cache.insert(record.key, kept, request, now_ms());
         }
     }
 
     /// Runs one intent's future to completion even if the caller goes away ([`Uncancelled`]),
     /// inside its tracing span, and logs the outcome; a panic in it surfaces as
     /// [`Rejection::Internal`]. A final record held by the replay cache answers at once,
-    /// without a store access.
-    async fn supervise<F, Fut>(
+    /// without a store access, and without a fingerprint when the attempt is the very request
+    /// the record was kept with.
+    async fn supervise<I, F, Fut>(
         &self,
         scope: &Scope,
-        fingerprint: Fingerprint,
+        intent: I,
         run: F,
     ) -> Result<Execution, Rejection>
     where
-        F: FnOnce(ScopedKey, Scope) -> Fut,
+        I: Intent,
+        F: FnOnce(ScopedKey, Scope, I) -> Fut,
         Fut: Future<Output = (Result<Execution, Rejection>, &'static str)> + Send + 'static,
     {
         let key = scope.scoped_key();
@@ -774,9 +844,13 @@ impl<S: Store> Engine<S> {
             .as_ref()
             .and_then(|cache| cache.get(&key, now_ms()));
         let (result, outcome) = match cached {
-            Some(record) => answer_existing(&record, fingerprint),
+            Some(cached) => {
+                let verbatim = cached.request.as_ref().is_some_and(|kept| intent.is(kept));
+                let same_intent = verbatim || cached.record.fingerprint == intent.fingerprint();
+                answer_existing(&cached.record, same_intent)
+            }
             None => {
-                let work = run(key, scope.clone()).instrument(span.clone());
+                let work = run(key, scope.clone(), intent).instrument(span.clone());
                 match Uncancelled::new(work).await {
                     Ok(done) => done,
                     Err(_panic) => {
@@ -824,13 +898,13 @@ impl<S: Store> Engine<S> {
     }
 }
 
-/// Replays a final record whose fingerprint matches; refuses a mismatch; reports work still
+/// Replays a final record for the same intent; refuses another intent; reports work still
 /// in flight.
 fn answer_existing(
     record: &Record,
-    fingerprint: Fingerprint,
+    same_intent: bool,
 ) -> (Result<Execution, Rejection>, &'static str) {
-    if record.fingerprint != fingerprint {
+    if !same_intent {
         return (Err(Rejection::KeyReused), "mismatch");
     }
     match (record.state, &record.response) {

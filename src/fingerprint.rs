@@ -43,8 +43,9 @@ mod json;
 use std::fmt;
 use std::sync::Arc;
 
+use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderMap, HeaderName};
+use http::{HeaderMap, HeaderName, Method};
 use sha2::{Digest, Sha256};
 
 use json::Pointer;
@@ -119,7 +120,7 @@ pub struct Fingerprinter {
     config: Arc<Config>,
 }
 
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq)]
 struct Config {
     ignored: Vec<Pointer>,
     /// Sorted and without duplicates, so the order they were configured in does not matter.
@@ -231,6 +232,33 @@ impl Fingerprinter {
         h.finish()
     }
 
+    /// A copy of what this fingerprinter reads from the request, or `None` for a body too
+    /// large to be worth keeping.
+    pub(crate) fn verbatim(&self, parts: &Parts, body: &[u8]) -> Option<Verbatim> {
+        if body.len() > VERBATIM_MAX_BODY {
+            return None;
+        }
+        // Copied, not shared: a slice of the connection's read buffer would keep all of it.
+        let headers = fingerprinted_headers(&self.config)
+            .map(|name| {
+                parts
+                    .headers
+                    .get_all(name)
+                    .iter()
+                    .map(|value| Box::from(value.as_bytes()))
+                    .collect()
+            })
+            .collect();
+        Some(Verbatim {
+            config: Arc::clone(&self.config),
+            method: parts.method.clone(),
+            path: parts.uri.path().into(),
+            query: parts.uri.query().map(Box::from),
+            headers,
+            body: Bytes::copy_from_slice(body),
+        })
+    }
+
     fn headers(&self, h: &mut Hasher, headers: &HeaderMap) {
         h.count(self.config.headers.len());
         for name in &self.config.headers {
@@ -277,6 +305,71 @@ impl Fingerprinter {
             }
         }
     }
+}
+
+/// Bodies larger than this are not kept [`Verbatim`]: the copy would weigh on the replay cache
+/// more than a retry of that size gains.
+const VERBATIM_MAX_BODY: usize = 64 * 1024;
+
+/// What a [`Fingerprinter`] reads from a request, copied exactly as sent.
+///
+/// Two requests whose fingerprinted parts are byte for byte the same have the same fingerprint
+/// under the same fingerprinter, so a retry that matches a kept copy needs neither the
+/// canonicaliser nor SHA-256: the replay cache keeps one next to each record it holds. A retry
+/// that differs in any byte (whitespace, member order, an ignored field) is not refused for it;
+/// it is compared by fingerprint as before.
+#[derive(Clone, Debug)]
+pub(crate) struct Verbatim {
+    config: Arc<Config>,
+    method: Method,
+    path: Box<str>,
+    query: Option<Box<str>>,
+    /// The values of `Content-Type`, then of each included header in the configured order.
+    headers: Box<[HeaderValues]>,
+    body: Bytes,
+}
+
+/// One header's values, in the order sent.
+type HeaderValues = Box<[Box<[u8]>]>;
+
+impl Verbatim {
+    /// The bytes this copy holds, for the replay cache's budget.
+    pub(crate) fn weight(&self) -> usize {
+        let headers: usize = self
+            .headers
+            .iter()
+            .flat_map(|values| values.iter().map(|value| value.len() + 8))
+            .sum();
+        self.path.len() + self.query.as_ref().map_or(0, |q| q.len()) + headers + self.body.len()
+    }
+
+    /// Whether the request in `parts` and `body`, read by `fingerprinter`, is this copy's.
+    pub(crate) fn matches(
+        &self,
+        fingerprinter: &Fingerprinter,
+        parts: &Parts,
+        body: &[u8],
+    ) -> bool {
+        let config = &fingerprinter.config;
+        (Arc::ptr_eq(&self.config, config) || *self.config == **config)
+            && self.method == parts.method
+            && *self.path == *parts.uri.path()
+            && self.query.as_deref() == parts.uri.query()
+            && *self.body == *body
+            && fingerprinted_headers(config)
+                .zip(self.headers.iter())
+                .all(|(name, kept)| {
+                    let mut sent = parts.headers.get_all(name).iter();
+                    kept.iter()
+                        .all(|kept| sent.next().is_some_and(|value| **kept == *value.as_bytes()))
+                        && sent.next().is_none()
+                })
+    }
+}
+
+/// `Content-Type`, then the headers the configuration includes: what [`Verbatim`] keeps.
+fn fingerprinted_headers(config: &Config) -> impl Iterator<Item = &HeaderName> {
+    std::iter::once(&http::header::CONTENT_TYPE).chain(&config.headers)
 }
 
 /// The canonical form of a JSON text, with the members at the `ignored` JSON Pointers removed,
@@ -352,6 +445,73 @@ mod tests {
 
     fn json_parts() -> Parts {
         parts("POST", "/orders", &[("content-type", "application/json")])
+    }
+
+    #[test]
+    fn a_verbatim_copy_matches_only_a_byte_identical_request() {
+        let language = http::header::ACCEPT_LANGUAGE;
+        let f = Fingerprinter::new().include_headers([language.clone()]);
+        let headers = [
+            ("content-type", "application/json"),
+            ("accept-language", "fr"),
+        ];
+        let sent = parts("POST", "/orders/1?a=1&b=2", &headers);
+        let body = br#"{"a":1}"#;
+        let kept = f.verbatim(&sent, body).expect("a small body is kept");
+        assert!(kept.matches(&f, &sent, body));
+        let rebuilt = Fingerprinter::new().include_headers([language]);
+        assert!(
+            kept.matches(&rebuilt, &sent, body),
+            "an equal configuration"
+        );
+
+        let json = ("content-type", "application/json");
+        let other = |method, uri, headers: &[(&str, &str)], body: &[u8]| {
+            kept.matches(&f, &parts(method, uri, headers), body)
+        };
+        assert!(!other("POST", "/orders/1?a=1&b=2", &headers, br#"{"a":2}"#));
+        assert!(!other("PUT", "/orders/1?a=1&b=2", &headers, body));
+        assert!(!other("POST", "/orders/2?a=1&b=2", &headers, body));
+        assert!(!other("POST", "/orders/1", &headers, body));
+        assert!(!other("POST", "/orders/1?a=1&b=3", &headers, body));
+        assert!(!other("POST", "/orders/1?a=1&b=2", &[json], body));
+        assert!(!other(
+            "POST",
+            "/orders/1?a=1&b=2",
+            &[json, ("accept-language", "de")],
+            body
+        ));
+        let twice = [json, ("accept-language", "fr"), ("accept-language", "fr")];
+        assert!(!other("POST", "/orders/1?a=1&b=2", &twice, body));
+        let text = [("content-type", "text/plain"), ("accept-language", "fr")];
+        assert!(!other("POST", "/orders/1?a=1&b=2", &text, body));
+        assert!(!other(
+            "POST",
+            "/orders/1?a=1&b=2",
+            &[("accept-language", "fr")],
+            body
+        ));
+        assert!(
+            !kept.matches(&Fingerprinter::new(), &sent, body),
+            "another configuration"
+        );
+
+        // The same intent spelled differently is left to the fingerprint.
+        let spaced = br#"{ "a": 1 }"#;
+        let reordered = parts("POST", "/orders/1?b=2&a=1", &headers);
+        assert!(!kept.matches(&f, &sent, spaced));
+        assert!(!kept.matches(&f, &reordered, body));
+        assert_eq!(f.fingerprint(&sent, spaced), f.fingerprint(&sent, body));
+        assert_eq!(f.fingerprint(&reordered, body), f.fingerprint(&sent, body));
+    }
+
+    #[test]
+    fn bodies_over_64_kib_are_not_kept_verbatim() {
+        let f = Fingerprinter::new();
+        let body = vec![b'x'; VERBATIM_MAX_BODY + 1];
+        assert!(f.verbatim(&json_parts(), &body).is_none());
+        let kept = f.verbatim(&json_parts(), &body[..VERBATIM_MAX_BODY]);
+        assert!(kept.is_some_and(|kept| kept.weight() >= VERBATIM_MAX_BODY));
     }
 
     #[test]

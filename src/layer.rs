@@ -48,9 +48,9 @@ use tower::ServiceExt;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::engine::{Classification, Engine, Uncancelled, into_body_response};
+use crate::engine::{Classification, Engine, Intent, Uncancelled, into_body_response};
 use crate::error::Rejection;
-use crate::fingerprint::Fingerprinter;
+use crate::fingerprint::{Fingerprint, Fingerprinter, Verbatim};
 use crate::key::IdempotencyKey;
 use crate::scope::{Principal, Scope};
 use crate::store::Store;
@@ -290,22 +290,45 @@ impl<S: Store, I> Layer<I> for IdempotencyLayer<S> {
     fn layer(&self, inner: I) -> Self::Service {
         IdempotencyService {
             inner,
-            layer: self.clone(),
+            layer: Arc::new(self.clone()),
         }
+    }
+}
+
+/// A keyed request as the layer received it, body buffered, for the engine to compare with its
+/// key's record and to hand back for the handler.
+struct Received {
+    fingerprinter: Fingerprinter,
+    parts: Parts,
+    body: bytes::Bytes,
+}
+
+impl Intent for Received {
+    fn fingerprint(&self) -> Fingerprint {
+        self.fingerprinter.fingerprint(&self.parts, &self.body)
+    }
+
+    fn verbatim(&self) -> Option<Verbatim> {
+        self.fingerprinter.verbatim(&self.parts, &self.body)
+    }
+
+    fn is(&self, kept: &Verbatim) -> bool {
+        kept.matches(&self.fingerprinter, &self.parts, &self.body)
     }
 }
 
 /// The service [`IdempotencyLayer`] wraps a route in.
 pub struct IdempotencyService<S, I> {
     inner: I,
-    layer: IdempotencyLayer<S>,
+    // One shared count to bump per request, rather than one per store, engine and config.
+    layer: Arc<IdempotencyLayer<S>>,
 }
 
-impl<S: Clone, I: Clone> Clone for IdempotencyService<S, I> {
+impl<S, I: Clone> Clone for IdempotencyService<S, I> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
-            layer: self.layer.clone(),
+            layer: Arc::clone(&self.layer),
         }
     }
 }
@@ -337,7 +360,7 @@ where
 
     fn call(&mut self, request: Request<Body>) -> Self::Future {
         let inner = self.inner.clone();
-        let layer = self.layer.clone();
+        let layer = Arc::clone(&self.layer);
         Box::pin(async move {
             Ok(match layer.handle(inner, request).await {
                 Ok(response) => response,
@@ -394,18 +417,23 @@ impl<S: Store> IdempotencyLayer<S> {
                 return Err(Rejection::BodyUnreadable);
             }
         };
-        let fingerprint = config.fingerprinter.fingerprint(&parts, &bytes);
         let method = parts.method.as_str().to_owned();
         let scope = match principal {
             Some(principal) => Scope::new(principal, method, route, key),
             None => Scope::anonymous(method, route, key),
         };
 
+        let received = Received {
+            fingerprinter: config.fingerprinter.clone(),
+            parts,
+            body: bytes,
+        };
         let execution = self
             .engine
-            .run_in_slot(&scope, fingerprint, move |slot, context| {
+            .run_in_slot(&scope, received, move |received, slot, context| {
                 // Built here, not before: a replay answered from the cache never needs it.
-                let mut request = Request::from_parts(parts, Body::from(bytes));
+                let Received { parts, body, .. } = received;
+                let mut request = Request::from_parts(parts, Body::from(body));
                 request.extensions_mut().insert(context);
                 request.extensions_mut().insert(slot);
                 async move {

@@ -37,6 +37,7 @@ macro_rules! conformance {
                 holder_that_dies_mid_work_is_taken_over_after_its_lease,
                 cached_replays_are_answered_without_reading_the_store,
                 cached_record_stops_answering_at_its_expiry,
+                cached_replays_tell_the_same_intent_from_the_same_bytes,
                 storm_across_two_caching_instances_executes_once,
             );
         }
@@ -64,8 +65,8 @@ mod suite {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use axum_idempotency::{
-        Fingerprint, Fingerprinter, IdempotencyKey, LeaseClaim, NewRecord, Outcome, RecordState,
-        Rejection, Scope, Store, Tx,
+        Fingerprint, Fingerprinter, IdempotencyKey, IdempotencyLayer, LeaseClaim, NewRecord,
+        Outcome, RecordState, Rejection, Scope, Store, Tx,
     };
     use serde_json::json;
 
@@ -157,6 +158,78 @@ mod suite {
         );
         assert_eq!(app.executions(), 3);
         assert_eq!(DB::count_effects(&app.pool, "cached").await, 2);
+    }
+
+    pub async fn cached_replays_tell_the_same_intent_from_the_same_bytes<DB: Db>() {
+        let isolated = DB::fresh(8).await;
+        let configure = |layer: IdempotencyLayer<DB::Store>| {
+            layer
+                .cache_replays(1 << 20)
+                .ignore_json_fields(["/sent_at"])
+        };
+        let one = serve(isolated.pool.clone(), configure).await;
+        let two = serve(DB::another_pool(&isolated, 8).await, configure).await;
+        let key = unique("cached-intent");
+        let sent = r#"{"label":"cached-intent","sent_at":"10:00:00"}"#;
+        let respelled = r#"{ "sent_at": "10:00:05", "label": "cached-intent" }"#;
+        let other = r#"{"label":"cached-intenT","sent_at":"10:00:00"}"#;
+
+        let first = one
+            .post("/effects?b=2&a=1", Some("alice"), Some(&key), sent)
+            .await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        for (path, body, what) in [
+            ("/effects?b=2&a=1", sent, "the same bytes"),
+            ("/effects?a=1&b=2", respelled, "the same intent respelled"),
+            (
+                "/effects?b=2&a=1",
+                sent,
+                "the same bytes after a respelled retry",
+            ),
+        ] {
+            let again = one.post(path, Some("alice"), Some(&key), body).await;
+            assert_eq!(again.status, StatusCode::CREATED, "{what}");
+            assert!(again.replayed(), "{what}");
+            assert_eq!(again.body, first.body, "{what}");
+        }
+        for (path, body, what) in [
+            ("/effects?b=2&a=1", other, "one byte changed in the body"),
+            ("/effects?b=3&a=1", sent, "one byte changed in the query"),
+        ] {
+            let refused = one.post(path, Some("alice"), Some(&key), body).await;
+            assert_eq!(refused.status, StatusCode::UNPROCESSABLE_ENTITY, "{what}");
+            assert_eq!(refused.code(), "idempotency_key_reused", "{what}");
+        }
+
+        // An instance that reads the record from the store first meets another intent: what it
+        // keeps must not make that intent look like the record's.
+        for _ in 0..2 {
+            let refused = two
+                .post("/effects?b=2&a=1", Some("alice"), Some(&key), other)
+                .await;
+            assert_eq!(refused.status, StatusCode::UNPROCESSABLE_ENTITY);
+        }
+        let replayed = two
+            .post("/effects?a=1&b=2", Some("alice"), Some(&key), respelled)
+            .await;
+        assert!(replayed.replayed());
+        assert_eq!(replayed.body, first.body);
+        for body in [sent, respelled] {
+            assert!(
+                two.post("/effects?b=2&a=1", Some("alice"), Some(&key), body)
+                    .await
+                    .replayed()
+            );
+        }
+        assert_eq!(
+            two.post("/effects?b=2&a=1", Some("alice"), Some(&key), other)
+                .await
+                .status,
+            StatusCode::UNPROCESSABLE_ENTITY
+        );
+
+        assert_eq!(one.executions() + two.executions(), 1);
+        assert_eq!(DB::count_effects(&one.pool, "cached-intent").await, 1);
     }
 
     pub async fn cached_record_stops_answering_at_its_expiry<DB: Db>() {

@@ -13,8 +13,8 @@
 //! fingerprinting it again.
 //!
 //! The cache is bounded by the bytes of the responses and requests it holds; the least useful
-//! entries are evicted first (quick_cache's S3-FIFO policy, which keeps entries that are hit again over
-//! entries seen once).
+//! entries are evicted first (quick_cache's S3-FIFO policy, which keeps entries that are hit
+//! again over entries seen once).
 
 use std::fmt;
 use std::sync::Arc;

@@ -338,6 +338,7 @@ impl Verbatim {
         let headers: usize = self
             .headers
             .iter()
+            // Each value is a separate allocation with a length word of its own.
             .flat_map(|values| values.iter().map(|value| value.len() + 8))
             .sum();
         self.path.len() + self.query.as_ref().map_or(0, |q| q.len()) + headers + self.body.len()

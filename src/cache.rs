@@ -23,7 +23,7 @@ use quick_cache::Weighter;
 use quick_cache::sync::Cache;
 
 use crate::fingerprint::Verbatim;
-use crate::record::{Record, RecordState};
+use crate::record::{Millis, Record, RecordState};
 use crate::scope::ScopedKey;
 
 /// What one entry costs besides its headers and body: the key, the record's fixed fields and
@@ -69,10 +69,10 @@ impl ReplayCache {
         }
     }
 
-    /// The final record under `key`, if held and still live at `now_ms`.
-    pub(crate) fn get(&self, key: &ScopedKey, now_ms: i64) -> Option<Arc<Cached>> {
+    /// The final record under `key`, if held and still live at `now`.
+    pub(crate) fn get(&self, key: &ScopedKey, now: Millis) -> Option<Arc<Cached>> {
         let cached = self.entries.get(key)?;
-        if cached.record.is_expired(now_ms) {
+        if cached.record.is_expired(now) {
             self.entries.remove(key);
             return None;
         }
@@ -80,19 +80,19 @@ impl ReplayCache {
     }
 
     /// Holds `record` (with the `request` it answers, if known) if it is final, carries its
-    /// response and is live at `now_ms`.
+    /// response and is live at `now`.
     pub(crate) fn insert(
         &self,
         key: ScopedKey,
         record: Record,
         request: Option<Verbatim>,
-        now_ms: i64,
+        now: Millis,
     ) {
         let cacheable = matches!(
             record.state,
             RecordState::Completed | RecordState::FailedPermanent
         ) && record.response.is_some()
-            && !record.is_expired(now_ms);
+            && !record.is_expired(now);
         if cacheable {
             self.entries
                 .insert(key, Arc::new(Cached { record, request }));
@@ -141,30 +141,34 @@ mod tests {
                 headers: HeaderMap::new(),
                 body: Bytes::from(vec![b'x'; body]),
             }),
-            created_at_ms: 0,
-            expires_at_ms,
-            lease_expires_at_ms: None,
+            expires_at: Millis::from_column(expires_at_ms),
+            lease_expires_at: None,
         }
     }
 
     #[test]
     fn holds_final_records_until_they_expire() {
         let cache = ReplayCache::new(1 << 20);
-        cache.insert(key("a"), record(RecordState::Completed, 10, 1_000), None, 0);
+        cache.insert(
+            key("a"),
+            record(RecordState::Completed, 10, 1_000),
+            None,
+            Millis::from_column(0),
+        );
         cache.insert(
             key("b"),
             record(RecordState::FailedPermanent, 10, 1_000),
             None,
-            0,
+            Millis::from_column(0),
         );
-        assert!(cache.get(&key("a"), 999).is_some());
-        assert!(cache.get(&key("b"), 999).is_some());
+        assert!(cache.get(&key("a"), Millis::from_column(999)).is_some());
+        assert!(cache.get(&key("b"), Millis::from_column(999)).is_some());
         assert!(
-            cache.get(&key("a"), 1_000).is_none(),
+            cache.get(&key("a"), Millis::from_column(1_000)).is_none(),
             "expired at expires_at"
         );
         assert!(
-            cache.get(&key("a"), 0).is_none(),
+            cache.get(&key("a"), Millis::from_column(0)).is_none(),
             "an expired entry is dropped"
         );
     }
@@ -172,15 +176,20 @@ mod tests {
     #[test]
     fn never_holds_processing_or_expired_records() {
         let cache = ReplayCache::new(1 << 20);
-        cache.insert(key("p"), record(RecordState::Processing, 0, 1_000), None, 0);
+        cache.insert(
+            key("p"),
+            record(RecordState::Processing, 0, 1_000),
+            None,
+            Millis::from_column(0),
+        );
         cache.insert(
             key("e"),
             record(RecordState::Completed, 10, 1_000),
             None,
-            1_000,
+            Millis::from_column(1_000),
         );
-        assert!(cache.get(&key("p"), 0).is_none());
-        assert!(cache.get(&key("e"), 0).is_none());
+        assert!(cache.get(&key("p"), Millis::from_column(0)).is_none());
+        assert!(cache.get(&key("e"), Millis::from_column(0)).is_none());
     }
 
     #[test]
@@ -191,11 +200,15 @@ mod tests {
                 key(&format!("k{i}")),
                 record(RecordState::Completed, 1024, i64::MAX),
                 None,
-                0,
+                Millis::from_column(0),
             );
         }
         let held = (0..1_000)
-            .filter(|i| cache.get(&key(&format!("k{i}")), 0).is_some())
+            .filter(|i| {
+                cache
+                    .get(&key(&format!("k{i}")), Millis::from_column(0))
+                    .is_some()
+            })
             .count();
         assert!(held > 0, "the newest entries are held");
         assert!(
@@ -218,11 +231,11 @@ mod tests {
                 key(&format!("k{i}")),
                 record(RecordState::Completed, 1024, i64::MAX),
                 request.clone(),
-                0,
+                Millis::from_column(0),
             );
         }
         let held: Vec<_> = (0..1_000)
-            .filter_map(|i| cache.get(&key(&format!("k{i}")), 0))
+            .filter_map(|i| cache.get(&key(&format!("k{i}")), Millis::from_column(0)))
             .collect();
         assert!(!held.is_empty(), "the newest entries are held");
         assert!(held.iter().all(|cached| cached.request.is_some()));

@@ -23,7 +23,7 @@
 //!     .route_layer(
 //!         IdempotencyLayer::new(store)
 //!             .allow_anonymous()
-//!             .ttl(Duration::from_secs(24 * 3600))
+//!             .retention(Duration::from_secs(24 * 3600))
 //!             .wait_for_in_flight(Duration::from_secs(5))
 //!             .ignore_json_fields(["/request_time", "/trace_id"]),
 //!     );
@@ -53,7 +53,7 @@ use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Fingerprinter, Verbatim};
 use crate::key::IdempotencyKey;
 use crate::scope::{Principal, Scope};
-use crate::store::Store;
+use crate::store::{Protocol, Store};
 use crate::tx::TxSlot;
 
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -67,7 +67,7 @@ pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key
 struct Config {
     header: HeaderName,
     keyed_methods: Vec<Method>,
-    key_optional: bool,
+    allow_missing_key: bool,
     principal: Option<PrincipalFn>,
     allow_anonymous: bool,
     max_request_body: usize,
@@ -95,7 +95,7 @@ impl<S: fmt::Debug> fmt::Debug for IdempotencyLayer<S> {
             .field("engine", &self.engine)
             .field("header", &self.config.header)
             .field("keyed_methods", &self.config.keyed_methods)
-            .field("key_optional", &self.config.key_optional)
+            .field("allow_missing_key", &self.config.allow_missing_key)
             .field("principal", &self.config.principal.is_some())
             .field("allow_anonymous", &self.config.allow_anonymous)
             .field("max_request_body", &self.config.max_request_body)
@@ -120,7 +120,7 @@ impl<S: Store> IdempotencyLayer<S> {
             config: Arc::new(Config {
                 header: IDEMPOTENCY_KEY,
                 keyed_methods: vec![Method::POST, Method::PATCH],
-                key_optional: false,
+                allow_missing_key: false,
                 principal: None,
                 allow_anonymous: false,
                 max_request_body: 1024 * 1024,
@@ -129,7 +129,7 @@ impl<S: Store> IdempotencyLayer<S> {
         }
     }
 
-    /// The engine behind this layer, for jobs that must share its claim logic (R16).
+    /// The engine behind this layer, for jobs that must share its claim logic.
     pub fn engine(&self) -> &Engine<S> {
         &self.engine
     }
@@ -145,6 +145,7 @@ impl<S: Store> IdempotencyLayer<S> {
 
     /// Takes the principal from extractor `P` (for example the app's own auth extractor).
     /// A request where `P` rejects is answered 401 `idempotency_principal_missing`.
+    #[must_use]
     pub fn principal<P>(self) -> Self
     where
         P: FromRequestParts<()> + Principal + Send + 'static,
@@ -153,6 +154,7 @@ impl<S: Store> IdempotencyLayer<S> {
     }
 
     /// Like [`principal`](Self::principal), for an extractor that needs the app's state.
+    #[must_use]
     pub fn principal_with_state<P, St>(self, state: St) -> Self
     where
         P: FromRequestParts<St> + Principal + Send + 'static,
@@ -171,6 +173,7 @@ impl<S: Store> IdempotencyLayer<S> {
 
     /// Takes the principal from a request extension of type `P`, inserted by authentication
     /// middleware that runs before this layer.
+    #[must_use]
     pub fn principal_extension<P>(self) -> Self
     where
         P: Principal + Clone + Send + Sync + 'static,
@@ -187,12 +190,14 @@ impl<S: Store> IdempotencyLayer<S> {
     /// Lets requests without a principal use the anonymous scope, shared by every anonymous
     /// caller. Only for routes where that is safe: anyone who learns a key can replay its
     /// response. Without this, a missing principal is a 401.
+    #[must_use]
     pub fn allow_anonymous(mut self) -> Self {
         self.config_mut().allow_anonymous = true;
         self
     }
 
     /// The header the key is read from (default `Idempotency-Key`).
+    #[must_use]
     pub fn header_name(mut self, name: HeaderName) -> Self {
         self.config_mut().header = name;
         self
@@ -200,6 +205,7 @@ impl<S: Store> IdempotencyLayer<S> {
 
     /// The methods that take a key (default `POST` and `PATCH`). Other methods pass through,
     /// still with a lazily begun transaction for [`Tx`](crate::Tx).
+    #[must_use]
     pub fn keyed_methods<I>(mut self, methods: I) -> Self
     where
         I: IntoIterator<Item = Method>,
@@ -210,13 +216,15 @@ impl<S: Store> IdempotencyLayer<S> {
 
     /// Lets keyed methods run without a key, unprotected, instead of answering 400
     /// `idempotency_key_missing`. A key that is present is still enforced.
-    pub fn key_optional(mut self) -> Self {
-        self.config_mut().key_optional = true;
+    #[must_use]
+    pub fn allow_missing_key(mut self) -> Self {
+        self.config_mut().allow_missing_key = true;
         self
     }
 
     /// The largest request body accepted (default 1 MiB); larger ones are answered 413
     /// `idempotency_body_too_large` before anything is claimed.
+    #[must_use]
     pub fn max_request_body(mut self, bytes: usize) -> Self {
         self.config_mut().max_request_body = bytes;
         self
@@ -224,6 +232,7 @@ impl<S: Store> IdempotencyLayer<S> {
 
     /// JSON Pointers (RFC 6901) of intent-neutral body fields left out of the fingerprint,
     /// such as a request timestamp or a trace id.
+    #[must_use]
     pub fn ignore_json_fields<I, T>(mut self, pointers: I) -> Self
     where
         I: IntoIterator<Item = T>,
@@ -234,8 +243,10 @@ impl<S: Store> IdempotencyLayer<S> {
         self
     }
 
-    /// Request headers that join the fingerprint (none by default).
-    pub fn fingerprint_headers<I>(mut self, names: I) -> Self
+    /// Request headers that join the fingerprint (none by default); see
+    /// [`Fingerprinter::include_headers`].
+    #[must_use]
+    pub fn include_headers<I>(mut self, names: I) -> Self
     where
         I: IntoIterator<Item = HeaderName>,
     {
@@ -244,31 +255,36 @@ impl<S: Store> IdempotencyLayer<S> {
         self
     }
 
-    /// See [`Engine::ttl`].
-    pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.engine = self.engine.ttl(ttl);
+    /// How long a record counts (default 24 h); see [`Engine::retention`].
+    #[must_use]
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.engine = self.engine.retention(retention);
         self
     }
 
     /// See [`Engine::cache_replays`]: replays this instance has seen are answered from memory.
+    #[must_use]
     pub fn cache_replays(mut self, max_bytes: usize) -> Self {
         self.engine = self.engine.cache_replays(max_bytes);
         self
     }
 
     /// See [`Engine::wait_for_in_flight`].
+    #[must_use]
     pub fn wait_for_in_flight(mut self, wait: Duration) -> Self {
         self.engine = self.engine.wait_for_in_flight(wait);
         self
     }
 
     /// See [`Engine::max_response_body`].
+    #[must_use]
     pub fn max_response_body(mut self, bytes: usize) -> Self {
         self.engine = self.engine.max_response_body(bytes);
         self
     }
 
     /// See [`Engine::classify`].
+    #[must_use]
     pub fn classify<F>(mut self, classify: F) -> Self
     where
         F: Fn(StatusCode) -> Classification + Send + Sync + 'static,
@@ -278,6 +294,7 @@ impl<S: Store> IdempotencyLayer<S> {
     }
 
     /// See [`Engine::replay_header`].
+    #[must_use]
     pub fn replay_header(mut self, name: HeaderName) -> Self {
         self.engine = self.engine.replay_header(name);
         self
@@ -385,7 +402,7 @@ impl<S: Store> IdempotencyLayer<S> {
             None
         };
         let Some(key) = key else {
-            if config.keyed_methods.contains(&parts.method) && !config.key_optional {
+            if config.keyed_methods.contains(&parts.method) && !config.allow_missing_key {
                 return Err(Rejection::KeyMissing);
             }
             return Ok(self
@@ -454,7 +471,7 @@ impl<S: Store> IdempotencyLayer<S> {
         I::Response: IntoResponse,
         I::Future: Send + 'static,
     {
-        let slot = TxSlot::lazy(self.engine.store().pool().clone());
+        let slot = TxSlot::lazy(self.engine.store().protocol().pool().clone());
         request.extensions_mut().insert(slot.clone());
         // Never cancelled halfway, for the same reason as keyed requests: a client hanging up
         // must not abandon a transaction mid-statement.

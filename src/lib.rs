@@ -94,7 +94,7 @@ pub mod layer;
 #[cfg(feature = "outbox")]
 pub mod outbox;
 mod recent;
-pub mod record;
+mod record;
 pub mod scope;
 pub mod store;
 pub mod tx;
@@ -104,7 +104,6 @@ pub use error::{Error, Rejection};
 pub use fingerprint::{Fingerprint, Fingerprinter, canonical_json};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use layer::{IDEMPOTENCY_KEY, IdempotencyLayer, IdempotencyService};
-pub use record::{Record, RecordState, StoredResponse};
 pub use scope::{IdempotencyContext, Principal, Scope, ScopedKey};
 #[cfg(feature = "mysql")]
 pub use store::MySqlStore;
@@ -112,5 +111,5 @@ pub use store::MySqlStore;
 pub use store::PgStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
-pub use store::{Dialect, LeaseClaim, NewRecord, Opened, SqlStore, Store};
+pub use store::Store;
 pub use tx::Tx;

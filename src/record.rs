@@ -7,6 +7,12 @@
 //! failure (5xx, timeout, panic) rolls the claim back with everything else, so "failed,
 //! retryable" is represented by the absence of a record and the next attempt executes afresh.
 
+// The types are `pub` for the sealed store protocol's signatures; the module is private, so
+// nothing here is reachable from outside the crate.
+#![allow(unreachable_pub)]
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 
@@ -53,16 +59,16 @@ impl RecordState {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
     /// The status the client first saw.
-    pub status: StatusCode,
+    pub(crate) status: StatusCode,
     /// The headers kept for replay, multi-valued ones intact and in order.
-    pub headers: HeaderMap,
+    pub(crate) headers: HeaderMap,
     /// The body, byte for byte.
-    pub body: Bytes,
+    pub(crate) body: Bytes,
 }
 
 impl StoredResponse {
     /// Turns the stored parts back into a response.
-    pub fn to_response(&self) -> http::Response<Bytes> {
+    pub(crate) fn to_response(&self) -> http::Response<Bytes> {
         let mut response = http::Response::new(self.body.clone());
         *response.status_mut() = self.status;
         *response.headers_mut() = self.headers.clone();
@@ -115,24 +121,67 @@ fn take_field<'a>(bytes: &mut &'a [u8]) -> Result<&'a [u8], Error> {
 /// A committed record as read back from the store.
 #[derive(Debug, Clone)]
 pub struct Record {
-    /// Its state.
-    pub state: RecordState,
+    pub(crate) state: RecordState,
     /// The fingerprint of the request that created it.
-    pub fingerprint: Fingerprint,
+    pub(crate) fingerprint: Fingerprint,
     /// The stored response (absent while processing).
-    pub response: Option<StoredResponse>,
-    /// When it was created, in milliseconds since the Unix epoch.
-    pub created_at_ms: i64,
-    /// When it stops counting, in milliseconds since the Unix epoch.
-    pub expires_at_ms: i64,
+    pub(crate) response: Option<StoredResponse>,
+    /// When it stops counting: from then on its key names a new intent.
+    pub(crate) expires_at: Millis,
     /// For processing work held under a lease: when the lease runs out unless renewed.
-    pub lease_expires_at_ms: Option<i64>,
+    pub(crate) lease_expires_at: Option<Millis>,
 }
 
 impl Record {
     /// Whether the record has outlived its retention and its key now names a new intent.
-    pub fn is_expired(&self, now_ms: i64) -> bool {
-        self.expires_at_ms <= now_ms
+    pub(crate) fn is_expired(&self, now: Millis) -> bool {
+        self.expires_at <= now
+    }
+}
+
+/// A point in time as records keep it: whole milliseconds since the Unix epoch, the one unit
+/// every table column, lease and expiry uses. The only reader of the wall clock is
+/// [`Millis::now`], so every part of the crate agrees on what "now" is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Millis(i64);
+
+impl Millis {
+    /// The current wall-clock time.
+    pub(crate) fn now() -> Self {
+        Self::from(SystemTime::now())
+    }
+
+    /// A time as a table column holds it.
+    pub(crate) const fn from_column(millis: i64) -> Self {
+        Self(millis)
+    }
+
+    /// The value a table column holds.
+    pub(crate) const fn column(self) -> i64 {
+        self.0
+    }
+
+    /// `span` later, saturating rather than wrapping for absurd spans.
+    pub(crate) fn after(self, span: Duration) -> Self {
+        Self(
+            self.0
+                .saturating_add(i64::try_from(span.as_millis()).unwrap_or(i64::MAX)),
+        )
+    }
+}
+
+impl From<SystemTime> for Millis {
+    fn from(time: SystemTime) -> Self {
+        // A clock set before 1970 reads as the epoch: expiries stay ordered, nothing panics.
+        Self(time.duration_since(UNIX_EPOCH).map_or(0, |since| {
+            i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+        }))
+    }
+}
+
+impl From<Millis> for SystemTime {
+    fn from(millis: Millis) -> Self {
+        UNIX_EPOCH + Duration::from_millis(u64::try_from(millis.0).unwrap_or(0))
     }
 }
 

@@ -1,32 +1,24 @@
-//! Where records live: the [`Store`] trait and its SQL implementation, [`SqlStore`].
+//! Where records live: [`SqliteStore`], [`PgStore`] and [`MySqlStore`].
 //!
 //! Records sit in their own table, `idempotency_records`, keyed by the SHA-256 digest of the
 //! scoped key, so a client's key can never touch a business row or another record's fields.
-//! [`SqlStore`] holds every query once; each backend (`SqliteStore`, `PgStore`, `MySqlStore`)
-//! only states its
-//! dialect: the SQL text, how a transaction bounds its lock wait, which errors mean "busy".
+//! A store is a handle on the pool the handlers write through: the claim, the handler's rows
+//! and the stored response share one transaction of that pool.
 //!
-//! Create the tables with [`Store::migrate`] at start-up. The SQL it runs ships in the
-//! repository under `migrations/<backend>/`, for teams that prefer their own migration tool.
+//! Create the tables with `migrate()` at start-up; it is safe to call from several instances
+//! at once. The SQL it runs ships in the repository under `migrations/<backend>/`, for teams
+//! that prefer their own migration tool.
 //!
-//! Expired records are purged explicitly, never implicitly: call [`Store::purge_expired`] from a
-//! job of your own, or let [`SqlStore::spawn_purger`] do it on an interval. An expired record
-//! that has not been purged yet is already treated as absent, and its key as a new intent.
+//! Expired records are purged explicitly, never implicitly: call `purge_expired()` from a job
+//! of your own, or let `spawn_purger(every)` do it on an interval. Both delete in bounded
+//! batches, so a purge never holds long locks. An expired record that has not been purged yet
+//! is already treated as absent, and its key as a new intent.
+//!
+//! How a backend claims a key (statements, lock waits, error codes) is internal to this crate
+//! and may change in any release without a change to these types.
 
-use std::future::Future;
-use std::time::Duration;
-
-use sqlx::SqlSafeStr;
-use sqlx::error::DatabaseError;
-use sqlx::{
-    ColumnIndex, Connection, Database, Decode, Encode, Executor, IntoArguments, Pool, Row,
-    Transaction, Type,
-};
-
-use crate::error::Error;
-use crate::fingerprint::Fingerprint;
-use crate::record::{Record, RecordState, StoredResponse};
-use crate::scope::{Scope, ScopedKey};
+mod protocol;
+mod sql;
 
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -42,652 +34,83 @@ pub use postgres::PgStore;
 #[cfg(feature = "sqlite")]
 pub use sqlite::SqliteStore;
 
-/// How many expired records one purge statement deletes, so a purge never holds long locks.
-pub const PURGE_BATCH: u32 = 1000;
+pub(crate) use protocol::{LeaseClaim, NewRecord, Opened, Protocol};
 
-/// A record about to be written by a claim.
-#[derive(Debug)]
-pub struct NewRecord<'a> {
-    /// The record's primary key.
-    pub key: ScopedKey,
-    /// The scope it belongs to, stored in clear for operators (the raw key is not).
-    pub scope: &'a Scope,
-    /// The request's fingerprint.
-    pub fingerprint: Fingerprint,
-    /// `Processing` for a claim before the handler runs, or a final state.
-    pub state: RecordState,
-    /// The response, for a final state.
-    pub response: Option<&'a StoredResponse>,
-    /// Creation time, milliseconds since the Unix epoch.
-    pub created_at_ms: i64,
-    /// Expiry time, milliseconds since the Unix epoch.
-    pub expires_at_ms: i64,
-    /// For a claim that outlives its transaction: the holder and when its lease runs out.
-    pub lease: Option<LeaseClaim>,
-}
-
-/// The holder of a lease and when the lease runs out unless renewed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LeaseClaim {
-    /// An id unique to one holder, so only it can renew, finish or release the claim.
-    pub owner: [u8; 16],
-    /// Lease expiry, milliseconds since the Unix epoch.
-    pub until_ms: i64,
-}
-
-/// What [`Store::open`] found under a key.
-#[derive(Debug)]
-pub enum Opened<DB: Database> {
-    /// A live record holds the key: answer from it.
-    Live(Record),
-    /// No live record: a transaction is begun to claim the key in.
-    Claimable {
-        /// The claim transaction.
-        tx: Transaction<'static, DB>,
-        /// Whether an expired record is being replaced.
-        expired: bool,
-    },
-}
-
-/// Storage for idempotency records, inside the handler's own database.
+/// A store an [`Engine`](crate::Engine) or an [`IdempotencyLayer`](crate::IdempotencyLayer)
+/// keeps records in: [`SqliteStore`], [`PgStore`] or [`MySqlStore`], each behind the cargo
+/// feature of its database's name.
 ///
-/// The engine drives a store through these steps; a backend implements them so that:
-/// - [`claim`](Store::claim) relies on the table's unique key alone (never check-then-insert),
-///   waits for a concurrent claimer's transaction no longer than its `lock_wait` (bounded by the
-///   claim statement itself, or for the whole transaction by [`begin`](Store::begin), as the
-///   backend can), and replaces an expired record atomically;
-/// - a wait that runs out surfaces as [`Error::Busy`], a deadlock or serialization failure as
-///   [`Error::Conflict`].
-pub trait Store: Clone + Send + Sync + 'static {
-    /// The sqlx database the records (and the handler's writes) live in.
-    type Database: Database;
+/// The trait is sealed and has nothing to call: it names the stores this crate implements.
+pub trait Store: sealed::Backend {}
 
-    /// The pool transactions are begun from.
-    fn pool(&self) -> &Pool<Self::Database>;
+pub(crate) mod sealed {
+    #![allow(unreachable_pub)] // Reachable only as the supertrait of `Store`.
 
-    /// Creates or upgrades the store's tables; a no-op when they are current. Safe to call
-    /// from several instances at once.
-    fn migrate(&self) -> impl Future<Output = Result<(), Error>> + Send;
+    use super::Protocol;
 
-    /// Reads a committed record outside any transaction: the fast path for replays.
-    fn lookup(&self, key: &ScopedKey)
-    -> impl Future<Output = Result<Option<Record>, Error>> + Send;
+    /// What a public store type is underneath: its database and the protocol the engine
+    /// drives.
+    pub trait Backend: Clone + Send + Sync + 'static {
+        /// The sqlx database the records (and the handlers' writes) live in.
+        type Database: sqlx::Database;
+        /// The protocol the engine drives.
+        type Protocol: Protocol<Database = Self::Database>;
 
-    /// Reads the record under `key` and, unless it is live at `now_ms`, begins a claim
-    /// transaction (as [`begin`](Store::begin) does) — on the same connection where the backend
-    /// can, saving a checkout per new key.
-    fn open<'a>(
-        &'a self,
-        key: &'a ScopedKey,
-        now_ms: i64,
-        lock_wait: Duration,
-    ) -> impl Future<Output = Result<Opened<Self::Database>, Error>> + Send + 'a {
-        async move {
-            match self.lookup(key).await? {
-                Some(record) if !record.is_expired(now_ms) => Ok(Opened::Live(record)),
-                found => Ok(Opened::Claimable {
-                    tx: self.begin(lock_wait).await?,
-                    expired: found.is_some(),
-                }),
+        /// The protocol the engine drives.
+        fn protocol(&self) -> &Self::Protocol;
+    }
+}
+
+/// Declares one public store type over [`sql::SqlStore`]: its inherent methods are the whole
+/// of what a user calls, the same for every backend.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+macro_rules! store_type {
+    ($(#[$doc:meta])* $name:ident($database:ty)) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone)]
+        pub struct $name(crate::store::sql::SqlStore<$database>);
+
+        impl $name {
+            /// A store on `pool`, the same pool the handlers' writes go to.
+            pub fn new(pool: sqlx::Pool<$database>) -> Self {
+                Self(crate::store::sql::SqlStore::new(pool))
+            }
+
+            /// The pool this store and the handlers' transactions use.
+            pub fn pool(&self) -> &sqlx::Pool<$database> {
+                crate::store::Protocol::pool(&self.0)
+            }
+
+            /// Creates or upgrades the store's tables; a no-op when they are current. Safe to
+            /// call from several instances at once: they migrate one after the other.
+            pub async fn migrate(&self) -> Result<(), crate::Error> {
+                crate::store::Protocol::migrate(&self.0).await
+            }
+
+            /// Deletes every record expired by now, in batches of a thousand so that no
+            /// statement holds long locks; returns how many it deleted.
+            pub async fn purge_expired(&self) -> Result<u64, crate::Error> {
+                crate::store::Protocol::purge_expired(&self.0).await
+            }
+
+            /// Spawns a task that purges expired records every `every`, logging what it
+            /// deleted and any failure, and going on. Abort the returned handle to stop it.
+            pub fn spawn_purger(&self, every: std::time::Duration) -> tokio::task::JoinHandle<()> {
+                self.0.spawn_purger(every)
             }
         }
-    }
 
-    /// Begins a transaction whose lock waits (the claim's wait for a concurrent duplicate) are
-    /// bounded by `lock_wait`.
-    fn begin(
-        &self,
-        lock_wait: Duration,
-    ) -> impl Future<Output = Result<Transaction<'static, Self::Database>, Error>> + Send;
+        impl crate::store::sealed::Backend for $name {
+            type Database = $database;
+            type Protocol = crate::store::sql::SqlStore<$database>;
 
-    /// Inserts `record`, or replaces an expired record under the same key, waiting up to
-    /// `lock_wait` for a concurrent claimer. Returns `false`, changing nothing, when a live
-    /// record holds the key.
-    fn claim<'a>(
-        &'a self,
-        conn: &'a mut <Self::Database as Database>::Connection,
-        record: &'a NewRecord<'a>,
-        lock_wait: Duration,
-    ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
-
-    /// Reads the record under `key` within the transaction.
-    fn find<'a>(
-        &'a self,
-        conn: &'a mut <Self::Database as Database>::Connection,
-        key: &'a ScopedKey,
-    ) -> impl Future<Output = Result<Option<Record>, Error>> + Send + 'a;
-
-    /// Writes the outcome into the record claimed in this transaction.
-    fn finish<'a>(
-        &'a self,
-        conn: &'a mut <Self::Database as Database>::Connection,
-        key: &'a ScopedKey,
-        state: RecordState,
-        response: &'a StoredResponse,
-    ) -> impl Future<Output = Result<(), Error>> + Send + 'a;
-
-    /// Extends a lease held by `lease.owner` to `lease.until_ms`; `false` if it is no longer held.
-    fn renew_lease<'a>(
-        &'a self,
-        key: &'a ScopedKey,
-        lease: LeaseClaim,
-    ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
-
-    /// Takes over a processing record whose lease ran out by `now_ms`; `false` if the lease is
-    /// still live or someone else took it first.
-    fn take_over_lease<'a>(
-        &'a self,
-        key: &'a ScopedKey,
-        lease: LeaseClaim,
-        now_ms: i64,
-    ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
-
-    /// Records the outcome of leased work and ends the lease; `false` if the lease was lost.
-    fn finish_leased<'a>(
-        &'a self,
-        key: &'a ScopedKey,
-        owner: [u8; 16],
-        state: RecordState,
-        response: &'a StoredResponse,
-    ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
-
-    /// Deletes the claim of leased work that failed retryably; `false` if the lease was lost.
-    fn release_lease<'a>(
-        &'a self,
-        key: &'a ScopedKey,
-        owner: [u8; 16],
-    ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
-
-    /// Deletes up to `limit` records expired at `now_ms`; returns how many it deleted.
-    fn purge_expired_batch(
-        &self,
-        now_ms: i64,
-        limit: u32,
-    ) -> impl Future<Output = Result<u64, Error>> + Send;
-
-    /// Deletes every record expired by now, in batches of [`PURGE_BATCH`]; returns the count.
-    fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {
-        async move {
-            let now = crate::engine::now_ms();
-            let mut total = 0;
-            loop {
-                let deleted = self.purge_expired_batch(now, PURGE_BATCH).await?;
-                total += deleted;
-                if deleted < u64::from(PURGE_BATCH) {
-                    return Ok(total);
-                }
+            fn protocol(&self) -> &Self::Protocol {
+                &self.0
             }
         }
-    }
+
+        impl crate::store::Store for $name {}
+    };
 }
-
-/// The SQL every backend runs, generic over the backend's [`Dialect`].
-#[derive(Debug)]
-pub struct SqlStore<DB: Database> {
-    pool: Pool<DB>,
-}
-
-impl<DB: Database> Clone for SqlStore<DB> {
-    fn clone(&self) -> Self {
-        Self {
-            pool: self.pool.clone(),
-        }
-    }
-}
-
-impl<DB: Database> SqlStore<DB> {
-    /// A store on `pool`, the same pool the handlers' writes go to.
-    pub fn new(pool: Pool<DB>) -> Self {
-        Self { pool }
-    }
-}
-
-impl<DB: Database> SqlStore<DB>
-where
-    Self: Store,
-{
-    /// Spawns a task that purges expired records every `every`, logging failures and going on.
-    /// Abort the returned handle to stop it.
-    pub fn spawn_purger(&self, every: Duration) -> tokio::task::JoinHandle<()> {
-        let store = self.clone();
-        tokio::spawn(async move {
-            let mut interval = tokio::time::interval(every);
-            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                interval.tick().await;
-                match store.purge_expired().await {
-                    Ok(0) => {}
-                    Ok(deleted) => tracing::info!(deleted, "purged expired idempotency records"),
-                    Err(error) => {
-                        tracing::warn!(%error, "purging expired idempotency records failed")
-                    }
-                }
-            }
-        })
-    }
-}
-
-/// One backend's SQL and error vocabulary. Sealed: the set of backends is this crate's.
-pub trait Dialect: Database + sealed::Sealed {
-    /// Ordered schema migrations: (version, SQL script).
-    const MIGRATIONS: &'static [(i64, &'static str)];
-    /// Begins the migration transaction, serialised against other instances migrating at once.
-    const MIGRATION_BEGIN: &'static str;
-    /// Run first in the migration transaction to serialise concurrent migrators, if the begin
-    /// statement does not already.
-    const MIGRATION_LOCK: Option<&'static str>;
-    /// Releases the lock [`MIGRATION_LOCK`](Dialect::MIGRATION_LOCK) took, when that lock belongs
-    /// to the session rather than the transaction (where DDL commits implicitly, a transaction
-    /// cannot hold it). Run after the migration, whatever its outcome.
-    const MIGRATION_UNLOCK: Option<&'static str> = None;
-    /// Records an applied migration. Parameters: version, applied_at.
-    const MIGRATION_RECORD: &'static str;
-    /// Parameters: key_digest, principal, method, route, fingerprint, state, status, headers,
-    /// body, created_at, expires_at, lease_owner, lease_expires_at, and then
-    /// [`claim_lock_wait`](Dialect::claim_lock_wait) and [`key_lock`](Dialect::key_lock) where
-    /// the dialect gives them.
-    const CLAIM: &'static str;
-    /// A claim tried first, which never waits: it takes the [`key_lock`](Dialect::key_lock)
-    /// without waiting and claims only under it. Every claim holds that lock until its
-    /// transaction ends, so while it is free no uncommitted claim of the key exists to wait
-    /// for, and the statement needs no lock-wait bound; while it is held, [`CLAIM`](Dialect::CLAIM)
-    /// waits for it, bounded. The unique key still decides who owns the key: the lock only
-    /// keeps the uncontended claim from paying for the bound. Parameters as for `CLAIM`, without
-    /// the lock-wait bound; the row it returns is read by [`try_claimed`](Dialect::try_claimed).
-    const TRY_CLAIM: Option<&'static str> = None;
-    /// Parameter: key_digest. Columns: state, fingerprint, status, headers, body, created_at,
-    /// expires_at, lease_expires_at.
-    const FIND: &'static str;
-    /// Run right after [`CLAIM`](Dialect::CLAIM), whatever its outcome, where the lock-wait bound
-    /// set by [`begin_statement`](Dialect::begin_statement) would outlive the claim: it gives the
-    /// handler's own statements, and the pooled connection's next user, their usual bound back.
-    const LIFT_LOCK_WAIT: Option<&'static str> = None;
-    /// Parameters: state, status, headers, body, key_digest.
-    const FINISH: &'static str;
-    /// Parameters: now, limit.
-    const PURGE: &'static str;
-    /// Parameters: lease_expires_at, key_digest, lease_owner.
-    const RENEW_LEASE: &'static str;
-    /// Parameters: lease_owner, lease_expires_at, key_digest, now.
-    const TAKE_OVER_LEASE: &'static str;
-    /// Parameters: state, status, headers, body, key_digest, lease_owner.
-    const FINISH_LEASED: &'static str;
-    /// Parameters: key_digest, lease_owner.
-    const RELEASE_LEASE: &'static str;
-
-    /// Whether the row [`MIGRATION_LOCK`](Dialect::MIGRATION_LOCK) returned says the lock was
-    /// granted: a lock with a timeout reports the timeout there, not as an error.
-    fn migration_locked(_row: &Self::Row) -> bool {
-        true
-    }
-
-    /// The statement that begins a claim transaction with its lock wait bounded; `None` for a
-    /// plain `BEGIN`, where [`CLAIM`](Dialect::CLAIM) bounds its own wait.
-    fn begin_statement(lock_wait: Duration) -> Option<String>;
-
-    /// The lock-wait bound passed to [`CLAIM`](Dialect::CLAIM) as its last parameter, for a
-    /// dialect whose claim statement bounds its own wait.
-    fn claim_lock_wait(_lock_wait: Duration) -> Option<String> {
-        None
-    }
-
-    /// The number of the transaction-scoped lock [`TRY_CLAIM`](Dialect::TRY_CLAIM) and
-    /// [`CLAIM`](Dialect::CLAIM) take for `key`, for a dialect that has `TRY_CLAIM`.
-    fn key_lock(_key: &ScopedKey) -> Option<i64> {
-        None
-    }
-
-    /// What the row [`TRY_CLAIM`](Dialect::TRY_CLAIM) returned says: whether it took the key,
-    /// or `None` when another transaction holds the key's lock.
-    fn try_claimed(_row: &Self::Row) -> Result<Option<bool>, sqlx::Error> {
-        Ok(None)
-    }
-
-    /// Whether the error means "a lock wait ran out".
-    fn is_busy(error: &dyn DatabaseError) -> bool;
-
-    /// Whether the error means the database rolled the transaction back to resolve a deadlock
-    /// or a serialization conflict.
-    fn is_conflict(_error: &dyn DatabaseError) -> bool {
-        false
-    }
-
-    /// How many rows a statement affected.
-    fn rows_affected(result: &Self::QueryResult) -> u64;
-
-    /// Whether the claim statement took the key.
-    fn claimed(result: &Self::QueryResult) -> bool {
-        Self::rows_affected(result) == 1
-    }
-}
-
-mod sealed {
-    #[allow(unreachable_pub)]
-    pub trait Sealed {}
-}
-
-/// Runs an autocommit statement on the pool; returns how many rows it affected.
-async fn on_pool<DB>(
-    pool: &Pool<DB>,
-    query: sqlx::query::Query<'_, DB, DB::Arguments>,
-) -> Result<u64, Error>
-where
-    DB: Dialect,
-    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
-    DB::Arguments: IntoArguments<DB>,
-{
-    let result = query.execute(pool).await.map_err(classify::<DB>)?;
-    Ok(DB::rows_affected(&result))
-}
-
-fn classify<DB: Dialect>(error: sqlx::Error) -> Error {
-    match &error {
-        sqlx::Error::Database(db) if DB::is_conflict(db.as_ref()) => Error::Conflict,
-        sqlx::Error::Database(db) if DB::is_busy(db.as_ref()) => Error::Busy,
-        _ => Error::Database(error),
-    }
-}
-
-/// Applies the migrations newer than the recorded version, on one connection.
-async fn apply_migrations<DB>(conn: &mut DB::Connection) -> Result<(), Error>
-where
-    DB: Dialect,
-    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
-    DB::Arguments: IntoArguments<DB>,
-    usize: ColumnIndex<DB::Row>,
-    i64: for<'q> Encode<'q, DB> + Type<DB>,
-    Option<i64>: for<'r> Decode<'r, DB> + Type<DB>,
-{
-    // Wrapped: a bare `&'static str` here makes the future fail `Send` checks once spawned.
-    let mut tx = conn
-        .begin_with(sqlx::AssertSqlSafe(DB::MIGRATION_BEGIN))
-        .await?;
-    if let Some(lock) = DB::MIGRATION_LOCK {
-        let granted = sqlx::query(lock).fetch_optional(&mut *tx).await?;
-        if granted
-            .as_ref()
-            .is_some_and(|row| !DB::migration_locked(row))
-        {
-            return Err(Error::Migration(
-                "the lock that serialises migrators was not granted".into(),
-            ));
-        }
-    }
-    sqlx::raw_sql(
-        "CREATE TABLE IF NOT EXISTS idempotency_schema_versions (\
-         version BIGINT PRIMARY KEY, applied_at BIGINT NOT NULL)",
-    )
-    .execute(&mut *tx)
-    .await?;
-    let current: Option<i64> = sqlx::query("SELECT MAX(version) FROM idempotency_schema_versions")
-        .fetch_one(&mut *tx)
-        .await?
-        .try_get(0)?;
-    let current = current.unwrap_or(0);
-    for &(version, script) in DB::MIGRATIONS {
-        if version <= current {
-            continue;
-        }
-        sqlx::raw_sql(script)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| Error::Migration(format!("version {version}: {e}")))?;
-        sqlx::query(DB::MIGRATION_RECORD)
-            .bind(version)
-            .bind(crate::engine::now_ms())
-            .execute(&mut *tx)
-            .await?;
-    }
-    tx.commit().await?;
-    Ok(())
-}
-
-impl<DB> Store for SqlStore<DB>
-where
-    DB: Dialect,
-    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
-    DB::Arguments: IntoArguments<DB>,
-    usize: ColumnIndex<DB::Row>,
-    Vec<u8>: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
-    String: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
-    i64: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
-    i32: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
-    Option<Vec<u8>>: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
-    Option<String>: for<'q> Encode<'q, DB> + Type<DB>,
-    Option<i64>: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
-    Option<i32>: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
-{
-    type Database = DB;
-
-    fn pool(&self) -> &Pool<DB> {
-        &self.pool
-    }
-
-    async fn migrate(&self) -> Result<(), Error> {
-        let mut conn = self.pool.acquire().await?;
-        let applied = apply_migrations::<DB>(&mut conn).await;
-        if let Some(unlock) = DB::MIGRATION_UNLOCK
-            && let Err(error) = sqlx::raw_sql(unlock).execute(&mut *conn).await
-        {
-            // The session may still hold the lock; ending it releases the lock, pooling it would not.
-            conn.close_on_drop();
-            applied?;
-            return Err(error.into());
-        }
-        applied
-    }
-
-    async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, Error> {
-        let mut conn = self.pool.acquire().await?;
-        self.find(&mut conn, key).await
-    }
-
-    async fn open<'a>(
-        &'a self,
-        key: &'a ScopedKey,
-        now_ms: i64,
-        lock_wait: Duration,
-    ) -> Result<Opened<DB>, Error> {
-        let mut conn = self.pool.acquire().await?;
-        match self.find(&mut conn, key).await? {
-            Some(record) if !record.is_expired(now_ms) => Ok(Opened::Live(record)),
-            found => {
-                // sqlx's own `Pool::begin_with` is this very call on a fresh checkout. The call
-                // is hidden from sqlx's docs, so a sqlx release may move it: this is the one
-                // place to adapt, and the conformance suite is what notices.
-                let statement = DB::begin_statement(lock_wait)
-                    .map(|statement| sqlx::AssertSqlSafe(statement).into_sql_str());
-                let tx = Transaction::begin(conn, statement)
-                    .await
-                    .map_err(classify::<DB>)?;
-                Ok(Opened::Claimable {
-                    tx,
-                    expired: found.is_some(),
-                })
-            }
-        }
-    }
-
-    async fn begin(&self, lock_wait: Duration) -> Result<Transaction<'static, DB>, Error> {
-        let begun = match DB::begin_statement(lock_wait) {
-            Some(statement) => self.pool.begin_with(sqlx::AssertSqlSafe(statement)).await,
-            None => self.pool.begin().await,
-        };
-        begun.map_err(classify::<DB>)
-    }
-
-    async fn claim<'a>(
-        &'a self,
-        conn: &'a mut DB::Connection,
-        record: &'a NewRecord<'a>,
-        lock_wait: Duration,
-    ) -> Result<bool, Error> {
-        let (status, headers, body) = match record.response {
-            Some(response) => (
-                Some(i32::from(response.status.as_u16())),
-                Some(response.encode_headers()),
-                Some(response.body.to_vec()),
-            ),
-            None => (None, None, None),
-        };
-        let key_lock = DB::key_lock(&record.key);
-        let bind_record = |sql| {
-            sqlx::query(sql)
-                .bind(record.key.digest().to_vec())
-                .bind(record.scope.principal().map(str::to_owned))
-                .bind(record.scope.method().to_owned())
-                .bind(record.scope.route().to_owned())
-                .bind(record.fingerprint.as_bytes().to_vec())
-                .bind(record.state.as_str().to_owned())
-                .bind(status)
-                .bind(headers.clone())
-                .bind(body.clone())
-                .bind(record.created_at_ms)
-                .bind(record.expires_at_ms)
-                .bind(record.lease.map(|lease| lease.owner.to_vec()))
-                .bind(record.lease.map(|lease| lease.until_ms))
-        };
-        if let (Some(try_claim), Some(lock)) = (DB::TRY_CLAIM, key_lock) {
-            let row = bind_record(try_claim)
-                .bind(lock)
-                .fetch_one(&mut *conn)
-                .await
-                .map_err(classify::<DB>)?;
-            if let Some(claimed) = DB::try_claimed(&row)? {
-                return Ok(claimed);
-            }
-        }
-        let mut query = bind_record(DB::CLAIM);
-        if let Some(bound) = DB::claim_lock_wait(lock_wait) {
-            query = query.bind(bound);
-        }
-        if let Some(lock) = key_lock {
-            query = query.bind(lock);
-        }
-        let claimed = query.execute(&mut *conn).await;
-        let lifted = match DB::LIFT_LOCK_WAIT {
-            Some(lift) => sqlx::raw_sql(lift).execute(&mut *conn).await.map(drop),
-            None => Ok(()),
-        };
-        let claimed = DB::claimed(&claimed.map_err(classify::<DB>)?);
-        lifted.map_err(classify::<DB>)?;
-        Ok(claimed)
-    }
-
-    async fn find<'a>(
-        &'a self,
-        conn: &'a mut DB::Connection,
-        key: &'a ScopedKey,
-    ) -> Result<Option<Record>, Error> {
-        let row = sqlx::query(DB::FIND)
-            .bind(key.digest().to_vec())
-            .fetch_optional(conn)
-            .await
-            .map_err(classify::<DB>)?;
-        let Some(row) = row else { return Ok(None) };
-        let state = RecordState::parse(&row.try_get::<String, _>(0)?)?;
-        let fingerprint = <[u8; 32]>::try_from(row.try_get::<Vec<u8>, _>(1)?.as_slice())
-            .map(Fingerprint::from)
-            .map_err(|_| Error::CorruptRecord("fingerprint length".into()))?;
-        let status: Option<i32> = row.try_get(2)?;
-        let headers: Option<Vec<u8>> = row.try_get(3)?;
-        let body: Option<Vec<u8>> = row.try_get(4)?;
-        let response = match (status, headers, body) {
-            (Some(status), Some(headers), Some(body)) => Some(StoredResponse {
-                status: u16::try_from(status)
-                    .ok()
-                    .and_then(|s| http::StatusCode::from_u16(s).ok())
-                    .ok_or_else(|| Error::CorruptRecord(format!("status {status}")))?,
-                headers: StoredResponse::decode_headers(&headers)?,
-                body: body.into(),
-            }),
-            _ => None,
-        };
-        Ok(Some(Record {
-            state,
-            fingerprint,
-            response,
-            created_at_ms: row.try_get(5)?,
-            expires_at_ms: row.try_get(6)?,
-            lease_expires_at_ms: row.try_get(7)?,
-        }))
-    }
-
-    async fn finish<'a>(
-        &'a self,
-        conn: &'a mut DB::Connection,
-        key: &'a ScopedKey,
-        state: RecordState,
-        response: &'a StoredResponse,
-    ) -> Result<(), Error> {
-        sqlx::query(DB::FINISH)
-            .bind(state.as_str().to_owned())
-            .bind(i32::from(response.status.as_u16()))
-            .bind(response.encode_headers())
-            .bind(response.body.to_vec())
-            .bind(key.digest().to_vec())
-            .execute(conn)
-            .await
-            .map_err(classify::<DB>)?;
-        Ok(())
-    }
-
-    async fn renew_lease<'a>(
-        &'a self,
-        key: &'a ScopedKey,
-        lease: LeaseClaim,
-    ) -> Result<bool, Error> {
-        let query = sqlx::query(DB::RENEW_LEASE)
-            .bind(lease.until_ms)
-            .bind(key.digest().to_vec())
-            .bind(lease.owner.to_vec());
-        Ok(on_pool(&self.pool, query).await? == 1)
-    }
-
-    async fn take_over_lease<'a>(
-        &'a self,
-        key: &'a ScopedKey,
-        lease: LeaseClaim,
-        now_ms: i64,
-    ) -> Result<bool, Error> {
-        let query = sqlx::query(DB::TAKE_OVER_LEASE)
-            .bind(lease.owner.to_vec())
-            .bind(lease.until_ms)
-            .bind(key.digest().to_vec())
-            .bind(now_ms);
-        Ok(on_pool(&self.pool, query).await? == 1)
-    }
-
-    async fn finish_leased<'a>(
-        &'a self,
-        key: &'a ScopedKey,
-        owner: [u8; 16],
-        state: RecordState,
-        response: &'a StoredResponse,
-    ) -> Result<bool, Error> {
-        let query = sqlx::query(DB::FINISH_LEASED)
-            .bind(state.as_str().to_owned())
-            .bind(i32::from(response.status.as_u16()))
-            .bind(response.encode_headers())
-            .bind(response.body.to_vec())
-            .bind(key.digest().to_vec())
-            .bind(owner.to_vec());
-        Ok(on_pool(&self.pool, query).await? == 1)
-    }
-
-    async fn release_lease<'a>(
-        &'a self,
-        key: &'a ScopedKey,
-        owner: [u8; 16],
-    ) -> Result<bool, Error> {
-        let query = sqlx::query(DB::RELEASE_LEASE)
-            .bind(key.digest().to_vec())
-            .bind(owner.to_vec());
-        Ok(on_pool(&self.pool, query).await? == 1)
-    }
-
-    async fn purge_expired_batch(&self, now_ms: i64, limit: u32) -> Result<u64, Error> {
-        let query = sqlx::query(DB::PURGE).bind(now_ms).bind(i64::from(limit));
-        on_pool(&self.pool, query).await
-    }
-}
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+use store_type;

@@ -6,25 +6,26 @@ use sqlx::error::DatabaseError;
 use sqlx::postgres::PgRow;
 use sqlx::{Postgres, Row};
 
-use super::{Dialect, SqlStore, sealed::Sealed};
+use super::sql::Dialect;
+use super::store_type;
 use crate::scope::ScopedKey;
 
-/// Records in PostgreSQL.
-///
-/// ```no_run
-/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-/// use axum_idempotency::{IdempotencyLayer, PgStore, Store};
-///
-/// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/test").await?;
-/// let store = PgStore::new(pool);
-/// store.migrate().await?;
-/// let layer = IdempotencyLayer::new(store).allow_anonymous();
-/// # let _ = layer;
-/// # Ok(()) }
-/// ```
-pub type PgStore = SqlStore<Postgres>;
-
-impl Sealed for Postgres {}
+store_type! {
+    /// Records in PostgreSQL.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use axum_idempotency::{IdempotencyLayer, PgStore};
+    ///
+    /// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/test").await?;
+    /// let store = PgStore::new(pool);
+    /// store.migrate().await?;
+    /// let layer = IdempotencyLayer::new(store).allow_anonymous();
+    /// # let _ = layer;
+    /// # Ok(()) }
+    /// ```
+    PgStore(Postgres)
+}
 
 impl Dialect for Postgres {
     const MIGRATIONS: &'static [(i64, &'static str)] = &[

@@ -1,0 +1,91 @@
+//! Claiming a key: an insert against the table's unique key, in the transaction the work then
+//! runs in. Never check-then-insert; a claim that finds the key taken reads the record instead.
+
+use sqlx::Transaction;
+
+use super::Engine;
+use super::outcome::IN_PROGRESS;
+use crate::error::{Error, Rejection};
+use crate::fingerprint::Fingerprint;
+use crate::record::{Millis, Record, RecordState};
+use crate::scope::{Scope, ScopedKey};
+use crate::store::{NewRecord, Protocol, Store};
+
+/// Who holds a key after a claim.
+pub(super) enum Claim<DB: sqlx::Database> {
+    /// This claim: the transaction holding it.
+    Ours(Transaction<'static, DB>),
+    /// Another intent's committed record.
+    Theirs(Record),
+}
+
+impl<S: Store> Engine<S> {
+    /// A record for `scope` created now, expiring after the retention.
+    pub(super) fn new_record<'a>(
+        &self,
+        key: ScopedKey,
+        scope: &'a Scope,
+        fingerprint: Fingerprint,
+        state: RecordState,
+    ) -> NewRecord<'a> {
+        let now = Millis::now();
+        NewRecord {
+            key,
+            scope,
+            fingerprint,
+            state,
+            response: None,
+            lease: None,
+            created_at: now,
+            expires_at: now.after(self.settings.retention),
+        }
+    }
+
+    /// Claims the record's key in `begun` (or a transaction begun now), or reads the live
+    /// record that holds it.
+    pub(super) async fn claim(
+        &self,
+        record: &NewRecord<'_>,
+        mut begun: Option<Transaction<'static, S::Database>>,
+    ) -> Result<Claim<S::Database>, Rejection> {
+        let store = self.store.protocol();
+        // Another round settles the two races a claim can lose without an answer: the record
+        // vanished between the failed claim and the read (purged as it expired), or the
+        // database picked this transaction as a deadlock victim (InnoDB does when an original
+        // rolls back under waiting duplicates). The victim's transaction is gone; claiming again
+        // queues it behind the winner like any duplicate.
+        for _ in 0..3 {
+            let mut tx = match begun.take() {
+                Some(tx) => tx,
+                None => match store.begin(self.settings.wait).await {
+                    Ok(tx) => tx,
+                    Err(Error::Conflict) => continue,
+                    Err(error) => return Err(busy_or_internal(error)),
+                },
+            };
+            match store.claim(&mut tx, record, self.settings.wait).await {
+                Ok(true) => return Ok(Claim::Ours(tx)),
+                Ok(false) => {}
+                Err(Error::Conflict) => continue,
+                Err(error) => return Err(busy_or_internal(error)),
+            }
+            match store.find(&mut tx, &record.key).await {
+                Ok(Some(existing)) => return Ok(Claim::Theirs(existing)),
+                Ok(None) | Err(Error::Conflict) => {}
+                Err(error) => return Err(busy_or_internal(error)),
+            }
+        }
+        Err(IN_PROGRESS)
+    }
+}
+
+/// A lock wait that ran out is the key's original at work; anything else is the store failing.
+pub(super) fn busy_or_internal(error: Error) -> Rejection {
+    match error {
+        Error::Busy | Error::Conflict => IN_PROGRESS,
+        error => {
+            tracing::error!(%error, "idempotency store failed");
+            Rejection::Internal
+        }
+    }
+}

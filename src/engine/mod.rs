@@ -1,0 +1,379 @@
+//! Claim → execute → record: the one path every intent takes.
+//!
+//! [`IdempotencyLayer`](crate::IdempotencyLayer) is a thin HTTP adapter over an [`Engine`].
+//! Background jobs, reconciliation tasks and manual replays call the same engine directly
+//! (R16), so a job and an HTTP request that share a scoped key still execute the business once:
+//!
+//! ```
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use axum_idempotency::{Engine, Fingerprinter, IdempotencyKey, Outcome, Scope, SqliteStore, Store, Tx};
+//! use sqlx::Sqlite;
+//!
+//! let store = SqliteStore::new(sqlx::SqlitePool::connect("sqlite::memory:").await?);
+//! store.migrate().await?;
+//! let engine = Engine::new(store);
+//!
+//! let key: IdempotencyKey = "invoice-2026-11-alice".parse()?;
+//! let scope = Scope::new("billing-job", "RUN", "monthly-invoice", key);
+//! let fingerprint = Fingerprinter::new().fingerprint_value("monthly-invoice", br#"{"month":"2026-11"}"#);
+//!
+//! let first = engine
+//!     .run(&scope, fingerprint, |mut tx: Tx<Sqlite>| async move {
+//!         sqlx::query("SELECT 1").execute(&mut *tx).await.map(|_| "invoiced").map_err(|_| "failed")
+//!     })
+//!     .await?;
+//! assert_eq!(first.outcome, Outcome::Executed);
+//!
+//! let again = engine.run(&scope, fingerprint, |_tx: Tx<Sqlite>| async { "never runs" }).await?;
+//! assert_eq!(again.outcome, Outcome::Replayed);
+//! assert_eq!(again.response.body().as_ref(), b"invoiced");
+//! # Ok(()) }
+//! # tokio::runtime::Runtime::new().unwrap().block_on(run()).unwrap();
+//! ```
+//!
+//! # What happens to one intent
+//!
+//! 1. A committed, unexpired record under the scoped key answers with the stored outcome: a
+//!    replay if the fingerprint matches, [`Rejection::KeyReused`] if it does not. For a key this
+//!    engine has handled lately (a likely retry) it is one indexed read, before any transaction.
+//! 2. Otherwise a transaction begins and claims the key with an insert against the table's
+//!    unique key (never check-then-insert). A key the engine has not seen lately is claimed
+//!    without that read first, since it is most likely new; if it turns out taken, the record
+//!    is read in the claim's transaction and answers as in step 1. A concurrent duplicate's
+//!    claim blocks on the key until the first transaction ends, bounded by
+//!    [`Engine::wait_for_in_flight`]; it then replays, claims (the first rolled back), or gives
+//!    up with [`Rejection::InProgress`].
+//! 3. The work runs with that same transaction (the [`Tx`] handed to it). Its response is
+//!    buffered and classified ([`Classification`]):
+//!    - completed (2xx/3xx): the response is stored and committed together with the work's writes;
+//!    - failed permanently (most 4xx): the writes are rolled back, the response is stored and
+//!      replayed from then on, so the client stops;
+//!    - retryable (5xx, 408, 429, a panic, a response too large to store): everything is rolled
+//!      back, no record remains, and the same key executes afresh next time.
+//!
+//! The transactional part is never cancelled halfway: if a client hangs up mid-request, what is
+//! left of it moves to a task of its own and completes there, so no pooled connection is left
+//! inside an open transaction.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::response::IntoResponse;
+use bytes::Bytes;
+use http::{HeaderName, StatusCode};
+use tracing::Instrument;
+
+use crate::cache::ReplayCache;
+use crate::error::Rejection;
+use crate::fingerprint::{Fingerprint, Verbatim};
+use crate::recent::RecentKeys;
+use crate::record::Millis;
+use crate::scope::{IdempotencyContext, Scope, ScopedKey};
+use crate::store::Store;
+use crate::tx::{Tx, TxSlot};
+
+mod claim;
+mod execute;
+mod lease;
+mod outcome;
+mod replay;
+mod uncancelled;
+
+pub use lease::Lease;
+pub use outcome::{Classification, Execution, Outcome};
+pub(crate) use uncancelled::Uncancelled;
+
+use outcome::{Answer, Logged};
+use replay::answer_existing;
+
+/// The header a replayed response carries.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+type Classifier = Arc<dyn Fn(StatusCode) -> Classification + Send + Sync>;
+
+/// An attempt as the engine compares it with the record its key holds.
+pub(crate) trait Intent: Send + 'static {
+    /// Its fingerprint, computed only when a comparison needs it.
+    fn fingerprint(&self) -> Fingerprint;
+
+    /// Its fingerprinted parts as sent, kept with its record in the replay cache.
+    fn verbatim(&self) -> Option<Verbatim>;
+
+    /// Whether it is, byte for byte, the attempt `kept` was copied from.
+    fn is(&self, kept: &Verbatim) -> bool;
+}
+
+/// An attempt known only by its fingerprint, such as a job's.
+impl Intent for Fingerprint {
+    fn fingerprint(&self) -> Fingerprint {
+        *self
+    }
+
+    fn verbatim(&self) -> Option<Verbatim> {
+        None
+    }
+
+    fn is(&self, _kept: &Verbatim) -> bool {
+        false
+    }
+}
+
+#[derive(Clone)]
+struct Settings {
+    retention: Duration,
+    wait: Duration,
+    max_response_body: usize,
+    classify: Classifier,
+    replayed_headers: Vec<HeaderName>,
+    cache: Option<ReplayCache>,
+    recent: RecentKeys,
+}
+
+/// Runs intents exactly once per scoped key, on a [`Store`]. Cheap to clone.
+pub struct Engine<S> {
+    store: S,
+    settings: Arc<Settings>,
+}
+
+impl<S: Clone> Clone for Engine<S> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            settings: Arc::clone(&self.settings),
+        }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for Engine<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Engine")
+            .field("store", &self.store)
+            .field("retention", &self.settings.retention)
+            .field("wait_for_in_flight", &self.settings.wait)
+            .field("max_response_body", &self.settings.max_response_body)
+            .field("replay_cache", &self.settings.cache)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Store> Engine<S> {
+    /// An engine with the defaults: 24 h retention, a 5 s wait for in-flight duplicates,
+    /// responses up to 1 MiB stored, [`Classification::of_status`].
+    pub fn new(store: S) -> Self {
+        Self {
+            store,
+            settings: Arc::new(Settings {
+                retention: Duration::from_secs(24 * 3600),
+                wait: Duration::from_secs(5),
+                max_response_body: 1024 * 1024,
+                classify: Arc::new(Classification::of_status),
+                replayed_headers: Vec::new(),
+                cache: None,
+                recent: RecentKeys::new(),
+            }),
+        }
+    }
+
+    fn settings_mut(&mut self) -> &mut Settings {
+        Arc::make_mut(&mut self.settings)
+    }
+
+    /// How long a record counts (default 24 h). After that its key is a new intent. Keep it
+    /// longer than clients keep retrying one intent.
+    #[must_use]
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.settings_mut().retention = retention;
+        self
+    }
+
+    /// How long a duplicate waits for its in-flight original before answering
+    /// [`Rejection::InProgress`] (default 5 s). The wait is the database's own lock wait.
+    #[must_use]
+    pub fn wait_for_in_flight(mut self, wait: Duration) -> Self {
+        self.settings_mut().wait = wait;
+        self
+    }
+
+    /// The largest response body stored for replay (default 1 MiB). A larger response is
+    /// rolled back and answered with [`Rejection::ResponseTooLarge`].
+    #[must_use]
+    pub fn max_response_body(mut self, bytes: usize) -> Self {
+        self.settings_mut().max_response_body = bytes;
+        self
+    }
+
+    /// Replaces the rule that classifies responses (default [`Classification::of_status`]).
+    #[must_use]
+    pub fn classify<F>(mut self, classify: F) -> Self
+    where
+        F: Fn(StatusCode) -> Classification + Send + Sync + 'static,
+    {
+        self.settings_mut().classify = Arc::new(classify);
+        self
+    }
+
+    /// Stores and replays a header that is left out by default (`Set-Cookie`, `Date`).
+    /// Hop-by-hop headers and `Content-Length` are never replayed.
+    #[must_use]
+    pub fn replay_header(mut self, name: HeaderName) -> Self {
+        self.settings_mut().replayed_headers.push(name);
+        self
+    }
+
+    /// Keeps final records this engine has stored or read in memory, up to `max_bytes` of
+    /// responses, so that replaying them costs no database read (off by default).
+    ///
+    /// Next to a record the layer keeps the request it was answered for, exactly as sent
+    /// (bodies up to 64 KiB; its bytes count against `max_bytes`): a retry identical to it byte
+    /// for byte is answered without canonicalising and hashing its body. Any other retry is
+    /// compared by fingerprint as without the cache, so equivalent JSON still replays and
+    /// another intent is still refused.
+    ///
+    /// A final record (completed or failed permanently) is never rewritten before it expires,
+    /// so the copy answers as the table would, on every instance, with nothing to invalidate;
+    /// entries are dropped at the record's expiry or evicted when the budget is full. A
+    /// duplicate of work still in flight, or a key this instance has not seen, still goes to
+    /// the store. The one thing the copy does not follow is a record deleted from the table by
+    /// hand before it expires: the instance that holds it keeps replaying it until expiry or
+    /// eviction (restart the instance, or leave the cache off, if operators delete records).
+    ///
+    /// ```
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use axum_idempotency::{Engine, SqliteStore};
+    ///
+    /// let store = SqliteStore::new(sqlx::SqlitePool::connect("sqlite::memory:").await?);
+    /// let engine = Engine::new(store).cache_replays(16 * 1024 * 1024);
+    /// # let _ = engine;
+    /// # Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn cache_replays(mut self, max_bytes: usize) -> Self {
+        self.settings_mut().cache = Some(ReplayCache::new(
+            u64::try_from(max_bytes).unwrap_or(u64::MAX),
+        ));
+        self
+    }
+
+    /// The store this engine writes to.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// How long records count, as set by [`retention`](Self::retention).
+    pub fn record_retention(&self) -> Duration {
+        self.settings.retention
+    }
+
+    /// Runs `work` once for `scope` with the transaction that holds the claim, or answers
+    /// from the stored outcome. See the [module docs](self).
+    pub async fn run<F, Fut, R>(
+        &self,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        work: F,
+    ) -> Result<Execution, Rejection>
+    where
+        F: FnOnce(Tx<S::Database>) -> Fut + Send + 'static,
+        Fut: Future<Output = R> + Send + 'static,
+        R: IntoResponse,
+    {
+        self.run_in_slot(scope, fingerprint, move |_, slot, _context| async move {
+            match slot.into_tx() {
+                Ok(tx) => work(tx).await.into_response(),
+                Err(_) => Rejection::TransactionHeld.into_response(),
+            }
+        })
+        .await
+    }
+
+    /// [`run`](Self::run) for the layer: `work` gets the intent back (the request it carries)
+    /// with a transaction slot and the request's context.
+    pub(crate) async fn run_in_slot<I, F, Fut, R>(
+        &self,
+        scope: &Scope,
+        intent: I,
+        work: F,
+    ) -> Result<Execution, Rejection>
+    where
+        I: Intent,
+        F: FnOnce(I, TxSlot<S::Database>, IdempotencyContext) -> Fut + Send + 'static,
+        Fut: Future<Output = R> + Send + 'static,
+        R: IntoResponse,
+    {
+        self.supervise(scope, intent, |key, scope, intent| {
+            // Cloned only here: a replay answered from the cache never needs its own engine.
+            let engine = self.clone();
+            async move {
+                let fingerprint = intent.fingerprint();
+                let request = match engine.settings.cache {
+                    Some(_) => intent.verbatim(),
+                    None => None,
+                };
+                engine
+                    .execute(key, &scope, fingerprint, request, move |slot, context| {
+                        work(intent, slot, context)
+                    })
+                    .await
+            }
+        })
+        .await
+    }
+
+    /// Runs one intent's future to completion even if the caller goes away ([`Uncancelled`]),
+    /// inside its tracing span, and logs the outcome; a panic in it surfaces as
+    /// [`Rejection::Internal`]. A final record held by the replay cache answers at once,
+    /// without a store access, and without a fingerprint when the attempt is the very request
+    /// the record was kept with.
+    async fn supervise<I, F, Fut>(
+        &self,
+        scope: &Scope,
+        intent: I,
+        run: F,
+    ) -> Result<Execution, Rejection>
+    where
+        I: Intent,
+        F: FnOnce(ScopedKey, Scope, I) -> Fut,
+        Fut: Future<Output = Answer> + Send + 'static,
+    {
+        let key = scope.scoped_key();
+        let span = tracing::info_span!(
+            "idempotency",
+            key = %key,
+            method = scope.method(),
+            route = scope.route(),
+        );
+        let cached = self
+            .settings
+            .cache
+            .as_ref()
+            .and_then(|cache| cache.get(&key, Millis::now()));
+        let answer = match cached {
+            Some(cached) => {
+                let verbatim = cached.request.as_ref().is_some_and(|kept| intent.is(kept));
+                let same_intent = verbatim || cached.record.fingerprint == intent.fingerprint();
+                answer_existing(&cached.record, same_intent)
+            }
+            None => {
+                let work = run(key, scope.clone(), intent).instrument(span.clone());
+                match Uncancelled::new(work).await {
+                    Ok(done) => done,
+                    Err(_panic) => {
+                        let _enter = span.enter();
+                        tracing::error!("the idempotent work panicked; rolled back");
+                        Answer::reject(Rejection::Internal, Logged::Retryable)
+                    }
+                }
+            }
+        };
+        let _enter = span.enter();
+        tracing::info!(outcome = answer.logged.as_str(), "idempotent request");
+        answer.result
+    }
+}
+
+pub(crate) fn into_body_response(response: http::Response<Bytes>) -> axum::response::Response {
+    response.map(Body::from)
+}

@@ -1,0 +1,180 @@
+//! The steps the engine drives a store through. Crate-private: no store outside this crate
+//! could honour them, since a claim lives in the handler's own sqlx transaction.
+
+// Reachable only through the sealed `Store`, so `pub` here names nothing a user can reach.
+#![allow(unreachable_pub)]
+
+use std::future::Future;
+use std::time::Duration;
+
+use sqlx::{Database, Pool, Transaction};
+
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::record::{Millis, Record, RecordState, StoredResponse};
+use crate::scope::{Scope, ScopedKey};
+
+/// How many expired records one purge statement deletes, so a purge never holds long locks.
+pub(crate) const PURGE_BATCH: u32 = 1000;
+
+/// A record about to be written by a claim.
+#[derive(Debug)]
+pub struct NewRecord<'a> {
+    /// The record's primary key.
+    pub key: ScopedKey,
+    /// The scope it belongs to, stored in clear for operators (the raw key is not).
+    pub scope: &'a Scope,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// `Processing` for a claim before the handler runs, or a final state.
+    pub state: RecordState,
+    /// The response, for a final state.
+    pub response: Option<&'a StoredResponse>,
+    pub created_at: Millis,
+    pub expires_at: Millis,
+    /// For a claim that outlives its transaction: the holder and when its lease runs out.
+    pub lease: Option<LeaseClaim>,
+}
+
+/// The holder of a lease and when the lease runs out unless renewed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseClaim {
+    /// An id unique to one holder, so only it can renew, finish or release the claim.
+    pub owner: [u8; 16],
+    pub until: Millis,
+}
+
+/// What [`Protocol::open`] found under a key.
+#[derive(Debug)]
+pub enum Opened<DB: Database> {
+    /// A live record holds the key: answer from it.
+    Live(Record),
+    /// No live record: a transaction is begun to claim the key in.
+    Claimable {
+        tx: Transaction<'static, DB>,
+        /// Whether an expired record is being replaced.
+        expired: bool,
+    },
+}
+
+/// Storage for idempotency records, inside the handler's own database.
+///
+/// A backend implements these steps so that:
+/// - [`claim`](Protocol::claim) relies on the table's unique key alone (never
+///   check-then-insert), waits for a concurrent claimer's transaction no longer than its
+///   `lock_wait` (bounded by the claim statement itself, or for the whole transaction by
+///   [`begin`](Protocol::begin), as the backend can), and replaces an expired record atomically;
+/// - a wait that runs out surfaces as [`Error::Busy`], a deadlock or serialization failure as
+///   [`Error::Conflict`].
+pub trait Protocol: Clone + Send + Sync + 'static {
+    /// The sqlx database the records (and the handler's writes) live in.
+    type Database: Database;
+
+    /// The pool transactions are begun from.
+    fn pool(&self) -> &Pool<Self::Database>;
+
+    /// Creates or upgrades the tables; a no-op when they are current. Safe to call from several
+    /// instances at once.
+    fn migrate(&self) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Reads a committed record outside any transaction: the fast path for replays.
+    fn lookup(&self, key: &ScopedKey)
+    -> impl Future<Output = Result<Option<Record>, Error>> + Send;
+
+    /// Reads the record under `key` and, unless it is live at `now`, begins a claim
+    /// transaction (as [`begin`](Protocol::begin) does) on the same connection, saving a
+    /// checkout per new key.
+    fn open<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        now: Millis,
+        lock_wait: Duration,
+    ) -> impl Future<Output = Result<Opened<Self::Database>, Error>> + Send + 'a;
+
+    /// Begins a transaction whose lock waits (the claim's wait for a concurrent duplicate) are
+    /// bounded by `lock_wait`.
+    fn begin(
+        &self,
+        lock_wait: Duration,
+    ) -> impl Future<Output = Result<Transaction<'static, Self::Database>, Error>> + Send;
+
+    /// Inserts `record`, or replaces an expired record under the same key, waiting up to
+    /// `lock_wait` for a concurrent claimer. Returns `false`, changing nothing, when a live
+    /// record holds the key.
+    fn claim<'a>(
+        &'a self,
+        conn: &'a mut <Self::Database as Database>::Connection,
+        record: &'a NewRecord<'a>,
+        lock_wait: Duration,
+    ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
+
+    /// Reads the record under `key` within the transaction.
+    fn find<'a>(
+        &'a self,
+        conn: &'a mut <Self::Database as Database>::Connection,
+        key: &'a ScopedKey,
+    ) -> impl Future<Output = Result<Option<Record>, Error>> + Send + 'a;
+
+    /// Writes the outcome into the record claimed in this transaction.
+    fn finish<'a>(
+        &'a self,
+        conn: &'a mut <Self::Database as Database>::Connection,
+        key: &'a ScopedKey,
+        state: RecordState,
+        response: &'a StoredResponse,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 'a;
+
+    /// Extends a lease held by `lease.owner` to `lease.until`; `false` if it is no longer held.
+    fn renew_lease<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        lease: LeaseClaim,
+    ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
+
+    /// Takes over a processing record whose lease ran out by `now`; `false` if the lease is
+    /// still live or someone else took it first.
+    fn take_over_lease<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        lease: LeaseClaim,
+        now: Millis,
+    ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
+
+    /// Records the outcome of leased work and ends the lease; `false` if the lease was lost.
+    fn finish_leased<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        owner: [u8; 16],
+        state: RecordState,
+        response: &'a StoredResponse,
+    ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
+
+    /// Deletes the claim of leased work that failed retryably; `false` if the lease was lost.
+    fn release_lease<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        owner: [u8; 16],
+    ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
+
+    /// Deletes up to `limit` records expired at `now`; returns how many it deleted.
+    fn purge_expired_batch(
+        &self,
+        now: Millis,
+        limit: u32,
+    ) -> impl Future<Output = Result<u64, Error>> + Send;
+
+    /// Deletes every record expired by now, in batches of [`PURGE_BATCH`]; returns the count.
+    fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {
+        async move {
+            let now = Millis::now();
+            let mut total = 0;
+            loop {
+                let deleted = self.purge_expired_batch(now, PURGE_BATCH).await?;
+                total += deleted;
+                if deleted < u64::from(PURGE_BATCH) {
+                    return Ok(total);
+                }
+            }
+        }
+    }
+}

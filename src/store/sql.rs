@@ -1,0 +1,483 @@
+//! The SQL every backend runs, written once and generic over the backend's [`Dialect`].
+
+// Reachable only through the sealed `Store`, so `pub` here names nothing a user can reach.
+#![allow(unreachable_pub)]
+
+use std::time::Duration;
+
+use sqlx::SqlSafeStr;
+use sqlx::error::DatabaseError;
+use sqlx::{
+    ColumnIndex, Connection, Database, Decode, Encode, Executor, IntoArguments, Pool, Row,
+    Transaction, Type,
+};
+
+use super::protocol::{LeaseClaim, NewRecord, Opened, Protocol};
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::record::{Millis, Record, RecordState, StoredResponse};
+use crate::scope::ScopedKey;
+
+/// The records table of one database, driven through [`Protocol`].
+#[derive(Debug)]
+pub struct SqlStore<DB: Database> {
+    pool: Pool<DB>,
+}
+
+impl<DB: Database> Clone for SqlStore<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+        }
+    }
+}
+
+impl<DB: Database> SqlStore<DB> {
+    pub fn new(pool: Pool<DB>) -> Self {
+        Self { pool }
+    }
+}
+
+impl<DB: Database> SqlStore<DB>
+where
+    Self: Protocol,
+{
+    pub fn spawn_purger(&self, every: Duration) -> tokio::task::JoinHandle<()> {
+        let store = self.clone();
+        tokio::spawn(async move {
+            let mut interval = tokio::time::interval(every);
+            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                interval.tick().await;
+                match store.purge_expired().await {
+                    Ok(0) => {}
+                    Ok(deleted) => tracing::info!(deleted, "purged expired idempotency records"),
+                    Err(error) => {
+                        tracing::warn!(%error, "purging expired idempotency records failed")
+                    }
+                }
+            }
+        })
+    }
+}
+
+/// One backend's SQL and error vocabulary.
+pub trait Dialect: Database {
+    /// Ordered schema migrations: (version, SQL script).
+    const MIGRATIONS: &'static [(i64, &'static str)];
+    /// Begins the migration transaction, serialised against other instances migrating at once.
+    const MIGRATION_BEGIN: &'static str;
+    /// Run first in the migration transaction to serialise concurrent migrators, if the begin
+    /// statement does not already.
+    const MIGRATION_LOCK: Option<&'static str>;
+    /// Releases the lock [`MIGRATION_LOCK`](Dialect::MIGRATION_LOCK) took, when that lock belongs
+    /// to the session rather than the transaction (where DDL commits implicitly, a transaction
+    /// cannot hold it). Run after the migration, whatever its outcome.
+    const MIGRATION_UNLOCK: Option<&'static str> = None;
+    /// Records an applied migration. Parameters: version, applied_at.
+    const MIGRATION_RECORD: &'static str;
+    /// Parameters: key_digest, principal, method, route, fingerprint, state, status, headers,
+    /// body, created_at, expires_at, lease_owner, lease_expires_at, and then
+    /// [`claim_lock_wait`](Dialect::claim_lock_wait) and [`key_lock`](Dialect::key_lock) where
+    /// the dialect gives them.
+    const CLAIM: &'static str;
+    /// A claim tried first, which never waits: it takes the [`key_lock`](Dialect::key_lock)
+    /// without waiting and claims only under it. Every claim holds that lock until its
+    /// transaction ends, so while it is free no uncommitted claim of the key exists to wait
+    /// for, and the statement needs no lock-wait bound; while it is held, [`CLAIM`](Dialect::CLAIM)
+    /// waits for it, bounded. The unique key still decides who owns the key: the lock only
+    /// keeps the uncontended claim from paying for the bound. Parameters as for `CLAIM`, without
+    /// the lock-wait bound; the row it returns is read by [`try_claimed`](Dialect::try_claimed).
+    const TRY_CLAIM: Option<&'static str> = None;
+    /// Parameter: key_digest. Columns: state, fingerprint, status, headers, body, created_at,
+    /// expires_at, lease_expires_at.
+    const FIND: &'static str;
+    /// Run right after [`CLAIM`](Dialect::CLAIM), whatever its outcome, where the lock-wait bound
+    /// set by [`begin_statement`](Dialect::begin_statement) would outlive the claim: it gives the
+    /// handler's own statements, and the pooled connection's next user, their usual bound back.
+    const LIFT_LOCK_WAIT: Option<&'static str> = None;
+    /// Parameters: state, status, headers, body, key_digest.
+    const FINISH: &'static str;
+    /// Parameters: now, limit.
+    const PURGE: &'static str;
+    /// Parameters: lease_expires_at, key_digest, lease_owner.
+    const RENEW_LEASE: &'static str;
+    /// Parameters: lease_owner, lease_expires_at, key_digest, now.
+    const TAKE_OVER_LEASE: &'static str;
+    /// Parameters: state, status, headers, body, key_digest, lease_owner.
+    const FINISH_LEASED: &'static str;
+    /// Parameters: key_digest, lease_owner.
+    const RELEASE_LEASE: &'static str;
+
+    /// Whether the row [`MIGRATION_LOCK`](Dialect::MIGRATION_LOCK) returned says the lock was
+    /// granted: a lock with a timeout reports the timeout there, not as an error.
+    fn migration_locked(_row: &Self::Row) -> bool {
+        true
+    }
+
+    /// The statement that begins a claim transaction with its lock wait bounded; `None` for a
+    /// plain `BEGIN`, where [`CLAIM`](Dialect::CLAIM) bounds its own wait.
+    fn begin_statement(lock_wait: Duration) -> Option<String>;
+
+    /// The lock-wait bound passed to [`CLAIM`](Dialect::CLAIM) as its last parameter, for a
+    /// dialect whose claim statement bounds its own wait.
+    fn claim_lock_wait(_lock_wait: Duration) -> Option<String> {
+        None
+    }
+
+    /// The number of the transaction-scoped lock [`TRY_CLAIM`](Dialect::TRY_CLAIM) and
+    /// [`CLAIM`](Dialect::CLAIM) take for `key`, for a dialect that has `TRY_CLAIM`.
+    fn key_lock(_key: &ScopedKey) -> Option<i64> {
+        None
+    }
+
+    /// What the row [`TRY_CLAIM`](Dialect::TRY_CLAIM) returned says: whether it took the key,
+    /// or `None` when another transaction holds the key's lock.
+    fn try_claimed(_row: &Self::Row) -> Result<Option<bool>, sqlx::Error> {
+        Ok(None)
+    }
+
+    /// Whether the error means "a lock wait ran out".
+    fn is_busy(error: &dyn DatabaseError) -> bool;
+
+    /// Whether the error means the database rolled the transaction back to resolve a deadlock
+    /// or a serialization conflict.
+    fn is_conflict(_error: &dyn DatabaseError) -> bool {
+        false
+    }
+
+    /// How many rows a statement affected.
+    fn rows_affected(result: &Self::QueryResult) -> u64;
+
+    /// Whether the claim statement took the key.
+    fn claimed(result: &Self::QueryResult) -> bool {
+        Self::rows_affected(result) == 1
+    }
+}
+
+/// Runs an autocommit statement on the pool; returns how many rows it affected.
+async fn on_pool<DB>(
+    pool: &Pool<DB>,
+    query: sqlx::query::Query<'_, DB, DB::Arguments>,
+) -> Result<u64, Error>
+where
+    DB: Dialect,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB>,
+{
+    let result = query.execute(pool).await.map_err(classify::<DB>)?;
+    Ok(DB::rows_affected(&result))
+}
+
+fn classify<DB: Dialect>(error: sqlx::Error) -> Error {
+    match &error {
+        sqlx::Error::Database(db) if DB::is_conflict(db.as_ref()) => Error::Conflict,
+        sqlx::Error::Database(db) if DB::is_busy(db.as_ref()) => Error::Busy,
+        _ => Error::Database(error),
+    }
+}
+
+/// Applies the migrations newer than the recorded version, on one connection.
+async fn apply_migrations<DB>(conn: &mut DB::Connection) -> Result<(), Error>
+where
+    DB: Dialect,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB>,
+    usize: ColumnIndex<DB::Row>,
+    i64: for<'q> Encode<'q, DB> + Type<DB>,
+    Option<i64>: for<'r> Decode<'r, DB> + Type<DB>,
+{
+    // Wrapped: a bare `&'static str` here makes the future fail `Send` checks once spawned.
+    let mut tx = conn
+        .begin_with(sqlx::AssertSqlSafe(DB::MIGRATION_BEGIN))
+        .await?;
+    if let Some(lock) = DB::MIGRATION_LOCK {
+        let granted = sqlx::query(lock).fetch_optional(&mut *tx).await?;
+        if granted
+            .as_ref()
+            .is_some_and(|row| !DB::migration_locked(row))
+        {
+            return Err(Error::Migration(
+                "the lock that serialises migrators was not granted".into(),
+            ));
+        }
+    }
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS idempotency_schema_versions (\
+         version BIGINT PRIMARY KEY, applied_at BIGINT NOT NULL)",
+    )
+    .execute(&mut *tx)
+    .await?;
+    let current: Option<i64> = sqlx::query("SELECT MAX(version) FROM idempotency_schema_versions")
+        .fetch_one(&mut *tx)
+        .await?
+        .try_get(0)?;
+    let current = current.unwrap_or(0);
+    for &(version, script) in DB::MIGRATIONS {
+        if version <= current {
+            continue;
+        }
+        sqlx::raw_sql(script)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| Error::Migration(format!("version {version}: {e}")))?;
+        sqlx::query(DB::MIGRATION_RECORD)
+            .bind(version)
+            .bind(Millis::now().column())
+            .execute(&mut *tx)
+            .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+impl<DB> Protocol for SqlStore<DB>
+where
+    DB: Dialect,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB>,
+    usize: ColumnIndex<DB::Row>,
+    Vec<u8>: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+    String: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+    i64: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+    i32: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+    Option<Vec<u8>>: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+    Option<String>: for<'q> Encode<'q, DB> + Type<DB>,
+    Option<i64>: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+    Option<i32>: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+{
+    type Database = DB;
+
+    fn pool(&self) -> &Pool<DB> {
+        &self.pool
+    }
+
+    async fn migrate(&self) -> Result<(), Error> {
+        let mut conn = self.pool.acquire().await?;
+        let applied = apply_migrations::<DB>(&mut conn).await;
+        if let Some(unlock) = DB::MIGRATION_UNLOCK
+            && let Err(error) = sqlx::raw_sql(unlock).execute(&mut *conn).await
+        {
+            // The session may still hold the lock; ending it releases the lock, pooling it would not.
+            conn.close_on_drop();
+            applied?;
+            return Err(error.into());
+        }
+        applied
+    }
+
+    async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, Error> {
+        let mut conn = self.pool.acquire().await?;
+        self.find(&mut conn, key).await
+    }
+
+    async fn open<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        now: Millis,
+        lock_wait: Duration,
+    ) -> Result<Opened<DB>, Error> {
+        let mut conn = self.pool.acquire().await?;
+        match self.find(&mut conn, key).await? {
+            Some(record) if !record.is_expired(now) => Ok(Opened::Live(record)),
+            found => {
+                // sqlx's own `Pool::begin_with` is this very call on a fresh checkout. The call
+                // is hidden from sqlx's docs, so a sqlx release may move it: this is the one
+                // place to adapt, and the conformance suite is what notices.
+                let statement = DB::begin_statement(lock_wait)
+                    .map(|statement| sqlx::AssertSqlSafe(statement).into_sql_str());
+                let tx = Transaction::begin(conn, statement)
+                    .await
+                    .map_err(classify::<DB>)?;
+                Ok(Opened::Claimable {
+                    tx,
+                    expired: found.is_some(),
+                })
+            }
+        }
+    }
+
+    async fn begin(&self, lock_wait: Duration) -> Result<Transaction<'static, DB>, Error> {
+        let begun = match DB::begin_statement(lock_wait) {
+            Some(statement) => self.pool.begin_with(sqlx::AssertSqlSafe(statement)).await,
+            None => self.pool.begin().await,
+        };
+        begun.map_err(classify::<DB>)
+    }
+
+    async fn claim<'a>(
+        &'a self,
+        conn: &'a mut DB::Connection,
+        record: &'a NewRecord<'a>,
+        lock_wait: Duration,
+    ) -> Result<bool, Error> {
+        let (status, headers, body) = match record.response {
+            Some(response) => (
+                Some(i32::from(response.status.as_u16())),
+                Some(response.encode_headers()),
+                Some(response.body.to_vec()),
+            ),
+            None => (None, None, None),
+        };
+        let key_lock = DB::key_lock(&record.key);
+        let bind_record = |sql| {
+            sqlx::query(sql)
+                .bind(record.key.digest().to_vec())
+                .bind(record.scope.principal().map(str::to_owned))
+                .bind(record.scope.method().to_owned())
+                .bind(record.scope.route().to_owned())
+                .bind(record.fingerprint.as_bytes().to_vec())
+                .bind(record.state.as_str().to_owned())
+                .bind(status)
+                .bind(headers.clone())
+                .bind(body.clone())
+                .bind(record.created_at.column())
+                .bind(record.expires_at.column())
+                .bind(record.lease.map(|lease| lease.owner.to_vec()))
+                .bind(record.lease.map(|lease| lease.until.column()))
+        };
+        if let (Some(try_claim), Some(lock)) = (DB::TRY_CLAIM, key_lock) {
+            let row = bind_record(try_claim)
+                .bind(lock)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(classify::<DB>)?;
+            if let Some(claimed) = DB::try_claimed(&row)? {
+                return Ok(claimed);
+            }
+        }
+        let mut query = bind_record(DB::CLAIM);
+        if let Some(bound) = DB::claim_lock_wait(lock_wait) {
+            query = query.bind(bound);
+        }
+        if let Some(lock) = key_lock {
+            query = query.bind(lock);
+        }
+        let claimed = query.execute(&mut *conn).await;
+        let lifted = match DB::LIFT_LOCK_WAIT {
+            Some(lift) => sqlx::raw_sql(lift).execute(&mut *conn).await.map(drop),
+            None => Ok(()),
+        };
+        let claimed = DB::claimed(&claimed.map_err(classify::<DB>)?);
+        lifted.map_err(classify::<DB>)?;
+        Ok(claimed)
+    }
+
+    async fn find<'a>(
+        &'a self,
+        conn: &'a mut DB::Connection,
+        key: &'a ScopedKey,
+    ) -> Result<Option<Record>, Error> {
+        let row = sqlx::query(DB::FIND)
+            .bind(key.digest().to_vec())
+            .fetch_optional(conn)
+            .await
+            .map_err(classify::<DB>)?;
+        let Some(row) = row else { return Ok(None) };
+        let state = RecordState::parse(&row.try_get::<String, _>(0)?)?;
+        let fingerprint = <[u8; 32]>::try_from(row.try_get::<Vec<u8>, _>(1)?.as_slice())
+            .map(Fingerprint::from)
+            .map_err(|_| Error::CorruptRecord("fingerprint length".into()))?;
+        let status: Option<i32> = row.try_get(2)?;
+        let headers: Option<Vec<u8>> = row.try_get(3)?;
+        let body: Option<Vec<u8>> = row.try_get(4)?;
+        let response = match (status, headers, body) {
+            (Some(status), Some(headers), Some(body)) => Some(StoredResponse {
+                status: u16::try_from(status)
+                    .ok()
+                    .and_then(|s| http::StatusCode::from_u16(s).ok())
+                    .ok_or_else(|| Error::CorruptRecord(format!("status {status}")))?,
+                headers: StoredResponse::decode_headers(&headers)?,
+                body: body.into(),
+            }),
+            _ => None,
+        };
+        Ok(Some(Record {
+            state,
+            fingerprint,
+            response,
+            expires_at: Millis::from_column(row.try_get(6)?),
+            lease_expires_at: row.try_get::<Option<i64>, _>(7)?.map(Millis::from_column),
+        }))
+    }
+
+    async fn finish<'a>(
+        &'a self,
+        conn: &'a mut DB::Connection,
+        key: &'a ScopedKey,
+        state: RecordState,
+        response: &'a StoredResponse,
+    ) -> Result<(), Error> {
+        sqlx::query(DB::FINISH)
+            .bind(state.as_str().to_owned())
+            .bind(i32::from(response.status.as_u16()))
+            .bind(response.encode_headers())
+            .bind(response.body.to_vec())
+            .bind(key.digest().to_vec())
+            .execute(conn)
+            .await
+            .map_err(classify::<DB>)?;
+        Ok(())
+    }
+
+    async fn renew_lease<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        lease: LeaseClaim,
+    ) -> Result<bool, Error> {
+        let query = sqlx::query(DB::RENEW_LEASE)
+            .bind(lease.until.column())
+            .bind(key.digest().to_vec())
+            .bind(lease.owner.to_vec());
+        Ok(on_pool(&self.pool, query).await? == 1)
+    }
+
+    async fn take_over_lease<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        lease: LeaseClaim,
+        now: Millis,
+    ) -> Result<bool, Error> {
+        let query = sqlx::query(DB::TAKE_OVER_LEASE)
+            .bind(lease.owner.to_vec())
+            .bind(lease.until.column())
+            .bind(key.digest().to_vec())
+            .bind(now.column());
+        Ok(on_pool(&self.pool, query).await? == 1)
+    }
+
+    async fn finish_leased<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        owner: [u8; 16],
+        state: RecordState,
+        response: &'a StoredResponse,
+    ) -> Result<bool, Error> {
+        let query = sqlx::query(DB::FINISH_LEASED)
+            .bind(state.as_str().to_owned())
+            .bind(i32::from(response.status.as_u16()))
+            .bind(response.encode_headers())
+            .bind(response.body.to_vec())
+            .bind(key.digest().to_vec())
+            .bind(owner.to_vec());
+        Ok(on_pool(&self.pool, query).await? == 1)
+    }
+
+    async fn release_lease<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        owner: [u8; 16],
+    ) -> Result<bool, Error> {
+        let query = sqlx::query(DB::RELEASE_LEASE)
+            .bind(key.digest().to_vec())
+            .bind(owner.to_vec());
+        Ok(on_pool(&self.pool, query).await? == 1)
+    }
+
+    async fn purge_expired_batch(&self, now: Millis, limit: u32) -> Result<u64, Error> {
+        let query = sqlx::query(DB::PURGE)
+            .bind(now.column())
+            .bind(i64::from(limit));
+        on_pool(&self.pool, query).await
+    }
+}

@@ -1,4 +1,4 @@
-//! What idempotency costs over HTTP, measured side by side in one run (issue 6).
+//! What idempotency costs over HTTP, measured side by side in one run.
 //!
 //! Real axum servers on loopback, driven by a hyper client load generator in the same process
 //! (separate runtimes). Every scenario is measured in the same run as its baseline, interleaved
@@ -156,7 +156,7 @@ struct Order {
 /// The order-creating app for one backend: `/bare`, `/manual` and `/layer` (under the layer).
 macro_rules! order_app {
     (
-        $module:ident, $db:ty,
+        $module:ident, $db:ty, $store:ty,
         manual_begin = $begin:literal,
         schema = $schema:literal,
         insert_order = $insert:literal,
@@ -167,7 +167,7 @@ macro_rules! order_app {
             use super::*;
             use axum::extract::State;
             use axum::http::HeaderMap;
-            use axum_idempotency::{IdempotencyLayer, SqlStore, Tx};
+            use axum_idempotency::{IdempotencyLayer, Tx};
             use sha2::{Digest, Sha256};
             use sqlx::Pool;
 
@@ -176,8 +176,7 @@ macro_rules! order_app {
             pub(crate) const SCHEMA: &str = $schema;
 
             pub(crate) fn router(pool: Pool<Db>) -> Router {
-                let layer =
-                    IdempotencyLayer::new(SqlStore::<Db>::new(pool.clone())).allow_anonymous();
+                let layer = IdempotencyLayer::new(<$store>::new(pool.clone())).allow_anonymous();
                 let cached = Router::new()
                     .route("/layer-cached", post(layer_order))
                     .route_layer(layer.clone().cache_replays(CACHE_BYTES));
@@ -284,6 +283,7 @@ macro_rules! order_app {
 order_app!(
     sqlite_app,
     sqlx::Sqlite,
+    axum_idempotency::SqliteStore,
     manual_begin = "BEGIN IMMEDIATE",
     schema =
         "CREATE TABLE orders (id INTEGER PRIMARY KEY, sku TEXT NOT NULL, qty INTEGER NOT NULL);
@@ -303,6 +303,7 @@ order_app!(
 order_app!(
     postgres_app,
     sqlx::Postgres,
+    axum_idempotency::PgStore,
     manual_begin = "BEGIN",
     schema =
         "CREATE TABLE orders (id BIGSERIAL PRIMARY KEY, sku TEXT NOT NULL, qty INTEGER NOT NULL);
@@ -326,6 +327,7 @@ order_app!(
 order_app!(
     mysql_app,
     sqlx::MySql,
+    axum_idempotency::MySqlStore,
     manual_begin = "SET SESSION innodb_lock_wait_timeout = 5; BEGIN",
     schema = "CREATE TABLE orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, sku VARCHAR(64) NOT NULL,
             qty INT NOT NULL) ENGINE = InnoDB;
@@ -801,7 +803,7 @@ fn sqlite_backend(
             .connect_with(options)
             .await?;
         sqlx::raw_sql(sqlite_app::SCHEMA).execute(&pool).await?;
-        axum_idempotency::Store::migrate(&axum_idempotency::SqliteStore::new(pool.clone())).await?;
+        axum_idempotency::SqliteStore::new(pool.clone()).migrate().await?;
         let addr = serve(sqlite_app::router(pool.clone())).await?;
         let orders: CountOrders = Box::new(move |rt: &Runtime| {
             let pool = pool.clone();
@@ -852,7 +854,9 @@ fn postgres_backend(
             .connect_with(options.clone())
             .await?;
         sqlx::raw_sql(postgres_app::SCHEMA).execute(&pool).await?;
-        axum_idempotency::Store::migrate(&axum_idempotency::PgStore::new(pool.clone())).await?;
+        axum_idempotency::PgStore::new(pool.clone())
+            .migrate()
+            .await?;
         let addr = serve(postgres_app::router(pool.clone())).await?;
 
         let upstream = tokio::net::lookup_host((base.get_host(), base.get_port()))
@@ -930,7 +934,7 @@ fn mysql_backend(
             .connect_with(options.clone())
             .await?;
         sqlx::raw_sql(mysql_app::SCHEMA).execute(&pool).await?;
-        axum_idempotency::Store::migrate(&axum_idempotency::MySqlStore::new(pool.clone())).await?;
+        axum_idempotency::MySqlStore::new(pool.clone()).migrate().await?;
         let addr = serve(mysql_app::router(pool.clone())).await?;
 
         let upstream = tokio::net::lookup_host((base.get_host(), base.get_port()))
@@ -1106,7 +1110,7 @@ async fn peer_sessions(addr: SocketAddr, n: usize) -> Result<Vec<HeaderValue>, B
 /// pool of 8 without the pre-acquire ping: the nearest to no database a keyed request can get.
 #[cfg(feature = "sqlite")]
 fn noop_app(server: &Runtime, dir: &std::path::Path) -> Result<SocketAddr, BoxError> {
-    use axum_idempotency::{IdempotencyLayer, SqliteStore, Store};
+    use axum_idempotency::{IdempotencyLayer, SqliteStore};
     use sqlx::sqlite::{
         SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous,
     };
@@ -1137,7 +1141,7 @@ fn noop_app(server: &Runtime, dir: &std::path::Path) -> Result<SocketAddr, BoxEr
             .route_layer(layer.clone().cache_replays(CACHE_BYTES));
         let optional = Router::new()
             .route("/noop-optional", post(noop))
-            .route_layer(layer.key_optional());
+            .route_layer(layer.allow_missing_key());
         let router = Router::new()
             .route("/noop", post(noop))
             .merge(keyed)
@@ -1794,7 +1798,7 @@ fn run_noop(
     let samples = measure_rounds(settings, client, peak, &plans)?;
     let notes = [
         "no layer",
-        "layer, no key (key_optional): pass-through",
+        "layer, no key (allow_missing_key): pass-through",
         "layer with .cache_replays, one key: parse, buffer, fingerprint, replay from memory",
         "layer, one key: parse, buffer, fingerprint, 1 indexed read (tmpfs SQLite), replay",
         "layer, new keys: full claim/record on tmpfs SQLite",

@@ -40,7 +40,7 @@ use axum_idempotency::outbox::{
     Record, SendOutcome, Sender, Status,
 };
 use axum_idempotency::{
-    Dialect, IDEMPOTENCY_KEY, IdempotencyContext, IdempotencyLayer, Principal, SqlStore, Store, Tx,
+    IDEMPOTENCY_KEY, IdempotencyContext, IdempotencyLayer, Principal, SqliteStore, Store, Tx,
 };
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -88,7 +88,7 @@ impl Principal for AuthUser {
 
 /// The SQL that differs between the databases this example runs on; the queries themselves
 /// are portable (SQLite accepts `$1` placeholders too).
-trait PaymentsDb: Backend + Dialect {
+trait PaymentsDb: Backend {
     const SCHEMA: &'static str;
 }
 
@@ -152,7 +152,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .max_connections(16)
                 .connect(&url)
                 .await?;
-            return serve(pool).await;
+            let store = axum_idempotency::PgStore::new(pool.clone());
+            store.migrate().await?;
+            return serve(pool, store).await;
         }
         #[cfg(not(feature = "postgres"))]
         return Err("DATABASE_URL is postgres://…, build with --features postgres".into());
@@ -161,14 +163,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal);
         let pool = SqlitePoolOptions::new().connect_with(options).await?;
-        serve(pool).await
+        let store = SqliteStore::new(pool.clone());
+        store.migrate().await?;
+        serve(pool, store).await
     }
 }
 
-async fn serve<DB>(pool: Pool<DB>) -> Result<(), Box<dyn std::error::Error>>
+async fn serve<DB, S>(pool: Pool<DB>, store: S) -> Result<(), Box<dyn std::error::Error>>
 where
     DB: PaymentsDb,
-    SqlStore<DB>: Store,
+    S: Store<Database = DB>,
     for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
     for<'q> <DB as Database>::Arguments: IntoArguments<DB>,
     for<'e> &'e Pool<DB>: Executor<'e, Database = DB>,
@@ -178,8 +182,6 @@ where
     &'static str: ColumnIndex<DB::Row>,
     usize: ColumnIndex<DB::Row>,
 {
-    let store = SqlStore::new(pool.clone());
-    store.migrate().await?;
     let outbox = Outbox::new(pool.clone());
     outbox.migrate().await?;
     sqlx::query(DB::SCHEMA).execute(&pool).await?;

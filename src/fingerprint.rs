@@ -220,7 +220,7 @@ impl Fingerprinter {
         h.finish()
     }
 
-    /// The fingerprint of an operation outside HTTP, such as a background job (R16): its name
+    /// The fingerprint of an operation outside HTTP, such as a background job: its name
     /// and a JSON body, canonicalised as for a request (with the ignored fields removed). A body
     /// that is not JSON is hashed as raw bytes.
     ///

@@ -75,12 +75,12 @@ struct Config {
 }
 
 /// Makes the routes it wraps idempotent (see the [module docs](self) and the crate docs).
-pub struct IdempotencyLayer<S> {
-    engine: Engine<S>,
+pub struct IdempotencyLayer<St> {
+    engine: Engine<St>,
     config: Arc<Config>,
 }
 
-impl<S: Clone> Clone for IdempotencyLayer<S> {
+impl<St: Clone> Clone for IdempotencyLayer<St> {
     fn clone(&self) -> Self {
         Self {
             engine: self.engine.clone(),
@@ -89,7 +89,7 @@ impl<S: Clone> Clone for IdempotencyLayer<S> {
     }
 }
 
-impl<S: fmt::Debug> fmt::Debug for IdempotencyLayer<S> {
+impl<St: fmt::Debug> fmt::Debug for IdempotencyLayer<St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyLayer")
             .field("engine", &self.engine)
@@ -104,17 +104,17 @@ impl<S: fmt::Debug> fmt::Debug for IdempotencyLayer<S> {
     }
 }
 
-impl<S: Store> IdempotencyLayer<S> {
+impl<St: Store> IdempotencyLayer<St> {
     /// A layer on `store` with the defaults: key required on `POST` and `PATCH`, request bodies
     /// up to 1 MiB, no principal source (so keyed requests answer 401 until one is set with
     /// [`principal`](Self::principal) and friends, or [`allow_anonymous`](Self::allow_anonymous)
     /// is chosen), and the [`Engine`] defaults.
-    pub fn new(store: S) -> Self {
+    pub fn new(store: St) -> Self {
         Self::from_engine(Engine::new(store))
     }
 
     /// A layer over an existing engine, sharing its settings with jobs that use it.
-    pub fn from_engine(engine: Engine<S>) -> Self {
+    pub fn from_engine(engine: Engine<St>) -> Self {
         Self {
             engine,
             config: Arc::new(Config {
@@ -130,7 +130,7 @@ impl<S: Store> IdempotencyLayer<S> {
     }
 
     /// The engine behind this layer, for jobs that must share its claim logic.
-    pub fn engine(&self) -> &Engine<S> {
+    pub fn engine(&self) -> &Engine<St> {
         &self.engine
     }
 
@@ -155,10 +155,10 @@ impl<S: Store> IdempotencyLayer<S> {
 
     /// Like [`principal`](Self::principal), for an extractor that needs the app's state.
     #[must_use]
-    pub fn principal_with_state<P, St>(self, state: St) -> Self
+    pub fn principal_with_state<P, T>(self, state: T) -> Self
     where
-        P: FromRequestParts<St> + Principal + Send + 'static,
-        St: Clone + Send + Sync + 'static,
+        P: FromRequestParts<T> + Principal + Send + 'static,
+        T: Clone + Send + Sync + 'static,
     {
         self.with_principal(Arc::new(move |parts| {
             let state = state.clone();
@@ -301,10 +301,10 @@ impl<S: Store> IdempotencyLayer<S> {
     }
 }
 
-impl<S: Store, I> Layer<I> for IdempotencyLayer<S> {
-    type Service = IdempotencyService<S, I>;
+impl<St: Store, S> Layer<S> for IdempotencyLayer<St> {
+    type Service = IdempotencyService<S, St>;
 
-    fn layer(&self, inner: I) -> Self::Service {
+    fn layer(&self, inner: S) -> Self::Service {
         IdempotencyService {
             inner,
             layer: Arc::new(self.clone()),
@@ -335,13 +335,13 @@ impl Intent for Received {
 }
 
 /// The service [`IdempotencyLayer`] wraps a route in.
-pub struct IdempotencyService<S, I> {
-    inner: I,
+pub struct IdempotencyService<S, St> {
+    inner: S,
     // One shared count to bump per request, rather than one per store, engine and config.
-    layer: Arc<IdempotencyLayer<S>>,
+    layer: Arc<IdempotencyLayer<St>>,
 }
 
-impl<S, I: Clone> Clone for IdempotencyService<S, I> {
+impl<S: Clone, St> Clone for IdempotencyService<S, St> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -350,7 +350,7 @@ impl<S, I: Clone> Clone for IdempotencyService<S, I> {
     }
 }
 
-impl<S: fmt::Debug, I> fmt::Debug for IdempotencyService<S, I> {
+impl<S, St: fmt::Debug> fmt::Debug for IdempotencyService<S, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyService")
             .field("layer", &self.layer)
@@ -358,12 +358,12 @@ impl<S: fmt::Debug, I> fmt::Debug for IdempotencyService<S, I> {
     }
 }
 
-impl<S, I> Service<Request<Body>> for IdempotencyService<S, I>
+impl<S, St> Service<Request<Body>> for IdempotencyService<S, St>
 where
-    S: Store,
-    I: Service<Request<Body>, Error = Infallible> + Clone + Send + 'static,
-    I::Response: IntoResponse,
-    I::Future: Send + 'static,
+    St: Store,
+    S: Service<Request<Body>, Error = Infallible> + Clone + Send + 'static,
+    S::Response: IntoResponse,
+    S::Future: Send + 'static,
 {
     type Response = Response;
     type Error = Infallible;
@@ -387,12 +387,12 @@ where
     }
 }
 
-impl<S: Store> IdempotencyLayer<S> {
-    async fn handle<I>(&self, inner: I, request: Request<Body>) -> Result<Response, Rejection>
+impl<St: Store> IdempotencyLayer<St> {
+    async fn handle<S>(&self, inner: S, request: Request<Body>) -> Result<Response, Rejection>
     where
-        I: Service<Request<Body>, Error = Infallible> + Send + 'static,
-        I::Response: IntoResponse,
-        I::Future: Send + 'static,
+        S: Service<Request<Body>, Error = Infallible> + Send + 'static,
+        S::Response: IntoResponse,
+        S::Future: Send + 'static,
     {
         let config = &self.config;
         let (mut parts, body) = request.into_parts();
@@ -465,11 +465,11 @@ impl<S: Store> IdempotencyLayer<S> {
     }
 
     /// A request without a key: no claim, but `Tx` still works, resolved by the status.
-    async fn pass_through<I>(&self, inner: I, mut request: Request<Body>) -> Response
+    async fn pass_through<S>(&self, inner: S, mut request: Request<Body>) -> Response
     where
-        I: Service<Request<Body>, Error = Infallible> + Send + 'static,
-        I::Response: IntoResponse,
-        I::Future: Send + 'static,
+        S: Service<Request<Body>, Error = Infallible> + Send + 'static,
+        S::Response: IntoResponse,
+        S::Future: Send + 'static,
     {
         let slot = TxSlot::lazy(self.engine.store().protocol().pool().clone());
         request.extensions_mut().insert(slot.clone());

@@ -9,7 +9,7 @@
 //! ```
 //! use std::time::Duration;
 //! use axum::{Json, Router, body::Body, http::{Request, StatusCode}, routing::post};
-//! use axum_idempotency::{IdempotencyLayer, SqliteStore, Store, Tx};
+//! use axum_idempotency::{IdempotencyLayer, SqliteStore, Tx};
 //! use sqlx::Sqlite;
 //! use tower::ServiceExt;
 //!
@@ -33,7 +33,7 @@
 //!     .route_layer(
 //!         IdempotencyLayer::new(store)
 //!             .allow_anonymous() // a real app scopes keys with `.principal::<AuthUser>()`
-//!             .ttl(Duration::from_secs(24 * 3600)),
+//!             .retention(Duration::from_secs(24 * 3600)),
 //!     );
 //!
 //! let request = || {
@@ -62,15 +62,19 @@
 //!   `Idempotent-Replayed: true`. Same key, different intent: 422 `idempotency_key_reused`.
 //! - Same key while the first is still running: the duplicate waits (bounded), then replays;
 //!   past the wait it gets 409 `idempotency_request_in_progress` with `Retry-After`.
-//! - Records live 24 h by default ([`IdempotencyLayer::ttl`]); then the key is a new intent.
+//! - Records live 24 h by default ([`IdempotencyLayer::retention`]); then the key is a new
+//!   intent.
 //!
-//! Module by module: [`key`] parses the header, [`scope`] builds the scoped key,
-//! [`fingerprint`] canonicalises the request, [`record`] holds states and stored responses,
-//! [`store`] keeps records in SQL, [`engine`] runs claim → execute → record for HTTP and jobs
-//! alike, [`layer`] adapts it to tower, [`tx`] is the transaction extractor, [`error`] the
-//! rejections. Behind features: `outbox` (external side effects sent after commit with a stable
-//! downstream key) and `client` (the caller's half: one key per logical call, reused on every
-//! retry).
+//! # How a request flows through the crate
+//!
+//! One request walks the modules top to bottom: [`layer`] (the tower adapter) reads the
+//! [`key`], builds the [`scope`] from the verified principal, method and route, and computes
+//! the [`fingerprint`] of the request; the [`engine`] claims the scoped key, runs the handler
+//! with the [`tx`] extractor inside the claim's transaction and records the response, or
+//! replays the stored one; the [`store`] keeps records in SQL. [`error`] holds what clients and
+//! operators are told. Jobs enter at the [`Engine`], with the same claim. Behind features:
+//! `outbox` (external side effects sent after commit with a stable downstream key) and
+//! `client` (the caller's half: one key per logical call, reused on every retry).
 //!
 //! | feature | what it adds |
 //! |---|---|

@@ -1,7 +1,7 @@
 //! Who is asking, and for which operation: the namespace a key lives in.
 //!
 //! A client's key means something only within the scope of the verified caller (the
-//! *principal*), the HTTP method and the matched route template (R2). The layer never takes
+//! *principal*), the HTTP method and the matched route template. The layer never takes
 //! the principal from a header the client asserts: it comes from an extractor or an extension
 //! set by authentication. User B reusing user A's key therefore lands in another scope and
 //! never sees A's result, and the same key on `POST /orders` and `POST /payments` names two
@@ -49,7 +49,7 @@ impl<T: Principal> Principal for axum::Extension<T> {
 
 /// The full identity of one intent: principal, method, route template and the client's key.
 ///
-/// Background jobs build one directly to go through the same claim logic as HTTP requests (R16).
+/// Background jobs build one directly to go through the same claim logic as HTTP requests.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Scope {
     principal: Option<String>,
@@ -126,7 +126,7 @@ impl Scope {
 }
 
 impl fmt::Debug for Scope {
-    // The raw key stays out of every log line (R13).
+    // The raw key stays out of every log line.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Scope")
             .field("principal", &self.principal)

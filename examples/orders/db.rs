@@ -1,7 +1,7 @@
 //! The example's own tables, written once for every backend.
 //!
 //! `OrdersDb` is implemented for each sqlx database by one blanket impl; only the DDL and the
-//! placeholder style differ per backend (see `Dialect`).
+//! placeholder style differ per backend (see `Backend`).
 
 use std::future::Future;
 
@@ -9,12 +9,14 @@ use serde::Serialize;
 use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Type};
 
 /// What differs between backends in this example.
-pub(crate) trait Backend: axum_idempotency::Dialect {
+pub(crate) trait Backend: Database {
     const SCHEMA: &'static str;
     /// Adds a like unless it exists; the unique key on (user, article) is the natural key.
     const ADD_LIKE: &'static str;
     /// MySQL numbers placeholders with `?`, the others accept `$1, $2, …` in order.
     const QUESTION_MARKS: bool = false;
+    /// How many rows a statement changed (sqlx has no backend-neutral call for it).
+    fn rows_affected(result: &Self::QueryResult) -> u64;
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -264,6 +266,10 @@ impl Backend for sqlx::Sqlite {
         INSERT INTO products (sku, stock) VALUES ('widget', 1000000000), ('gadget', 1) ON CONFLICT DO NOTHING;";
     const ADD_LIKE: &'static str =
         "INSERT INTO likes (user_id, article_id) VALUES ($1, $2) ON CONFLICT DO NOTHING";
+
+    fn rows_affected(result: &Self::QueryResult) -> u64 {
+        result.rows_affected()
+    }
 }
 
 #[cfg(feature = "postgres")]
@@ -278,6 +284,10 @@ impl Backend for sqlx::Postgres {
         INSERT INTO products (sku, stock) VALUES ('widget', 1000000000), ('gadget', 1) ON CONFLICT DO NOTHING;";
     const ADD_LIKE: &'static str =
         "INSERT INTO likes (user_id, article_id) VALUES ($1, $2) ON CONFLICT DO NOTHING";
+
+    fn rows_affected(result: &Self::QueryResult) -> u64 {
+        result.rows_affected()
+    }
 }
 
 // Tables keyed by text need a bounded VARCHAR in MySQL. INSERT … RETURNING (used for orders)
@@ -299,4 +309,8 @@ impl Backend for sqlx::MySql {
     const ADD_LIKE: &'static str = "INSERT INTO likes (user_id, article_id) VALUES ($1, $2) \
         ON DUPLICATE KEY UPDATE user_id = user_id";
     const QUESTION_MARKS: bool = true;
+
+    fn rows_affected(result: &Self::QueryResult) -> u64 {
+        result.rows_affected()
+    }
 }

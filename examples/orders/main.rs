@@ -20,7 +20,7 @@ use axum::http::{StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
-use axum_idempotency::{IdempotencyLayer, Principal, SqlStore, Store, Tx};
+use axum_idempotency::{IdempotencyLayer, Principal, SqliteStore, Store, Tx};
 use db::{NewOrder, Order, OrdersDb, StockError};
 use serde::Deserialize;
 use serde_json::json;
@@ -47,12 +47,28 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .parse::<SqliteConnectOptions>()?
                 .create_if_missing(true)
                 .journal_mode(SqliteJournalMode::Wal);
-            app(sqlx::SqlitePool::connect_with(options).await?, ttl).await?
+            let pool = sqlx::SqlitePool::connect_with(options).await?;
+            let store = SqliteStore::new(pool.clone());
+            store.migrate().await?;
+            store.spawn_purger(PURGE_EVERY);
+            app(pool, store, ttl).await?
         }
         #[cfg(feature = "postgres")]
-        "postgres" | "postgresql" => app(sqlx::PgPool::connect(&url).await?, ttl).await?,
+        "postgres" | "postgresql" => {
+            let pool = sqlx::PgPool::connect(&url).await?;
+            let store = axum_idempotency::PgStore::new(pool.clone());
+            store.migrate().await?;
+            store.spawn_purger(PURGE_EVERY);
+            app(pool, store, ttl).await?
+        }
         #[cfg(feature = "mysql")]
-        "mysql" | "mariadb" => app(sqlx::MySqlPool::connect(&url).await?, ttl).await?,
+        "mysql" | "mariadb" => {
+            let pool = sqlx::MySqlPool::connect(&url).await?;
+            let store = axum_idempotency::MySqlStore::new(pool.clone());
+            store.migrate().await?;
+            store.spawn_purger(PURGE_EVERY);
+            app(pool, store, ttl).await?
+        }
         other => {
             return Err(
                 format!("DATABASE_URL scheme {other:?} is not built in (see --features)").into(),
@@ -73,24 +89,26 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// How often expired idempotency records are deleted.
+const PURGE_EVERY: Duration = Duration::from_secs(60);
+
 /// The whole app for one backend: schema, idempotency layer, routes.
-async fn app<DB: OrdersDb>(
+async fn app<DB, S>(
     pool: Pool<DB>,
+    store: S,
     ttl: Duration,
 ) -> Result<Router, Box<dyn std::error::Error>>
 where
-    SqlStore<DB>: Store<Database = DB>,
+    DB: OrdersDb,
+    S: Store<Database = DB>,
 {
     DB::create_schema(&pool).await?;
-    let store = SqlStore::new(pool.clone());
-    store.migrate().await?;
-    store.spawn_purger(Duration::from_secs(60));
     let state = AppState { pool };
 
     // Keys are scoped to the user the bearer token proves, never to a header the client asserts.
     let idempotency = IdempotencyLayer::new(store)
         .principal_with_state::<AuthUser, _>(state.clone())
-        .ttl(ttl)
+        .retention(ttl)
         .wait_for_in_flight(Duration::from_secs(5))
         .ignore_json_fields(["/request_time", "/trace_id"]);
 

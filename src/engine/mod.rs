@@ -2,7 +2,7 @@
 //!
 //! [`IdempotencyLayer`](crate::IdempotencyLayer) is a thin HTTP adapter over an [`Engine`].
 //! Background jobs, reconciliation tasks and manual replays call the same engine directly
-//! (R16), so a job and an HTTP request that share a scoped key still execute the business once:
+//! through its public API, so a job and an HTTP request that share a scoped key still execute the business once:
 //!
 //! ```
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {

@@ -269,6 +269,14 @@ impl<St: Store> IdempotencyLayer<St> {
         self
     }
 
+    /// See [`Engine::clock`]: the layer's records age only when the test moves `clock`.
+    #[cfg(feature = "test-util")]
+    #[must_use]
+    pub fn clock(mut self, clock: crate::ManualClock) -> Self {
+        self.engine = self.engine.clock(clock);
+        self
+    }
+
     /// See [`Engine::wait_for_in_flight`].
     #[must_use]
     pub fn wait_for_in_flight(mut self, wait: Duration) -> Self {

@@ -83,6 +83,7 @@
 //! | `mysql` | `MySqlStore` (MySQL 8, MariaDB) |
 //! | `outbox` | the `outbox` module: `Outbox`, `Dispatcher`, `Sender` |
 //! | `client` | the `client` module: `IdempotentRetryLayer` for tower HTTP clients |
+//! | `test-util` | `ManualClock`, and `clock(..)` on the engine and the layer: time that tests move |
 //! | `reqwest` | `client::IdempotentRetryMiddleware` for `reqwest-middleware` |
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -108,6 +109,8 @@ pub use error::{Error, Rejection};
 pub use fingerprint::{Fingerprint, Fingerprinter, canonical_json};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use layer::{IDEMPOTENCY_KEY, IdempotencyLayer, IdempotencyService};
+#[cfg(feature = "test-util")]
+pub use record::ManualClock;
 pub use scope::{IdempotencyContext, Principal, Scope, ScopedKey};
 #[cfg(feature = "mysql")]
 pub use store::MySqlStore;

@@ -11,6 +11,10 @@
 // nothing here is reachable from outside the crate.
 #![allow(unreachable_pub)]
 
+#[cfg(feature = "test-util")]
+use std::sync::Arc;
+#[cfg(feature = "test-util")]
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -167,6 +171,62 @@ impl Millis {
             self.0
                 .saturating_add(i64::try_from(span.as_millis()).unwrap_or(i64::MAX)),
         )
+    }
+}
+
+/// Where an engine reads the time: the wall clock, or a [`ManualClock`] a test moves.
+#[derive(Debug, Clone, Default)]
+pub(crate) enum Clock {
+    #[default]
+    System,
+    #[cfg(feature = "test-util")]
+    Manual(ManualClock),
+}
+
+impl Clock {
+    pub(crate) fn now(&self) -> Millis {
+        match self {
+            Self::System => Millis::now(),
+            #[cfg(feature = "test-util")]
+            Self::Manual(clock) => Millis(clock.0.load(Ordering::Relaxed)),
+        }
+    }
+}
+
+/// A clock that stands still until moved, for tests of retention and leases that should not
+/// sleep through them. Give it to [`Engine::clock`](crate::Engine::clock) or
+/// [`IdempotencyLayer::clock`](crate::IdempotencyLayer::clock); clones share one time.
+///
+/// ```
+/// use std::time::{Duration, SystemTime};
+/// use axum_idempotency::ManualClock;
+///
+/// let clock = ManualClock::new(SystemTime::now());
+/// let start = clock.now();
+/// clock.advance(Duration::from_secs(25 * 3600));
+/// assert_eq!(clock.now().duration_since(start)?, Duration::from_secs(25 * 3600));
+/// # Ok::<(), std::time::SystemTimeError>(())
+/// ```
+#[cfg(feature = "test-util")]
+#[derive(Debug, Clone)]
+pub struct ManualClock(Arc<AtomicI64>);
+
+#[cfg(feature = "test-util")]
+impl ManualClock {
+    /// A clock standing at `time` (to the millisecond).
+    pub fn new(time: SystemTime) -> Self {
+        Self(Arc::new(AtomicI64::new(Millis::from(time).0)))
+    }
+
+    /// The time it stands at.
+    pub fn now(&self) -> SystemTime {
+        Millis(self.0.load(Ordering::Relaxed)).into()
+    }
+
+    /// Moves it `by` forward.
+    pub fn advance(&self, by: Duration) {
+        let by = i64::try_from(by.as_millis()).unwrap_or(i64::MAX);
+        self.0.fetch_add(by, Ordering::Relaxed);
     }
 }
 

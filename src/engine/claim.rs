@@ -7,7 +7,7 @@ use super::Engine;
 use super::outcome::IN_PROGRESS;
 use crate::error::{Error, Rejection};
 use crate::fingerprint::Fingerprint;
-use crate::record::{Millis, Record, RecordState};
+use crate::record::{Record, RecordState};
 use crate::scope::{Scope, ScopedKey};
 use crate::store::{NewRecord, Protocol, Store};
 
@@ -28,7 +28,7 @@ impl<S: Store> Engine<S> {
         fingerprint: Fingerprint,
         state: RecordState,
     ) -> NewRecord<'a> {
-        let now = Millis::now();
+        let now = self.settings.clock.now();
         NewRecord {
             key,
             scope,

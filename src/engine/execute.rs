@@ -12,7 +12,7 @@ use super::claim::Claim;
 use super::outcome::{Answer, Classification, Logged, Outcome};
 use crate::error::{Error, Rejection};
 use crate::fingerprint::{Fingerprint, Verbatim};
-use crate::record::{Millis, RecordState};
+use crate::record::RecordState;
 use crate::scope::{IdempotencyContext, Scope, ScopedKey};
 use crate::store::{NewRecord, Opened, Protocol, Store};
 use crate::tx::TxSlot;
@@ -38,7 +38,7 @@ impl<S: Store> Engine<S> {
             let opened = self
                 .store
                 .protocol()
-                .open(&key, Millis::now(), self.settings.wait)
+                .open(&key, self.settings.clock.now(), self.settings.wait)
                 .await;
             match opened {
                 Ok(Opened::Live(record)) => {

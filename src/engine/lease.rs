@@ -118,13 +118,14 @@ impl<S: Store> Engine<S> {
 
         let (lost_tx, lost_rx) = watch::channel(false);
         let store = self.store.protocol().clone();
+        let clock = self.settings.clock.clone();
         let _renewer = AbortOnDrop(tokio::spawn(async move {
             let mut tick = tokio::time::interval((lease / 3).max(Duration::from_millis(10)));
             tick.tick().await;
             loop {
                 tick.tick().await;
                 if !matches!(
-                    store.renew_lease(&key, claim_at(Millis::now())).await,
+                    store.renew_lease(&key, claim_at(clock.now())).await,
                     Ok(true)
                 ) {
                     let _ = lost_tx.send(true);
@@ -180,7 +181,7 @@ impl<S: Store> Engine<S> {
         claim_at: impl Fn(Millis) -> LeaseClaim,
     ) -> Result<bool, Answer> {
         let store = self.store.protocol();
-        let now = Millis::now();
+        let now = self.settings.clock.now();
         match store.lookup(&key).await {
             Err(error) => Err(Answer::store_failed(error)),
             Ok(Some(record)) if !record.is_expired(now) => {

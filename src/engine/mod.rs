@@ -70,7 +70,9 @@ use crate::cache::ReplayCache;
 use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Verbatim};
 use crate::recent::RecentKeys;
-use crate::record::Millis;
+use crate::record::Clock;
+#[cfg(feature = "test-util")]
+use crate::record::ManualClock;
 use crate::scope::{IdempotencyContext, Scope, ScopedKey};
 use crate::store::Store;
 use crate::tx::{Tx, TxSlot};
@@ -130,6 +132,7 @@ struct Settings {
     replayed_headers: Vec<HeaderName>,
     cache: Option<ReplayCache>,
     recent: RecentKeys,
+    clock: Clock,
 }
 
 /// Runs intents exactly once per scoped key, on a [`Store`]. Cheap to clone.
@@ -173,6 +176,7 @@ impl<S: Store> Engine<S> {
                 replayed_headers: Vec::new(),
                 cache: None,
                 recent: RecentKeys::new(),
+                clock: Clock::System,
             }),
         }
     }
@@ -254,6 +258,16 @@ impl<S: Store> Engine<S> {
         self.settings_mut().cache = Some(ReplayCache::new(
             u64::try_from(max_bytes).unwrap_or(u64::MAX),
         ));
+        self
+    }
+
+    /// Reads the time from `clock` instead of the wall clock: retention, leases and the replay
+    /// cache then move only when the test moves it. For tests; the store's own purge still
+    /// reads the wall clock.
+    #[cfg(feature = "test-util")]
+    #[must_use]
+    pub fn clock(mut self, clock: ManualClock) -> Self {
+        self.settings_mut().clock = Clock::Manual(clock);
         self
     }
 
@@ -349,7 +363,7 @@ impl<S: Store> Engine<S> {
             .settings
             .cache
             .as_ref()
-            .and_then(|cache| cache.get(&key, Millis::now()));
+            .and_then(|cache| cache.get(&key, self.settings.clock.now()));
         let answer = match cached {
             Some(cached) => {
                 let verbatim = cached.request.as_ref().is_some_and(|kept| intent.is(kept));

@@ -7,7 +7,7 @@ use super::outcome::{Answer, Logged, Outcome};
 use super::{Engine, IDEMPOTENT_REPLAYED};
 use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Verbatim};
-use crate::record::{Millis, Record, RecordState, StoredResponse};
+use crate::record::{Record, RecordState, StoredResponse};
 use crate::scope::ScopedKey;
 use crate::store::{NewRecord, Store};
 
@@ -58,7 +58,12 @@ impl<S: Store> Engine<S> {
         let same_intent = record.fingerprint == fingerprint;
         let answer = answer_existing(&record, same_intent);
         if let Some(cache) = &self.settings.cache {
-            cache.insert(key, record, request.filter(|_| same_intent), Millis::now());
+            cache.insert(
+                key,
+                record,
+                request.filter(|_| same_intent),
+                self.settings.clock.now(),
+            );
         }
         answer
     }
@@ -80,7 +85,7 @@ impl<S: Store> Engine<S> {
                 expires_at: record.expires_at,
                 lease_expires_at: None,
             };
-            cache.insert(record.key, kept, request, Millis::now());
+            cache.insert(record.key, kept, request, self.settings.clock.now());
         }
     }
 

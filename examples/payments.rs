@@ -36,8 +36,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router, middleware};
 use axum_idempotency::outbox::{
-    Backend, DispatchWaker, Dispatcher, DownstreamKey, LookupOutcome, Message, MessageId, Outbox,
-    Record, SendOutcome, Sender, Status,
+    Backend, Backoff, DispatchWaker, Dispatcher, DownstreamKey, LookupOutcome, Message, MessageId,
+    Outbox, Record, SendOutcome, Sender, Status,
 };
 use axum_idempotency::{
     Dialect, IDEMPOTENCY_KEY, IdempotencyContext, IdempotencyLayer, Principal, SqlStore, Store, Tx,
@@ -241,7 +241,10 @@ fn dispatcher<DB: PaymentsDb>(outbox: Outbox<DB>) -> Dispatcher<DB, Provider> {
         .send_timeout(millis("OUTBOX_SEND_TIMEOUT_MS", 5_000))
         .lookup_grace(millis("OUTBOX_LOOKUP_GRACE_MS", 10_000))
         .max_attempts(env_or("OUTBOX_MAX_ATTEMPTS", 10))
-        .backoff(millis("OUTBOX_BACKOFF_MS", 200), Duration::from_secs(10))
+        .backoff(Backoff::exponential(
+            millis("OUTBOX_BACKOFF_MS", 200),
+            Duration::from_secs(10),
+        ))
 }
 
 async fn create_payment<DB>(

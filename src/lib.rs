@@ -83,6 +83,8 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(any(feature = "client", feature = "outbox"))]
+mod backoff;
 mod cache;
 #[cfg(feature = "client")]
 pub mod client;

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use axum_idempotency::outbox::{
-    Backend, Dispatcher, DownstreamKey, LookupOutcome, Message, Outbox, OutboxError, Record,
-    SendOutcome, Sender, Status,
+    Backend, Backoff, Dispatcher, DownstreamKey, LookupOutcome, Message, Outbox, OutboxError,
+    Record, SendOutcome, Sender, Status,
 };
 use sqlx::Pool;
 use tokio::sync::Notify;
@@ -289,7 +289,7 @@ fn dispatcher<DB: Backend>(
     downstream: &Downstream,
 ) -> Dispatcher<DB, Downstream> {
     Dispatcher::new(outbox.clone(), downstream.clone())
-        .backoff(Duration::ZERO, Duration::ZERO)
+        .backoff(Backoff::exponential(Duration::ZERO, Duration::ZERO))
         .lookup_grace(Duration::ZERO)
         .send_timeout(Duration::from_secs(5))
 }

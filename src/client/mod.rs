@@ -90,11 +90,12 @@ mod policy;
 mod retry;
 mod service;
 
+pub use crate::backoff::Backoff;
 pub use body::ResponseBody;
 pub use error::{BoxError, Error, ErrorKind};
 pub use key::{ClientKey, InvalidClientKey};
 pub use layer::IdempotentRetryLayer;
 #[cfg(feature = "reqwest")]
 pub use middleware::IdempotentRetryMiddleware;
-pub use policy::{Backoff, RetryPolicy, is_transient_status};
+pub use policy::{RetryPolicy, is_transient_status};
 pub use service::{Attempts, IdempotentRetry, ResponseFuture};

@@ -10,9 +10,9 @@ use futures_util::future::join_all;
 use tokio::sync::Notify;
 
 use super::backend::{Backend, Claim, Settlement};
-use super::backoff::Backoff;
 use super::status::{duration_millis, now_millis, to_millis};
 use super::{LookupOutcome, Outbox, OutboxError, Record, SendOutcome, Sender, Status};
+use crate::backoff::{Backoff, random_u64};
 
 /// Delivers outbox messages through a [`Sender`]: claims due messages under a lease, calls the
 /// sender, and records delivered, retry-later or failed.
@@ -65,10 +65,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
             poll_interval: Duration::from_secs(1),
             batch_size: 16,
             max_attempts: 10,
-            backoff: Backoff {
-                base: Duration::from_secs(1),
-                cap: Duration::from_secs(300),
-            },
+            backoff: Backoff::exponential(Duration::from_secs(1), Duration::from_secs(300)),
             send_timeout: Duration::from_secs(30),
             lease: Duration::from_secs(90),
             lookup_grace: Duration::from_secs(60),
@@ -95,10 +92,11 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         self
     }
 
-    /// The delay before retry `n` is uniformly random in `[0, min(cap, base × 2ⁿ⁻¹)]` (full
-    /// jitter), and never shorter than a `Retry-After` the sender reports; default 1 s and 5 min.
-    pub fn backoff(mut self, base: Duration, cap: Duration) -> Self {
-        self.backoff = Backoff { base, cap };
+    /// The wait before a message is sent again, never shorter than a `Retry-After` the sender
+    /// reports; default [`Backoff::exponential`]`(1 s, 5 min)`. The same type as the
+    /// client's `RetryPolicy::backoff` takes.
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = backoff;
         self
     }
 
@@ -171,7 +169,8 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         let claim = Claim {
             now,
             lease_until: now.saturating_add(duration_millis(lease)),
-            token: fastrand::i64(..),
+            // Any bit pattern is a token: all 64 random bits are kept, the sign included.
+            token: i64::from_ne_bytes(random_u64().to_ne_bytes()),
             limit: i64::from(self.batch_size),
         };
         let claimed = DB::claim(self.outbox.pool(), claim).await?;
@@ -286,7 +285,8 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     }
 
     fn delay(&self, attempt: u32, retry_after: Option<Duration>) -> i64 {
-        duration_millis(self.backoff.delay(attempt, retry_after))
+        let wait = self.backoff.delay(attempt);
+        duration_millis(wait.max(retry_after.unwrap_or_default()))
     }
 }
 

@@ -70,7 +70,6 @@
 //! process writing them; dispatchers on several hosts assume clocks kept in sync.
 
 mod backend;
-mod backoff;
 mod dispatcher;
 mod error;
 mod message;
@@ -78,6 +77,7 @@ mod sender;
 mod status;
 mod store;
 
+pub use crate::backoff::Backoff;
 pub use backend::Backend;
 pub use dispatcher::{DispatchWaker, Dispatcher};
 pub use error::OutboxError;

@@ -1,4 +1,4 @@
-//! What idempotency costs over HTTP, measured side by side in one run (issue 6).
+//! What idempotency costs over HTTP, measured side by side in one run.
 //!
 //! Real axum servers on loopback, driven by a hyper client load generator in the same process
 //! (separate runtimes). Every scenario is measured in the same run as its baseline, interleaved

@@ -37,7 +37,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router, middleware};
 use axum_idempotency::outbox::{
     Backend, Backoff, DispatchWaker, Dispatcher, DownstreamKey, LookupOutcome, Message, MessageId,
-    Outbox, Record, SendOutcome, Sender, Status,
+    Outbox, OutboxRecord, SendOutcome, Sender, Status,
 };
 use axum_idempotency::{
     Dialect, IDEMPOTENCY_KEY, IdempotencyContext, IdempotencyLayer, Principal, SqlStore, Store, Tx,
@@ -377,7 +377,7 @@ struct Provider {
 }
 
 impl Sender for Provider {
-    async fn send(&self, message: &Record) -> SendOutcome {
+    async fn send(&self, message: &OutboxRecord) -> SendOutcome {
         let request = http::Request::post(format!("{}/charges", self.base))
             .header(header::CONTENT_TYPE, "application/json")
             .header(IDEMPOTENCY_KEY, message.downstream_key.as_str())
@@ -445,7 +445,7 @@ impl Sender for Provider {
         }
     }
 
-    async fn lookup(&self, message: &Record) -> LookupOutcome {
+    async fn lookup(&self, message: &OutboxRecord) -> LookupOutcome {
         if !self.lookup {
             return LookupOutcome::Unsupported;
         }

@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 
 use axum_idempotency::outbox::{
     Backend, Backoff, Dispatcher, DownstreamKey, LookupOutcome, Message, Outbox, OutboxError,
-    Record, SendOutcome, Sender, Status,
+    OutboxRecord, SendOutcome, Sender, Status,
 };
 use sqlx::Pool;
 use tokio::sync::Notify;
@@ -223,7 +223,7 @@ impl Downstream {
 }
 
 impl Sender for Downstream {
-    async fn send(&self, message: &Record) -> SendOutcome {
+    async fn send(&self, message: &OutboxRecord) -> SendOutcome {
         self.0
             .sends
             .lock()
@@ -243,7 +243,7 @@ impl Sender for Downstream {
         })
     }
 
-    async fn lookup(&self, message: &Record) -> LookupOutcome {
+    async fn lookup(&self, message: &OutboxRecord) -> LookupOutcome {
         self.0
             .lookups
             .lock()
@@ -300,7 +300,7 @@ async fn enqueue_committed<DB: Backend>(pool: &Pool<DB>, outbox: &Outbox<DB>, me
     tx.commit().await.unwrap();
 }
 
-async fn record<DB: Backend>(outbox: &Outbox<DB>, discriminator: &str) -> Record {
+async fn record<DB: Backend>(outbox: &Outbox<DB>, discriminator: &str) -> OutboxRecord {
     outbox
         .status_by_key(&key(discriminator))
         .await

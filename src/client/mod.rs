@@ -10,7 +10,7 @@
 //!   [`ClientKey`] request extension (e.g. derived from the caller's own order id) or the header
 //!   already set.
 //! - Every retry sends the **same** key and the **same** body: the body is buffered once (up to
-//!   [`body_limit`](IdempotentRetryLayer::body_limit)) and resent.
+//!   [`max_request_body`](IdempotentRetryLayer::max_request_body)) and resent.
 //! - It retries only what is safe and useful to retry: connection errors, timeouts, `408`,
 //!   `429`, `5xx`, and `409` with the problem `code` `idempotency_request_in_progress` (the
 //!   server is still running the first attempt). Every other answer is final and returned at

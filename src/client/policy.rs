@@ -49,6 +49,7 @@ impl Default for RetryPolicy {
 
 impl RetryPolicy {
     /// How many attempts one call may make in all, the first included. Default 5; at least 1.
+    #[must_use]
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts.max(1);
         self
@@ -57,6 +58,7 @@ impl RetryPolicy {
     /// The time one call may take from its first attempt to its answer, waits included.
     /// Default 30 s. No retry starts whose wait would end past it; an attempt still running
     /// when it passes is abandoned.
+    #[must_use]
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = deadline;
         self
@@ -64,12 +66,14 @@ impl RetryPolicy {
 
     /// How long a single attempt may run before it counts as a timeout (and is retried).
     /// Default 10 s.
+    #[must_use]
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
         self.attempt_timeout = Some(timeout);
         self
     }
 
     /// Lets each attempt run until the deadline, for inner clients that enforce their own timeout.
+    #[must_use]
     pub fn no_attempt_timeout(mut self) -> Self {
         self.attempt_timeout = None;
         self
@@ -77,6 +81,7 @@ impl RetryPolicy {
 
     /// The wait between attempts when the answer carries no `Retry-After`.
     /// Default [`Backoff::default`].
+    #[must_use]
     pub fn backoff(mut self, backoff: Backoff) -> Self {
         self.backoff = backoff;
         self
@@ -85,6 +90,7 @@ impl RetryPolicy {
     /// Replaces the test for statuses that are retried (default [`is_transient_status`]: `408`,
     /// `429` and `5xx`). A `409` in-progress answer is retried whatever this says, because it is
     /// the idempotency protocol's own "try again later".
+    #[must_use]
     pub fn retry_status_if(mut self, retry: fn(StatusCode) -> bool) -> Self {
         self.retry_status = retry;
         self

@@ -11,7 +11,7 @@ use tokio::sync::Notify;
 
 use super::backend::{Backend, Claim, Settlement};
 use super::status::{duration_millis, now_millis, to_millis};
-use super::{LookupOutcome, Outbox, OutboxError, Record, SendOutcome, Sender, Status};
+use super::{LookupOutcome, Outbox, OutboxError, OutboxRecord, SendOutcome, Sender, Status};
 use crate::backoff::{Backoff, random_u64};
 
 /// Delivers outbox messages through a [`Sender`]: claims due messages under a lease, calls the
@@ -23,10 +23,10 @@ use crate::backoff::{Backoff, random_u64};
 /// the same downstream key).
 ///
 /// ```no_run
-/// # use axum_idempotency::outbox::{Dispatcher, Outbox, Record, SendOutcome, Sender};
+/// # use axum_idempotency::outbox::{Dispatcher, Outbox, OutboxRecord, SendOutcome, Sender};
 /// # struct Provider;
 /// # impl Sender for Provider {
-/// #     async fn send(&self, _: &Record) -> SendOutcome { unimplemented!() }
+/// #     async fn send(&self, _: &OutboxRecord) -> SendOutcome { unimplemented!() }
 /// # }
 /// # async fn run(outbox: Outbox<sqlx::Sqlite>) {
 /// use std::time::Duration;
@@ -57,6 +57,7 @@ pub struct Dispatcher<DB: Backend, S> {
 
 impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// A dispatcher for `outbox` delivering through `sender`, with the defaults below.
+    #[must_use]
     pub fn new(outbox: Outbox<DB>, sender: S) -> Self {
         Self {
             outbox,
@@ -74,12 +75,14 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
 
     /// How long to sleep when no message is due; default 1 s. A [`waker`](Self::waker) cuts
     /// the sleep short.
+    #[must_use]
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.poll_interval = interval;
         self
     }
 
     /// How many messages one claim leases and sends concurrently; default 16.
+    #[must_use]
     pub fn batch_size(mut self, size: u32) -> Self {
         self.batch_size = size.max(1);
         self
@@ -87,6 +90,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
 
     /// After how many sender calls a message that still did not go through fails for good;
     /// default 10.
+    #[must_use]
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts.max(1);
         self
@@ -95,6 +99,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// The wait before a message is sent again, never shorter than a `Retry-After` the sender
     /// reports; default [`Backoff::exponential`]`(1 s, 5 min)`. The same type as the
     /// client's `RetryPolicy::backoff` takes.
+    #[must_use]
     pub fn backoff(mut self, backoff: Backoff) -> Self {
         self.backoff = backoff;
         self
@@ -102,6 +107,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
 
     /// How long one sender call (or lookup) may take before its outcome counts as unknown;
     /// default 30 s.
+    #[must_use]
     pub fn send_timeout(mut self, timeout: Duration) -> Self {
         self.send_timeout = timeout;
         self
@@ -110,6 +116,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// How long a claim holds a message before another dispatcher may take it over; default
     /// 90 s. A lookup and a send each run up to the send timeout, so a lease shorter than twice
     /// the send timeout is raised to that, keeping a live dispatcher from being overtaken.
+    #[must_use]
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self
@@ -118,6 +125,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// After an unknown outcome, how long a lookup that finds nothing is trusted less than the
     /// possibility that the attempt is still running at the downstream: within the grace the
     /// dispatcher waits, after it the message is resent; default 60 s.
+    #[must_use]
     pub fn lookup_grace(mut self, grace: Duration) -> Self {
         self.lookup_grace = grace;
         self
@@ -187,7 +195,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         Ok(count)
     }
 
-    async fn deliver(&self, mut record: Record, token: i64) -> Result<(), sqlx::Error> {
+    async fn deliver(&self, mut record: OutboxRecord, token: i64) -> Result<(), sqlx::Error> {
         let pool = self.outbox.pool();
         if record.outcome_unknown {
             let found = self.bounded(self.sender.lookup(&record)).await;
@@ -270,7 +278,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
 
     async fn settle(
         &self,
-        record: &Record,
+        record: &OutboxRecord,
         token: i64,
         settlement: Settlement,
     ) -> Result<(), sqlx::Error> {

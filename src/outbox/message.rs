@@ -33,6 +33,7 @@ impl DownstreamKey {
     /// assert_eq!(first, retry);
     /// assert_ne!(first, DownstreamKey::for_request("3f2a…", "payments.charge", "refund"));
     /// ```
+    #[must_use]
     pub fn for_request(scoped_digest: &str, topic: &str, discriminator: &str) -> Self {
         let mut hasher = Sha256::new();
         hasher.update(b"axum-idempotency/outbox/v1");
@@ -103,6 +104,7 @@ pub struct Message {
 
 impl Message {
     /// A message with an opaque payload; the [`Sender`](super::Sender) decides what it means.
+    #[must_use]
     pub fn new(topic: impl Into<String>, key: DownstreamKey, payload: impl Into<Vec<u8>>) -> Self {
         Self {
             topic: topic.into(),

@@ -9,7 +9,7 @@
 //! often the client retries (the retry replays the stored response and enqueues nothing).
 //!
 //! A [`Dispatcher`] — a task you spawn, as many as you like — then delivers committed messages
-//! through your [`Sender`] and records each outcome in the message's [`Record`]:
+//! through your [`Sender`] and records each outcome in the message's [`OutboxRecord`]:
 //!
 //! - **delivered**, with what the downstream answered (a charge id);
 //! - **retry later**, with exponential backoff and full jitter, never before a `Retry-After`;
@@ -33,14 +33,14 @@
 //!
 //! ```no_run
 //! use axum_idempotency::outbox::{
-//!     Dispatcher, DownstreamKey, Message, Outbox, Record, SendOutcome, Sender,
+//!     Dispatcher, DownstreamKey, Message, Outbox, OutboxRecord, SendOutcome, Sender,
 //! };
 //! use sqlx::SqlitePool;
 //!
 //! struct Provider;
 //!
 //! impl Sender for Provider {
-//!     async fn send(&self, message: &Record) -> SendOutcome {
+//!     async fn send(&self, message: &OutboxRecord) -> SendOutcome {
 //!         // POST message.payload with `Idempotency-Key: {message.downstream_key}` …
 //!         SendOutcome::Delivered { receipt: "ch_123".into() }
 //!     }
@@ -83,5 +83,5 @@ pub use dispatcher::{DispatchWaker, Dispatcher};
 pub use error::OutboxError;
 pub use message::{DownstreamKey, InvalidDownstreamKey, Message};
 pub use sender::{LookupOutcome, SendOutcome, Sender};
-pub use status::{MessageId, Record, Status};
+pub use status::{MessageId, OutboxRecord, Status};
 pub use store::Outbox;

@@ -1,4 +1,4 @@
-//! The peer crate `axum-idempotent` on the HTTP benchmark's order handler (issue 6).
+//! The peer crate `axum-idempotent` on the HTTP benchmark's order handler.
 //!
 //! `cargo bench --bench http` builds this binary, starts it and drives it with the same load
 //! generator and the same SQL as its own `bare` handler, in the PostgreSQL schema the benchmark

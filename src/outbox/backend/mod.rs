@@ -7,7 +7,7 @@ use std::future::Future;
 
 use sqlx::Pool;
 
-use super::{DownstreamKey, Message, MessageId, Record, Status};
+use super::{DownstreamKey, Message, MessageId, OutboxRecord, Status};
 
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -139,19 +139,19 @@ mod private {
         fn fetch_by_id(
             conn: &mut Self::Connection,
             id: MessageId,
-        ) -> impl Future<Output = Result<Option<Record>, sqlx::Error>> + Send;
+        ) -> impl Future<Output = Result<Option<OutboxRecord>, sqlx::Error>> + Send;
 
         /// Reads one message by downstream key.
         fn fetch_by_key(
             conn: &mut Self::Connection,
             key: &DownstreamKey,
-        ) -> impl Future<Output = Result<Option<Record>, sqlx::Error>> + Send;
+        ) -> impl Future<Output = Result<Option<OutboxRecord>, sqlx::Error>> + Send;
 
         /// Leases due messages, skipping those another dispatcher holds.
         fn claim(
             pool: &Pool<Self>,
             claim: Claim,
-        ) -> impl Future<Output = Result<Vec<Record>, sqlx::Error>> + Send;
+        ) -> impl Future<Output = Result<Vec<OutboxRecord>, sqlx::Error>> + Send;
 
         /// Records that the sender is about to be called: one more attempt, outcome unknown
         /// until settled, so a crash during the call leads to a lookup, not a blind resend.

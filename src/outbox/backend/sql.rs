@@ -5,7 +5,7 @@ use sqlx::{ColumnIndex, Decode, Encode, Executor, IntoArguments, Pool, Row, Type
 
 use super::private::{Claim, ClaimSql, Dialect, NewId, Ops, Settlement};
 use crate::outbox::status::from_millis;
-use crate::outbox::{DownstreamKey, Message, MessageId, Record, Status};
+use crate::outbox::{DownstreamKey, Message, MessageId, OutboxRecord, Status};
 
 impl<DB> Ops for DB
 where
@@ -57,7 +57,7 @@ where
     async fn fetch_by_id(
         conn: &mut DB::Connection,
         id: MessageId,
-    ) -> Result<Option<Record>, sqlx::Error> {
+    ) -> Result<Option<OutboxRecord>, sqlx::Error> {
         let row = sqlx::query(DB::FETCH_BY_ID)
             .bind(id.get())
             .fetch_optional(conn)
@@ -68,7 +68,7 @@ where
     async fn fetch_by_key(
         conn: &mut DB::Connection,
         key: &DownstreamKey,
-    ) -> Result<Option<Record>, sqlx::Error> {
+    ) -> Result<Option<OutboxRecord>, sqlx::Error> {
         let row = sqlx::query(DB::FETCH_BY_KEY)
             .bind(key.as_str())
             .fetch_optional(conn)
@@ -76,7 +76,7 @@ where
         row.as_ref().map(record_from_row).transpose()
     }
 
-    async fn claim(pool: &Pool<Self>, claim: Claim) -> Result<Vec<Record>, sqlx::Error> {
+    async fn claim(pool: &Pool<Self>, claim: Claim) -> Result<Vec<OutboxRecord>, sqlx::Error> {
         match DB::CLAIM {
             ClaimSql::UpdateReturning { probe, update } => {
                 if let Some(probe) = probe {
@@ -160,7 +160,7 @@ where
 }
 
 /// Every backend selects the same columns under the same names, so one decoder serves them all.
-fn record_from_row<'r, R>(row: &'r R) -> Result<Record, sqlx::Error>
+fn record_from_row<'r, R>(row: &'r R) -> Result<OutboxRecord, sqlx::Error>
 where
     R: Row,
     &'static str: ColumnIndex<R>,
@@ -175,7 +175,7 @@ where
         source: format!("unknown outbox status {status:?}").into(),
     })?;
     let attempts: i64 = row.try_get("attempts")?;
-    Ok(Record {
+    Ok(OutboxRecord {
         id: MessageId::from(row.try_get::<i64, _>("id")?),
         topic: row.try_get("topic")?,
         downstream_key: DownstreamKey::from_stored(row.try_get("downstream_key")?),

@@ -7,7 +7,7 @@ use http::{HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
 use super::{Backoff, IdempotentRetry, RetryPolicy};
-use crate::IDEMPOTENCY_KEY;
+use crate::protocol::KEY_HEADER;
 
 /// Wraps an HTTP client so every keyed call gets one idempotency key, reused on each retry.
 ///
@@ -39,7 +39,7 @@ impl IdempotentRetryLayer {
         Self {
             config: Arc::new(Config {
                 policy: RetryPolicy::default(),
-                header_name: IDEMPOTENCY_KEY,
+                header_name: KEY_HEADER,
                 keyed_methods: vec![Method::POST, Method::PATCH],
                 max_request_body: 1024 * 1024,
             }),

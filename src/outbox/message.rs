@@ -52,10 +52,7 @@ impl DownstreamKey {
     /// `Idempotency-Key`, so it can be sent in an HTTP header as it is.
     pub fn new(key: impl Into<String>) -> Result<Self, InvalidDownstreamKey> {
         let key = key.into();
-        let visible = key.bytes().all(|b| (0x21..=0x7e).contains(&b));
-        if key.is_empty() || key.len() > 255 || !visible {
-            return Err(InvalidDownstreamKey);
-        }
+        crate::protocol::check_key(key.as_bytes()).map_err(|_| InvalidDownstreamKey)?;
         Ok(Self(key))
     }
 

@@ -64,10 +64,12 @@
 //! # Backends
 //!
 //! SQLite, PostgreSQL and MySQL/MariaDB (10.6+), each behind its cargo feature, share one table
-//! layout (`idempotency_outbox`), created by [`Outbox::migrate`]. PostgreSQL and MySQL claim
-//! with `FOR UPDATE SKIP LOCKED`, so dispatchers on many hosts never pick the same message;
-//! SQLite's single writer gives the same guarantee. Timestamps come from the clock of the
-//! process writing them; dispatchers on several hosts assume clocks kept in sync.
+//! layout (`idempotency_outbox`), created and upgraded by [`Outbox::migrate`], which records the
+//! applied versions in `idempotency_outbox_schema_versions`; the SQL it runs ships under
+//! `migrations/<backend>/outbox/` for teams that prefer their own migration tool. PostgreSQL and
+//! MySQL claim with `FOR UPDATE SKIP LOCKED`, so dispatchers on many hosts never pick the same
+//! message; SQLite's single writer gives the same guarantee. Timestamps come from the clock of
+//! the process writing them; dispatchers on several hosts assume clocks kept in sync.
 
 mod backend;
 mod dispatcher;

@@ -39,7 +39,8 @@ impl<DB: Backend> Outbox<DB> {
         Self { pool }
     }
 
-    /// Creates the table and its indexes if they are missing.
+    /// Creates the outbox's table, or upgrades it to this version's schema: applies the schema
+    /// versions not yet recorded in `idempotency_outbox_schema_versions`.
     ///
     /// Idempotent, and safe when several instances of the app start at the same time.
     pub async fn migrate(&self) -> Result<(), OutboxError> {

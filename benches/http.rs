@@ -49,7 +49,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Runtime;
 use tokio::sync::Barrier;
@@ -79,11 +78,17 @@ struct Settings {
     soak_secs: f64,
     soak_requests: u64,
     test_before_acquire: bool,
+    #[cfg(feature = "postgres")]
     database_url: String,
+    #[cfg(feature = "mysql")]
     mysql_url: String,
     peer: bool,
+    // The peer runs on PostgreSQL only.
+    #[cfg(feature = "postgres")]
     peer_store: String,
+    #[cfg(feature = "postgres")]
     peer_redis: String,
+    #[cfg(feature = "postgres")]
     peer_keying: String,
 }
 
@@ -111,14 +116,19 @@ impl Settings {
             soak_secs: env_or("BENCH_SOAK_SECS", 45.0),
             soak_requests: env_or("BENCH_SOAK_REQUESTS", 1_000_000),
             test_before_acquire: env_or("BENCH_TEST_BEFORE_ACQUIRE", true),
+            #[cfg(feature = "postgres")]
             database_url: std::env::var("DATABASE_URL")
                 .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
+            #[cfg(feature = "mysql")]
             mysql_url: std::env::var("MYSQL_URL")
                 .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into()),
             peer: env_or("BENCH_PEER", true),
+            #[cfg(feature = "postgres")]
             peer_store: std::env::var("BENCH_PEER_STORE").unwrap_or_else(|_| "auto".into()),
+            #[cfg(feature = "postgres")]
             peer_redis: std::env::var("BENCH_PEER_REDIS")
                 .unwrap_or_else(|_| "redis://127.0.0.1:6379".into()),
+            #[cfg(feature = "postgres")]
             peer_keying: std::env::var("BENCH_PEER_KEYING").unwrap_or_else(|_| "header".into()),
         }
     }
@@ -376,10 +386,13 @@ impl<S: Subscriber> tracing_subscriber::Layer<S> for StatementCounter {
 /// client has sent something, one request/response exchange has completed. Pipelined messages
 /// (Parse/Bind/Execute/Sync in one flight) count once, as they cost one network wait. It reads no
 /// protocol, so it counts MySQL's exchanges the same way as PostgreSQL's.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 async fn counting_proxy(
     upstream: SocketAddr,
     trips: Arc<AtomicU64>,
 ) -> std::io::Result<SocketAddr> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move {
@@ -1296,8 +1309,11 @@ fn main() -> Result<(), BoxError> {
         settings.secs, settings.rounds, settings.conns
     );
     let mut backends = Vec::new();
-    let mut postgres_used = false;
-    let mut mysql_used = false;
+    // A listed backend is either set up below or the run stops with its error, so "used" is
+    // "listed and built in".
+    let listed = |name: &str| settings.backends.iter().any(|b| b == name);
+    let postgres_used = cfg!(feature = "postgres") && listed("postgres");
+    let mysql_used = cfg!(feature = "mysql") && listed("mysql");
     for name in &settings.backends {
         match name.as_str() {
             #[cfg(feature = "sqlite")]
@@ -1310,7 +1326,6 @@ fn main() -> Result<(), BoxError> {
                     &run,
                     settings.test_before_acquire,
                 )?);
-                postgres_used = true;
             }
             #[cfg(feature = "mysql")]
             "mysql" => {
@@ -1320,7 +1335,6 @@ fn main() -> Result<(), BoxError> {
                     &run,
                     settings.test_before_acquire,
                 )?);
-                mysql_used = true;
             }
             #[cfg(not(feature = "sqlite"))]
             "sqlite" => report.notes.push(skipped_feature(name)),

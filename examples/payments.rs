@@ -36,8 +36,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router, middleware};
 use axum_idempotency::outbox::{
-    Backend, DispatchWaker, Dispatcher, DownstreamKey, LookupOutcome, Message, MessageId, Outbox,
-    Record, SendOutcome, Sender, Status,
+    Backend, Backoff, DispatchWaker, Dispatcher, DownstreamKey, LookupOutcome, Message, MessageId,
+    Outbox, OutboxRecord, SendOutcome, Sender, Status,
 };
 use axum_idempotency::{
     IDEMPOTENCY_KEY, IdempotencyContext, IdempotencyLayer, Principal, SqliteStore, Store, Tx,
@@ -243,7 +243,10 @@ fn dispatcher<DB: PaymentsDb>(outbox: Outbox<DB>) -> Dispatcher<DB, Provider> {
         .send_timeout(millis("OUTBOX_SEND_TIMEOUT_MS", 5_000))
         .lookup_grace(millis("OUTBOX_LOOKUP_GRACE_MS", 10_000))
         .max_attempts(env_or("OUTBOX_MAX_ATTEMPTS", 10))
-        .backoff(millis("OUTBOX_BACKOFF_MS", 200), Duration::from_secs(10))
+        .backoff(Backoff::exponential(
+            millis("OUTBOX_BACKOFF_MS", 200),
+            Duration::from_secs(10),
+        ))
 }
 
 async fn create_payment<DB>(
@@ -376,7 +379,7 @@ struct Provider {
 }
 
 impl Sender for Provider {
-    async fn send(&self, message: &Record) -> SendOutcome {
+    async fn send(&self, message: &OutboxRecord) -> SendOutcome {
         let request = http::Request::post(format!("{}/charges", self.base))
             .header(header::CONTENT_TYPE, "application/json")
             .header(IDEMPOTENCY_KEY, message.downstream_key.as_str())
@@ -444,7 +447,7 @@ impl Sender for Provider {
         }
     }
 
-    async fn lookup(&self, message: &Record) -> LookupOutcome {
+    async fn lookup(&self, message: &OutboxRecord) -> LookupOutcome {
         if !self.lookup {
             return LookupOutcome::Unsupported;
         }

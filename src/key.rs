@@ -35,7 +35,7 @@ use std::str::FromStr;
 use http::{HeaderMap, HeaderName, HeaderValue};
 
 /// The longest key accepted, in characters.
-pub const MAX_KEY_LEN: usize = 255;
+pub const MAX_KEY_LEN: usize = crate::key_syntax::MAX_KEY_LEN;
 
 /// A validated idempotency key: 1 to [`MAX_KEY_LEN`] visible ASCII characters (`0x21`–`0x7E`).
 ///
@@ -89,16 +89,7 @@ impl IdempotencyKey {
     }
 
     fn validated(key: &str) -> Result<Self, KeyError> {
-        if key.is_empty() {
-            return Err(KeyError::Empty);
-        }
-        if !key.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
-            return Err(KeyError::InvalidCharacter);
-        }
-        // Every byte is ASCII now, so bytes and characters are the same count.
-        if key.len() > MAX_KEY_LEN {
-            return Err(KeyError::TooLong { len: key.len() });
-        }
+        crate::key_syntax::check_key(key.as_bytes())?;
         Ok(Self(key.to_owned()))
     }
 }

@@ -78,6 +78,7 @@
 //!
 //! | feature | what it adds |
 //! |---|---|
+//! | `server` (default) | the server half: the layer, the engine, the stores; off for a client-only build |
 //! | `sqlite` (default) | `SqliteStore` |
 //! | `postgres` | `PgStore` |
 //! | `mysql` | `MySqlStore` (MySQL 8, MariaDB) |
@@ -88,29 +89,50 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(any(feature = "client", feature = "outbox"))]
+mod backoff;
+#[cfg(feature = "server")]
 mod cache;
 #[cfg(feature = "client")]
 pub mod client;
+#[cfg(feature = "server")]
 pub mod engine;
+#[cfg(feature = "server")]
 pub mod error;
+#[cfg(feature = "server")]
 pub mod fingerprint;
+#[cfg(feature = "server")]
 pub mod key;
+#[cfg(any(feature = "server", feature = "client"))]
+mod key_syntax;
+#[cfg(feature = "server")]
 pub mod layer;
 #[cfg(feature = "outbox")]
 pub mod outbox;
+#[cfg(feature = "server")]
 mod recent;
+#[cfg(feature = "server")]
 mod record;
+#[cfg(feature = "server")]
 pub mod scope;
+#[cfg(feature = "server")]
 pub mod store;
+#[cfg(feature = "server")]
 pub mod tx;
 
+#[cfg(feature = "server")]
 pub use engine::{Classification, Engine, Execution, IDEMPOTENT_REPLAYED, Lease, Outcome};
+#[cfg(feature = "server")]
 pub use error::{Error, Rejection};
+#[cfg(feature = "server")]
 pub use fingerprint::{Fingerprint, Fingerprinter, canonical_json};
+#[cfg(feature = "server")]
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
+#[cfg(feature = "server")]
 pub use layer::{IDEMPOTENCY_KEY, IdempotencyLayer, IdempotencyService};
 #[cfg(feature = "test-util")]
 pub use record::ManualClock;
+#[cfg(feature = "server")]
 pub use scope::{IdempotencyContext, Principal, Scope, ScopedKey};
 #[cfg(feature = "mysql")]
 pub use store::MySqlStore;
@@ -118,5 +140,7 @@ pub use store::MySqlStore;
 pub use store::PgStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
+#[cfg(feature = "server")]
 pub use store::Store;
+#[cfg(feature = "server")]
 pub use tx::Tx;

@@ -307,7 +307,7 @@ async fn a_slow_attempt_times_out_and_is_retried_with_the_same_key() {
 #[tokio::test]
 async fn a_body_over_the_limit_fails_before_anything_is_sent() {
     let (addr, server) = spawn_server().await;
-    let client = client(layer().body_limit(8));
+    let client = client(layer().max_request_body(8));
     let error = client.oneshot(post(addr, "/orders")).await.unwrap_err();
     assert_eq!(error.kind(), ErrorKind::RequestBodyTooLarge);
     assert_eq!(error.attempts(), 0);

@@ -1,5 +1,5 @@
 //! What the logs say about a request: a short digest of the scoped key and the outcome, never
-//! the key itself or a body (R13).
+//! the key itself or a body.
 
 mod common;
 

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use axum_idempotency::outbox::{
-    Backend, Dispatcher, DownstreamKey, LookupOutcome, Message, Outbox, OutboxError, Record,
-    SendOutcome, Sender, Status,
+    Backend, Backoff, Dispatcher, DownstreamKey, LookupOutcome, Message, Outbox, OutboxError,
+    OutboxRecord, SendOutcome, Sender, Status,
 };
 use sqlx::Pool;
 use tokio::sync::Notify;
@@ -178,6 +178,7 @@ conformance!(
     crashed_dispatcher_lease_expires_then_message_is_looked_up,
     two_dispatchers_deliver_each_message_exactly_once,
     migrate_is_idempotent_and_safe_when_run_concurrently,
+    an_outbox_from_before_versioning_is_adopted_as_version_one,
 );
 
 /// A downstream whose answers are scripted and whose calls are recorded.
@@ -223,7 +224,7 @@ impl Downstream {
 }
 
 impl Sender for Downstream {
-    async fn send(&self, message: &Record) -> SendOutcome {
+    async fn send(&self, message: &OutboxRecord) -> SendOutcome {
         self.0
             .sends
             .lock()
@@ -243,7 +244,7 @@ impl Sender for Downstream {
         })
     }
 
-    async fn lookup(&self, message: &Record) -> LookupOutcome {
+    async fn lookup(&self, message: &OutboxRecord) -> LookupOutcome {
         self.0
             .lookups
             .lock()
@@ -289,7 +290,7 @@ fn dispatcher<DB: Backend>(
     downstream: &Downstream,
 ) -> Dispatcher<DB, Downstream> {
     Dispatcher::new(outbox.clone(), downstream.clone())
-        .backoff(Duration::ZERO, Duration::ZERO)
+        .backoff(Backoff::exponential(Duration::ZERO, Duration::ZERO))
         .lookup_grace(Duration::ZERO)
         .send_timeout(Duration::from_secs(5))
 }
@@ -300,7 +301,7 @@ async fn enqueue_committed<DB: Backend>(pool: &Pool<DB>, outbox: &Outbox<DB>, me
     tx.commit().await.unwrap();
 }
 
-async fn record<DB: Backend>(outbox: &Outbox<DB>, discriminator: &str) -> Record {
+async fn record<DB: Backend>(outbox: &Outbox<DB>, discriminator: &str) -> OutboxRecord {
     outbox
         .status_by_key(&key(discriminator))
         .await
@@ -692,4 +693,32 @@ async fn migrate_is_idempotent_and_safe_when_run_concurrently<DB: Backend>(pool:
     enqueue_committed(&pool, &first, charge("c", "12.50")).await;
     first.migrate().await.unwrap();
     assert_eq!(record(&first, "c").await.status, Status::Pending);
+}
+
+/// An outbox table made before its schema was versioned (no version table yet) keeps its
+/// messages and is recorded as version 1; migrating again applies nothing twice.
+async fn an_outbox_from_before_versioning_is_adopted_as_version_one<DB: Backend>(pool: Pool<DB>)
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+    i64: sqlx::Type<DB> + for<'r> sqlx::Decode<'r, DB>,
+{
+    let outbox = outbox(&pool).await;
+    enqueue_committed(&pool, &outbox, charge("kept", "1.00")).await;
+    sqlx::raw_sql("DROP TABLE idempotency_outbox_schema_versions")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    outbox.migrate().await.unwrap();
+    outbox.migrate().await.unwrap();
+
+    assert_eq!(record(&outbox, "kept").await.status, Status::Pending);
+    let versions: Vec<i64> =
+        sqlx::query_scalar("SELECT version FROM idempotency_outbox_schema_versions")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(versions, [1]);
 }

@@ -6,7 +6,7 @@ use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use http::HeaderValue;
 
-use crate::MAX_KEY_LEN;
+use crate::key_syntax::check_key;
 
 /// Random bytes in a generated key: 192 bits, well above the 128 a key needs to be unguessable
 /// and collision-free, and a multiple of three so the base64 text needs no padding.
@@ -61,10 +61,8 @@ impl ClientKey {
     }
 
     fn from_bytes(bytes: &[u8]) -> Result<Self, InvalidClientKey> {
-        let visible = bytes.iter().all(|byte| (0x21..=0x7E).contains(byte));
-        if bytes.is_empty() || bytes.len() > MAX_KEY_LEN || !visible {
-            return Err(InvalidClientKey);
-        }
+        // The server's own check: a key the client accepts is one the server accepts.
+        check_key(bytes).map_err(|_| InvalidClientKey)?;
         HeaderValue::from_bytes(bytes)
             .map(Self)
             .map_err(|_| InvalidClientKey)

@@ -7,7 +7,7 @@ use http::{HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
 use super::{Backoff, IdempotentRetry, RetryPolicy};
-use crate::IDEMPOTENCY_KEY;
+use crate::key_syntax::KEY_HEADER;
 
 /// Wraps an HTTP client so every keyed call gets one idempotency key, reused on each retry.
 ///
@@ -22,7 +22,7 @@ pub(crate) struct Config {
     pub(crate) policy: RetryPolicy,
     pub(crate) header_name: HeaderName,
     pub(crate) keyed_methods: Vec<Method>,
-    pub(crate) body_limit: usize,
+    pub(crate) max_request_body: usize,
 }
 
 impl Default for IdempotentRetryLayer {
@@ -34,13 +34,14 @@ impl Default for IdempotentRetryLayer {
 impl IdempotentRetryLayer {
     /// A layer with the defaults: keys on `POST` and `PATCH` in `Idempotency-Key`, request bodies
     /// up to 1 MiB, and [`RetryPolicy::default`].
+    #[must_use]
     pub fn new() -> Self {
         Self {
             config: Arc::new(Config {
                 policy: RetryPolicy::default(),
-                header_name: IDEMPOTENCY_KEY,
+                header_name: KEY_HEADER,
                 keyed_methods: vec![Method::POST, Method::PATCH],
-                body_limit: 1024 * 1024,
+                max_request_body: 1024 * 1024,
             }),
         }
     }
@@ -55,6 +56,7 @@ impl IdempotentRetryLayer {
     }
 
     /// The header that carries the key. Default `Idempotency-Key`.
+    #[must_use]
     pub fn header_name(mut self, name: HeaderName) -> Self {
         self.config().header_name = name;
         self
@@ -65,6 +67,7 @@ impl IdempotentRetryLayer {
     /// Requests with other methods are retried without a key when HTTP defines their method as
     /// idempotent (`GET`, `HEAD`, `PUT`, `DELETE`, `OPTIONS`, `TRACE`) and sent exactly once
     /// otherwise, unless the caller attaches a [`ClientKey`](super::ClientKey) or the header.
+    #[must_use]
     pub fn keyed_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.config().keyed_methods = methods.into_iter().collect();
         self
@@ -72,38 +75,45 @@ impl IdempotentRetryLayer {
 
     /// The largest request body, in bytes, the layer buffers so it can resend it. Default 1 MiB.
     /// A larger body fails the call before anything is sent.
-    pub fn body_limit(mut self, bytes: usize) -> Self {
-        self.config().body_limit = bytes;
+    #[must_use]
+    pub fn max_request_body(mut self, bytes: usize) -> Self {
+        self.config().max_request_body = bytes;
         self
     }
 
     /// Replaces the whole retry policy.
+    #[must_use]
     pub fn policy(mut self, policy: RetryPolicy) -> Self {
         self.config().policy = policy;
         self
     }
 
     /// See [`RetryPolicy::max_attempts`]. Default 5.
+    #[must_use]
     pub fn max_attempts(self, attempts: u32) -> Self {
         self.map_policy(|policy| policy.max_attempts(attempts))
     }
 
     /// See [`RetryPolicy::deadline`]. Default 30 s.
+    #[must_use]
     pub fn deadline(self, deadline: Duration) -> Self {
         self.map_policy(|policy| policy.deadline(deadline))
     }
 
     /// See [`RetryPolicy::attempt_timeout`]. Default 10 s.
+    #[must_use]
     pub fn attempt_timeout(self, timeout: Duration) -> Self {
         self.map_policy(|policy| policy.attempt_timeout(timeout))
     }
 
     /// See [`RetryPolicy::backoff`].
+    #[must_use]
     pub fn backoff(self, backoff: Backoff) -> Self {
         self.map_policy(|policy| policy.backoff(backoff))
     }
 
     /// See [`RetryPolicy::retry_status_if`].
+    #[must_use]
     pub fn retry_status_if(self, retry: fn(StatusCode) -> bool) -> Self {
         self.map_policy(|policy| policy.retry_status_if(retry))
     }

@@ -75,7 +75,7 @@ impl Middleware for IdempotentRetryMiddleware {
                 None => return Err(refuse(ErrorKind::RequestBody, &key)),
             },
         };
-        if body_len > config.body_limit {
+        if body_len > config.max_request_body {
             return Err(refuse(ErrorKind::RequestBodyTooLarge, &key));
         }
         let retry_allowed = key.is_some() || request.method().is_idempotent();

@@ -10,7 +10,7 @@
 //!   [`ClientKey`] request extension (e.g. derived from the caller's own order id) or the header
 //!   already set.
 //! - Every retry sends the **same** key and the **same** body: the body is buffered once (up to
-//!   [`body_limit`](IdempotentRetryLayer::body_limit)) and resent.
+//!   [`max_request_body`](IdempotentRetryLayer::max_request_body)) and resent.
 //! - It retries only what is safe and useful to retry: connection errors, timeouts, `408`,
 //!   `429`, `5xx`, and `409` with the problem `code` `idempotency_request_in_progress` (the
 //!   server is still running the first attempt). Every other answer is final and returned at
@@ -90,11 +90,12 @@ mod policy;
 mod retry;
 mod service;
 
+pub use crate::backoff::Backoff;
 pub use body::ResponseBody;
 pub use error::{BoxError, Error, ErrorKind};
 pub use key::{ClientKey, InvalidClientKey};
 pub use layer::IdempotentRetryLayer;
 #[cfg(feature = "reqwest")]
 pub use middleware::IdempotentRetryMiddleware;
-pub use policy::{Backoff, RetryPolicy, is_transient_status};
+pub use policy::{RetryPolicy, is_transient_status};
 pub use service::{Attempts, IdempotentRetry, ResponseFuture};

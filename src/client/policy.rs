@@ -4,6 +4,8 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, StatusCode, header::RETRY_AFTER};
 
+use crate::backoff::Backoff;
+
 /// The `code` member of the server's problem document for a duplicate still in flight.
 const IN_PROGRESS_CODE: &str = "idempotency_request_in_progress";
 
@@ -47,6 +49,7 @@ impl Default for RetryPolicy {
 
 impl RetryPolicy {
     /// How many attempts one call may make in all, the first included. Default 5; at least 1.
+    #[must_use]
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts.max(1);
         self
@@ -55,6 +58,7 @@ impl RetryPolicy {
     /// The time one call may take from its first attempt to its answer, waits included.
     /// Default 30 s. No retry starts whose wait would end past it; an attempt still running
     /// when it passes is abandoned.
+    #[must_use]
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = deadline;
         self
@@ -62,12 +66,14 @@ impl RetryPolicy {
 
     /// How long a single attempt may run before it counts as a timeout (and is retried).
     /// Default 10 s.
+    #[must_use]
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
         self.attempt_timeout = Some(timeout);
         self
     }
 
     /// Lets each attempt run until the deadline, for inner clients that enforce their own timeout.
+    #[must_use]
     pub fn no_attempt_timeout(mut self) -> Self {
         self.attempt_timeout = None;
         self
@@ -75,6 +81,7 @@ impl RetryPolicy {
 
     /// The wait between attempts when the answer carries no `Retry-After`.
     /// Default [`Backoff::default`].
+    #[must_use]
     pub fn backoff(mut self, backoff: Backoff) -> Self {
         self.backoff = backoff;
         self
@@ -83,6 +90,7 @@ impl RetryPolicy {
     /// Replaces the test for statuses that are retried (default [`is_transient_status`]: `408`,
     /// `429` and `5xx`). A `409` in-progress answer is retried whatever this says, because it is
     /// the idempotency protocol's own "try again later".
+    #[must_use]
     pub fn retry_status_if(mut self, retry: fn(StatusCode) -> bool) -> Self {
         self.retry_status = retry;
         self
@@ -161,45 +169,6 @@ pub(crate) fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Durati
     Some(date.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
-/// Exponential backoff with full jitter: before retry `n` the wait is drawn uniformly from
-/// `0..=min(cap, base × 2ⁿ⁻¹)`, so clients that failed together do not return together.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Backoff {
-    base: Duration,
-    cap: Duration,
-}
-
-impl Default for Backoff {
-    /// Base 100 ms, cap 5 s.
-    fn default() -> Self {
-        Self::exponential(Duration::from_millis(100), Duration::from_secs(5))
-    }
-}
-
-impl Backoff {
-    /// Waits drawn from `0..=base` before the first retry, doubling the ceiling each time up to
-    /// `cap`.
-    pub fn exponential(base: Duration, cap: Duration) -> Self {
-        Self { base, cap }
-    }
-
-    /// The longest wait before the retry that follows attempt number `attempts` (1-based).
-    fn ceiling(&self, attempts: u32) -> Duration {
-        let doublings = attempts.saturating_sub(1).min(32);
-        self.base
-            .saturating_mul(2_u32.saturating_pow(doublings))
-            .min(self.cap)
-    }
-
-    fn delay(&self, attempts: u32) -> Duration {
-        // Without entropy the wait is the ceiling: slower, never wrong.
-        let draw = getrandom::u64().unwrap_or(u64::MAX);
-        let ceiling = self.ceiling(attempts).as_nanos();
-        let nanos = ceiling * u128::from(draw) / u128::from(u64::MAX);
-        Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -258,18 +227,6 @@ mod tests {
         assert_eq!(retry_after(&headers_with_retry_after("soon"), now), None);
         assert_eq!(retry_after(&headers_with_retry_after("-1"), now), None);
         assert_eq!(retry_after(&HeaderMap::new(), now), None);
-    }
-
-    #[test]
-    fn backoff_ceiling_doubles_up_to_the_cap_and_draws_stay_below_it() {
-        let backoff = Backoff::exponential(Duration::from_millis(100), Duration::from_millis(700));
-        let ceilings: Vec<_> = (1..=5).map(|n| backoff.ceiling(n).as_millis()).collect();
-        assert_eq!(ceilings, [100, 200, 400, 700, 700]);
-        let draws: Vec<_> = (0..200).map(|_| backoff.delay(3)).collect();
-        assert!(draws.iter().all(|d| *d <= Duration::from_millis(400)));
-        // Full jitter spreads the waits: 200 draws all landing in one tenth would be a broken RNG.
-        assert!(draws.iter().any(|d| *d < Duration::from_millis(200)));
-        assert!(draws.iter().any(|d| *d > Duration::from_millis(200)));
     }
 
     #[test]

@@ -128,7 +128,7 @@ where
     {
         let (mut parts, body) = request.into_parts();
         let key = key_for(&self.config, &mut parts)?;
-        let body = buffer(body, self.config.body_limit)
+        let body = buffer(body, self.config.max_request_body)
             .await
             .map_err(|e| e.with_call(key.clone(), 0))?;
         let retry_allowed = key.is_some() || parts.method.is_idempotent();

@@ -10,9 +10,9 @@ use futures_util::future::join_all;
 use tokio::sync::Notify;
 
 use super::backend::{Backend, Claim, Settlement};
-use super::backoff::Backoff;
 use super::status::{duration_millis, now_millis, to_millis};
-use super::{LookupOutcome, Outbox, OutboxError, Record, SendOutcome, Sender, Status};
+use super::{LookupOutcome, Outbox, OutboxError, OutboxRecord, SendOutcome, Sender, Status};
+use crate::backoff::{Backoff, random_u64};
 
 /// Delivers outbox messages through a [`Sender`]: claims due messages under a lease, calls the
 /// sender, and records delivered, retry-later or failed.
@@ -23,10 +23,10 @@ use super::{LookupOutcome, Outbox, OutboxError, Record, SendOutcome, Sender, Sta
 /// the same downstream key).
 ///
 /// ```no_run
-/// # use axum_idempotency::outbox::{Dispatcher, Outbox, Record, SendOutcome, Sender};
+/// # use axum_idempotency::outbox::{Dispatcher, Outbox, OutboxRecord, SendOutcome, Sender};
 /// # struct Provider;
 /// # impl Sender for Provider {
-/// #     async fn send(&self, _: &Record) -> SendOutcome { unimplemented!() }
+/// #     async fn send(&self, _: &OutboxRecord) -> SendOutcome { unimplemented!() }
 /// # }
 /// # async fn run(outbox: Outbox<sqlx::Sqlite>) {
 /// use std::time::Duration;
@@ -57,6 +57,7 @@ pub struct Dispatcher<DB: Backend, S> {
 
 impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// A dispatcher for `outbox` delivering through `sender`, with the defaults below.
+    #[must_use]
     pub fn new(outbox: Outbox<DB>, sender: S) -> Self {
         Self {
             outbox,
@@ -65,10 +66,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
             poll_interval: Duration::from_secs(1),
             batch_size: 16,
             max_attempts: 10,
-            backoff: Backoff {
-                base: Duration::from_secs(1),
-                cap: Duration::from_secs(300),
-            },
+            backoff: Backoff::exponential(Duration::from_secs(1), Duration::from_secs(300)),
             send_timeout: Duration::from_secs(30),
             lease: Duration::from_secs(90),
             lookup_grace: Duration::from_secs(60),
@@ -77,12 +75,14 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
 
     /// How long to sleep when no message is due; default 1 s. A [`waker`](Self::waker) cuts
     /// the sleep short.
+    #[must_use]
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.poll_interval = interval;
         self
     }
 
     /// How many messages one claim leases and sends concurrently; default 16.
+    #[must_use]
     pub fn batch_size(mut self, size: u32) -> Self {
         self.batch_size = size.max(1);
         self
@@ -90,20 +90,24 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
 
     /// After how many sender calls a message that still did not go through fails for good;
     /// default 10.
+    #[must_use]
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts.max(1);
         self
     }
 
-    /// The delay before retry `n` is uniformly random in `[0, min(cap, base × 2ⁿ⁻¹)]` (full
-    /// jitter), and never shorter than a `Retry-After` the sender reports; default 1 s and 5 min.
-    pub fn backoff(mut self, base: Duration, cap: Duration) -> Self {
-        self.backoff = Backoff { base, cap };
+    /// The wait before a message is sent again, never shorter than a `Retry-After` the sender
+    /// reports; default [`Backoff::exponential`]`(1 s, 5 min)`. The same type as the
+    /// client's `RetryPolicy::backoff` takes.
+    #[must_use]
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = backoff;
         self
     }
 
     /// How long one sender call (or lookup) may take before its outcome counts as unknown;
     /// default 30 s.
+    #[must_use]
     pub fn send_timeout(mut self, timeout: Duration) -> Self {
         self.send_timeout = timeout;
         self
@@ -112,6 +116,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// How long a claim holds a message before another dispatcher may take it over; default
     /// 90 s. A lookup and a send each run up to the send timeout, so a lease shorter than twice
     /// the send timeout is raised to that, keeping a live dispatcher from being overtaken.
+    #[must_use]
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self
@@ -120,6 +125,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// After an unknown outcome, how long a lookup that finds nothing is trusted less than the
     /// possibility that the attempt is still running at the downstream: within the grace the
     /// dispatcher waits, after it the message is resent; default 60 s.
+    #[must_use]
     pub fn lookup_grace(mut self, grace: Duration) -> Self {
         self.lookup_grace = grace;
         self
@@ -171,7 +177,8 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         let claim = Claim {
             now,
             lease_until: now.saturating_add(duration_millis(lease)),
-            token: fastrand::i64(..),
+            // Any bit pattern is a token: all 64 random bits are kept, the sign included.
+            token: i64::from_ne_bytes(random_u64().to_ne_bytes()),
             limit: i64::from(self.batch_size),
         };
         let claimed = DB::claim(self.outbox.pool(), claim).await?;
@@ -188,7 +195,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         Ok(count)
     }
 
-    async fn deliver(&self, mut record: Record, token: i64) -> Result<(), sqlx::Error> {
+    async fn deliver(&self, mut record: OutboxRecord, token: i64) -> Result<(), sqlx::Error> {
         let pool = self.outbox.pool();
         if record.outcome_unknown {
             let found = self.bounded(self.sender.lookup(&record)).await;
@@ -271,7 +278,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
 
     async fn settle(
         &self,
-        record: &Record,
+        record: &OutboxRecord,
         token: i64,
         settlement: Settlement,
     ) -> Result<(), sqlx::Error> {
@@ -286,7 +293,8 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     }
 
     fn delay(&self, attempt: u32, retry_after: Option<Duration>) -> i64 {
-        duration_millis(self.backoff.delay(attempt, retry_after))
+        let wait = self.backoff.delay(attempt);
+        duration_millis(wait.max(retry_after.unwrap_or_default()))
     }
 }
 

@@ -33,6 +33,7 @@ impl DownstreamKey {
     /// assert_eq!(first, retry);
     /// assert_ne!(first, DownstreamKey::for_request("3f2a…", "payments.charge", "refund"));
     /// ```
+    #[must_use]
     pub fn for_request(scoped_digest: &str, topic: &str, discriminator: &str) -> Self {
         let mut hasher = Sha256::new();
         hasher.update(b"axum-idempotency/outbox/v1");
@@ -51,10 +52,7 @@ impl DownstreamKey {
     /// `Idempotency-Key`, so it can be sent in an HTTP header as it is.
     pub fn new(key: impl Into<String>) -> Result<Self, InvalidDownstreamKey> {
         let key = key.into();
-        let visible = key.bytes().all(|b| (0x21..=0x7e).contains(&b));
-        if key.is_empty() || key.len() > 255 || !visible {
-            return Err(InvalidDownstreamKey);
-        }
+        crate::key_syntax::check_key(key.as_bytes()).map_err(|_| InvalidDownstreamKey)?;
         Ok(Self(key))
     }
 
@@ -103,6 +101,7 @@ pub struct Message {
 
 impl Message {
     /// A message with an opaque payload; the [`Sender`](super::Sender) decides what it means.
+    #[must_use]
     pub fn new(topic: impl Into<String>, key: DownstreamKey, payload: impl Into<Vec<u8>>) -> Self {
         Self {
             topic: topic.into(),

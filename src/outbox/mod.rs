@@ -9,7 +9,7 @@
 //! often the client retries (the retry replays the stored response and enqueues nothing).
 //!
 //! A [`Dispatcher`] — a task you spawn, as many as you like — then delivers committed messages
-//! through your [`Sender`] and records each outcome in the message's [`Record`]:
+//! through your [`Sender`] and records each outcome in the message's [`OutboxRecord`]:
 //!
 //! - **delivered**, with what the downstream answered (a charge id);
 //! - **retry later**, with exponential backoff and full jitter, never before a `Retry-After`;
@@ -33,14 +33,14 @@
 //!
 //! ```no_run
 //! use axum_idempotency::outbox::{
-//!     Dispatcher, DownstreamKey, Message, Outbox, Record, SendOutcome, Sender,
+//!     Dispatcher, DownstreamKey, Message, Outbox, OutboxRecord, SendOutcome, Sender,
 //! };
 //! use sqlx::SqlitePool;
 //!
 //! struct Provider;
 //!
 //! impl Sender for Provider {
-//!     async fn send(&self, message: &Record) -> SendOutcome {
+//!     async fn send(&self, message: &OutboxRecord) -> SendOutcome {
 //!         // POST message.payload with `Idempotency-Key: {message.downstream_key}` …
 //!         SendOutcome::Delivered { receipt: "ch_123".into() }
 //!     }
@@ -64,13 +64,14 @@
 //! # Backends
 //!
 //! SQLite, PostgreSQL and MySQL/MariaDB (10.6+), each behind its cargo feature, share one table
-//! layout (`idempotency_outbox`), created by [`Outbox::migrate`]. PostgreSQL and MySQL claim
-//! with `FOR UPDATE SKIP LOCKED`, so dispatchers on many hosts never pick the same message;
-//! SQLite's single writer gives the same guarantee. Timestamps come from the clock of the
-//! process writing them; dispatchers on several hosts assume clocks kept in sync.
+//! layout (`idempotency_outbox`), created and upgraded by [`Outbox::migrate`], which records the
+//! applied versions in `idempotency_outbox_schema_versions`; the SQL it runs ships under
+//! `migrations/<backend>/outbox/` for teams that prefer their own migration tool. PostgreSQL and
+//! MySQL claim with `FOR UPDATE SKIP LOCKED`, so dispatchers on many hosts never pick the same
+//! message; SQLite's single writer gives the same guarantee. Timestamps come from the clock of
+//! the process writing them; dispatchers on several hosts assume clocks kept in sync.
 
 mod backend;
-mod backoff;
 mod dispatcher;
 mod error;
 mod message;
@@ -78,10 +79,11 @@ mod sender;
 mod status;
 mod store;
 
+pub use crate::backoff::Backoff;
 pub use backend::Backend;
 pub use dispatcher::{DispatchWaker, Dispatcher};
 pub use error::OutboxError;
 pub use message::{DownstreamKey, InvalidDownstreamKey, Message};
 pub use sender::{LookupOutcome, SendOutcome, Sender};
-pub use status::{MessageId, Record, Status};
+pub use status::{MessageId, OutboxRecord, Status};
 pub use store::Outbox;

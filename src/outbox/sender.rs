@@ -3,22 +3,22 @@
 use std::future::Future;
 use std::time::Duration;
 
-use super::Record;
+use super::OutboxRecord;
 
 /// Delivers outbox messages to a downstream (a payment provider, an SMS gateway, a broker).
 ///
 /// The dispatcher calls [`send`](Sender::send) with the stored message; the implementation must
-/// pass [`Record::downstream_key`] to the downstream as its idempotency key on every attempt,
+/// pass [`OutboxRecord::downstream_key`] to the downstream as its idempotency key on every attempt,
 /// which is what makes a resend harmless. Each call is bounded by the dispatcher's send timeout;
 /// a call that runs past it counts as [`SendOutcome::Unknown`].
 ///
 /// ```
-/// use axum_idempotency::outbox::{Record, SendOutcome, Sender};
+/// use axum_idempotency::outbox::{OutboxRecord, SendOutcome, Sender};
 ///
 /// struct Log;
 ///
 /// impl Sender for Log {
-///     async fn send(&self, message: &Record) -> SendOutcome {
+///     async fn send(&self, message: &OutboxRecord) -> SendOutcome {
 ///         println!("{} {}", message.topic, message.downstream_key);
 ///         SendOutcome::Delivered { receipt: "logged".into() }
 ///     }
@@ -26,7 +26,7 @@ use super::Record;
 /// ```
 pub trait Sender: Send + Sync + 'static {
     /// Makes one attempt and says how it ended.
-    fn send(&self, message: &Record) -> impl Future<Output = SendOutcome> + Send;
+    fn send(&self, message: &OutboxRecord) -> impl Future<Output = SendOutcome> + Send;
 
     /// Asks the downstream whether it already holds the effect of `message`, found by its
     /// downstream key.
@@ -35,7 +35,7 @@ pub trait Sender: Send + Sync + 'static {
     /// Downstreams that deduplicate by key need no lookup (the default answers
     /// [`LookupOutcome::Unsupported`] and the dispatcher simply resends); for those that do not,
     /// the lookup is what keeps a resend from doing the work twice.
-    fn lookup(&self, message: &Record) -> impl Future<Output = LookupOutcome> + Send {
+    fn lookup(&self, message: &OutboxRecord) -> impl Future<Output = LookupOutcome> + Send {
         let _ = message;
         std::future::ready(LookupOutcome::Unsupported)
     }

@@ -38,9 +38,9 @@ impl fmt::Display for MessageId {
 pub enum Status {
     /// Not delivered yet: waiting for its first attempt, for a retry, or for a lookup.
     Pending,
-    /// The downstream accepted it; [`Record::receipt`] holds what it answered.
+    /// The downstream accepted it; [`OutboxRecord::receipt`] holds what it answered.
     Delivered,
-    /// Given up on: rejected by the downstream or out of attempts; [`Record::last_error`] says why.
+    /// Given up on: rejected by the downstream or out of attempts; [`OutboxRecord::last_error`] says why.
     Failed,
 }
 
@@ -66,7 +66,7 @@ impl Status {
 /// One outbox message as stored, with its delivery history.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct Record {
+pub struct OutboxRecord {
     /// The row id.
     pub id: MessageId,
     /// The topic given at enqueue time.
@@ -96,7 +96,7 @@ pub struct Record {
     pub finished_at: Option<SystemTime>,
 }
 
-impl Record {
+impl OutboxRecord {
     /// The payload parsed as JSON, for messages built with [`Message::json`](super::Message::json).
     pub fn payload_json<T: DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
         serde_json::from_slice(&self.payload)

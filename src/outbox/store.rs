@@ -6,7 +6,7 @@ use sqlx::Pool;
 
 use super::backend::Backend;
 use super::status::now_millis;
-use super::{DownstreamKey, Message, MessageId, OutboxError, Record};
+use super::{DownstreamKey, Message, MessageId, OutboxError, OutboxRecord};
 
 /// Handle on the `idempotency_outbox` table of one database; cheap to clone.
 ///
@@ -34,11 +34,13 @@ pub struct Outbox<DB: Backend> {
 
 impl<DB: Backend> Outbox<DB> {
     /// An outbox whose table lives in `pool`'s database.
+    #[must_use]
     pub fn new(pool: Pool<DB>) -> Self {
         Self { pool }
     }
 
-    /// Creates the table and its indexes if they are missing.
+    /// Creates the outbox's table, or upgrades it to this version's schema: applies the schema
+    /// versions not yet recorded in `idempotency_outbox_schema_versions`.
     ///
     /// Idempotent, and safe when several instances of the app start at the same time.
     pub async fn migrate(&self) -> Result<(), OutboxError> {
@@ -72,13 +74,16 @@ impl<DB: Backend> Outbox<DB> {
     }
 
     /// The message with this id, as last recorded.
-    pub async fn status(&self, id: MessageId) -> Result<Option<Record>, OutboxError> {
+    pub async fn status(&self, id: MessageId) -> Result<Option<OutboxRecord>, OutboxError> {
         let mut conn = self.pool.acquire().await?;
         Ok(DB::fetch_by_id(&mut conn, id).await?)
     }
 
     /// The message with this downstream key, as last recorded.
-    pub async fn status_by_key(&self, key: &DownstreamKey) -> Result<Option<Record>, OutboxError> {
+    pub async fn status_by_key(
+        &self,
+        key: &DownstreamKey,
+    ) -> Result<Option<OutboxRecord>, OutboxError> {
         let mut conn = self.pool.acquire().await?;
         Ok(DB::fetch_by_key(&mut conn, key).await?)
     }

@@ -7,7 +7,7 @@ use std::future::Future;
 
 use sqlx::Pool;
 
-use super::{DownstreamKey, Message, MessageId, Record, Status};
+use super::{DownstreamKey, Message, MessageId, OutboxRecord, Status};
 
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -114,8 +114,25 @@ mod private {
         /// finished_at, id, lease_token. Releases the lease.
         const SETTLE: &'static str;
 
-        /// Creates the table and its index if missing; safe when run by two instances at once.
-        fn create_table(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+        /// The outbox's schema migrations, oldest first: (version, SQL script). A version once
+        /// released is never edited; a schema change is a new version.
+        const MIGRATIONS: &'static [(i64, &'static str)];
+        /// Begins the migration transaction.
+        const MIGRATION_BEGIN: &'static str;
+        /// Run first in the migration transaction to serialise concurrent migrators, where
+        /// [`MIGRATION_BEGIN`](Dialect::MIGRATION_BEGIN) does not already.
+        const MIGRATION_LOCK: Option<&'static str> = None;
+        /// Releases a lock [`MIGRATION_LOCK`](Dialect::MIGRATION_LOCK) took for the session
+        /// rather than the transaction; run after the migration, whatever its outcome.
+        const MIGRATION_UNLOCK: Option<&'static str> = None;
+        /// Records an applied version. Parameters: version, applied_at.
+        const MIGRATION_RECORD: &'static str;
+
+        /// Whether the row [`MIGRATION_LOCK`](Dialect::MIGRATION_LOCK) returned says the lock
+        /// was granted: a lock with a timeout reports the timeout there, not as an error.
+        fn migration_locked(_row: &Self::Row) -> bool {
+            true
+        }
 
         /// How many rows a statement affected.
         fn rows_affected(result: &Self::QueryResult) -> u64;
@@ -125,7 +142,7 @@ mod private {
     // supertrait while no one outside the crate can implement or call it.
     #[allow(unreachable_pub)]
     pub trait Ops: sqlx::Database {
-        /// Creates the table and its index if missing; safe when run by two instances at once.
+        /// Applies the schema versions not yet applied; safe when run by two instances at once.
         fn migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
         /// Inserts a pending message; `None` when its downstream key is already present.
@@ -139,19 +156,19 @@ mod private {
         fn fetch_by_id(
             conn: &mut Self::Connection,
             id: MessageId,
-        ) -> impl Future<Output = Result<Option<Record>, sqlx::Error>> + Send;
+        ) -> impl Future<Output = Result<Option<OutboxRecord>, sqlx::Error>> + Send;
 
         /// Reads one message by downstream key.
         fn fetch_by_key(
             conn: &mut Self::Connection,
             key: &DownstreamKey,
-        ) -> impl Future<Output = Result<Option<Record>, sqlx::Error>> + Send;
+        ) -> impl Future<Output = Result<Option<OutboxRecord>, sqlx::Error>> + Send;
 
         /// Leases due messages, skipping those another dispatcher holds.
         fn claim(
             pool: &Pool<Self>,
             claim: Claim,
-        ) -> impl Future<Output = Result<Vec<Record>, sqlx::Error>> + Send;
+        ) -> impl Future<Output = Result<Vec<OutboxRecord>, sqlx::Error>> + Send;
 
         /// Records that the sender is about to be called: one more attempt, outcome unknown
         /// until settled, so a crash during the call leads to a lookup, not a blind resend.

@@ -3,36 +3,11 @@
 //! `FOR UPDATE SKIP LOCKED` and leases them in the same short transaction.
 
 use sqlx::mysql::MySqlQueryResult;
-use sqlx::{MySql, Pool};
+use sqlx::mysql::MySqlRow;
+use sqlx::{MySql, Row};
 
 use super::private::{ClaimSql, Dialect, NewId};
 use super::{Backend, record_columns};
-
-/// Name of the server-wide lock that serialises concurrent `migrate()` calls.
-const MIGRATE_LOCK: &str = "axum_idempotency_outbox_migrate";
-
-// The key column is ASCII with a binary collation: keys are compared byte for byte, never
-// case-folded, and 255 ASCII characters stay within InnoDB's index length limit.
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS idempotency_outbox (
-    id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
-    topic TEXT NOT NULL,
-    downstream_key VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
-    payload LONGBLOB NOT NULL,
-    status VARCHAR(16) NOT NULL,
-    attempts BIGINT NOT NULL DEFAULT 0,
-    outcome_unknown BOOLEAN NOT NULL DEFAULT FALSE,
-    receipt TEXT NULL,
-    last_error TEXT NULL,
-    created_at BIGINT NOT NULL,
-    next_attempt_at BIGINT NOT NULL,
-    last_attempt_at BIGINT NULL,
-    finished_at BIGINT NULL,
-    lease_expires_at BIGINT NULL,
-    lease_token BIGINT NULL,
-    UNIQUE KEY idempotency_outbox_key (downstream_key),
-    KEY idempotency_outbox_due (status, next_attempt_at)
-) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4";
 
 impl Backend for MySql {}
 
@@ -75,20 +50,26 @@ impl Dialect for MySql {
             next_attempt_at = ?, finished_at = ?,
             lease_expires_at = NULL, lease_token = NULL
         WHERE id = ? AND lease_token = ?";
+    const MIGRATIONS: &'static [(i64, &'static str)] = &[(
+        1,
+        include_str!("../../../migrations/mysql/outbox/0001_outbox.sql"),
+    )];
+    const MIGRATION_BEGIN: &'static str = "BEGIN";
+    // DDL commits implicitly, so the transaction cannot serialise two instances migrating at
+    // once; a named lock held by the session can. The name is the one the outbox used before its
+    // schema was versioned, so an older instance starting alongside still queues on it.
+    // MariaDB has no "wait forever" (a negative timeout returns NULL at once), so the wait is an
+    // hour, after which migrate fails.
+    const MIGRATION_LOCK: Option<&'static str> =
+        Some("SELECT GET_LOCK('axum_idempotency_outbox_migrate', 3600)");
+    const MIGRATION_UNLOCK: Option<&'static str> =
+        Some("DO RELEASE_LOCK('axum_idempotency_outbox_migrate')");
+    const MIGRATION_RECORD: &'static str =
+        "INSERT INTO idempotency_outbox_schema_versions (version, applied_at) VALUES (?, ?)";
 
-    async fn create_table(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
-        // GET_LOCK belongs to the session, so everything runs on one connection.
-        let mut conn = pool.acquire().await?;
-        sqlx::query("SELECT GET_LOCK(?, 60)")
-            .bind(MIGRATE_LOCK)
-            .execute(&mut *conn)
-            .await?;
-        let created = sqlx::query(SCHEMA).execute(&mut *conn).await;
-        sqlx::query("SELECT RELEASE_LOCK(?)")
-            .bind(MIGRATE_LOCK)
-            .execute(&mut *conn)
-            .await?;
-        created.map(|_| ())
+    fn migration_locked(row: &MySqlRow) -> bool {
+        // 1 granted, 0 timed out, NULL an error (such as a killed wait).
+        row.try_get::<Option<i64>, _>(0).ok().flatten() == Some(1)
     }
 
     fn rows_affected(result: &Self::QueryResult) -> u64 {

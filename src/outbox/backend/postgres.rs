@@ -2,37 +2,10 @@
 //! picks with `FOR UPDATE SKIP LOCKED`, so concurrent claims never wait on each other nor pick
 //! the same row, and writes a lease that outlives the claim's short transaction.
 
-use sqlx::{Pool, Postgres};
+use sqlx::Postgres;
 
 use super::private::{ClaimSql, Dialect, NewId};
 use super::{Backend, record_columns};
-
-/// Key of the advisory lock that serialises concurrent `migrate()` calls: `CREATE TABLE IF NOT
-/// EXISTS` alone races in PostgreSQL (both sessions see no table, one fails on the catalog's
-/// unique index).
-const MIGRATE_LOCK: i64 = 0x6178_6f75_7462_6f78;
-
-const SCHEMA: [&str; 2] = [
-    "CREATE TABLE IF NOT EXISTS idempotency_outbox (
-        id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-        topic TEXT NOT NULL,
-        downstream_key TEXT NOT NULL UNIQUE,
-        payload BYTEA NOT NULL,
-        status TEXT NOT NULL,
-        attempts BIGINT NOT NULL DEFAULT 0,
-        outcome_unknown BOOLEAN NOT NULL DEFAULT FALSE,
-        receipt TEXT,
-        last_error TEXT,
-        created_at BIGINT NOT NULL,
-        next_attempt_at BIGINT NOT NULL,
-        last_attempt_at BIGINT,
-        finished_at BIGINT,
-        lease_expires_at BIGINT,
-        lease_token BIGINT
-    )",
-    "CREATE INDEX IF NOT EXISTS idempotency_outbox_due
-        ON idempotency_outbox (status, next_attempt_at)",
-];
 
 impl Backend for Postgres {}
 
@@ -78,18 +51,19 @@ impl Dialect for Postgres {
             next_attempt_at = $5, finished_at = $6,
             lease_expires_at = NULL, lease_token = NULL
         WHERE id = $7 AND lease_token = $8";
-
-    async fn create_table(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
-        let mut tx = pool.begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(MIGRATE_LOCK)
-            .execute(&mut *tx)
-            .await?;
-        for statement in SCHEMA {
-            sqlx::query(statement).execute(&mut *tx).await?;
-        }
-        tx.commit().await
-    }
+    const MIGRATIONS: &'static [(i64, &'static str)] = &[(
+        1,
+        include_str!("../../../migrations/postgres/outbox/0001_outbox.sql"),
+    )];
+    const MIGRATION_BEGIN: &'static str = "BEGIN";
+    // `CREATE TABLE IF NOT EXISTS` alone races in PostgreSQL (both sessions see no table, one
+    // fails on the catalog's unique index), so migrators queue on a transaction-scoped advisory
+    // lock; the number is the outbox's own ("axoutbox" in ASCII), the same as before the schema
+    // was versioned so an older instance starting alongside still queues on it.
+    const MIGRATION_LOCK: Option<&'static str> =
+        Some("SELECT pg_advisory_xact_lock(7023486169138753400)");
+    const MIGRATION_RECORD: &'static str =
+        "INSERT INTO idempotency_outbox_schema_versions (version, applied_at) VALUES ($1, $2)";
 
     fn rows_affected(result: &Self::QueryResult) -> u64 {
         result.rows_affected()

@@ -1,32 +1,10 @@
 //! SQLite: one writer at a time, so a claim is a single `UPDATE … RETURNING` that no other
 //! dispatcher can interleave with; the lease still matters when a dispatcher dies mid-send.
 
-use sqlx::{Pool, Sqlite};
+use sqlx::Sqlite;
 
 use super::private::{ClaimSql, Dialect, NewId};
 use super::{Backend, record_columns};
-
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS idempotency_outbox (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    topic TEXT NOT NULL,
-    downstream_key TEXT NOT NULL UNIQUE,
-    payload BLOB NOT NULL,
-    status TEXT NOT NULL,
-    attempts BIGINT NOT NULL DEFAULT 0,
-    outcome_unknown BOOLEAN NOT NULL DEFAULT FALSE,
-    receipt TEXT,
-    last_error TEXT,
-    created_at BIGINT NOT NULL,
-    next_attempt_at BIGINT NOT NULL,
-    last_attempt_at BIGINT,
-    finished_at BIGINT,
-    lease_expires_at BIGINT,
-    lease_token BIGINT
-);
-CREATE INDEX IF NOT EXISTS idempotency_outbox_due
-    ON idempotency_outbox (status, next_attempt_at);
-";
 
 impl Backend for Sqlite {}
 
@@ -76,11 +54,14 @@ impl Dialect for Sqlite {
             next_attempt_at = ?5, finished_at = ?6,
             lease_expires_at = NULL, lease_token = NULL
         WHERE id = ?7 AND lease_token = ?8";
-
-    async fn create_table(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(SCHEMA).execute(pool).await?;
-        Ok(())
-    }
+    const MIGRATIONS: &'static [(i64, &'static str)] = &[(
+        1,
+        include_str!("../../../migrations/sqlite/outbox/0001_outbox.sql"),
+    )];
+    // The write lock taken up front serialises concurrent migrators.
+    const MIGRATION_BEGIN: &'static str = "BEGIN IMMEDIATE";
+    const MIGRATION_RECORD: &'static str =
+        "INSERT INTO idempotency_outbox_schema_versions (version, applied_at) VALUES (?1, ?2)";
 
     fn rows_affected(result: &Self::QueryResult) -> u64 {
         result.rows_affected()

@@ -1,0 +1,23 @@
+-- axum-idempotency outbox schema version 1 (MySQL 8, MariaDB 10.6+).
+-- IF NOT EXISTS: an outbox created before its schema was versioned is adopted as version 1.
+-- The key column is ASCII with a binary collation: keys are compared byte for byte, never
+-- case-folded, and 255 ASCII characters stay within InnoDB's index length limit.
+CREATE TABLE IF NOT EXISTS idempotency_outbox (
+    id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+    topic TEXT NOT NULL,
+    downstream_key VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+    payload LONGBLOB NOT NULL,
+    status VARCHAR(16) NOT NULL,
+    attempts BIGINT NOT NULL DEFAULT 0,
+    outcome_unknown BOOLEAN NOT NULL DEFAULT FALSE,
+    receipt TEXT NULL,
+    last_error TEXT NULL,
+    created_at BIGINT NOT NULL,
+    next_attempt_at BIGINT NOT NULL,
+    last_attempt_at BIGINT NULL,
+    finished_at BIGINT NULL,
+    lease_expires_at BIGINT NULL,
+    lease_token BIGINT NULL,
+    UNIQUE KEY idempotency_outbox_key (downstream_key),
+    KEY idempotency_outbox_due (status, next_attempt_at)
+) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4;

@@ -1,0 +1,21 @@
+-- axum-idempotency outbox schema version 1 (SQLite).
+-- IF NOT EXISTS: an outbox created before its schema was versioned is adopted as version 1.
+CREATE TABLE IF NOT EXISTS idempotency_outbox (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    topic TEXT NOT NULL,
+    downstream_key TEXT NOT NULL UNIQUE,
+    payload BLOB NOT NULL,
+    status TEXT NOT NULL,
+    attempts BIGINT NOT NULL DEFAULT 0,
+    outcome_unknown BOOLEAN NOT NULL DEFAULT FALSE,
+    receipt TEXT,
+    last_error TEXT,
+    created_at BIGINT NOT NULL,
+    next_attempt_at BIGINT NOT NULL,
+    last_attempt_at BIGINT,
+    finished_at BIGINT,
+    lease_expires_at BIGINT,
+    lease_token BIGINT
+);
+CREATE INDEX IF NOT EXISTS idempotency_outbox_due
+    ON idempotency_outbox (status, next_attempt_at);

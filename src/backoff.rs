@@ -1,0 +1,106 @@
+//! How long to wait before trying again: exponential backoff with full jitter, shared by the
+//! client's retries and the outbox's redeliveries so both spread their load the same way.
+
+use std::hash::{BuildHasher, RandomState};
+use std::time::Duration;
+
+/// Exponential backoff with full jitter: before retry `n` the wait is drawn uniformly from
+/// `0..=min(cap, base × 2ⁿ⁻¹)`.
+///
+/// Full jitter (rather than a fixed exponential wait) matters when many callers failed
+/// together: their retries spread over the whole window instead of arriving at a recovering
+/// server at the same instant.
+///
+/// ```
+/// use std::time::Duration;
+/// # #[cfg(feature = "client")]
+/// use axum_idempotency::client::Backoff;
+/// # #[cfg(all(feature = "outbox", not(feature = "client")))]
+/// # use axum_idempotency::outbox::Backoff;
+///
+/// // Up to 200 ms before the first retry, 400 ms before the second, … never more than 10 s.
+/// let backoff = Backoff::exponential(Duration::from_millis(200), Duration::from_secs(10));
+/// # let _ = backoff;
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    base: Duration,
+    cap: Duration,
+}
+
+impl Default for Backoff {
+    /// Base 100 ms, cap 5 s: the client's default. The outbox's dispatcher sets its own.
+    fn default() -> Self {
+        Self::exponential(Duration::from_millis(100), Duration::from_secs(5))
+    }
+}
+
+impl Backoff {
+    /// Waits drawn from `0..=base` before the first retry, doubling the ceiling each time up to
+    /// `cap`.
+    #[must_use]
+    pub fn exponential(base: Duration, cap: Duration) -> Self {
+        Self { base, cap }
+    }
+
+    /// The longest wait before the retry that follows attempt number `attempts` (1-based).
+    fn ceiling(&self, attempts: u32) -> Duration {
+        let doublings = attempts.saturating_sub(1).min(32);
+        self.base
+            .saturating_mul(2_u32.saturating_pow(doublings))
+            .min(self.cap)
+    }
+
+    /// A wait drawn for the retry that follows attempt number `attempts` (1-based).
+    pub(crate) fn delay(&self, attempts: u32) -> Duration {
+        let ceiling = self.ceiling(attempts).as_nanos();
+        let nanos = ceiling * u128::from(random_u64()) / u128::from(u64::MAX);
+        Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
+    }
+}
+
+/// A random number for jitter and lease tokens, which need spread, not secrecy.
+///
+/// The operating system's generator first; should it fail, std's per-process random hasher
+/// keys, so a retry never goes without jitter and two dispatchers never share a fixed token.
+pub(crate) fn random_u64() -> u64 {
+    getrandom::u64().unwrap_or_else(|_| {
+        // Each `RandomState` gets fresh keys, so hashing the clock yields a new value per call.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |elapsed| elapsed.as_nanos());
+        RandomState::new().hash_one(nanos)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ceiling_doubles_up_to_the_cap_and_draws_stay_below_it() {
+        let backoff = Backoff::exponential(Duration::from_millis(100), Duration::from_millis(700));
+        let ceilings: Vec<_> = (1..=5).map(|n| backoff.ceiling(n).as_millis()).collect();
+        assert_eq!(ceilings, [100, 200, 400, 700, 700]);
+        let draws: Vec<_> = (0..200).map(|_| backoff.delay(3)).collect();
+        assert!(draws.iter().all(|d| *d <= Duration::from_millis(400)));
+        // Full jitter spreads the waits: 200 draws all on one side would be a broken RNG.
+        assert!(draws.iter().any(|d| *d < Duration::from_millis(200)));
+        assert!(draws.iter().any(|d| *d > Duration::from_millis(200)));
+    }
+
+    #[test]
+    fn a_huge_attempt_count_stays_at_the_cap() {
+        let backoff = Backoff::exponential(Duration::from_millis(100), Duration::from_secs(1));
+        for _ in 0..200 {
+            assert!(backoff.delay(40) <= Duration::from_secs(1));
+            assert!(backoff.delay(u32::MAX) <= Duration::from_secs(1));
+        }
+    }
+
+    #[test]
+    fn a_zero_backoff_never_waits() {
+        let backoff = Backoff::exponential(Duration::ZERO, Duration::ZERO);
+        assert_eq!(backoff.delay(1), Duration::ZERO);
+    }
+}

@@ -6,9 +6,6 @@
 //! alone: a client-only build must not compile the server's parser (`sfv`) to get it.
 
 /// The header that carries the key, unless a layer is configured with another.
-// The server's layer still names its own copy (`IDEMPOTENCY_KEY`); until it reads this one,
-// only the client does.
-#[cfg(feature = "client")]
 pub(crate) const KEY_HEADER: http::HeaderName = http::HeaderName::from_static("idempotency-key");
 
 /// The longest key accepted, in characters.

@@ -61,7 +61,7 @@ type PrincipalFn =
     Arc<dyn for<'a> Fn(&'a mut Parts) -> BoxFuture<'a, Option<String>> + Send + Sync>;
 
 /// The default header name, `Idempotency-Key`.
-pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+pub const IDEMPOTENCY_KEY: HeaderName = crate::key_syntax::KEY_HEADER;
 
 #[derive(Clone)]
 struct Config {

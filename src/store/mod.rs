@@ -26,6 +26,8 @@ mod mysql;
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+#[cfg(test)]
+mod tests;
 
 #[cfg(feature = "mysql")]
 pub use mysql::MySqlStore;

@@ -1,8 +1,6 @@
 //! The harness every backend's conformance run shares: a fresh isolated database, a test app
 //! served on a loopback port, and an HTTP client.
 
-#![allow(dead_code, unreachable_pub)]
-
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -15,7 +13,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{post, put};
 use axum::{Json, Router};
-use axum_idempotency::{Dialect, IdempotencyLayer, Principal, SqlStore, Store, Tx};
+use axum_idempotency::{Error, IdempotencyLayer, Principal, Store, Tx};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
@@ -25,7 +23,7 @@ use serde_json::{Value, json};
 use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Type};
 
 /// A name no other test (or earlier run) uses.
-pub fn unique(prefix: &str) -> String {
+pub(crate) fn unique(prefix: &str) -> String {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -38,11 +36,42 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
+/// The inherent methods every store type has, callable on a generic store.
+pub(crate) trait StoreApi: Store {
+    fn migrate(&self) -> impl Future<Output = Result<(), Error>> + Send;
+    fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send;
+}
+
+macro_rules! store_api {
+    ($store:ty) => {
+        impl StoreApi for $store {
+            fn migrate(&self) -> impl Future<Output = Result<(), Error>> + Send {
+                <$store>::migrate(self)
+            }
+
+            fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {
+                <$store>::purge_expired(self)
+            }
+        }
+    };
+}
+
+#[cfg(feature = "sqlite")]
+store_api!(axum_idempotency::SqliteStore);
+#[cfg(feature = "postgres")]
+store_api!(axum_idempotency::PgStore);
+#[cfg(feature = "mysql")]
+store_api!(axum_idempotency::MySqlStore);
+
 /// What each backend provides to the suite.
-pub trait Backend: Dialect {
+pub(crate) trait Backend: Database {
+    /// The store type keeping records in this database.
+    type Store: StoreApi<Database = Self>;
     const EFFECTS_DDL: &'static str;
     const INSERT_EFFECT: &'static str;
     const COUNT_EFFECTS: &'static str;
+    /// A store on `pool`.
+    fn store(pool: Pool<Self>) -> Self::Store;
     /// A pool on a database (or schema, or file) of its own, with no tables yet.
     fn fresh(max_connections: u32) -> impl Future<Output = Isolated<Self>> + Send;
     /// A second pool on the same isolated database: a second app instance.
@@ -53,14 +82,12 @@ pub trait Backend: Dialect {
 }
 
 /// An isolated database and how to reach it again.
-pub struct Isolated<DB: Database> {
-    pub pool: Pool<DB>,
-    pub url: String,
+pub(crate) struct Isolated<DB: Database> {
+    pub(crate) pool: Pool<DB>,
+    pub(crate) url: String,
 }
 
-pub trait Db: Backend {
-    type Store: Store<Database = Self>;
-    fn store(pool: Pool<Self>) -> Self::Store;
+pub(crate) trait Db: Backend {
     fn insert_effect<'a>(
         conn: &'a mut Self::Connection,
         label: &'a str,
@@ -78,7 +105,6 @@ pub trait Db: Backend {
 impl<DB> Db for DB
 where
     DB: Backend,
-    SqlStore<DB>: Store<Database = DB>,
     for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
     for<'c> &'c Pool<DB>: Executor<'c, Database = DB>,
     DB::Arguments: IntoArguments<DB>,
@@ -86,12 +112,6 @@ where
     i64: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
     String: for<'q> Encode<'q, DB> + Type<DB>,
 {
-    type Store = SqlStore<DB>;
-
-    fn store(pool: Pool<Self>) -> Self::Store {
-        SqlStore::new(pool)
-    }
-
     async fn insert_effect<'a>(
         conn: &'a mut Self::Connection,
         label: &'a str,
@@ -135,10 +155,15 @@ where
 
 #[cfg(feature = "sqlite")]
 impl Backend for sqlx::Sqlite {
+    type Store = axum_idempotency::SqliteStore;
     const EFFECTS_DDL: &'static str =
         "CREATE TABLE effects (id INTEGER PRIMARY KEY AUTOINCREMENT, label TEXT NOT NULL)";
     const INSERT_EFFECT: &'static str = "INSERT INTO effects (label) VALUES (?1) RETURNING id";
     const COUNT_EFFECTS: &'static str = "SELECT COUNT(*) FROM effects WHERE label = ?1";
+
+    fn store(pool: Pool<Self>) -> Self::Store {
+        axum_idempotency::SqliteStore::new(pool)
+    }
 
     async fn fresh(max_connections: u32) -> Isolated<Self> {
         let path = std::env::temp_dir().join(format!("{}.db", unique("axum_idempotency")));
@@ -168,17 +193,22 @@ async fn sqlite_pool(url: &str, max: u32, create: bool) -> sqlx::SqlitePool {
 }
 
 #[cfg(feature = "postgres")]
-pub fn postgres_url() -> String {
+pub(crate) fn postgres_url() -> String {
     std::env::var("TEST_POSTGRES_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
 #[cfg(feature = "postgres")]
 impl Backend for sqlx::Postgres {
+    type Store = axum_idempotency::PgStore;
     const EFFECTS_DDL: &'static str =
         "CREATE TABLE effects (id BIGSERIAL PRIMARY KEY, label TEXT NOT NULL)";
     const INSERT_EFFECT: &'static str = "INSERT INTO effects (label) VALUES ($1) RETURNING id";
     const COUNT_EFFECTS: &'static str = "SELECT COUNT(*) FROM effects WHERE label = $1";
+
+    fn store(pool: Pool<Self>) -> Self::Store {
+        axum_idempotency::PgStore::new(pool)
+    }
 
     async fn fresh(max_connections: u32) -> Isolated<Self> {
         let schema = unique("t");
@@ -218,17 +248,22 @@ async fn pg_pool(schema: &str, max: u32) -> sqlx::PgPool {
 }
 
 #[cfg(feature = "mysql")]
-pub fn mysql_url() -> String {
+pub(crate) fn mysql_url() -> String {
     std::env::var("TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
 }
 
 #[cfg(feature = "mysql")]
 impl Backend for sqlx::MySql {
+    type Store = axum_idempotency::MySqlStore;
     const EFFECTS_DDL: &'static str = "CREATE TABLE effects \
         (id BIGINT AUTO_INCREMENT PRIMARY KEY, label TEXT NOT NULL) ENGINE = InnoDB";
     // RETURNING on INSERT is MariaDB's (10.5+); MySQL 8 would need LAST_INSERT_ID() instead.
     const INSERT_EFFECT: &'static str = "INSERT INTO effects (label) VALUES (?) RETURNING id";
     const COUNT_EFFECTS: &'static str = "SELECT COUNT(*) FROM effects WHERE label = ?";
+
+    fn store(pool: Pool<Self>) -> Self::Store {
+        axum_idempotency::MySqlStore::new(pool)
+    }
 
     async fn fresh(max_connections: u32) -> Isolated<Self> {
         use sqlx::Connection;
@@ -268,7 +303,7 @@ async fn mysql_pool(database: &str, max: u32) -> sqlx::MySqlPool {
 
 /// The verified caller, set by the test's auth middleware from `Authorization: Bearer <name>`.
 #[derive(Clone)]
-pub struct User(pub String);
+pub(crate) struct User(pub(crate) String);
 
 impl Principal for User {
     fn principal_id(&self) -> std::borrow::Cow<'_, str> {
@@ -290,8 +325,8 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
 }
 
 #[derive(Clone)]
-pub struct AppState {
-    pub executions: Arc<AtomicUsize>,
+pub(crate) struct AppState {
+    pub(crate) executions: Arc<AtomicUsize>,
 }
 
 /// Counts an execution and writes its effect row through the request's transaction.
@@ -392,11 +427,11 @@ async fn big_response<DB: Db>(
 }
 
 /// A served test app.
-pub struct App<DB: Db> {
-    pub addr: SocketAddr,
-    pub executions: Arc<AtomicUsize>,
-    pub pool: Pool<DB>,
-    pub layer: IdempotencyLayer<DB::Store>,
+pub(crate) struct App<DB: Db> {
+    pub(crate) addr: SocketAddr,
+    pub(crate) executions: Arc<AtomicUsize>,
+    pub(crate) pool: Pool<DB>,
+    pub(crate) layer: IdempotencyLayer<DB::Store>,
     client: Client<HttpConnector, Full<Bytes>>,
     server: tokio::task::JoinHandle<()>,
 }
@@ -408,7 +443,7 @@ impl<DB: Db> Drop for App<DB> {
 }
 
 /// Migrates, creates the effects table unless it exists, and serves the test routes.
-pub async fn serve<DB: Db>(
+pub(crate) async fn serve<DB: Db>(
     pool: Pool<DB>,
     configure: impl FnOnce(IdempotencyLayer<DB::Store>) -> IdempotencyLayer<DB::Store>,
 ) -> App<DB> {
@@ -454,22 +489,22 @@ pub async fn serve<DB: Db>(
 
 /// A response as the client saw it.
 #[derive(Debug, Clone)]
-pub struct Reply {
-    pub status: StatusCode,
-    pub headers: HeaderMap,
-    pub body: Bytes,
+pub(crate) struct Reply {
+    pub(crate) status: StatusCode,
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Bytes,
 }
 
 impl Reply {
-    pub fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         serde_json::from_slice(&self.body).unwrap_or(Value::Null)
     }
 
-    pub fn code(&self) -> String {
+    pub(crate) fn code(&self) -> String {
         self.json()["code"].as_str().unwrap_or_default().to_owned()
     }
 
-    pub fn replayed(&self) -> bool {
+    pub(crate) fn replayed(&self) -> bool {
         self.headers
             .get("idempotent-replayed")
             .is_some_and(|v| v == "true")
@@ -477,12 +512,12 @@ impl Reply {
 }
 
 impl<DB: Db> App<DB> {
-    pub fn executions(&self) -> usize {
+    pub(crate) fn executions(&self) -> usize {
         self.executions.load(Ordering::SeqCst)
     }
 
     /// `POST path` as `user` with `key`, a JSON body.
-    pub async fn post(
+    pub(crate) async fn post(
         &self,
         path: &str,
         user: Option<&str>,
@@ -500,7 +535,7 @@ impl<DB: Db> App<DB> {
             .await
     }
 
-    pub async fn send(
+    pub(crate) async fn send(
         &self,
         method: &str,
         path: &str,
@@ -526,53 +561,10 @@ impl<DB: Db> App<DB> {
 }
 
 /// A second instance of the app on its own pool over the same database.
-pub async fn second_instance<DB: Db>(isolated: &Isolated<DB>) -> App<DB> {
+pub(crate) async fn second_instance<DB: Db>(isolated: &Isolated<DB>) -> App<DB> {
     serve(DB::another_pool(isolated, 8).await, |layer| layer).await
 }
 
-pub fn body(label: &str) -> String {
+pub(crate) fn body(label: &str) -> String {
     json!({ "label": label }).to_string()
-}
-
-/// Milliseconds since the epoch, as the engine keeps record times.
-pub fn now_ms() -> i64 {
-    i64::try_from(
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_millis(),
-    )
-    .unwrap()
-}
-
-/// Alice's `POST /orders` under `key`, for tests that drive a store directly.
-pub fn scope(key: &str) -> axum_idempotency::Scope {
-    axum_idempotency::Scope::new(
-        "alice",
-        "POST",
-        "/orders",
-        key.parse::<axum_idempotency::IdempotencyKey>().unwrap(),
-    )
-}
-
-/// A record of `scope` whose fingerprint stands for `intent`, living `ttl_ms` from `created_at_ms`.
-pub fn record<'a>(
-    scope: &'a axum_idempotency::Scope,
-    intent: &str,
-    state: axum_idempotency::RecordState,
-    response: Option<&'a axum_idempotency::StoredResponse>,
-    created_at_ms: i64,
-    ttl_ms: i64,
-) -> axum_idempotency::NewRecord<'a> {
-    axum_idempotency::NewRecord {
-        key: scope.scoped_key(),
-        scope,
-        fingerprint: axum_idempotency::Fingerprinter::new()
-            .fingerprint_value("test", intent.as_bytes()),
-        state,
-        response,
-        created_at_ms,
-        expires_at_ms: created_at_ms + ttl_ms,
-        lease: None,
-    }
 }

@@ -1,0 +1,208 @@
+//! The store protocol against real databases: how a claim waits, replaces, purges and reports
+//! a busy or deadlocked key, below the engine. These drive [`Protocol`] directly, which is
+//! crate-private, so they live here rather than in `tests/`.
+//!
+//! Each test works in a schema (PostgreSQL), database (MariaDB/MySQL) or file (SQLite) of its
+//! own, dropped at its end, so tests run in parallel. The servers are found at
+//! `TEST_POSTGRES_URL` and `TEST_MYSQL_URL`.
+
+#![cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::record::Millis;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+use crate::{
+    fingerprint::Fingerprinter,
+    key::IdempotencyKey,
+    record::{RecordState, StoredResponse},
+    scope::Scope,
+    store::{NewRecord, Store},
+};
+
+mod lease;
+#[cfg(feature = "mysql")]
+mod mysql;
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+
+/// A name no other test (or earlier run) uses.
+fn unique(prefix: &str) -> String {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    format!(
+        "{prefix}_{}_{}_{}",
+        std::process::id(),
+        now_ms() % 1_000_000_000,
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// The protocol the engine drives a public store through.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+fn protocol_of<S: Store>(store: &S) -> S::Protocol {
+    store.protocol().clone()
+}
+
+/// Milliseconds since the epoch, as records keep time.
+fn now_ms() -> i64 {
+    Millis::now().column()
+}
+
+/// Alice's `POST /orders` under `key`.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+fn scope(key: &str) -> Scope {
+    Scope::new(
+        "alice",
+        "POST",
+        "/orders",
+        key.parse::<IdempotencyKey>().unwrap(),
+    )
+}
+
+/// A record of `scope` whose fingerprint stands for `intent`, living `ttl_ms` from `created_at_ms`.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+fn record<'a>(
+    scope: &'a Scope,
+    intent: &str,
+    state: RecordState,
+    response: Option<&'a StoredResponse>,
+    created_at_ms: i64,
+    ttl_ms: i64,
+) -> NewRecord<'a> {
+    NewRecord {
+        key: scope.scoped_key(),
+        scope,
+        fingerprint: Fingerprinter::new().fingerprint_value("test", intent.as_bytes()),
+        state,
+        response,
+        created_at: Millis::from_column(created_at_ms),
+        expires_at: Millis::from_column(created_at_ms + ttl_ms),
+        lease: None,
+    }
+}
+
+/// A final response with `body`, as a handler's 201 is stored.
+#[cfg(feature = "mysql")]
+fn completed(body: &'static str) -> StoredResponse {
+    StoredResponse {
+        status: http::StatusCode::CREATED,
+        headers: http::HeaderMap::new(),
+        body: body.into(),
+    }
+}
+
+/// A PostgreSQL schema of the test's own, reached through `search_path`.
+#[cfg(feature = "postgres")]
+struct PgSchema {
+    name: String,
+}
+
+#[cfg(feature = "postgres")]
+impl PgSchema {
+    fn url() -> String {
+        std::env::var("TEST_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    }
+
+    async fn create() -> Self {
+        let name = unique("t");
+        let admin = sqlx::PgPool::connect(&Self::url())
+            .await
+            .unwrap_or_else(|e| panic!("PostgreSQL at {} is unreachable: {e}", Self::url()));
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {name}")))
+            .execute(&admin)
+            .await
+            .unwrap();
+        admin.close().await;
+        Self { name }
+    }
+
+    async fn pool(&self, max_connections: u32) -> sqlx::PgPool {
+        let options = Self::url()
+            .parse::<sqlx::postgres::PgConnectOptions>()
+            .unwrap()
+            .options([("search_path", self.name.as_str())]);
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(max_connections)
+            .connect_with(options)
+            .await
+            .unwrap()
+    }
+
+    /// Closes `pool` (every transaction on it must be over) and drops the schema.
+    async fn drop(self, pool: &sqlx::PgPool) {
+        pool.close().await;
+        let admin = sqlx::PgPool::connect(&Self::url()).await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP SCHEMA {} CASCADE",
+            self.name
+        )))
+        .execute(&admin)
+        .await
+        .unwrap();
+        admin.close().await;
+    }
+}
+
+/// A MariaDB/MySQL database of the test's own.
+#[cfg(feature = "mysql")]
+struct MySqlDatabase {
+    name: String,
+}
+
+#[cfg(feature = "mysql")]
+impl MySqlDatabase {
+    fn server() -> sqlx::mysql::MySqlConnectOptions {
+        let url = std::env::var("TEST_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        url.parse().unwrap()
+    }
+
+    async fn create() -> Self {
+        use sqlx::Connection;
+        let name = unique("idem");
+        let mut admin = sqlx::MySqlConnection::connect_with(&Self::server())
+            .await
+            .expect("MariaDB must be reachable at TEST_MYSQL_URL");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        let _ = admin.close().await;
+        Self { name }
+    }
+
+    fn options(&self) -> sqlx::mysql::MySqlConnectOptions {
+        Self::server().database(&self.name)
+    }
+
+    /// A connection of its own, outside any pool.
+    async fn connect(&self) -> sqlx::MySqlConnection {
+        use sqlx::Connection;
+        sqlx::MySqlConnection::connect_with(&self.options())
+            .await
+            .unwrap()
+    }
+
+    async fn pool(&self, max_connections: u32) -> sqlx::MySqlPool {
+        sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(max_connections)
+            .connect_with(self.options())
+            .await
+            .unwrap()
+    }
+
+    async fn drop(self) {
+        use sqlx::Connection;
+        let mut admin = sqlx::MySqlConnection::connect_with(&Self::server())
+            .await
+            .unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP DATABASE {}", self.name)))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        let _ = admin.close().await;
+    }
+}

@@ -1,0 +1,175 @@
+//! `PgStore` against the real PostgreSQL server: how a claim waits for a concurrent claimer of
+//! its key, and that it leaves the session's own `lock_timeout` to the handler.
+
+use std::time::{Duration, Instant};
+
+use sqlx::PgConnection;
+
+use super::{PgSchema, now_ms, protocol_of, record, scope};
+use crate::error::Error;
+use crate::record::RecordState;
+use crate::store::sql::SqlStore;
+use crate::store::{PgStore, Protocol};
+
+/// A store on a fresh schema whose connections all run with `lock_timeout = 37s`, a value no
+/// claim bound uses: seeing it inside a claim transaction means the session's setting is back.
+async fn store(schema: &PgSchema, connections: u32) -> SqlStore<sqlx::Postgres> {
+    let store = PgStore::new(schema.pool(connections).await);
+    store.migrate().await.unwrap();
+    let mut opened = Vec::new();
+    for _ in 0..connections {
+        let mut conn = store.pool().acquire().await.unwrap();
+        sqlx::raw_sql("SET lock_timeout = '37s'")
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        opened.push(conn);
+    }
+    protocol_of(&store)
+}
+
+async fn lock_timeout(conn: &mut PgConnection) -> String {
+    sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn uncontended_claim_leaves_the_sessions_lock_timeout_to_the_handler() {
+    let schema = PgSchema::create().await;
+    let store = store(&schema, 1).await;
+    let key = scope("k-uncontended");
+    let claim = record(&key, "a", RecordState::Processing, None, now_ms(), 60_000);
+    let wait = Duration::from_millis(250);
+
+    let mut tx = store.begin(wait).await.unwrap();
+    assert!(store.claim(&mut tx, &claim, wait).await.unwrap());
+    assert_eq!(lock_timeout(&mut tx).await, "37s");
+    tx.commit().await.unwrap();
+
+    let mut again = store.begin(wait).await.unwrap();
+    assert!(
+        !store.claim(&mut again, &claim, wait).await.unwrap(),
+        "a live record keeps the key"
+    );
+    let found = store.find(&mut again, &key.scoped_key()).await.unwrap();
+    assert_eq!(
+        found.map(|record| record.state),
+        Some(RecordState::Processing)
+    );
+    drop(again);
+    schema.drop(store.pool()).await;
+}
+
+#[tokio::test]
+async fn duplicate_of_an_in_flight_claim_is_busy_once_its_own_wait_runs_out() {
+    let schema = PgSchema::create().await;
+    let store = store(&schema, 2).await;
+    let key = scope("k-busy");
+    let claim = record(&key, "a", RecordState::Processing, None, now_ms(), 60_000);
+    let mut holder = store.begin(Duration::from_secs(1)).await.unwrap();
+    assert!(
+        store
+            .claim(&mut holder, &claim, Duration::from_secs(1))
+            .await
+            .unwrap()
+    );
+
+    let wait = Duration::from_millis(300);
+    let mut waiter = store.begin(wait).await.unwrap();
+    let started = Instant::now();
+    let outcome = store.claim(&mut waiter, &claim, wait).await;
+    let waited = started.elapsed();
+    assert!(matches!(outcome, Err(Error::Busy)), "{outcome:?}");
+    assert!(waited >= wait, "gave up after {waited:?}");
+    assert!(
+        waited < Duration::from_secs(5),
+        "waited {waited:?}: the session's 37 s applied, not the claim's bound"
+    );
+    drop(waiter);
+    holder.rollback().await.unwrap();
+    schema.drop(store.pool()).await;
+}
+
+#[tokio::test]
+async fn duplicate_queued_behind_an_original_that_rolls_back_claims_with_the_sessions_timeout() {
+    let schema = PgSchema::create().await;
+    let store = store(&schema, 2).await;
+    let key = scope("k-rolled-back");
+    let claim = record(&key, "a", RecordState::Processing, None, now_ms(), 60_000);
+    let mut holder = store.begin(Duration::from_secs(1)).await.unwrap();
+    assert!(
+        store
+            .claim(&mut holder, &claim, Duration::from_secs(1))
+            .await
+            .unwrap()
+    );
+    let original = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        holder.rollback().await.unwrap();
+    });
+
+    let wait = Duration::from_secs(10);
+    let mut waiter = store.begin(wait).await.unwrap();
+    let started = Instant::now();
+    assert!(store.claim(&mut waiter, &claim, wait).await.unwrap());
+    assert!(
+        started.elapsed() >= Duration::from_millis(250),
+        "claimed after {:?}, while the original still held the key",
+        started.elapsed()
+    );
+    assert_eq!(lock_timeout(&mut waiter).await, "37s");
+    waiter.commit().await.unwrap();
+    original.await.unwrap();
+
+    let records: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_records")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(records, 1);
+    schema.drop(store.pool()).await;
+}
+
+#[tokio::test]
+async fn duplicate_queued_behind_an_original_that_commits_finds_its_record() {
+    let schema = PgSchema::create().await;
+    let store = store(&schema, 2).await;
+    let key = scope("k-committed");
+    let claim = record(&key, "a", RecordState::Processing, None, now_ms(), 60_000);
+    let mut holder = store.begin(Duration::from_secs(1)).await.unwrap();
+    assert!(
+        store
+            .claim(&mut holder, &claim, Duration::from_secs(1))
+            .await
+            .unwrap()
+    );
+    let original = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        holder.commit().await.unwrap();
+    });
+
+    let wait = Duration::from_secs(10);
+    let mut waiter = store.begin(wait).await.unwrap();
+    let started = Instant::now();
+    assert!(!store.claim(&mut waiter, &claim, wait).await.unwrap());
+    assert!(started.elapsed() >= Duration::from_millis(250));
+    let found = store.find(&mut waiter, &key.scoped_key()).await.unwrap();
+    assert_eq!(
+        found.map(|record| record.state),
+        Some(RecordState::Processing)
+    );
+    original.await.unwrap();
+    drop(waiter);
+    schema.drop(store.pool()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn expired_lease_is_taken_over_only_after_asking_recovery() {
+    let schema = PgSchema::create().await;
+    let store = PgStore::new(schema.pool(16).await);
+    store.migrate().await.unwrap();
+    let pool = store.pool().clone();
+    super::lease::expired_lease_is_taken_over_only_after_asking_recovery(store).await;
+    schema.drop(&pool).await;
+}

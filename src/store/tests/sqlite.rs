@@ -1,0 +1,40 @@
+//! `SqliteStore`, on a database file of the test's own.
+
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
+
+use super::{lease, unique};
+use crate::store::SqliteStore;
+
+/// A pool on a new WAL database file, and the file, removed by [`remove`].
+async fn fresh(max_connections: u32) -> (SqlitePool, std::path::PathBuf) {
+    let path = std::env::temp_dir().join(format!("{}.db", unique("axum_idempotency")));
+    let options = SqliteConnectOptions::new()
+        .filename(&path)
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal);
+    let pool = SqlitePoolOptions::new()
+        .max_connections(max_connections)
+        .connect_with(options)
+        .await
+        .unwrap();
+    (pool, path)
+}
+
+/// Closes `pool` and removes its database file with the WAL files beside it.
+async fn remove(pool: SqlitePool, path: std::path::PathBuf) {
+    pool.close().await;
+    for suffix in ["", "-wal", "-shm"] {
+        let mut file = path.clone().into_os_string();
+        file.push(suffix);
+        let _ = std::fs::remove_file(file);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn expired_lease_is_taken_over_only_after_asking_recovery() {
+    let (pool, path) = fresh(16).await;
+    let store = SqliteStore::new(pool.clone());
+    store.migrate().await.unwrap();
+    lease::expired_lease_is_taken_over_only_after_asking_recovery(store).await;
+    remove(pool, path).await;
+}

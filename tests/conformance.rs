@@ -61,14 +61,15 @@ conformance! {
 }
 
 mod suite {
-    use std::time::{Duration, Instant};
+    use std::time::{Duration, Instant, SystemTime};
 
     use axum::http::{Request, StatusCode};
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use axum_idempotency::{
-        Fingerprint, Fingerprinter, IdempotencyKey, IdempotencyLayer, Outcome, Rejection, Scope, Tx,
+        Fingerprint, Fingerprinter, IdempotencyKey, IdempotencyLayer, ManualClock, Outcome,
+        Rejection, Scope, Tx,
     };
     use serde_json::json;
 
@@ -235,10 +236,12 @@ mod suite {
     }
 
     pub(crate) async fn cached_record_stops_answering_at_its_expiry<DB: Db>() {
+        let clock = ManualClock::new(SystemTime::now());
         let app = serve(DB::fresh(8).await.pool, |layer| {
             layer
                 .retention(Duration::from_millis(400))
                 .cache_replays(1 << 20)
+                .clock(clock.clone())
         })
         .await;
         let key = unique("cached-ttl");
@@ -251,7 +254,7 @@ mod suite {
                 .await
                 .replayed()
         );
-        tokio::time::sleep(Duration::from_millis(600)).await;
+        clock.advance(Duration::from_millis(600));
         let after = app
             .post("/effects", Some("alice"), Some(&key), &body("cached-ttl"))
             .await;
@@ -344,10 +347,15 @@ mod suite {
         // The second instance has handled none of these keys, so it claims each one without
         // reading first, and must find the stored record through its failed claim.
         let ttl = Duration::from_millis(1500);
+        // One clock for both instances, as one wall clock would be.
+        let clock = ManualClock::new(SystemTime::now());
         let isolated = DB::fresh(8).await;
-        let one = serve(isolated.pool.clone(), |layer| layer.retention(ttl)).await;
+        let one = serve(isolated.pool.clone(), |layer| {
+            layer.retention(ttl).clock(clock.clone())
+        })
+        .await;
         let two = serve(DB::another_pool(&isolated, 8).await, |layer| {
-            layer.retention(ttl)
+            layer.retention(ttl).clock(clock.clone())
         })
         .await;
         let key = unique("elsewhere");
@@ -398,8 +406,7 @@ mod suite {
         assert_eq!(DB::count_effects(&one.pool, "elsewhere").await, 1);
 
         // An expired record is replaced by the claim itself, once.
-        tokio::time::sleep(ttl.saturating_sub(started.elapsed()) + Duration::from_millis(200))
-            .await;
+        clock.advance(ttl + Duration::from_millis(200));
         let payload = body("expiring");
         let storm =
             (0..10).map(|_| two.post("/effects", Some("alice"), Some(&expiring_key), &payload));
@@ -662,8 +669,11 @@ mod suite {
     }
 
     pub(crate) async fn expired_key_is_a_new_intent_claimed_once<DB: Db>() {
+        let clock = ManualClock::new(SystemTime::now());
         let app = serve(DB::fresh(16).await.pool, |layer| {
-            layer.retention(Duration::from_millis(400))
+            layer
+                .retention(Duration::from_millis(400))
+                .clock(clock.clone())
         })
         .await;
         let key = unique("ttl");
@@ -676,7 +686,7 @@ mod suite {
                 .await
                 .replayed()
         );
-        tokio::time::sleep(Duration::from_millis(600)).await;
+        clock.advance(Duration::from_millis(600));
 
         let payload = body("ttl");
         let storm = (0..20).map(|_| app.post("/effects", Some("alice"), Some(&key), &payload));

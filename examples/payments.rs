@@ -217,16 +217,34 @@ where
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3001".into());
     let listener = tokio::net::TcpListener::bind(&bind).await?;
     println!("payments listening on http://{}", listener.local_addr()?);
+    // SIGTERM (Kubernetes, systemd) and Ctrl-C alike: stop accepting, answer every request in
+    // flight, then stop the dispatchers and exit 0.
     axum::serve(listener, app)
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
+        .with_graceful_shutdown(shutdown_signal())
         .await?;
     let _ = stop.send(true);
     for dispatcher in dispatchers {
         let _ = dispatcher.await;
     }
     Ok(())
+}
+
+/// Resolves on SIGTERM or SIGINT (Ctrl-C), whichever comes first.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut terminate) => {
+            tokio::select! {
+                _ = terminate.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        // No SIGTERM handler could be installed: Ctrl-C still stops the server gracefully.
+        Err(error) => {
+            tracing::warn!(%error, "cannot listen for SIGTERM");
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
 }
 
 fn dispatcher<DB: PaymentsDb>(outbox: Outbox<DB>) -> Dispatcher<DB, Provider> {

@@ -664,14 +664,17 @@ async fn mariadb_killed_under_load_gets_only_retryable_answers_and_one_order_per
 
 /// The database link goes silent for longer than the deadline, then heals: every request is
 /// answered within the bound, retryably, and each key still executes once.
-#[cfg(feature = "postgres")]
-#[tokio::test]
-async fn a_silent_database_link_is_answered_within_the_deadline_and_each_key_runs_once() {
-    let schema = SharedSchema::postgres().await;
-    let proxy = proxy::FaultProxy::start("127.0.0.1:5432").await;
-    let url = schema
+#[allow(dead_code)]
+async fn blackhole(backend: &str, schema: SharedSchema) {
+    // The server's address as the URL names it (`…@host:port/…`), to route through the proxy.
+    let server = schema
         .url
-        .replacen("127.0.0.1:5432", &proxy.addr.to_string(), 1);
+        .split_once('@')
+        .and_then(|(_, rest)| rest.split('/').next())
+        .expect("a host:port in the test URL")
+        .to_owned();
+    let proxy = proxy::FaultProxy::start(&server).await;
+    let url = schema.url.replacen(&server, &proxy.addr.to_string(), 1);
     assert_ne!(url, schema.url, "the test URL goes through the proxy");
     let orders = start_orders(&url).await;
     let client = Client::new(&orders.url);
@@ -694,7 +697,7 @@ async fn a_silent_database_link_is_answered_within_the_deadline_and_each_key_run
     let slowest = affected.iter().map(|a| a.took).max().unwrap_or_default();
     let keys = assert_each_key_made_one_order(&client, &attempts, &[probe]).await;
     eprintln!(
-        "faults: blackhole on PostgreSQL: silent {:?}; answers meanwhile {during:?}, slowest \
+        "faults: blackhole on {backend}: silent {:?}; answers meanwhile {during:?}, slowest \
          {slowest:?} (bound 10 s); served again {serving:?} after it healed; {keys} keys, one \
          order each",
         healed - silent,
@@ -710,6 +713,18 @@ async fn a_silent_database_link_is_answered_within_the_deadline_and_each_key_run
     );
     orders.kill().await;
     schema.drop().await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn a_silent_postgres_link_is_answered_within_the_deadline_and_each_key_runs_once() {
+    blackhole("PostgreSQL", SharedSchema::postgres().await).await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn a_silent_mariadb_link_is_answered_within_the_deadline_and_each_key_runs_once() {
+    blackhole("MariaDB", SharedSchema::mysql().await).await;
 }
 
 /// SIGTERM while requests are in flight (held up by another process's SQLite write lock):
@@ -1204,4 +1219,16 @@ mod proxy {
         }
         let _ = to.shutdown().await;
     }
+}
+
+/// The payments example stops on SIGTERM as on Ctrl-C, and exits 0.
+#[cfg(feature = "outbox")]
+#[tokio::test]
+async fn payments_example_exits_zero_on_sigterm() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let url = format!("sqlite:{}", dir.path().join("payments.db").display());
+    let payments = Process::start("payments", &[("DATABASE_URL", &url)]).await;
+    payments.signal("TERM");
+    let status = payments.exit_status(Duration::from_secs(15)).await;
+    assert_eq!(status.code(), Some(0), "{status}");
 }

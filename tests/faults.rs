@@ -642,7 +642,7 @@ async fn outage(backend: &str, database: &mut dyn PrivateDatabase) {
         "final answers a client would stop on: {wrong:?}"
     );
     assert!(
-        serving <= Duration::from_millis(1500),
+        serving <= Duration::from_secs(1),
         "served again only {serving:?} after the database was back"
     );
     orders.kill().await;

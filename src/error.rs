@@ -75,9 +75,11 @@ pub enum Rejection {
     #[error("the caller's identity could not be verified right now; try again")]
     PrincipalUnavailable,
     /// No answer was ready within the layer's [deadline](crate::IdempotencyLayer::deadline).
-    /// Retryable with the same key: if the attempt still commits, the retry replays it;
-    /// if it is still running, the retry is told it is in progress.
-    #[error("the request could not be answered in time; retry with the same idempotency key")]
+    /// Retryable, with the same key for a keyed request: if the attempt still commits, the
+    /// retry replays it; if it is still running, the retry is told it is in progress.
+    #[error(
+        "the request could not be answered in time; retry it, with the same idempotency key if it had one"
+    )]
     Timeout,
     /// The key was already used for a request with a different intent.
     #[error("this idempotency key was already used for a different request")]

@@ -256,6 +256,12 @@ impl<S: Store> IdempotencyLayer<S> {
     /// to send its body. Past it the client gets `503
     /// idempotency_timeout` with `Retry-After`: the database is silent or saturated.
     ///
+    /// Requests of the other methods (`GET`, `PUT`, `DELETE`, …, which take no key) are held
+    /// to the same bound, counted from when the layer receives them: retrying them is safe by
+    /// their HTTP semantics. A keyed method sent without a key under
+    /// [`key_optional`](Self::key_optional) is not bounded: its retry after a late commit would
+    /// run it twice.
+    ///
     /// The attempt itself is not cut short: its transaction goes on in a task of its own and
     /// commits or rolls back there, so the client's retry with the same key either replays
     /// what committed or is told the request is still in progress (409). Nothing commits that
@@ -482,12 +488,19 @@ impl<S: Store> IdempotencyLayer<S> {
             None
         };
         let Some(key) = key else {
-            if config.keyed_methods.contains(&parts.method) && !config.key_optional {
+            let keyed = config.keyed_methods.contains(&parts.method);
+            if keyed && !config.key_optional {
                 return Err(Rejection::KeyMissing);
             }
-            return Ok(self
-                .pass_through(inner, Request::from_parts(parts, body))
-                .await);
+            let passed = self.pass_through(inner, Request::from_parts(parts, body));
+            // The other methods (GET, PUT, DELETE, …) are bounded too: retrying them is safe by
+            // their HTTP semantics even if the attempt still commits after the 503. A keyed
+            // method sent without a key is not: a retry after a late commit would run it twice,
+            // so it waits for its outcome instead.
+            if keyed {
+                return Ok(passed.await);
+            }
+            return within(config.deadline, passed).await;
         };
 
         // The deadline covers finding the principal (its extractor may wait on the database)
@@ -570,8 +583,6 @@ impl<S: Store> IdempotencyLayer<S> {
     }
 
     /// A request without a key: no claim, but `Tx` still works, resolved by the status.
-    /// No deadline: an answer given before its transaction resolved could not promise that
-    /// nothing was written, and without a key a retry would not find out.
     async fn pass_through<I>(&self, inner: I, mut request: Request<Body>) -> Response
     where
         I: Service<Request<Body>, Error = Infallible> + Send + 'static,

@@ -33,7 +33,7 @@ mod layer {
     use axum::body::Body;
     use axum::extract::FromRequestParts;
     use axum::http::request::Parts;
-    use axum::routing::post;
+    use axum::routing::{get, post};
     use axum::{Extension, Router};
     use axum_idempotency::{IdempotencyLayer, Principal, SqliteStore, Store, Tx};
     use http::{Request, StatusCode, header};
@@ -105,6 +105,13 @@ mod layer {
         let running = Arc::new(Running::default());
         let router = Router::new()
             .route("/effects", post(effect))
+            .route(
+                "/slow",
+                get(|| async {
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    "late"
+                }),
+            )
             .route_layer(layer)
             .layer(Extension(Arc::clone(&running)));
         App {
@@ -261,6 +268,22 @@ mod layer {
         assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(reply.code(), "idempotency_timeout");
         assert!(started.elapsed() < Duration::from_secs(2));
+    }
+
+    #[tokio::test]
+    async fn a_request_without_a_key_is_held_to_the_deadline_too() {
+        let app = app(|layer| layer.deadline(Duration::from_millis(300))).await;
+        let started = Instant::now();
+        let request = Request::get("/slow").body(Body::empty()).expect("request");
+        let response = app
+            .router
+            .clone()
+            .oneshot(request)
+            .await
+            .expect("infallible");
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.headers()[header::RETRY_AFTER], "1");
+        assert!(started.elapsed() < Duration::from_secs(1));
     }
 
     #[tokio::test]

@@ -784,7 +784,8 @@ async fn sigterm_under_load_answers_every_request_in_flight_and_exits_zero() {
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // Long enough for all eight to reach the claim's lock wait, well within its 5 s bound.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     orders.signal("TERM");
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert!(!orders.has_exited(), "it waits for the requests in flight");
@@ -1244,7 +1245,8 @@ mod proxy {
     }
 }
 
-/// The payments example stops on SIGTERM as on Ctrl-C, and exits 0.
+/// The payments example stops on SIGTERM as on Ctrl-C, and exits 0, even when the signal comes
+/// the moment it says it is listening (its handler is registered before that line).
 #[cfg(feature = "outbox")]
 #[tokio::test]
 async fn payments_example_exits_zero_on_sigterm() {

@@ -82,6 +82,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     };
 
+    let shutdown = shutdown_signal()?;
     let listener = tokio::net::TcpListener::bind(&bind).await?;
     println!(
         "orders example listening on http://{}",
@@ -89,27 +90,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     // Requests in flight when the signal comes are answered before the process exits.
     axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
+        .with_graceful_shutdown(shutdown)
         .await?;
     Ok(())
 }
 
-/// Resolves on SIGTERM or SIGINT (Ctrl-C), whichever comes first.
-async fn shutdown_signal() {
+/// Listens for SIGTERM (what Kubernetes and systemd send) and SIGINT (Ctrl-C) from now on; the
+/// future resolves on the first of them. Registered before the address is printed, so a signal
+/// sent as soon as the server is up is never met by the default action (an abrupt exit).
+fn shutdown_signal() -> std::io::Result<impl Future<Output = ()>> {
     use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut terminate) => {
-            tokio::select! {
-                _ = terminate.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = terminate.recv() => {}
+            _ = interrupt.recv() => {}
         }
-        // No SIGTERM handler could be installed: Ctrl-C still stops the server gracefully.
-        Err(error) => {
-            tracing::warn!(%error, "cannot listen for SIGTERM");
-            tokio::signal::ctrl_c().await.ok();
-        }
-    }
+    })
 }
 
 /// The pool every backend uses. A connection is waited for at most three seconds, well within

@@ -545,8 +545,9 @@ impl<S: Store> IdempotencyLayer<S> {
             body: bytes,
         };
         let run = async {
-            // Shared with the work: if the deadline leaves the work running on its own, the
-            // permit stays taken until the handler is done with the claim's connection.
+            // Held here until the outcome is recorded, and shared with the work: if the
+            // deadline leaves the work running on its own, the permit stays taken until its
+            // handler is done.
             let permit = match &config.claims {
                 Some(claims) => match Arc::clone(claims).acquire_owned().await {
                     Ok(permit) => Some(Arc::new(permit)),
@@ -554,6 +555,7 @@ impl<S: Store> IdempotencyLayer<S> {
                 },
                 None => None,
             };
+            let _held = permit.clone();
             self.engine
                 .run_in_slot(&scope, received, move |received, slot, context| {
                     // Built here, not before: a replay answered from the cache never needs it.

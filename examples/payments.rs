@@ -217,18 +217,34 @@ where
         .with_state(state);
 
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3001".into());
+    let shutdown = shutdown_signal()?;
     let listener = tokio::net::TcpListener::bind(&bind).await?;
     println!("payments listening on http://{}", listener.local_addr()?);
+    // SIGTERM (Kubernetes, systemd) and Ctrl-C alike: stop accepting, answer every request in
+    // flight, then stop the dispatchers and exit 0.
     axum::serve(listener, app)
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
+        .with_graceful_shutdown(shutdown)
         .await?;
     let _ = stop.send(true);
     for dispatcher in dispatchers {
         let _ = dispatcher.await;
     }
     Ok(())
+}
+
+/// Listens for SIGTERM (what Kubernetes and systemd send) and SIGINT (Ctrl-C) from now on; the
+/// future resolves on the first of them. Registered before the address is printed, so a signal
+/// sent as soon as the server is up is never met by the default action (an abrupt exit).
+fn shutdown_signal() -> std::io::Result<impl Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = terminate.recv() => {}
+            _ = interrupt.recv() => {}
+        }
+    })
 }
 
 fn dispatcher<DB: PaymentsDb>(outbox: Outbox<DB>) -> Dispatcher<DB, Provider> {

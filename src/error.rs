@@ -7,7 +7,8 @@
 //! |---|---|---|
 //! | key required but missing | 400 | `idempotency_key_missing` |
 //! | key malformed (empty, too long, bad characters, several values) | 400 | `idempotency_key_invalid` |
-//! | no verified principal on a scoped route | 401 | `idempotency_principal_missing` |
+//! | no verified principal on a scoped route (the principal source refused the caller) | 401 | `idempotency_principal_missing` |
+//! | the principal source failed for another reason (its database is down, a pool timed out) | 503 + `Retry-After` | `idempotency_principal_unavailable` |
 //! | same scoped key, different intent | 422 | `idempotency_key_reused` |
 //! | same scoped key still in flight after the wait | 409 + `Retry-After` | `idempotency_request_in_progress` |
 //! | leased work lost its lease to another worker (jobs only) | 409 | `idempotency_lease_lost` |
@@ -15,10 +16,15 @@
 //! | request body could not be read (the client went away mid-body) | 400 | `idempotency_body_unreadable` |
 //! | handler response over the storable limit (rolled back) | 500 | `idempotency_response_too_large` |
 //! | a `Tx` was still held when the handler returned (rolled back) | 500 | `idempotency_transaction_held` |
-//! | the store failed or the handler panicked (rolled back) | 500 | `idempotency_internal_error` |
+//! | the store failed or the handler panicked (rolled back) | 500 + `Retry-After` | `idempotency_internal_error` |
+//! | no answer within the layer's deadline (the database is silent or saturated) | 503 + `Retry-After` | `idempotency_timeout` |
 //!
-//! The 500s are retryable with the same key: nothing of the attempt was committed. Database
-//! details never reach the client; they are logged through `tracing`.
+//! The 5xx are retryable with the same key: nothing of the attempt was committed, or, after
+//! `idempotency_timeout`, whatever still commits is what the retry replays. Database details
+//! never reach the client; they are logged through `tracing`.
+//!
+//! Every `code` the crate sets starts with `idempotency_` and every `type` is a link into these
+//! docs, so a client tells the crate's answers from its application's own errors by that prefix.
 
 use std::time::Duration;
 
@@ -60,9 +66,21 @@ pub enum Rejection {
     /// The `Idempotency-Key` header was malformed.
     #[error("{0}")]
     KeyInvalid(#[from] KeyError),
-    /// No verified principal was found for a scoped route.
+    /// No verified principal was found for a scoped route: the principal source refused the
+    /// caller (its rejection was a 4xx other than 408 or 429), or none is configured.
     #[error("the request carries no verified identity to scope its idempotency key to")]
     PrincipalMissing,
+    /// The principal source failed without refusing the caller (its rejection was a 5xx, 408
+    /// or 429: its database is down, a pool timed out). Retryable: nothing was claimed.
+    #[error("the caller's identity could not be verified right now; try again")]
+    PrincipalUnavailable,
+    /// No answer was ready within the layer's [deadline](crate::IdempotencyLayer::deadline).
+    /// Retryable, with the same key for a keyed request: if the attempt still commits, the
+    /// retry replays it; if it is still running, the retry is told it is in progress.
+    #[error(
+        "the request could not be answered in time; retry it, with the same idempotency key if it had one"
+    )]
+    Timeout,
     /// The key was already used for a request with a different intent.
     #[error("this idempotency key was already used for a different request")]
     KeyReused,
@@ -105,6 +123,7 @@ impl Rejection {
                 StatusCode::BAD_REQUEST
             }
             Self::PrincipalMissing => StatusCode::UNAUTHORIZED,
+            Self::PrincipalUnavailable | Self::Timeout => StatusCode::SERVICE_UNAVAILABLE,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::InProgress { .. } | Self::LeaseLost => StatusCode::CONFLICT,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -114,12 +133,28 @@ impl Rejection {
         }
     }
 
+    /// When a client should try again with the same key, for the rejections that invite it
+    /// (sent as `Retry-After`); `None` for final ones and for misuse a retry cannot cure.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::InProgress { retry_after } => Some(*retry_after),
+            // A transient fault: one second spreads the retries of a burst without making a
+            // client wait long once the database is back.
+            Self::PrincipalUnavailable | Self::Timeout | Self::Internal => {
+                Some(Duration::from_secs(1))
+            }
+            _ => None,
+        }
+    }
+
     /// The stable `code` member of the problem document.
     pub fn code(&self) -> &'static str {
         match self {
             Self::KeyMissing => "idempotency_key_missing",
             Self::KeyInvalid(_) => "idempotency_key_invalid",
             Self::PrincipalMissing => "idempotency_principal_missing",
+            Self::PrincipalUnavailable => "idempotency_principal_unavailable",
+            Self::Timeout => "idempotency_timeout",
             Self::KeyReused => "idempotency_key_reused",
             Self::InProgress { .. } => "idempotency_request_in_progress",
             Self::LeaseLost => "idempotency_lease_lost",
@@ -136,6 +171,8 @@ impl Rejection {
             Self::KeyMissing => "KeyMissing",
             Self::KeyInvalid(_) => "KeyInvalid",
             Self::PrincipalMissing => "PrincipalMissing",
+            Self::PrincipalUnavailable => "PrincipalUnavailable",
+            Self::Timeout => "Timeout",
             Self::KeyReused => "KeyReused",
             Self::InProgress { .. } => "InProgress",
             Self::LeaseLost => "LeaseLost",
@@ -152,6 +189,8 @@ impl Rejection {
             Self::KeyMissing => "Idempotency key missing",
             Self::KeyInvalid(_) => "Idempotency key invalid",
             Self::PrincipalMissing => "Principal missing",
+            Self::PrincipalUnavailable => "Principal unavailable",
+            Self::Timeout => "Timed out",
             Self::KeyReused => "Idempotency key reused",
             Self::InProgress { .. } => "Request in progress",
             Self::LeaseLost => "Lease lost",
@@ -198,7 +237,7 @@ impl IntoResponse for Rejection {
             body,
         )
             .into_response();
-        if let Self::InProgress { retry_after } = self {
+        if let Some(retry_after) = self.retry_after() {
             let seconds = retry_after.as_secs().max(1);
             response
                 .headers_mut()

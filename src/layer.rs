@@ -29,6 +29,27 @@
 //!     );
 //! # let _ = app; Ok(()) }
 //! ```
+//!
+//! # What a handler under the layer must not do
+//!
+//! A keyed request's claim holds one connection of the store's pool, inside a transaction,
+//! from before the handler runs until its response is recorded. The handler must do its
+//! database work through that transaction ([`Tx`](crate::Tx)) and must **not take a second
+//! connection from the same pool** while it runs: not directly, not through an extractor
+//! (an authentication extractor that looks the caller up is the usual culprit). Under a burst
+//! every connection ends up holding a claim whose handler waits for another connection, and
+//! nothing moves until the pool's acquire timeout. The layer hands over what it already
+//! extracted: with [`principal`](IdempotencyLayer::principal) the handler takes the caller as
+//! [`Extension<P>`](axum::Extension), and [`IdempotencyContext`](crate::IdempotencyContext)
+//! gives the scope. [`max_concurrent_claims`](IdempotencyLayer::max_concurrent_claims) keeps
+//! connections free for the rest of the app during such a burst.
+//!
+//! # Time bound
+//!
+//! Every keyed request is answered within the layer's [`deadline`](IdempotencyLayer::deadline)
+//! (ten seconds unless set): when the database is silent, the client gets `503
+//! idempotency_timeout` with `Retry-After` and retries with the same key, which replays the
+//! attempt if it committed after all.
 
 use std::convert::Infallible;
 use std::fmt;
@@ -44,6 +65,7 @@ use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 use http::{HeaderName, Method, Request, StatusCode};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tokio::sync::Semaphore;
 use tower::ServiceExt;
 use tower_layer::Layer;
 use tower_service::Service;
@@ -57,8 +79,14 @@ use crate::store::{Protocol, Store};
 use crate::tx::TxSlot;
 
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-type PrincipalFn =
-    Arc<dyn for<'a> Fn(&'a mut Parts) -> BoxFuture<'a, Option<String>> + Send + Sync>;
+/// Finds the principal of a request: `Ok(None)` when the caller was refused, `Err` when the
+/// source failed in a way a retry may cure.
+type PrincipalFn = Arc<
+    dyn for<'a> Fn(&'a mut Parts) -> BoxFuture<'a, Result<Option<String>, Rejection>> + Send + Sync,
+>;
+
+/// The default [`IdempotencyLayer::deadline`].
+const DEFAULT_DEADLINE: Duration = Duration::from_secs(10);
 
 /// The default header name, `Idempotency-Key`.
 pub const IDEMPOTENCY_KEY: HeaderName = crate::key_syntax::KEY_HEADER;
@@ -72,6 +100,8 @@ struct Config {
     allow_anonymous: bool,
     max_request_body: usize,
     fingerprinter: Fingerprinter,
+    deadline: Option<Duration>,
+    claims: Option<Arc<Semaphore>>,
 }
 
 /// Makes the routes it wraps idempotent (see the [module docs](self) and the crate docs).
@@ -100,6 +130,11 @@ impl<St: fmt::Debug> fmt::Debug for IdempotencyLayer<St> {
             .field("allow_anonymous", &self.config.allow_anonymous)
             .field("max_request_body", &self.config.max_request_body)
             .field("fingerprinter", &self.config.fingerprinter)
+            .field("deadline", &self.config.deadline)
+            .field(
+                "max_concurrent_claims",
+                &self.config.claims.as_ref().map(|_| "bounded"),
+            )
             .finish()
     }
 }
@@ -125,6 +160,8 @@ impl<St: Store> IdempotencyLayer<St> {
                 allow_anonymous: false,
                 max_request_body: 1024 * 1024,
                 fingerprinter: Fingerprinter::new(),
+                deadline: Some(DEFAULT_DEADLINE),
+                claims: None,
             }),
         }
     }
@@ -144,11 +181,21 @@ impl<St: Store> IdempotencyLayer<St> {
     }
 
     /// Takes the principal from extractor `P` (for example the app's own auth extractor).
-    /// A request where `P` rejects is answered 401 `idempotency_principal_missing`.
+    ///
+    /// On a keyed request the extracted `P` is inserted into the request's extensions, so the
+    /// handler takes it with [`Extension<P>`](axum::Extension) instead of running `P` again.
+    /// Do that when `P` reads a database: the claim's transaction already holds a connection
+    /// of the pool, and a handler that waits for a second one can deadlock the whole pool
+    /// under a burst (every connection holding a claim whose handler waits for another).
+    ///
+    /// How `P`'s rejection is answered depends on its status: a 5xx, 408 or 429 (the
+    /// extractor failed, for instance its database is down) is `503
+    /// idempotency_principal_unavailable` with `Retry-After`, retryable; any other status
+    /// (a refusal such as 401 or 403) is `401 idempotency_principal_missing`, final.
     #[must_use]
     pub fn principal<P>(self) -> Self
     where
-        P: FromRequestParts<()> + Principal + Send + 'static,
+        P: FromRequestParts<()> + Principal + Clone + Send + Sync + 'static,
     {
         self.principal_with_state::<P, ()>(())
     }
@@ -157,16 +204,28 @@ impl<St: Store> IdempotencyLayer<St> {
     #[must_use]
     pub fn principal_with_state<P, T>(self, state: T) -> Self
     where
-        P: FromRequestParts<T> + Principal + Send + 'static,
+        P: FromRequestParts<T> + Principal + Clone + Send + Sync + 'static,
         T: Clone + Send + Sync + 'static,
     {
         self.with_principal(Arc::new(move |parts| {
             let state = state.clone();
             Box::pin(async move {
-                P::from_request_parts(parts, &state)
-                    .await
-                    .ok()
-                    .map(|p| p.principal_id().into_owned())
+                match P::from_request_parts(parts, &state).await {
+                    Ok(principal) => {
+                        let id = principal.principal_id().into_owned();
+                        parts.extensions.insert(principal);
+                        Ok(Some(id))
+                    }
+                    Err(rejection) => {
+                        let status = rejection.into_response().status();
+                        if is_transient(status) {
+                            tracing::warn!(%status, "the principal extractor failed; answered as retryable");
+                            Err(Rejection::PrincipalUnavailable)
+                        } else {
+                            Ok(None)
+                        }
+                    }
+                }
             })
         }))
     }
@@ -183,7 +242,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 .extensions
                 .get::<P>()
                 .map(|p| p.principal_id().into_owned());
-            Box::pin(async move { principal })
+            Box::pin(async move { Ok(principal) })
         }))
     }
 
@@ -193,6 +252,50 @@ impl<St: Store> IdempotencyLayer<St> {
     #[must_use]
     pub fn allow_anonymous(mut self) -> Self {
         self.config_mut().allow_anonymous = true;
+        self
+    }
+
+    /// The longest a keyed request waits for its answer (default ten seconds), counted from
+    /// the moment the layer starts finding its principal, without the time the client takes
+    /// to send its body. Past it the client gets `503
+    /// idempotency_timeout` with `Retry-After`: the database is silent or saturated.
+    ///
+    /// Requests of the other methods (`GET`, `PUT`, `DELETE`, …, which take no key) are held
+    /// to the same bound, counted from when the layer receives them: retrying them is safe by
+    /// their HTTP semantics. A keyed method sent without a key under
+    /// [`allow_missing_key`](Self::allow_missing_key) is not bounded: its retry after a late commit would
+    /// run it twice.
+    ///
+    /// The attempt itself is not cut short: its transaction goes on in a task of its own and
+    /// commits or rolls back there, so the client's retry with the same key either replays
+    /// what committed or is told the request is still in progress (409). Nothing commits that
+    /// a retry would execute a second time.
+    ///
+    /// Keep it above [`wait_for_in_flight`](Self::wait_for_in_flight), or duplicates waiting
+    /// for their original are answered 503 rather than replayed. The pool's own acquire timeout
+    /// (sqlx's `PoolOptions::acquire_timeout`, 30 s by default) is best set below it, so a
+    /// pool that has run dry fails fast and is answered as retryable too.
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.config_mut().deadline = Some(deadline);
+        self
+    }
+
+    /// Lets keyed requests wait for their answer as long as the database takes, with no
+    /// [`deadline`](Self::deadline).
+    pub fn without_deadline(mut self) -> Self {
+        self.config_mut().deadline = None;
+        self
+    }
+
+    /// Lets at most `claims` keyed requests hold a claim (and with it a pooled connection) at
+    /// once; the others queue, within the [`deadline`](Self::deadline), before touching the
+    /// pool. Unbounded by default.
+    ///
+    /// Set it below the pool's size so that the rest of the app (authentication, reads,
+    /// requests without a key) always finds a connection during a burst of keyed requests.
+    /// Clones of this layer share the bound; layers built separately bound separately.
+    pub fn max_concurrent_claims(mut self, claims: usize) -> Self {
+        self.config_mut().claims = Some(Arc::new(Semaphore::new(claims.max(1))));
         self
     }
 
@@ -410,18 +513,31 @@ impl<St: Store> IdempotencyLayer<St> {
             None
         };
         let Some(key) = key else {
-            if config.keyed_methods.contains(&parts.method) && !config.allow_missing_key {
+            let keyed = config.keyed_methods.contains(&parts.method);
+            if keyed && !config.allow_missing_key {
                 return Err(Rejection::KeyMissing);
             }
-            return Ok(self
-                .pass_through(inner, Request::from_parts(parts, body))
-                .await);
+            let passed = self.pass_through(inner, Request::from_parts(parts, body));
+            // The other methods (GET, PUT, DELETE, …) are bounded too: retrying them is safe by
+            // their HTTP semantics even if the attempt still commits after the 503. A keyed
+            // method sent without a key is not: a retry after a late commit would run it twice,
+            // so it waits for its outcome instead.
+            if keyed {
+                return Ok(passed.await);
+            }
+            return within(config.deadline, passed).await;
         };
 
+        // The deadline covers finding the principal (its extractor may wait on the database)
+        // and the engine, not the time the client takes to send its body.
+        let started = tokio::time::Instant::now();
         let principal = match &config.principal {
-            Some(source) => source(&mut parts).await,
+            Some(source) => within(config.deadline, source(&mut parts)).await??,
             None => None,
         };
+        let remaining = config
+            .deadline
+            .map(|deadline| deadline.saturating_sub(started.elapsed()));
         if principal.is_none() && !config.allow_anonymous {
             return Err(Rejection::PrincipalMissing);
         }
@@ -453,22 +569,43 @@ impl<St: Store> IdempotencyLayer<St> {
             parts,
             body: bytes,
         };
-        let execution = self
-            .engine
-            .run_in_slot(&scope, received, move |received, slot, context| {
-                // Built here, not before: a replay answered from the cache never needs it.
-                let Received { parts, body, .. } = received;
-                let mut request = Request::from_parts(parts, Body::from(body));
-                request.extensions_mut().insert(context);
-                request.extensions_mut().insert(slot);
-                async move {
-                    match inner.oneshot(request).await {
-                        Ok(response) => response.into_response(),
-                        Err(never) => match never {},
+        let run = async {
+            // Held here until the outcome is recorded, and shared with the work: if the
+            // deadline leaves the work running on its own, the permit stays taken until its
+            // handler is done.
+            let permit = match &config.claims {
+                Some(claims) => match Arc::clone(claims).acquire_owned().await {
+                    Ok(permit) => Some(Arc::new(permit)),
+                    Err(_closed) => return Err(Rejection::Internal),
+                },
+                None => None,
+            };
+            let _held = permit.clone();
+            self.engine
+                .run_in_slot(&scope, received, move |received, slot, context| {
+                    // Built here, not before: a replay answered from the cache never needs it.
+                    let Received { parts, body, .. } = received;
+                    let mut request = Request::from_parts(parts, Body::from(body));
+                    request.extensions_mut().insert(context);
+                    request.extensions_mut().insert(slot);
+                    async move {
+                        let _permit = permit;
+                        match inner.oneshot(request).await {
+                            Ok(response) => response.into_response(),
+                            Err(never) => match never {},
+                        }
                     }
-                }
-            })
-            .await?;
+                })
+                .await
+        };
+        let execution = match within(remaining, run).await {
+            Ok(ran) => ran?,
+            Err(timeout) => {
+                tracing::warn!(key = %scope.scoped_key(),
+                    "no answer within the deadline; answered 503, the attempt finishes on its own");
+                return Err(timeout);
+            }
+        };
         Ok(into_body_response(execution.response))
     }
 
@@ -515,4 +652,22 @@ impl<St: Store> IdempotencyLayer<St> {
             Rejection::Internal.into_response()
         })
     }
+}
+
+/// `future`'s output, or [`Rejection::Timeout`] once `limit` has passed.
+async fn within<F: Future>(limit: Option<Duration>, future: F) -> Result<F::Output, Rejection> {
+    match limit {
+        Some(limit) => tokio::time::timeout(limit, future)
+            .await
+            .map_err(|_elapsed| Rejection::Timeout),
+        None => Ok(future.await),
+    }
+}
+
+/// Whether an extractor's rejection with `status` is a failure a retry may cure rather than a
+/// refusal of the caller: the same line the engine draws for handlers' answers.
+fn is_transient(status: StatusCode) -> bool {
+    status.is_server_error()
+        || status == StatusCode::REQUEST_TIMEOUT
+        || status == StatusCode::TOO_MANY_REQUESTS
 }

@@ -271,3 +271,46 @@ async fn orders_example_keeps_the_contract_on_mysql() {
 async fn orders_example_replays_out_of_stock_on_mysql() {
     out_of_stock_is_final_and_replayed(Orders::start(&mysql_url().await).await).await;
 }
+
+/// The example's own 4xx are problem+json with codes of its own, never `idempotency_*`, and a
+/// body that does not fit an order is a 400, not axum's 422 (the crate's reused-key status).
+#[tokio::test]
+async fn orders_example_answers_its_own_body_errors_as_problem_json_on_sqlite() {
+    let (_dir, url) = sqlite_url();
+    let orders = Orders::start(&url).await;
+    let cases: [(&str, &str, &str, StatusCode, &str); 3] = [
+        (
+            "application/json",
+            "bad-json",
+            "{\"sku\":",
+            StatusCode::BAD_REQUEST,
+            "malformed_json",
+        ),
+        (
+            "application/json",
+            "bad-fields",
+            "{\"sku\":\"widget\",\"quantity\":\"two\",\"amount\":1,\"currency\":\"EUR\"}",
+            StatusCode::BAD_REQUEST,
+            "invalid_order",
+        ),
+        (
+            "text/plain",
+            "bad-type",
+            "{}",
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+        ),
+    ];
+    for (content_type, name, body, status, code) in cases {
+        let request = Request::post(format!("{}/orders", orders.process.url))
+            .header("authorization", "Bearer alice-token")
+            .header("idempotency-key", key(name))
+            .header("content-type", content_type)
+            .body(Full::new(Bytes::from(body)))
+            .expect("request");
+        let answer = orders.http.call(request).await;
+        assert_eq!(answer.status, status, "{body}");
+        assert_eq!(answer.headers["content-type"], "application/problem+json");
+        assert_eq!(answer.json()["code"], code);
+    }
+}

@@ -2,7 +2,11 @@
 //!
 //! SQLite file by default; `DATABASE_URL=postgres://…` (built with `--features postgres`) or
 //! `mysql://…` (`--features mysql`) switches the backend. `BIND` sets the address (default
-//! 127.0.0.1:3000), `IDEMPOTENCY_TTL_SECS` the retention of keys (default 24 h).
+//! 127.0.0.1:3000), `IDEMPOTENCY_TTL_SECS` the retention of keys (default 24 h),
+//! `DATABASE_MAX_CONNECTIONS` the pool's size (default 10).
+//!
+//! It stops on SIGTERM (what Kubernetes and systemd send) as on Ctrl-C: it stops accepting,
+//! answers every request already in flight, then exits 0.
 //!
 //! ```text
 //! curl -i -X POST localhost:3000/orders -H 'authorization: Bearer alice-token' \
@@ -15,16 +19,18 @@ mod db;
 use std::borrow::Cow;
 use std::time::Duration;
 
+use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequestParts, Path};
 use axum::http::{StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use axum_idempotency::{IdempotencyLayer, Principal, SqliteStore, Store, Tx};
 use db::{NewOrder, Order, OrdersDb, StockError};
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::Pool;
+use sqlx::pool::PoolOptions;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -40,6 +46,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Err(_) => Duration::from_secs(24 * 3600),
     };
 
+    let pool_size = match std::env::var("DATABASE_MAX_CONNECTIONS") {
+        Ok(size) => size.parse()?,
+        Err(_) => 10,
+    };
+
     let app = match url.split(':').next().unwrap_or_default() {
         "sqlite" => {
             use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
@@ -47,27 +58,31 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .parse::<SqliteConnectOptions>()?
                 .create_if_missing(true)
                 .journal_mode(SqliteJournalMode::Wal);
-            let pool = sqlx::SqlitePool::connect_with(options).await?;
+            let pool = pool_options::<sqlx::Sqlite>(pool_size)
+                .connect_with(options)
+                .await?;
             let store = SqliteStore::new(pool.clone());
             store.migrate().await?;
             store.spawn_purger(PURGE_EVERY);
-            app(pool, store, ttl).await?
+            app(pool, store, pool_size, ttl).await?
         }
         #[cfg(feature = "postgres")]
         "postgres" | "postgresql" => {
-            let pool = sqlx::PgPool::connect(&url).await?;
+            let pool = pool_options::<sqlx::Postgres>(pool_size)
+                .connect(&url)
+                .await?;
             let store = axum_idempotency::PgStore::new(pool.clone());
             store.migrate().await?;
             store.spawn_purger(PURGE_EVERY);
-            app(pool, store, ttl).await?
+            app(pool, store, pool_size, ttl).await?
         }
         #[cfg(feature = "mysql")]
         "mysql" | "mariadb" => {
-            let pool = sqlx::MySqlPool::connect(&url).await?;
+            let pool = pool_options::<sqlx::MySql>(pool_size).connect(&url).await?;
             let store = axum_idempotency::MySqlStore::new(pool.clone());
             store.migrate().await?;
             store.spawn_purger(PURGE_EVERY);
-            app(pool, store, ttl).await?
+            app(pool, store, pool_size, ttl).await?
         }
         other => {
             return Err(
@@ -76,17 +91,41 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     };
 
+    let shutdown = shutdown_signal()?;
     let listener = tokio::net::TcpListener::bind(&bind).await?;
     println!(
         "orders example listening on http://{}",
         listener.local_addr()?
     );
+    // Requests in flight when the signal comes are answered before the process exits.
     axum::serve(listener, app)
-        .with_graceful_shutdown(async {
-            tokio::signal::ctrl_c().await.ok();
-        })
+        .with_graceful_shutdown(shutdown)
         .await?;
     Ok(())
+}
+
+/// Listens for SIGTERM (what Kubernetes and systemd send) and SIGINT (Ctrl-C) from now on; the
+/// future resolves on the first of them. Registered before the address is printed, so a signal
+/// sent as soon as the server is up is never met by the default action (an abrupt exit).
+fn shutdown_signal() -> std::io::Result<impl Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = terminate.recv() => {}
+            _ = interrupt.recv() => {}
+        }
+    })
+}
+
+/// The pool every backend uses. A connection is waited for at most three seconds, well within
+/// the idempotency layer's ten-second deadline: when the database is down or the pool has run
+/// dry, the request fails fast with a retryable answer instead of hanging.
+fn pool_options<DB: sqlx::Database>(size: u32) -> PoolOptions<DB> {
+    PoolOptions::new()
+        .max_connections(size)
+        .acquire_timeout(Duration::from_secs(3))
 }
 
 /// How often expired idempotency records are deleted.
@@ -96,6 +135,7 @@ const PURGE_EVERY: Duration = Duration::from_secs(60);
 async fn app<DB, S>(
     pool: Pool<DB>,
     store: S,
+    pool_size: u32,
     ttl: Duration,
 ) -> Result<Router, Box<dyn std::error::Error>>
 where
@@ -106,8 +146,13 @@ where
     let state = AppState { pool };
 
     // Keys are scoped to the user the bearer token proves, never to a header the client asserts.
+    // The layer hands that user to keyed handlers (`Extension<AuthUser>`), so they never look
+    // it up again on a second connection while the claim holds one. Claims leave two
+    // connections free for authentication and reads during a burst.
     let idempotency = IdempotencyLayer::new(store)
         .principal_with_state::<AuthUser, _>(state.clone())
+        .max_concurrent_claims(pool_size.saturating_sub(2).max(1) as usize)
+        .deadline(Duration::from_secs(10))
         .retention(ttl)
         .wait_for_in_flight(Duration::from_secs(5))
         .ignore_json_fields(["/request_time", "/trace_id"]);
@@ -135,6 +180,9 @@ impl<DB: sqlx::Database> Clone for AppState<DB> {
 }
 
 /// A caller proven by `Authorization: Bearer <token>` against the users table.
+///
+/// Extracting it takes a connection from the pool, so handlers of keyed routes take the one the
+/// idempotency layer extracted (`Extension<AuthUser>`) instead.
 #[derive(Clone, Copy)]
 struct AuthUser {
     id: i64,
@@ -172,10 +220,11 @@ struct OrderRequest {
 }
 
 async fn create_order<DB: OrdersDb>(
-    user: AuthUser,
+    Extension(user): Extension<AuthUser>,
     mut tx: Tx<DB>,
-    Json(request): Json<OrderRequest>,
+    request: Result<Json<OrderRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
+    let Json(request) = request?;
     if request.quantity < 1 {
         return Err(ApiError::InvalidOrder("quantity must be at least 1"));
     }
@@ -225,7 +274,7 @@ async fn get_order<DB: OrdersDb>(
 }
 
 async fn ship_order<DB: OrdersDb>(
-    user: AuthUser,
+    Extension(user): Extension<AuthUser>,
     mut tx: Tx<DB>,
     Path(id): Path<i64>,
 ) -> Result<Json<Order>, ApiError> {
@@ -264,13 +313,23 @@ async fn set_like<DB: OrdersDb>(
     Ok(Json(json!({ "article_id": article_id, "liked": liked, "likes": likes })).into_response())
 }
 
-/// The example's own errors, as problem+json like the crate's rejections.
+/// The example's own errors, as problem+json like the crate's rejections. Their `code`s never
+/// start with `idempotency_`, and their `type` is `about:blank`, so a client tells them from
+/// the crate's answers without reading the status alone.
 enum ApiError {
     Unauthorized,
     InvalidOrder(&'static str),
+    /// The body was not a JSON order: axum's `Json` rejection, re-dressed as problem+json.
+    BadBody(JsonRejection),
     OutOfStock,
     NotFound,
     Db(sqlx::Error),
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(rejection: JsonRejection) -> Self {
+        Self::BadBody(rejection)
+    }
 }
 
 impl From<sqlx::Error> for ApiError {
@@ -288,6 +347,23 @@ impl IntoResponse for ApiError {
                 "a valid bearer token is required",
             ),
             Self::InvalidOrder(detail) => (StatusCode::BAD_REQUEST, "invalid_order", detail),
+            // A body that parses but does not fit is 400 like any other invalid order, never
+            // axum's 422, which a client reading only the status would take for a reused key.
+            Self::BadBody(JsonRejection::MissingJsonContentType(_)) => (
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                "send the order as application/json",
+            ),
+            Self::BadBody(JsonRejection::JsonDataError(_)) => (
+                StatusCode::BAD_REQUEST,
+                "invalid_order",
+                "the order needs sku, quantity, amount and currency of the right types",
+            ),
+            Self::BadBody(_) => (
+                StatusCode::BAD_REQUEST,
+                "malformed_json",
+                "the body is not valid JSON",
+            ),
             Self::OutOfStock => (
                 StatusCode::CONFLICT,
                 "out_of_stock",
@@ -305,11 +381,19 @@ impl IntoResponse for ApiError {
             }
         };
         let body = json!({ "type": "about:blank", "title": code, "status": status.as_u16(), "code": code, "detail": detail });
-        (
+        let mut response = (
             status,
             [(header::CONTENT_TYPE, "application/problem+json")],
             body.to_string(),
         )
-            .into_response()
+            .into_response();
+        if status.is_server_error() {
+            // Nothing was committed (the idempotency layer rolls a 5xx back): the client may
+            // retry with the same key, after a short pause while the database recovers.
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        }
+        response
     }
 }

@@ -69,6 +69,30 @@ impl Process {
         self.child.start_kill().unwrap();
         self.child.wait().await.unwrap();
     }
+
+    /// Sends `signal` (e.g. `TERM`) through kill(1), so the suite needs no FFI crate.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.child.id().expect("the process is still running");
+        let status = std::process::Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .status()
+            .expect("kill(1) runs");
+        assert!(status.success(), "kill -{signal} {pid} failed");
+    }
+
+    /// Whether the process has exited (without waiting for it).
+    pub fn has_exited(&mut self) -> bool {
+        self.child.try_wait().expect("try_wait").is_some()
+    }
+
+    /// Waits at most `limit` for the process to exit, and returns how it did.
+    pub async fn exit_status(mut self, limit: Duration) -> std::process::ExitStatus {
+        tokio::time::timeout(limit, self.child.wait())
+            .await
+            .expect("the process exits in time")
+            .expect("wait for the process")
+    }
 }
 
 pub struct Http(Client<HttpConnector, Full<Bytes>>);
@@ -88,6 +112,28 @@ impl Answer {
 impl Http {
     pub fn new() -> Self {
         Self(Client::builder(TokioExecutor::new()).build_http())
+    }
+
+    /// Like [`call`](Self::call), but a transport failure is returned, not a panic.
+    pub async fn try_call(&self, request: Request<Full<Bytes>>) -> Result<Answer, String> {
+        let response = self
+            .0
+            .request(request)
+            .await
+            .map_err(|e| format!("{e:?}"))?;
+        let status = response.status();
+        let headers = response.headers().clone();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| format!("{e:?}"))?
+            .to_bytes();
+        Ok(Answer {
+            status,
+            headers,
+            body,
+        })
     }
 
     pub async fn call(&self, request: Request<Full<Bytes>>) -> Answer {

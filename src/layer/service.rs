@@ -1,0 +1,280 @@
+//! The service a route is wrapped in: the key, the principal, the body, then the engine.
+
+use std::convert::Infallible;
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::MatchedPath;
+use axum::response::{IntoResponse, Response};
+use http::Request;
+use http::request::Parts;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tower::ServiceExt;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use super::IdempotencyLayer;
+use super::principal::BoxFuture;
+use crate::engine::{Intent, Uncancelled, into_body_response};
+use crate::error::Rejection;
+use crate::fingerprint::{Fingerprint, Fingerprinter, Verbatim};
+use crate::key::IdempotencyKey;
+use crate::scope::Scope;
+use crate::store::{Protocol, Store};
+use crate::tx::TxSlot;
+
+impl<St: Store, S> Layer<S> for IdempotencyLayer<St> {
+    type Service = IdempotencyService<S, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService {
+            inner,
+            layer: Arc::new(self.clone()),
+        }
+    }
+}
+
+/// A keyed request as the layer received it, body buffered, for the engine to compare with its
+/// key's record and to hand back for the handler.
+struct Received {
+    fingerprinter: Fingerprinter,
+    parts: Parts,
+    body: bytes::Bytes,
+}
+
+impl Intent for Received {
+    fn fingerprint(&self) -> Fingerprint {
+        self.fingerprinter.fingerprint(&self.parts, &self.body)
+    }
+
+    fn verbatim(&self) -> Option<Verbatim> {
+        self.fingerprinter.verbatim(&self.parts, &self.body)
+    }
+
+    fn is(&self, kept: &Verbatim) -> bool {
+        kept.matches(&self.fingerprinter, &self.parts, &self.body)
+    }
+}
+
+/// The service [`IdempotencyLayer`] wraps a route in.
+pub struct IdempotencyService<S, St> {
+    inner: S,
+    // One shared count to bump per request, rather than one per store, engine and config.
+    layer: Arc<IdempotencyLayer<St>>,
+}
+
+impl<S: Clone, St> Clone for IdempotencyService<S, St> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            layer: Arc::clone(&self.layer),
+        }
+    }
+}
+
+impl<S, St: fmt::Debug> fmt::Debug for IdempotencyService<S, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("layer", &self.layer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, St> Service<Request<Body>> for IdempotencyService<S, St>
+where
+    St: Store,
+    S: Service<Request<Body>, Error = Infallible> + Clone + Send + 'static,
+    S::Response: IntoResponse,
+    S::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = Infallible;
+    type Future = BoxFuture<'static, Result<Response, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // The inner service is readied in `call` (on the clone that will be used), as axum's
+        // own middleware does; routes are always ready.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        let inner = self.inner.clone();
+        let layer = Arc::clone(&self.layer);
+        Box::pin(async move {
+            Ok(match layer.handle(inner, request).await {
+                Ok(response) => response,
+                Err(rejection) => rejection.into_response(),
+            })
+        })
+    }
+}
+
+impl<St: Store> IdempotencyLayer<St> {
+    async fn handle<S>(&self, inner: S, request: Request<Body>) -> Result<Response, Rejection>
+    where
+        S: Service<Request<Body>, Error = Infallible> + Send + 'static,
+        S::Response: IntoResponse,
+        S::Future: Send + 'static,
+    {
+        let config = &self.config;
+        let (mut parts, body) = request.into_parts();
+        let key = if config.keyed_methods.contains(&parts.method) {
+            IdempotencyKey::from_headers(&parts.headers, &config.header)?
+        } else {
+            None
+        };
+        let Some(key) = key else {
+            let keyed = config.keyed_methods.contains(&parts.method);
+            if keyed && !config.allow_missing_key {
+                return Err(Rejection::KeyMissing);
+            }
+            let passed = self.pass_through(inner, Request::from_parts(parts, body));
+            // The other methods (GET, PUT, DELETE, …) are bounded too: retrying them is safe by
+            // their HTTP semantics even if the attempt still commits after the 503. A keyed
+            // method sent without a key is not: a retry after a late commit would run it twice,
+            // so it waits for its outcome instead.
+            if keyed {
+                return Ok(passed.await);
+            }
+            return within(config.deadline, passed).await;
+        };
+
+        // The deadline covers finding the principal (its extractor may wait on the database)
+        // and the engine, not the time the client takes to send its body.
+        let started = tokio::time::Instant::now();
+        let principal = match &config.principal {
+            Some(source) => within(config.deadline, source(&mut parts)).await??,
+            None => None,
+        };
+        let remaining = config
+            .deadline
+            .map(|deadline| deadline.saturating_sub(started.elapsed()));
+        if principal.is_none() && !config.allow_anonymous {
+            return Err(Rejection::PrincipalMissing);
+        }
+        let route = parts
+            .extensions
+            .get::<MatchedPath>()
+            .map_or_else(|| parts.uri.path().to_owned(), |m| m.as_str().to_owned());
+
+        let bytes = match Limited::new(body, config.max_request_body).collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
+                return Err(Rejection::BodyTooLarge {
+                    limit: config.max_request_body,
+                });
+            }
+            Err(error) => {
+                tracing::debug!(%error, "could not read the request body");
+                return Err(Rejection::BodyUnreadable);
+            }
+        };
+        let method = parts.method.as_str().to_owned();
+        let scope = match principal {
+            Some(principal) => Scope::new(principal, method, route, key),
+            None => Scope::anonymous(method, route, key),
+        };
+
+        let received = Received {
+            fingerprinter: config.fingerprinter.clone(),
+            parts,
+            body: bytes,
+        };
+        let run = async {
+            // Held here until the outcome is recorded, and shared with the work: if the
+            // deadline leaves the work running on its own, the permit stays taken until its
+            // handler is done.
+            let permit = match &config.claims {
+                Some(claims) => match Arc::clone(claims).acquire_owned().await {
+                    Ok(permit) => Some(Arc::new(permit)),
+                    Err(_closed) => return Err(Rejection::Internal),
+                },
+                None => None,
+            };
+            let _held = permit.clone();
+            self.engine
+                .run_in_slot(&scope, received, move |received, slot, context| {
+                    // Built here, not before: a replay answered from the cache never needs it.
+                    let Received { parts, body, .. } = received;
+                    let mut request = Request::from_parts(parts, Body::from(body));
+                    request.extensions_mut().insert(context);
+                    request.extensions_mut().insert(slot);
+                    async move {
+                        let _permit = permit;
+                        match inner.oneshot(request).await {
+                            Ok(response) => response.into_response(),
+                            Err(never) => match never {},
+                        }
+                    }
+                })
+                .await
+        };
+        let execution = match within(remaining, run).await {
+            Ok(ran) => ran?,
+            Err(timeout) => {
+                tracing::warn!(key = %scope.scoped_key(),
+                    "no answer within the deadline; answered 503, the attempt finishes on its own");
+                return Err(timeout);
+            }
+        };
+        Ok(into_body_response(execution.response))
+    }
+
+    /// A request without a key: no claim, but `Tx` still works, resolved by the status.
+    async fn pass_through<S>(&self, inner: S, mut request: Request<Body>) -> Response
+    where
+        S: Service<Request<Body>, Error = Infallible> + Send + 'static,
+        S::Response: IntoResponse,
+        S::Future: Send + 'static,
+    {
+        let slot = TxSlot::lazy(self.engine.store().protocol().pool().clone());
+        request.extensions_mut().insert(slot.clone());
+        // Never cancelled halfway, for the same reason as keyed requests: a client hanging up
+        // must not abandon a transaction mid-statement.
+        let handled = Uncancelled::new(async move {
+            let response = match inner.oneshot(request).await {
+                Ok(response) => response.into_response(),
+                Err(never) => match never {},
+            };
+            let tx = match slot.take_back() {
+                Ok(Some(tx)) => tx,
+                Ok(None) => return response,
+                Err(_) => {
+                    tracing::error!("a Tx was still held when the handler returned; rolled back");
+                    return Rejection::TransactionHeld.into_response();
+                }
+            };
+            let status = response.status();
+            let resolved = if status.is_success() || status.is_redirection() {
+                tx.commit().await
+            } else {
+                tx.rollback().await
+            };
+            match resolved {
+                Ok(()) => response,
+                Err(error) => {
+                    tracing::error!(%error, "resolving the request's transaction failed");
+                    Rejection::Internal.into_response()
+                }
+            }
+        });
+        handled.await.unwrap_or_else(|_panic| {
+            tracing::error!("the handler panicked; rolled back");
+            Rejection::Internal.into_response()
+        })
+    }
+}
+
+/// `future`'s output, or [`Rejection::Timeout`] once `limit` has passed.
+async fn within<F: Future>(limit: Option<Duration>, future: F) -> Result<F::Output, Rejection> {
+    match limit {
+        Some(limit) => tokio::time::timeout(limit, future)
+            .await
+            .map_err(|_elapsed| Rejection::Timeout),
+        None => Ok(future.await),
+    }
+}

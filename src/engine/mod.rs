@@ -78,6 +78,7 @@ use crate::tx::{Tx, TxSlot};
 mod claim;
 mod execute;
 mod lease;
+mod metrics;
 mod outcome;
 mod replay;
 mod uncancelled;
@@ -370,6 +371,7 @@ impl<S: Store> Engine<S> {
         };
         let _enter = span.enter();
         tracing::info!(outcome = answer.logged.as_str(), "idempotent request");
+        metrics::answered(answer.logged);
         answer.result
     }
 }

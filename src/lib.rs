@@ -103,7 +103,9 @@ pub mod scope;
 pub mod store;
 pub mod tx;
 
-pub use engine::{Classification, Engine, Execution, IDEMPOTENT_REPLAYED, Lease, Outcome};
+pub use engine::{
+    Classification, Engine, Execution, IDEMPOTENT_REPLAYED, Lease, Lookup, Outcome,
+};
 pub use error::{Error, Rejection};
 pub use fingerprint::{Fingerprint, Fingerprinter, canonical_json};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};

@@ -79,11 +79,13 @@ mod claim;
 mod execute;
 mod lease;
 mod metrics;
+mod operator;
 mod outcome;
 mod replay;
 mod uncancelled;
 
 pub use lease::Lease;
+pub use operator::Lookup;
 pub use outcome::{Classification, Execution, Outcome};
 pub(crate) use uncancelled::Uncancelled;
 

@@ -84,6 +84,13 @@
 //! | `outbox` | the `outbox` module: `Outbox`, `Dispatcher`, `Sender` |
 //! | `client` | the `client` module: `IdempotentRetryLayer` for tower HTTP clients |
 //! | `reqwest` | `client::IdempotentRetryMiddleware` for `reqwest-middleware` |
+//! | `metrics` | counters and a claim latency histogram through the `metrics` facade |
+//!
+//! # Further reading
+//!
+//! The [`guide`] takes it from here: every builder option, the backends and their waits, jobs,
+//! the outbox and the client, running it in production (purging, metrics and alerts, support
+//! cases, letting a record go) and performance.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -93,6 +100,7 @@ pub mod client;
 pub mod engine;
 pub mod error;
 pub mod fingerprint;
+pub mod guide;
 pub mod key;
 pub mod layer;
 #[cfg(feature = "outbox")]
@@ -103,9 +111,7 @@ pub mod scope;
 pub mod store;
 pub mod tx;
 
-pub use engine::{
-    Classification, Engine, Execution, IDEMPOTENT_REPLAYED, Lease, Lookup, Outcome,
-};
+pub use engine::{Classification, Engine, Execution, IDEMPOTENT_REPLAYED, Lease, Lookup, Outcome};
 pub use error::{Error, Rejection};
 pub use fingerprint::{Fingerprint, Fingerprinter, canonical_json};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};

@@ -28,15 +28,23 @@ impl Principal for User {
     }
 }
 
+/// Lets the test hold a request inside its handler, and know when it got there.
+#[derive(Default)]
+struct Gate {
+    entered: Notify,
+    release: Notify,
+}
+
 /// Answers with the status named in the path; `/hold/...` first waits until released.
 async fn answer(
     Path(status): Path<u16>,
-    Extension(release): Extension<Arc<Notify>>,
+    Extension(gate): Extension<Arc<Gate>>,
     tx: Tx<Sqlite>,
     request: Request<Body>,
 ) -> Response {
     if request.uri().path().starts_with("/hold") {
-        release.notified().await;
+        gate.entered.notify_one();
+        gate.release.notified().await;
     }
     drop(tx);
     let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -46,7 +54,7 @@ async fn answer(
         .unwrap_or_default()
 }
 
-fn app(store: SqliteStore, retention: Duration, release: Arc<Notify>) -> Router {
+fn app(store: SqliteStore, retention: Duration, gate: Arc<Gate>) -> Router {
     Router::new()
         .route("/status/{code}", post(answer))
         .route("/hold/{code}", post(answer))
@@ -57,7 +65,7 @@ fn app(store: SqliteStore, retention: Duration, release: Arc<Notify>) -> Router 
                 .wait_for_in_flight(Duration::from_millis(200)),
         )
         .layer(Extension(User("alice-principal")))
-        .layer(Extension(release))
+        .layer(Extension(gate))
 }
 
 async fn send(app: &Router, path: &str, key: &str, body: &'static str) -> StatusCode {
@@ -119,8 +127,8 @@ async fn every_outcome_is_counted_and_every_claim_timed() {
         .expect("sqlite pool");
     let store = SqliteStore::new(pool);
     store.migrate().await.expect("migrate");
-    let release = Arc::new(Notify::new());
-    let app = app(store.clone(), Duration::from_secs(3600), release.clone());
+    let gate = Arc::new(Gate::default());
+    let app = app(store.clone(), Duration::from_secs(3600), gate.clone());
 
     // Executed, replayed, then the same key for another intent.
     assert_eq!(
@@ -145,7 +153,7 @@ async fn every_outcome_is_counted_and_every_claim_timed() {
         StatusCode::SERVICE_UNAVAILABLE
     );
     // A second instance (its own engine, the same table) finds the key taken by its claim.
-    let other = self::app(store.clone(), Duration::from_secs(3600), release.clone());
+    let other = self::app(store.clone(), Duration::from_secs(3600), gate.clone());
     assert_eq!(
         send(&other, "/status/201", "k-exec", "1").await,
         StatusCode::CREATED
@@ -156,16 +164,17 @@ async fn every_outcome_is_counted_and_every_claim_timed() {
         let app = app.clone();
         async move { send(&app, "/hold/200", "k-held", "1").await }
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The first holds the claim once its handler runs.
+    gate.entered.notified().await;
     assert_eq!(
         send(&app, "/hold/200", "k-held", "1").await,
         StatusCode::CONFLICT
     );
-    release.notify_one();
+    gate.release.notify_one();
     assert_eq!(first.await.expect("first"), StatusCode::OK);
 
     // A record past its retention: the key is a new intent.
-    let short = self::app(store, Duration::from_millis(50), release);
+    let short = self::app(store, Duration::from_millis(50), gate);
     assert_eq!(
         send(&short, "/status/201", "k-expire", "1").await,
         StatusCode::CREATED

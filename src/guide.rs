@@ -327,7 +327,8 @@ pub mod client {}
 ///
 /// ## Logs
 ///
-/// Each answered request logs one `INFO` line, `idempotent request`, in a span carrying a
+/// Each request the engine answers (every request past the layer's checks of key, principal
+/// and body size) logs one `INFO` line, `idempotent request`, in a span carrying a
 /// 12-hex-digit prefix of the scoped key's SHA-256 (`key`), the method and the route, with an
 /// `outcome`: `executed`, `expired` (executed under a key whose old record had expired),
 /// `failed_permanent`, `replayed`, `mismatch`, `in_flight`, `retryable`, `recovered`,
@@ -354,9 +355,11 @@ pub mod client {}
 ///
 /// **Exporting.** Install any `metrics` exporter at start-up. For Prometheus,
 /// `metrics-exporter-prometheus`'s `PrometheusBuilder::new().install()` serves them for
-/// scraping. For OpenTelemetry, `metrics-exporter-opentelemetry` installs a recorder that
-/// forwards them to an OpenTelemetry `Meter`, exported by your OTLP pipeline; alternatively,
-/// scrape the Prometheus endpoint with the OpenTelemetry Collector's Prometheus receiver.
+/// scraping. For OpenTelemetry, install a recorder that forwards the facade to a `Meter` of
+/// your OpenTelemetry SDK's meter provider, such as `metrics-exporter-otel`'s
+/// `OpenTelemetryRecorder::new(meter)` or `metrics-exporter-opentelemetry`; the provider's
+/// OTLP exporter then ships them with the rest of your telemetry. Alternatively, serve the
+/// Prometheus endpoint and let the OpenTelemetry Collector's Prometheus receiver scrape it.
 ///
 /// **What to alert on.**
 ///

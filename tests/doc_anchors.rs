@@ -1,6 +1,6 @@
 //! Every rejection's problem `type` is a link into the crate's docs: it must name the page
 //! rustdoc writes for `Rejection` and an anchor that page has, one per variant. The test reads
-//! the HTML `cargo doc` generated (running it first if the page is missing), so a renamed
+//! the HTML `cargo doc` generates (run by the test, a no-op when the docs are current), so a renamed
 //! variant or a moved module fails here rather than as a dead link on docs.rs.
 
 use std::collections::BTreeSet;
@@ -57,17 +57,21 @@ fn doc_root() -> PathBuf {
         .join("doc")
 }
 
-/// The generated page at `path` (relative to the doc root), building the docs if needed.
+/// The generated page at `path` (relative to the doc root). The docs are brought up to date
+/// first, so a page left by an older build cannot answer for the current code; when they are
+/// current, cargo does nothing.
 fn generated_page(path: &str) -> String {
+    let doc = Command::new(env!("CARGO"))
+        .args(["doc", "--no-deps", "--all-features"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("cargo doc runs");
+    assert!(
+        doc.status.success(),
+        "cargo doc failed:\n{}",
+        String::from_utf8_lossy(&doc.stderr)
+    );
     let page = doc_root().join(path);
-    if !page.exists() {
-        let status = Command::new(env!("CARGO"))
-            .args(["doc", "--no-deps", "--all-features"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("cargo doc runs");
-        assert!(status.success(), "cargo doc failed");
-    }
     std::fs::read_to_string(&page)
         .unwrap_or_else(|error| panic!("{} is not readable: {error}", page.display()))
 }

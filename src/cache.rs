@@ -79,6 +79,11 @@ impl ReplayCache {
         Some(cached)
     }
 
+    /// Drops what is held under `key`.
+    pub(crate) fn remove(&self, key: &ScopedKey) {
+        self.entries.remove(key);
+    }
+
     /// Holds `record` (with the `request` it answers, if known) if it is final, carries its
     /// response and is live at `now`.
     pub(crate) fn insert(

@@ -203,6 +203,13 @@ impl Rejection {
     }
 }
 
+/// The page documenting [`Rejection`] on docs.rs; a problem's `type` is this page with the
+/// variant's anchor, so a developer who follows it reads that rejection's description. The path
+/// is the one rustdoc gives the type where it is defined (the `error` module): the crate
+/// root's re-export is not inlined and has no page of its own.
+const REJECTION_DOCS: &str =
+    "https://docs.rs/axum-idempotency/latest/axum_idempotency/error/enum.Rejection.html";
+
 /// The problem document. Written by hand rather than with a problem-details crate because
 /// `http::Uri` cannot hold the fragment our `type` links to (the variant's rustdoc anchor).
 #[derive(Serialize)]
@@ -218,10 +225,7 @@ impl IntoResponse for Rejection {
     fn into_response(self) -> Response {
         let status = self.status();
         let problem = Problem {
-            r#type: format!(
-                "https://docs.rs/axum-idempotency/latest/axum_idempotency/enum.Rejection.html#variant.{}",
-                self.variant()
-            ),
+            r#type: format!("{REJECTION_DOCS}#variant.{}", self.variant()),
             title: self.title(),
             status: status.as_u16(),
             detail: self.to_string(),

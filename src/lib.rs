@@ -86,6 +86,13 @@
 //! | `client` | the `client` module: `IdempotentRetryLayer` for tower HTTP clients |
 //! | `test-util` | `ManualClock`, and `clock(..)` on the engine and the layer: time that tests move |
 //! | `reqwest` | `client::IdempotentRetryMiddleware` for `reqwest-middleware` |
+//! | `metrics` | counters and a claim latency histogram through the `metrics` facade |
+//!
+//! # Further reading
+//!
+//! The [`guide`] takes it from here: every builder option, the backends and their waits, jobs,
+//! the outbox and the client, running it in production (purging, metrics and alerts, support
+//! cases, letting a record go) and performance.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -101,6 +108,8 @@ pub mod engine;
 pub mod error;
 #[cfg(feature = "server")]
 pub mod fingerprint;
+#[cfg(feature = "server")]
+pub mod guide;
 #[cfg(feature = "server")]
 pub mod key;
 #[cfg(any(feature = "server", feature = "client"))]
@@ -121,7 +130,7 @@ pub mod store;
 pub mod tx;
 
 #[cfg(feature = "server")]
-pub use engine::{Classification, Engine, Execution, IDEMPOTENT_REPLAYED, Lease, Outcome};
+pub use engine::{Classification, Engine, Execution, IDEMPOTENT_REPLAYED, Lease, Lookup, Outcome};
 #[cfg(feature = "server")]
 pub use error::{Error, Rejection};
 #[cfg(feature = "server")]

@@ -1,9 +1,12 @@
 //! Claiming a key: an insert against the table's unique key, in the transaction the work then
 //! runs in. Never check-then-insert; a claim that finds the key taken reads the record instead.
 
+use std::time::Instant;
+
 use sqlx::Transaction;
 
 use super::Engine;
+use super::metrics::{self, ClaimResult};
 use super::outcome::IN_PROGRESS;
 use crate::error::{Error, Rejection};
 use crate::fingerprint::Fingerprint;
@@ -44,6 +47,23 @@ impl<S: Store> Engine<S> {
     /// Claims the record's key in `begun` (or a transaction begun now), or reads the live
     /// record that holds it.
     pub(super) async fn claim(
+        &self,
+        record: &NewRecord<'_>,
+        begun: Option<Transaction<'static, S::Database>>,
+    ) -> Result<Claim<S::Database>, Rejection> {
+        let started = Instant::now();
+        let claim = self.claim_rounds(record, begun).await;
+        let result = match &claim {
+            Ok(Claim::Ours(_)) => ClaimResult::Claimed,
+            Ok(Claim::Theirs(_)) => ClaimResult::Taken,
+            Err(Rejection::InProgress { .. }) => ClaimResult::Busy,
+            Err(_) => ClaimResult::Failed,
+        };
+        metrics::claimed(result, started.elapsed());
+        claim
+    }
+
+    async fn claim_rounds(
         &self,
         record: &NewRecord<'_>,
         mut begun: Option<Transaction<'static, S::Database>>,

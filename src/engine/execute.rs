@@ -2,6 +2,7 @@
 //! the record with the work's writes, record a final refusal alone, or roll everything back.
 
 use std::future::Future;
+use std::time::Instant;
 
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -9,6 +10,7 @@ use http_body_util::{BodyExt, Limited};
 
 use super::Engine;
 use super::claim::Claim;
+use super::metrics::{self, ClaimResult};
 use super::outcome::{Answer, Classification, Logged, Outcome};
 use crate::error::{Error, Rejection};
 use crate::fingerprint::{Fingerprint, Verbatim};
@@ -35,6 +37,7 @@ impl<S: Store> Engine<S> {
         // a transaction, on the connection that, for a key not yet taken, goes on to claim it.
         // Any other key is likely new and is claimed at once, saving the read (see `recent`).
         let (begun, expired) = if self.settings.recent.saw(&key) {
+            let started = Instant::now();
             let opened = self
                 .store
                 .protocol()
@@ -45,7 +48,11 @@ impl<S: Store> Engine<S> {
                     return self.answer_stored(key, record, fingerprint, request);
                 }
                 Ok(Opened::Claimable { tx, expired }) => (Some(tx), expired),
-                Err(Error::Busy | Error::Conflict) => return Answer::in_flight(),
+                Err(Error::Busy | Error::Conflict) => {
+                    // The claim transaction this read begins waited for the key's original.
+                    metrics::claimed(ClaimResult::Busy, started.elapsed());
+                    return Answer::in_flight();
+                }
                 Err(error) => return Answer::store_failed(error),
             }
         } else {

@@ -80,11 +80,14 @@ use crate::tx::{Tx, TxSlot};
 mod claim;
 mod execute;
 mod lease;
+mod metrics;
+mod operator;
 mod outcome;
 mod replay;
 mod uncancelled;
 
 pub use lease::Lease;
+pub use operator::Lookup;
 pub use outcome::{Classification, Execution, Outcome};
 pub(crate) use uncancelled::Uncancelled;
 
@@ -384,6 +387,7 @@ impl<S: Store> Engine<S> {
         };
         let _enter = span.enter();
         tracing::info!(outcome = answer.logged.as_str(), "idempotent request");
+        metrics::answered(answer.logged);
         answer.result
     }
 }

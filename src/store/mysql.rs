@@ -110,6 +110,7 @@ impl Dialect for MySql {
     // renewal to the same expiry still reports its one row.
     const RENEW_LEASE: &'static str = "UPDATE idempotency_records SET lease_expires_at = ? \
         WHERE key_digest = ? AND lease_owner = ? AND state = 'processing'";
+    const FORGET: &'static str = "DELETE FROM idempotency_records WHERE key_digest = ?";
     const TAKE_OVER_LEASE: &'static str = "UPDATE idempotency_records SET lease_owner = ?, lease_expires_at = ? \
         WHERE key_digest = ? AND state = 'processing' AND lease_expires_at <= ?";
     const FINISH_LEASED: &'static str = "UPDATE idempotency_records \

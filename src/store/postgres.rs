@@ -101,6 +101,7 @@ impl Dialect for Postgres {
         WHERE key_digest = $5 AND lease_owner = $6";
     const RELEASE_LEASE: &'static str = "DELETE FROM idempotency_records \
         WHERE key_digest = $1 AND lease_owner = $2 AND state = 'processing'";
+    const FORGET: &'static str = "DELETE FROM idempotency_records WHERE key_digest = $1";
 
     fn begin_statement(_lock_wait: Duration) -> Option<String> {
         None

@@ -156,6 +156,13 @@ pub trait Protocol: Clone + Send + Sync + 'static {
         owner: [u8; 16],
     ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
 
+    /// Deletes the record under `key`, whatever its state: an operator's explicit decision.
+    /// `false` if there was none.
+    fn forget<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+    ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
+
     /// Deletes up to `limit` records expired at `now`; returns how many it deleted.
     fn purge_expired_batch(
         &self,

@@ -108,6 +108,8 @@ pub trait Dialect: Database {
     const FINISH_LEASED: &'static str;
     /// Parameters: key_digest, lease_owner.
     const RELEASE_LEASE: &'static str;
+    /// Parameters: key_digest.
+    const FORGET: &'static str;
 
     /// Whether the row [`MIGRATION_LOCK`](Dialect::MIGRATION_LOCK) returned says the lock was
     /// granted: a lock with a timeout reports the timeout there, not as an error.
@@ -471,6 +473,11 @@ where
         let query = sqlx::query(DB::RELEASE_LEASE)
             .bind(key.digest().to_vec())
             .bind(owner.to_vec());
+        Ok(on_pool(&self.pool, query).await? == 1)
+    }
+
+    async fn forget<'a>(&'a self, key: &'a ScopedKey) -> Result<bool, Error> {
+        let query = sqlx::query(DB::FORGET).bind(key.digest().to_vec());
         Ok(on_pool(&self.pool, query).await? == 1)
     }
 

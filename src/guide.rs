@@ -1,0 +1,499 @@
+//! The guide: everything past the first request, one chapter per page.
+//!
+//! The crate docs and the README get a newcomer to a first replayed request. These chapters
+//! are for the developer wiring the layer into a real service and for the operator running it.
+//! They hold no code of the crate, only documentation; the examples in them are compiled as
+//! doctests.
+//!
+//! - [`layer`]: putting the layer on a router, every builder option and its default.
+//! - [`protocol`]: what is final and what is retryable, replay, and the guarantees' limits.
+//! - [`backends`]: SQLite, PostgreSQL, MySQL and MariaDB; migrations; how each one waits.
+//! - [`jobs`]: background jobs and manual replays on the same claim as HTTP requests.
+//! - `outbox` (feature `outbox`): calls to other systems, sent once after the commit.
+//! - `client` (feature `client`): the caller's half, one key per logical call.
+//! - [`operations`]: purging, metrics and what to alert on, logs, support cases, letting a
+//!   record go.
+//! - [`performance`]: what a new key and a replay cost, and how to make replays cheaper.
+
+/// # Putting the layer on a router
+///
+/// Add [`IdempotencyLayer`](crate::IdempotencyLayer) with
+/// [`Router::route_layer`](axum::Router::route_layer), so the matched route template
+/// (`/orders/{id}/ship`) scopes the key; under `Router::layer` the concrete path stands in for
+/// it. Handlers write through the [`Tx`](crate::Tx) extractor: the claim, their rows and the
+/// stored response are one transaction.
+///
+/// ```
+/// use std::borrow::Cow;
+/// use std::time::Duration;
+///
+/// use axum::extract::FromRequestParts;
+/// use axum::http::{StatusCode, header, request::Parts};
+/// use axum::response::IntoResponse;
+/// use axum::{Extension, Json, Router, routing::post};
+/// use axum_idempotency::{IdempotencyLayer, Principal, SqliteStore, Tx};
+/// use serde_json::json;
+/// use sqlx::Sqlite;
+///
+/// /// The caller as your authentication proved it.
+/// #[derive(Clone)]
+/// struct AuthUser {
+///     id: String,
+/// }
+///
+/// impl<S: Send + Sync> FromRequestParts<S> for AuthUser {
+///     type Rejection = StatusCode;
+///
+///     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
+///         // A real app verifies a token or a session here.
+///         match parts.headers.get(header::AUTHORIZATION) {
+///             Some(_) => Ok(AuthUser { id: "alice".into() }),
+///             None => Err(StatusCode::UNAUTHORIZED),
+///         }
+///     }
+/// }
+///
+/// impl Principal for AuthUser {
+///     fn principal_id(&self) -> Cow<'_, str> {
+///         Cow::Borrowed(&self.id)
+///     }
+/// }
+///
+/// // The layer hands over the caller it verified; extracting `AuthUser` again would take a
+/// // second connection from the pool while the claim holds one.
+/// async fn create_order(
+///     Extension(user): Extension<AuthUser>,
+///     mut tx: Tx<Sqlite>,
+///     Json(order): Json<serde_json::Value>,
+/// ) -> Result<impl IntoResponse, StatusCode> {
+///     let id: i64 = sqlx::query_scalar("INSERT INTO orders (user_id, sku) VALUES (?, ?) RETURNING id")
+///         .bind(&user.id)
+///         .bind(order["sku"].as_str())
+///         .fetch_one(&mut *tx) // the claim's transaction
+///         .await
+///         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+///     Ok((
+///         StatusCode::CREATED,
+///         [(header::LOCATION, format!("/orders/{id}"))],
+///         Json(json!({ "id": id, "status": "created" })),
+///     ))
+/// }
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = sqlx::SqlitePool::connect("sqlite::memory:").await?;
+/// let store = SqliteStore::new(pool);
+/// store.migrate().await?; // the crate's own tables
+/// store.spawn_purger(Duration::from_secs(60)); // deletes expired records in batches
+///
+/// let app: Router = Router::new()
+///     .route("/orders", post(create_order))
+///     .route_layer(
+///         IdempotencyLayer::new(store)
+///             .principal::<AuthUser>()
+///             .retention(Duration::from_secs(24 * 3600))
+///             .wait_for_in_flight(Duration::from_secs(5))
+///             .ignore_json_fields(["/request_time", "/trace_id"]),
+///     );
+/// # let _ = app; Ok(()) }
+/// ```
+///
+/// The principal is the *verified* caller: an extractor that authenticates
+/// ([`principal`](crate::IdempotencyLayer::principal),
+/// [`principal_with_state`](crate::IdempotencyLayer::principal_with_state)) or an extension
+/// your authentication middleware inserted
+/// ([`principal_extension`](crate::IdempotencyLayer::principal_extension)). Never a header the
+/// client asserts: that would let one caller name another's scope and read their replays.
+///
+/// # Builder options
+///
+/// | method | default | what it does |
+/// |---|---|---|
+/// | `.principal::<P>()` / `.principal_with_state::<P, S>(state)` | none | take the principal from extractor `P` (your auth); a rejection → 401 |
+/// | `.principal_extension::<P>()` | none | take the principal from a request extension set by auth middleware |
+/// | `.allow_anonymous()` | off | requests without a principal share the anonymous scope (only where that is safe) |
+/// | `.header_name(name)` | `Idempotency-Key` | the header the key is read from |
+/// | `.keyed_methods([..])` | `POST`, `PATCH` | which methods take a key |
+/// | `.allow_missing_key()` | off (key required) | keyed methods without a key run unprotected instead of 400 |
+/// | `.retention(d)` | 24 h | how long a record counts; then its key is a new intent |
+/// | `.wait_for_in_flight(d)` | 5 s | how long a duplicate waits for its original before 409 |
+/// | `.deadline(d)` / `.without_deadline()` | 10 s | the longest a keyed request waits for its answer before `503 idempotency_timeout` (keep it above the in-flight wait) |
+/// | `.max_concurrent_claims(n)` | unbounded | at most `n` keyed requests hold a claim (a pooled connection) at once; set it below the pool's size |
+/// | `.ignore_json_fields([..])` | none | JSON Pointers left out of the fingerprint (`/request_time`, `/trace_id`) |
+/// | `.include_headers([..])` | none | request headers that join the fingerprint |
+/// | `.max_request_body(n)` | 1 MiB | larger bodies → 413 before any claim |
+/// | `.max_response_body(n)` | 1 MiB | larger responses are rolled back (500) rather than stored half |
+/// | `.classify(f)` | 2xx/3xx completed, 408/429/5xx retryable, other 4xx final | what is stored, replayed or rolled back |
+/// | `.replay_header(name)` | none | also store and replay `Set-Cookie` or `Date` |
+/// | `.cache_replays(bytes)` | off | keep final records in memory so their replays cost no database read (see [`performance`]) |
+///
+/// Each method's own documentation on [`IdempotencyLayer`](crate::IdempotencyLayer) has the
+/// details.
+///
+/// # What a handler under the layer must not do
+///
+/// A keyed request's claim holds one pooled connection, inside a transaction, from before the
+/// handler runs until its answer is recorded. The handler does its database work through `Tx`
+/// and must **not take a second connection from the same pool**: not directly, not through an
+/// extractor that queries the database (an authentication extractor is the usual one). Under a
+/// burst every connection ends up holding a claim whose handler waits for another, and nothing
+/// moves until the pool's acquire timeout. Take the caller as `Extension<P>` (the layer inserts
+/// what `.principal::<P>()` extracted, so `P` must be `Clone`) and the scope as
+/// [`IdempotencyContext`](crate::IdempotencyContext). `.max_concurrent_claims(n)` with `n` below
+/// the pool's size keeps connections free for authentication, reads and requests without a key.
+///
+/// # Timeouts, outages and shutdown
+///
+/// - Every keyed request is answered within the layer's `.deadline(..)` (default 10 s). When the
+///   database is silent, the client gets `503 idempotency_timeout` with `Retry-After` and
+///   retries with the same key. The attempt is not abandoned mid-transaction: it finishes in a
+///   task of its own, and the retry replays it if it committed, or gets `409` while it still
+///   runs. Nothing commits that the retry would execute again. Requests of the methods that
+///   take no key get the same bound; a keyed method sent without a key under
+///   `.allow_missing_key()` does not (its retry after a late commit would run it twice).
+/// - Set the pool's acquire timeout below the deadline (the `orders` example uses 3 s with
+///   `PoolOptions::acquire_timeout`), so a pool that cannot reach its database fails fast.
+/// - An authentication extractor that fails for a reason other than refusing the caller (its
+///   rejection is a 5xx, 408 or 429) gets `503 idempotency_principal_unavailable` with
+///   `Retry-After`, never a final `401`.
+/// - Stop on SIGTERM (what Kubernetes and systemd send) as on Ctrl-C, so the requests in flight
+///   are answered before the process exits. Register the handlers before serving: until then
+///   SIGTERM's default action ends the process.
+///
+/// ```no_run
+/// # async fn run(listener: tokio::net::TcpListener, app: axum::Router) -> std::io::Result<()> {
+/// use tokio::signal::unix::{SignalKind, signal};
+///
+/// let mut terminate = signal(SignalKind::terminate())?;
+/// let mut interrupt = signal(SignalKind::interrupt())?;
+/// let shutdown = async move {
+///     tokio::select! {
+///         _ = terminate.recv() => {}
+///         _ = interrupt.recv() => {}
+///     }
+/// };
+/// axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+/// # }
+/// ```
+pub mod layer {}
+
+/// # What is stored, what is replayed, what is rolled back
+///
+/// The handler's response is buffered and classified by its status
+/// ([`Classification::of_status`](crate::Classification::of_status), replaceable with
+/// `.classify(..)`):
+///
+/// - **completed** (2xx, 3xx): the response is stored and committed with the handler's writes,
+///   and replayed to every retry with `Idempotent-Replayed: true`;
+/// - **failed for good** (most 4xx: 400, 401, 403, 404, 409 from the handler such as
+///   `out_of_stock`, 410, 422): the handler's writes are rolled back, the answer is stored and
+///   replayed; the client should stop;
+/// - **retryable** (5xx, 408, 429, a panic, a response too large to store): everything is
+///   rolled back and no record remains, so a retry with the same key executes afresh.
+///
+/// The intent a key is bound to is the method, the concrete path, the query (parameters in any
+/// order) and the canonical body: JSON key order, whitespace and number spelling do not matter
+/// (`12.5 == 12.50 == 1.25e1`, but `12.500000001` differs), and fields declared intent-neutral
+/// with `.ignore_json_fields(..)` are left out. Another intent under the same key is refused
+/// with 422 and never executed. The [`fingerprint`](crate::fingerprint) module has the exact
+/// rules.
+///
+/// A replay reproduces the status, the body bytes and the stored headers (`Location` and
+/// multi-valued headers intact), even after the resource changed: an order shipped later still
+/// replays its creation-time `201`. `Set-Cookie`, `Date`, `Content-Length` and hop-by-hop
+/// headers are not replayed unless opted in with `.replay_header(..)`.
+///
+/// Every rejection is `application/problem+json` with a distinct `type` and a `code`: see
+/// [`error`](crate::error) for the table.
+///
+/// # Guarantees and limits
+///
+/// - **Exactly once** for everything written through [`Tx`](crate::Tx): the claim, the
+///   business rows and the response record are one transaction. Duplicates (sequential,
+///   concurrent, across app instances sharing a database) never run the handler twice.
+/// - **Not** exactly once by itself: calls to other systems made from the handler (payment
+///   channels, SMS, webhooks). Write them to the outbox (feature `outbox`) so they are sent
+///   after the commit with a stable downstream key.
+/// - The handler's work is never cancelled halfway: if the client hangs up first, what is left
+///   of it moves to a task of its own and completes there, so no pooled connection is left
+///   inside an open transaction. Its outcome is replayed to the retry.
+/// - Responses are buffered (bounded) to be stored; streaming responses (server-sent events)
+///   do not belong under the layer.
+/// - Time is the application's clock (records keep milliseconds since the epoch): keep hosts
+///   in sync.
+pub mod protocol {}
+
+/// # Backends
+///
+/// | feature | store | notes |
+/// |---|---|---|
+/// | `sqlite` (default) | `SqliteStore` | embedded; claims begin `IMMEDIATE` with `busy_timeout` set from the wait; use WAL. A wait that runs out cannot tell the original from another writer: 409 either way. |
+/// | `postgres` | `PgStore` | many app instances on one database; a claim first tries its key's advisory lock without waiting; only a duplicate of an in-flight claim waits, bounded by `lock_timeout`, set for that claim and lifted for the handler in the same round trip |
+/// | `mysql` | `MySqlStore` | MySQL 8 and MariaDB; see below |
+///
+/// Your own sqlx must be the same major version as this crate's (0.9), since the handler's
+/// transaction is an sqlx transaction, and axum must be 0.8.
+///
+/// The store's `migrate()` creates and upgrades the crate's tables (`idempotency_records`,
+/// `idempotency_schema_versions`); a second call is a no-op and concurrent callers serialise.
+/// The SQL it runs is shipped in the package under `migrations/<backend>/`, for teams that
+/// apply migrations with their own tool.
+///
+/// # MySQL and MariaDB
+///
+/// Enable the `mysql` feature and hand the store the pool your handlers use:
+///
+/// ```no_run
+/// # #[cfg(feature = "mysql")]
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use axum_idempotency::{IdempotencyLayer, MySqlStore};
+///
+/// let pool = sqlx::MySqlPool::connect("mysql://app@db.internal/shop").await?;
+/// let store = MySqlStore::new(pool);
+/// store.migrate().await?; // once at start-up; safe from several instances at once
+/// let layer = IdempotencyLayer::new(store).allow_anonymous();
+/// # let _ = layer; Ok(()) }
+/// ```
+///
+/// Records live in the table `idempotency_records` (InnoDB, `utf8mb4_bin`) of the connection's
+/// database; applied schema versions in `idempotency_schema_versions`. MySQL commits DDL
+/// implicitly, so a transaction cannot serialise two instances migrating at once: `migrate`
+/// holds the named lock `axum_idempotency.migrate:<md5 of the database name>` (`GET_LOCK`) on
+/// one session for the whole migration, releases it after, and fails after waiting an hour
+/// for it. The scripts are safe to run twice (`IF NOT EXISTS`).
+///
+/// **The in-flight wait.** A duplicate of a request still in flight waits on the original's
+/// row lock, bounded by `innodb_lock_wait_timeout`, which takes whole seconds only: the
+/// layer's `wait_for_in_flight` is rounded **up** to the next second, at least 1 s (200 ms
+/// waits 1 s, 1.5 s waits 2 s). A duplicate never gives up sooner than configured, and may
+/// wait up to a second longer. The setting is made for the claim only: the session's own
+/// value is saved before the claim transaction begins and restored right after the claim.
+///
+/// **Errors.** InnoDB's lock wait timeout (1205) answers 409 `idempotency_request_in_progress`
+/// with `Retry-After`. A deadlock (1213) or, on MariaDB with `innodb_snapshot_isolation`,
+/// "record has changed since last read" (1020) means InnoDB rolled the claim back; the engine
+/// claims again at once (up to three rounds), so a duplicate InnoDB picked as a victim still
+/// waits for the new winner and replays it. PostgreSQL's deadlocks and serialization failures
+/// are treated the same way. The business never runs twice.
+///
+/// **Sizes.** `headers` and `body` are `LONGBLOB`; the real ceiling is the server's
+/// `max_allowed_packet` (16 MiB by default on MariaDB, 64 MiB on MySQL 8), which must stay
+/// above the largest response you store.
+///
+/// **MySQL 8 and MariaDB.** The store uses only SQL both accept, and is tested on MariaDB
+/// 10.11:
+///
+/// - The claim is `INSERT … ON DUPLICATE KEY UPDATE` with `VALUES(col)`, which MySQL 8.0.20+
+///   flags as deprecated (warning 1287) in favour of a row alias MariaDB does not have. It
+///   still works on MySQL 8.0 and 8.4.
+/// - The claim tells "claimed" from "key held" through `LAST_INSERT_ID`, because sqlx connects
+///   with `CLIENT_FOUND_ROWS`.
+/// - Text columns use `utf8mb4_bin`, so comparisons are the same whatever the server's default
+///   collation.
+/// - MySQL 9 has not been tried.
+pub mod backends {}
+
+/// # Jobs and manual replays use the same path
+///
+/// Background jobs, reconciliation and admin replays go through the same claim as HTTP
+/// requests, never a side door into the tables.
+/// [`IdempotencyLayer::engine`](crate::IdempotencyLayer::engine) (or
+/// [`Engine::new`](crate::Engine::new)) gives an [`Engine`](crate::Engine);
+/// [`Engine::run`](crate::Engine::run) runs a closure once per scoped key with the transaction
+/// that holds the claim, or replays the stored outcome. A job racing an HTTP request on the
+/// same principal, method, route and key executes the business once. Work that must outlive
+/// one transaction takes a [`Lease`](crate::Lease). The [`engine`](crate::engine) module has a
+/// complete example.
+pub mod jobs {}
+
+/// # External side effects: the outbox
+///
+/// The layer protects the database's own writes. A call to a payment provider inside the
+/// handler is not protected: if the commit fails after the call, or a retry runs the handler
+/// again, the customer is charged twice. Don't call out from the handler: **enqueue** the call
+/// with [`Outbox::enqueue`](crate::outbox::Outbox::enqueue) on the handler's
+/// [`Tx`](crate::Tx), and let a [`Dispatcher`](crate::outbox::Dispatcher) deliver committed
+/// messages through your [`Sender`](crate::outbox::Sender).
+///
+/// ```
+/// use axum::extract::State;
+/// use axum::http::StatusCode;
+/// use axum_idempotency::outbox::{DownstreamKey, Message, Outbox};
+/// use axum_idempotency::{IdempotencyContext, Tx};
+/// use sqlx::Sqlite;
+///
+/// async fn create_payment(
+///     State(outbox): State<Outbox<Sqlite>>,
+///     context: IdempotencyContext,
+///     mut tx: Tx<Sqlite>,
+/// ) -> StatusCode {
+///     // … the payment row is inserted with `&mut *tx` …
+///     // The same request's retries derive the same downstream key.
+///     let key = DownstreamKey::for_request(&context.scoped_key_digest(), "charges", "charge");
+///     let charge = serde_json::json!({ "amount": 12.5, "currency": "EUR" });
+///     let Ok(message) = Message::json("charges", key, &charge) else {
+///         return StatusCode::INTERNAL_SERVER_ERROR;
+///     };
+///     match outbox.enqueue(&mut tx, message).await {
+///         Ok(_) => StatusCode::ACCEPTED, // committed with the payment row, sent after
+///         Err(_) => StatusCode::SERVICE_UNAVAILABLE, // rolled back: the client retries
+///     }
+/// }
+/// ```
+///
+/// Delivery is at least once, and every attempt carries the same downstream key. Where the
+/// downstream deduplicates by that key (as payment providers do) the effect happens exactly
+/// once; where it does not, implement [`Sender::lookup`](crate::outbox::Sender::lookup) so the
+/// dispatcher looks the key up before any resend. The [`outbox`](crate::outbox) module
+/// documents the dispatcher's options, the outcomes a sender reports and the backends; the
+/// `payments` example in the repository is a complete app with a sender.
+#[cfg(feature = "outbox")]
+pub mod outbox {}
+
+/// # The caller's half: one key per logical call
+///
+/// A retried request is only safe if it carries the key of the first attempt. With the
+/// `client` feature, [`IdempotentRetryLayer`](crate::client::IdempotentRetryLayer) wraps a
+/// tower HTTP client: it makes one key per call before the first attempt (192 random bits from
+/// the OS, 32 URL-safe characters), resends the same key and body on every retry, retries only
+/// what is retryable (connection errors, timeouts, 408, 429, 5xx, and the in-progress 409),
+/// honours `Retry-After`, and stops at a deadline. The `reqwest` feature offers the same as
+/// `reqwest-middleware` middleware. Besides this crate, a client needs `http`, `bytes` and
+/// `http-body-util` (for the request body type) and the HTTP client it wraps, such as
+/// `hyper-util`.
+///
+/// When it gives up with an error, the server may still have executed an attempt whose answer
+/// was lost: retry later with the error's key, never a fresh one. The [`client`](crate::client)
+/// module documents it in full.
+#[cfg(feature = "client")]
+pub mod client {}
+
+/// # Running it
+///
+/// ## Purging
+///
+/// Expired records are deleted explicitly, never implicitly: call the store's
+/// `purge_expired()` from a job of your own, or let `spawn_purger(every)` run it on an
+/// interval. Both delete in batches of a thousand so no statement holds long locks. An expired
+/// record not yet purged is already treated as absent: its key is a new intent.
+///
+/// ## Logs
+///
+/// Each request the engine answers (every request past the layer's checks of key, principal
+/// and body size) logs one `INFO` line, `idempotent request`, in a span carrying a
+/// 12-hex-digit prefix of the scoped key's SHA-256 (`key`), the method and the route, with an
+/// `outcome`: `executed`, `expired` (executed under a key whose old record had expired),
+/// `failed_permanent`, `replayed`, `mismatch`, `in_flight`, `retryable`, `recovered`,
+/// `lease_lost`. Never the key or a body. The database stores the SHA-256 of the scoped key,
+/// not the key; principal, method and route are kept in clear for operators.
+///
+/// ## Metrics
+///
+/// With the `metrics` feature the engine reports through the
+/// [`metrics`](https://docs.rs/metrics) facade, to whatever recorder the application installs
+/// (nothing is recorded without one):
+///
+/// | name | kind | labels | what it counts |
+/// |---|---|---|---|
+/// | `idempotency_requests_total` | counter | `outcome` | every answered intent, by the outcome its log line reports (values above) |
+/// | `idempotency_claim_seconds` | histogram | `result` | the time one claim took: `claimed` (the key was free), `taken` (another intent's record holds it, possibly after waiting for an in-flight original), `busy` (the wait ran out: 409), `failed` (the store failed) |
+///
+/// The labels carry only those fixed values: never a key, a digest, a principal or a route, so
+/// the number of series stays fixed whatever the traffic. The outcomes map to the questions
+/// operators ask: executions (`executed`, `expired`, `failed_permanent`), replays (`replayed`),
+/// 422s (`mismatch`), in-flight 409s (`in_flight`), rollbacks the client retries
+/// (`retryable`). Duplicates that waited for their original show as `taken` claims with a
+/// latency near the original's duration.
+///
+/// **Exporting.** Install any `metrics` exporter at start-up. For Prometheus,
+/// `metrics-exporter-prometheus`'s `PrometheusBuilder::new().install()` serves them for
+/// scraping. For OpenTelemetry, install a recorder that forwards the facade to a `Meter` of
+/// your OpenTelemetry SDK's meter provider, such as `metrics-exporter-otel`'s
+/// `OpenTelemetryRecorder::new(meter)` or `metrics-exporter-opentelemetry`; the provider's
+/// OTLP exporter then ships them with the rest of your telemetry. Alternatively, serve the
+/// Prometheus endpoint and let the OpenTelemetry Collector's Prometheus receiver scrape it.
+///
+/// **What to alert on.**
+///
+/// - `outcome="retryable"` rising: handlers or the database are failing (5xx, panics, store
+///   errors); every one of those is an attempt the client must repeat.
+/// - `outcome="in_flight"` above zero for long: duplicates give up waiting, so originals take
+///   longer than `wait_for_in_flight`, or locks are held (a slow handler, a long transaction).
+///   `result="busy"` claims say the same from the claim's side.
+/// - `outcome="mismatch"` rising: a client reuses keys for different requests, a bug on the
+///   caller's side (or a field that should be declared intent-neutral).
+/// - The claim latency's high percentiles for `result="claimed"`: the cost every new request
+///   pays; a rise means database contention.
+/// - A replay ratio (`replayed` over all) far from its usual value: retries storming after an
+///   outage, or clients that stopped sending keys.
+///
+/// ## A support case: looking a record up
+///
+/// "Was my order placed, and what did you answer?" A record is reached only through its full
+/// scope, the caller's principal together with method, route and key, never by the raw key
+/// alone, so an operator must name whose record it is.
+/// [`Engine::look_up`](crate::Engine::look_up) reads it (and logs that it did, with the key's
+/// digest):
+///
+/// ```
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use axum_idempotency::{Engine, IdempotencyKey, Lookup, Scope, SqliteStore};
+///
+/// # let store = SqliteStore::new(sqlx::SqlitePool::connect("sqlite::memory:").await?);
+/// # store.migrate().await?;
+/// let engine = Engine::new(store); // or `layer.engine()`
+/// let key: IdempotencyKey = "1f0e7c52-8f1d-4d55-a8b3-0c7f6a2b9e41".parse()?;
+/// let scope = Scope::new("alice", "POST", "/orders", key);
+/// match engine.look_up(&scope).await? {
+///     Lookup::Final(response) => println!("answered {}", response.status()),
+///     Lookup::InFlight => println!("still at work"),
+///     Lookup::Absent => println!("never received, expired or forgotten"),
+///     _ => {}
+/// }
+/// # Ok(()) }
+/// # tokio::runtime::Runtime::new().unwrap().block_on(run()).unwrap();
+/// ```
+///
+/// ## Letting a record go
+///
+/// A record that is stuck (leased work whose holder is gone for good) or wrong (an answer that
+/// must not be replayed any more) is let go with [`Engine::forget`](crate::Engine::forget): an
+/// explicit operator action, through the engine, logged at `WARN` with the key's digest, the
+/// method, the route and the reason you give. The next request with the key executes afresh.
+/// Do not delete rows by hand: that bypasses the log and the replay cache.
+///
+/// ```
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// # use axum_idempotency::{Engine, IdempotencyKey, Scope, SqliteStore};
+/// # let store = SqliteStore::new(sqlx::SqlitePool::connect("sqlite::memory:").await?);
+/// # store.migrate().await?;
+/// # let engine = Engine::new(store);
+/// # let key: IdempotencyKey = "1f0e7c52-8f1d-4d55-a8b3-0c7f6a2b9e41".parse()?;
+/// # let scope = Scope::new("alice", "POST", "/orders", key);
+/// let deleted = engine.forget(&scope, "ticket 4711: stored answer was wrong").await?;
+/// # let _ = deleted; Ok(()) }
+/// # tokio::runtime::Runtime::new().unwrap().block_on(run()).unwrap();
+/// ```
+pub mod operations {}
+
+/// # Performance
+///
+/// A new key costs the claim and the response record inside the handler's own transaction,
+/// and nothing more: no read before the claim. A replay is one indexed read and no transaction
+/// when the key is one this instance handled lately (the engine remembers the last few
+/// thousand keys, in 64 KiB, to tell a likely retry from a likely first attempt); a retry that
+/// reaches an instance that has not seen its key lately finds the key taken by its claim and
+/// reads the record in that same transaction, one round trip and a rollback more. Either way
+/// the claim relies only on the table's unique key.
+///
+/// With `.cache_replays(bytes)` a replay this instance has already seen is answered from
+/// memory, with no database read, and a retry that repeats the kept request byte for byte
+/// skips the fingerprint too. A record deleted behind the engine's back is still replayed by
+/// an instance that holds it; [`Engine::forget`](crate::Engine::forget) clears the cache of
+/// the engine it is called on.
+///
+/// Build the pool with `.test_before_acquire(false)` to save sqlx's ping on every checkout.
+///
+/// The repository's `cargo bench --bench http --all-features` measures the layer against a
+/// plain transaction and a hand-written claim; its `BENCHMARKS.md` holds the last results and
+/// the round trips counted per request.
+pub mod performance {}

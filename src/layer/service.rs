@@ -107,7 +107,25 @@ where
         Box::pin(async move {
             Ok(match layer.handle(inner, request).await {
                 Ok(response) => response,
-                Err(rejection) => rejection.into_response(),
+                Err(rejection) => {
+                    // The engine logs every request it saw; these never reached it.
+                    if matches!(
+                        rejection,
+                        Rejection::KeyMissing
+                            | Rejection::KeyInvalid(_)
+                            | Rejection::PrincipalMissing
+                            | Rejection::PrincipalUnavailable
+                            | Rejection::BodyTooLarge { .. }
+                            | Rejection::BodyUnreadable
+                    ) {
+                        tracing::info!(
+                            status = rejection.status().as_u16(),
+                            code = rejection.code(),
+                            "idempotent request rejected before its claim"
+                        );
+                    }
+                    rejection.into_response()
+                }
             })
         })
     }

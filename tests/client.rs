@@ -4,7 +4,7 @@
 //! so the tests count what actually reached it. Timing tests run on a paused tokio clock: the
 //! gaps they measure are the client's waits, not the machine's speed.
 
-mod support;
+mod common;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -15,12 +15,12 @@ use axum_idempotency::client::{
     Attempts, Backoff, ClientKey, ErrorKind, IdempotentRetry, IdempotentRetryLayer,
 };
 use bytes::Bytes;
+use common::lossy::{ORDER, OUT_OF_STOCK, spawn_lossy_proxy, spawn_server};
 use http::{HeaderName, Method, Request, StatusCode};
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use support::{ORDER, OUT_OF_STOCK, spawn_lossy_proxy, spawn_server};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tower::{Layer as _, ServiceExt as _};

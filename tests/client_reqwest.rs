@@ -1,7 +1,7 @@
 //! The reqwest-middleware front door against the same loopback server and lossy proxy as the
 //! tower layer: one policy, so the same behaviour.
 
-mod support;
+mod common;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -10,9 +10,9 @@ use std::time::Duration;
 use axum_idempotency::client::{
     Attempts, Backoff, ClientKey, IdempotentRetryLayer, IdempotentRetryMiddleware,
 };
+use common::lossy::{ORDER, OUT_OF_STOCK, spawn_lossy_proxy, spawn_server};
 use http::StatusCode;
 use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
-use support::{ORDER, OUT_OF_STOCK, spawn_lossy_proxy, spawn_server};
 
 fn client(layer: IdempotentRetryLayer) -> ClientWithMiddleware {
     let layer = layer.backoff(Backoff::exponential(

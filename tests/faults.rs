@@ -7,7 +7,7 @@
 //! machine's shared databases are never stopped. Each test prints what it measured (see it with
 //! `--nocapture`).
 
-mod process;
+mod common;
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -15,9 +15,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use common::process::{Answer, Http, Process};
+use common::unique;
 use http::{Request, StatusCode, header};
 use http_body_util::Full;
-use process::{Answer, Http, Process};
 use serde_json::{Value, json};
 
 // ---------------------------------------------------------------------------------------------
@@ -308,16 +309,6 @@ const POOL: usize = 10;
 
 fn order() -> Value {
     json!({ "sku": "widget", "quantity": 1, "amount": 12.5, "currency": "EUR" })
-}
-
-fn unique(tag: &str) -> String {
-    format!(
-        "{tag}-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    )
 }
 
 async fn start_orders(database_url: &str) -> Process {
@@ -835,7 +826,7 @@ impl SharedSchema {
     async fn postgres() -> Self {
         let base = std::env::var("TEST_POSTGRES_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-        let schema = unique("orders").replace('-', "_");
+        let schema = unique("orders");
         let admin = sqlx::PgPool::connect(&base)
             .await
             .unwrap_or_else(|e| panic!("PostgreSQL at {base} is unreachable: {e}"));
@@ -856,7 +847,7 @@ impl SharedSchema {
         use sqlx::Connection;
         let base = std::env::var("TEST_MYSQL_URL")
             .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
-        let database = unique("orders").replace('-', "_");
+        let database = unique("orders");
         let mut admin = sqlx::MySqlConnection::connect(&base)
             .await
             .unwrap_or_else(|e| panic!("MariaDB/MySQL at {base} is unreachable: {e}"));

@@ -1,7 +1,6 @@
 //! What the logs say about a request: a short digest of the scoped key and the outcome, never
 //! the key itself or a body.
 
-#[allow(dead_code)] // This test uses part of the shared harness.
 mod common;
 
 use std::io::Write;

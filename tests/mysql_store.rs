@@ -4,8 +4,8 @@
 //! Each test creates a database of its own and drops it at the end, so tests run in parallel.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
@@ -19,7 +19,6 @@ use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::{Connection, MySql};
 use tower::ServiceExt;
 
-#[allow(dead_code)] // This suite uses part of the shared harness.
 mod common;
 
 use common::{App, Backend, Db, Reply, second_instance, serve, unique};
@@ -34,16 +33,7 @@ struct TestDb {
 
 impl TestDb {
     async fn create() -> Self {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .subsec_nanos();
-        let name = format!(
-            "idem_{}_{nanos}_{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        );
+        let name = common::unique("idem");
         let mut admin = sqlx::MySqlConnection::connect(&format!("{SERVER}/test"))
             .await
             .expect("MariaDB must be reachable at 127.0.0.1:3306");

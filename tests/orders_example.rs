@@ -1,11 +1,11 @@
 //! The `orders` example as a real process, on SQLite and on PostgreSQL.
 
-mod process;
+mod common;
 
 use bytes::Bytes;
+use common::process::{Answer, Http, Process};
 use http::{Request, StatusCode};
 use http_body_util::Full;
-use process::{Answer, Http, Process};
 use serde_json::{Value, json};
 
 struct Orders {
@@ -69,13 +69,7 @@ fn order(sku: &str, quantity: i64) -> Value {
 }
 
 fn key(name: &str) -> String {
-    format!(
-        "{name}-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    )
+    common::unique(name)
 }
 
 async fn the_contract_holds(orders: Orders) {
@@ -206,13 +200,7 @@ async fn orders_example_replays_out_of_stock_on_sqlite() {
 async fn postgres_url() -> String {
     let base = std::env::var("TEST_POSTGRES_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let schema = format!(
-        "orders_{}_{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    );
+    let schema = common::unique("orders");
     let admin = sqlx::PgPool::connect(&base)
         .await
         .unwrap_or_else(|e| panic!("PostgreSQL at {base} is unreachable: {e}"));
@@ -240,13 +228,7 @@ async fn mysql_url() -> String {
     use sqlx::Connection;
     let base = std::env::var("TEST_MYSQL_URL")
         .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
-    let database = format!(
-        "orders_{}_{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    );
+    let database = common::unique("orders");
     let mut admin = sqlx::MySqlConnection::connect(&base)
         .await
         .unwrap_or_else(|e| panic!("MariaDB/MySQL at {base} is unreachable: {e}"));

@@ -14,6 +14,8 @@ use axum_idempotency::outbox::{
 use sqlx::Pool;
 use tokio::sync::Notify;
 
+mod common;
+
 mod databases {
     use std::str::FromStr;
 
@@ -21,21 +23,8 @@ mod databases {
     use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool};
 
     fn unique_name() -> String {
-        format!("outbox_{:016x}", unique_suffix())
+        crate::common::unique("outbox")
     }
-
-    // Tests must not share schemas; the nanosecond clock mixed with the pid is unique enough
-    // within one run and needs no extra dependency.
-    fn unique_suffix() -> u64 {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
-        let counter = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        nanos ^ (u64::from(std::process::id()) << 40) ^ counter.wrapping_mul(0x9e37_79b9_7f4a_7c15)
-    }
-
-    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
     pub(crate) struct SqliteDb {
         pub(crate) pool: SqlitePool,

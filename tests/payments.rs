@@ -2,14 +2,14 @@
 //!
 //! Build the binaries first: `cargo build --examples --features outbox,postgres`.
 
-mod process;
+mod common;
 
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::process::{Answer, Http, Process};
 use http::{Request, StatusCode};
 use http_body_util::Full;
-use process::{Answer, Http, Process};
 use serde_json::{Value, json};
 
 impl Http {

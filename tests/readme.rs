@@ -7,12 +7,12 @@
 //! ```` ```text ```` block after it holding the answer as `curl -si` prints it (headers
 //! abridged to those shown). In an expected JSON body, the string `"<any>"` matches any value.
 
-mod process;
+mod common;
 
 use bytes::Bytes;
+use common::process::{Http, Process};
 use http::{HeaderName, Request};
 use http_body_util::Full;
-use process::{Http, Process};
 use serde_json::Value;
 
 const README: &str = include_str!("../README.md");

@@ -1,7 +1,5 @@
 //! Examples run as real processes on loopback, and an HTTP client to talk to them.
 
-#![allow(dead_code, unreachable_pub)]
-
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;

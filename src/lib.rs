@@ -95,6 +95,12 @@
 //! cases, letting a record go) and performance.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
+// The server half without a database (`server` or `outbox` alone) has nothing to keep records
+// in: it only has to compile, and the storage code it carries is unused there.
+#![cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
 
 #[cfg(any(feature = "client", feature = "outbox"))]
 mod backoff;
@@ -116,6 +122,8 @@ pub mod key;
 mod key_syntax;
 #[cfg(feature = "server")]
 pub mod layer;
+#[cfg(feature = "server")]
+mod migrate;
 #[cfg(feature = "outbox")]
 pub mod outbox;
 #[cfg(feature = "server")]

@@ -8,13 +8,13 @@ use std::time::Duration;
 use sqlx::SqlSafeStr;
 use sqlx::error::DatabaseError;
 use sqlx::{
-    ColumnIndex, Connection, Database, Decode, Encode, Executor, IntoArguments, Pool, Row,
-    Transaction, Type,
+    ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Transaction, Type,
 };
 
 use super::protocol::{LeaseClaim, NewRecord, Opened, Protocol};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
+use crate::migrate;
 use crate::record::{Millis, Record, RecordState, StoredResponse};
 use crate::scope::ScopedKey;
 
@@ -179,60 +179,6 @@ fn classify<DB: Dialect>(error: sqlx::Error) -> Error {
     }
 }
 
-/// Applies the migrations newer than the recorded version, on one connection.
-async fn apply_migrations<DB>(conn: &mut DB::Connection) -> Result<(), Error>
-where
-    DB: Dialect,
-    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
-    DB::Arguments: IntoArguments<DB>,
-    usize: ColumnIndex<DB::Row>,
-    i64: for<'q> Encode<'q, DB> + Type<DB>,
-    Option<i64>: for<'r> Decode<'r, DB> + Type<DB>,
-{
-    // Wrapped: a bare `&'static str` here makes the future fail `Send` checks once spawned.
-    let mut tx = conn
-        .begin_with(sqlx::AssertSqlSafe(DB::MIGRATION_BEGIN))
-        .await?;
-    if let Some(lock) = DB::MIGRATION_LOCK {
-        let granted = sqlx::query(lock).fetch_optional(&mut *tx).await?;
-        if granted
-            .as_ref()
-            .is_some_and(|row| !DB::migration_locked(row))
-        {
-            return Err(Error::Migration(
-                "the lock that serialises migrators was not granted".into(),
-            ));
-        }
-    }
-    sqlx::raw_sql(
-        "CREATE TABLE IF NOT EXISTS idempotency_schema_versions (\
-         version BIGINT PRIMARY KEY, applied_at BIGINT NOT NULL)",
-    )
-    .execute(&mut *tx)
-    .await?;
-    let current: Option<i64> = sqlx::query("SELECT MAX(version) FROM idempotency_schema_versions")
-        .fetch_one(&mut *tx)
-        .await?
-        .try_get(0)?;
-    let current = current.unwrap_or(0);
-    for &(version, script) in DB::MIGRATIONS {
-        if version <= current {
-            continue;
-        }
-        sqlx::raw_sql(script)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| Error::Migration(format!("version {version}: {e}")))?;
-        sqlx::query(DB::MIGRATION_RECORD)
-            .bind(version)
-            .bind(Millis::now().column())
-            .execute(&mut *tx)
-            .await?;
-    }
-    tx.commit().await?;
-    Ok(())
-}
-
 impl<DB> Protocol for SqlStore<DB>
 where
     DB: Dialect,
@@ -255,17 +201,26 @@ where
     }
 
     async fn migrate(&self) -> Result<(), Error> {
-        let mut conn = self.pool.acquire().await?;
-        let applied = apply_migrations::<DB>(&mut conn).await;
-        if let Some(unlock) = DB::MIGRATION_UNLOCK
-            && let Err(error) = sqlx::raw_sql(unlock).execute(&mut *conn).await
-        {
-            // The session may still hold the lock; ending it releases the lock, pooling it would not.
-            conn.close_on_drop();
-            applied?;
-            return Err(error.into());
-        }
-        applied
+        let schema = migrate::Schema {
+            versions_table: "idempotency_schema_versions",
+            scripts: DB::MIGRATIONS,
+            begin: DB::MIGRATION_BEGIN,
+            lock: DB::MIGRATION_LOCK,
+            unlock: DB::MIGRATION_UNLOCK,
+            lock_granted: DB::migration_locked,
+            record: DB::MIGRATION_RECORD,
+        };
+        migrate::apply(&self.pool, &schema)
+            .await
+            .map_err(|failure| match failure {
+                migrate::Failure::Sql(error) => Error::Database(error),
+                migrate::Failure::Script { version, source } => {
+                    Error::Migration(format!("version {version}: {source}"))
+                }
+                migrate::Failure::LockRefused => {
+                    Error::Migration("the lock that serialises migrators was not granted".into())
+                }
+            })
     }
 
     async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, Error> {

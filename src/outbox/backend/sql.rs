@@ -1,10 +1,11 @@
 //! The outbox's queries, run once for every backend: the binds, the execution and the row
 //! decoding, with only the SQL text and the claim and id strategies taken from the dialect.
 
-use sqlx::{ColumnIndex, Connection, Decode, Encode, Executor, IntoArguments, Pool, Row, Type};
+use sqlx::{ColumnIndex, Decode, Encode, Executor, IntoArguments, Pool, Row, Type};
 
 use super::private::{Claim, ClaimSql, Dialect, NewId, Ops, Settlement};
-use crate::outbox::status::{from_millis, now_millis};
+use crate::migrate;
+use crate::outbox::status::from_millis;
 use crate::outbox::{DownstreamKey, Message, MessageId, OutboxRecord, Status};
 
 impl<DB> Ops for DB
@@ -24,19 +25,26 @@ where
     for<'a> Option<&'a str>: Encode<'a, DB> + Type<DB>,
 {
     async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
-        // One connection throughout: a session lock is released by the session that took it.
-        let mut conn = pool.acquire().await?;
-        let applied = apply_migrations::<DB>(&mut conn).await;
-        if let Some(unlock) = DB::MIGRATION_UNLOCK
-            && let Err(error) = sqlx::raw_sql(unlock).execute(&mut *conn).await
-        {
-            // The session may still hold the lock; closing it releases the lock, pooling it
-            // would keep it held.
-            conn.close_on_drop();
-            applied?;
-            return Err(error);
-        }
-        applied
+        let schema = migrate::Schema {
+            // Apart from the records' versions, so the two schemas evolve independently.
+            versions_table: "idempotency_outbox_schema_versions",
+            scripts: DB::MIGRATIONS,
+            begin: DB::MIGRATION_BEGIN,
+            lock: DB::MIGRATION_LOCK,
+            unlock: DB::MIGRATION_UNLOCK,
+            lock_granted: DB::migration_locked,
+            record: DB::MIGRATION_RECORD,
+        };
+        migrate::apply(pool, &schema)
+            .await
+            .map_err(|failure| match failure {
+                migrate::Failure::Sql(error) | migrate::Failure::Script { source: error, .. } => {
+                    error
+                }
+                migrate::Failure::LockRefused => sqlx::Error::Protocol(
+                    "the lock that serialises outbox migrations was not granted".into(),
+                ),
+            })
     }
 
     async fn insert(
@@ -169,59 +177,6 @@ where
             .await?;
         Ok(DB::rows_affected(&done) == 1)
     }
-}
-
-/// Applies the outbox's schema versions newer than the recorded one, in one transaction where
-/// the database allows DDL in one. Versions live in their own table, apart from the records'
-/// versions, so the two schemas evolve independently.
-async fn apply_migrations<DB>(conn: &mut DB::Connection) -> Result<(), sqlx::Error>
-where
-    DB: Dialect,
-    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
-    DB::Arguments: IntoArguments<DB>,
-    usize: ColumnIndex<DB::Row>,
-    i64: for<'q> Encode<'q, DB> + Type<DB>,
-    Option<i64>: for<'r> Decode<'r, DB> + Type<DB>,
-{
-    // Wrapped: a bare `&'static str` here makes the future fail `Send` checks once spawned.
-    let mut tx = conn
-        .begin_with(sqlx::AssertSqlSafe(DB::MIGRATION_BEGIN))
-        .await?;
-    if let Some(lock) = DB::MIGRATION_LOCK {
-        let granted = sqlx::query(lock).fetch_optional(&mut *tx).await?;
-        if granted
-            .as_ref()
-            .is_some_and(|row| !DB::migration_locked(row))
-        {
-            return Err(sqlx::Error::Protocol(
-                "the lock that serialises outbox migrations was not granted".into(),
-            ));
-        }
-    }
-    sqlx::raw_sql(
-        "CREATE TABLE IF NOT EXISTS idempotency_outbox_schema_versions (\
-         version BIGINT PRIMARY KEY, applied_at BIGINT NOT NULL)",
-    )
-    .execute(&mut *tx)
-    .await?;
-    let current: Option<i64> =
-        sqlx::query("SELECT MAX(version) FROM idempotency_outbox_schema_versions")
-            .fetch_one(&mut *tx)
-            .await?
-            .try_get(0)?;
-    let current = current.unwrap_or(0);
-    for &(version, script) in DB::MIGRATIONS {
-        if version <= current {
-            continue;
-        }
-        sqlx::raw_sql(script).execute(&mut *tx).await?;
-        sqlx::query(DB::MIGRATION_RECORD)
-            .bind(version)
-            .bind(now_millis())
-            .execute(&mut *tx)
-            .await?;
-    }
-    tx.commit().await
 }
 
 /// Every backend selects the same columns under the same names, so one decoder serves them all.

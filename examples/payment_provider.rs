@@ -15,13 +15,15 @@
 //! `PROVIDER_IDEMPOTENCY=off` makes it a provider without idempotency: every POST charges anew
 //! (the key is only kept as a reference the lookup can find).
 //!
-//! Faults, drawn at random for each new charge (env) or forced for one request (header):
+//! Faults, drawn at random for each new charge (env) or forced for one request (header). A
+//! `*_RATE` is a probability per new charge, from `0` (never) to `1` (every charge): `0.2` hits
+//! one charge in five on average.
 //!
 //! | env | header | effect |
 //! |---|---|---|
-//! | `FAULT_LATENCY_MS`, `FAULT_LATENCY_RATE` (default 1) | `X-Fault-Latency-Ms: N` | answer N ms later |
-//! | `FAULT_503_RATE`, `FAULT_RETRY_AFTER` (s, default 1) | `X-Fault: 503` | 503 with `Retry-After`, no charge |
-//! | `FAULT_DROP_RATE` | `X-Fault: drop` | charge, then drop the connection unanswered |
+//! | `FAULT_LATENCY_MS` (ms, default 0), `FAULT_LATENCY_RATE` (default 1) | `X-Fault-Latency-Ms: N` | answer N ms later |
+//! | `FAULT_503_RATE` (default 0), `FAULT_RETRY_AFTER` (s, default 1) | `X-Fault: 503` | 503 with `Retry-After`, no charge |
+//! | `FAULT_DROP_RATE` (default 0) | `X-Fault: drop` | charge, then drop the connection unanswered |
 //!
 //! A repeated key that finds its charge is always answered, so a resend recovers from a drop.
 

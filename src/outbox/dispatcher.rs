@@ -202,6 +202,14 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
             let now = now_millis();
             match found {
                 Some(LookupOutcome::Found { receipt }) => {
+                    // An earlier attempt's outcome was unknown; the downstream has it, so the
+                    // effect happened once and nothing is resent.
+                    tracing::info!(
+                        id = record.id.get(),
+                        topic = %record.topic,
+                        attempts = record.attempts,
+                        "outbox message found delivered by a lookup; not resent"
+                    );
                     return self.settle(&record, token, delivered(receipt, now)).await;
                 }
                 Some(LookupOutcome::NotFound) => {

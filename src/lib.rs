@@ -69,7 +69,8 @@
 //! [`store`] keeps records in SQL, [`engine`] runs claim → execute → record for HTTP and jobs
 //! alike, [`layer`] adapts it to tower, [`tx`] is the transaction extractor, [`error`] the
 //! rejections. Behind features: `outbox` (external side effects sent after commit with a stable
-//! downstream key) and `client` (the caller's half: one key per logical call, reused on every
+//! downstream key), `inbox` (message consumers that apply each business key once, acking
+//! after the commit) and `client` (the caller's half: one key per logical call, reused on every
 //! retry).
 //!
 //! | feature | what it adds |
@@ -80,6 +81,9 @@
 //! | `outbox` | the `outbox` module: `Outbox`, `Dispatcher`, `Sender` |
 //! | `client` | the `client` module: `IdempotentRetryLayer` for tower HTTP clients |
 //! | `reqwest` | `client::IdempotentRetryMiddleware` for `reqwest-middleware` |
+//! | `inbox` | the `inbox` module: `Inbox`, a consumer that dedupes deliveries by business key |
+//! | `rabbitmq` | `inbox` + `inbox::rabbitmq::RabbitMqConsumer` (lapin); with `outbox`, `outbox::RabbitMqSender` |
+//! | `nats` | `inbox` + `inbox::nats::NatsConsumer` (async-nats JetStream); with `outbox`, `outbox::NatsSender` |
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -89,6 +93,8 @@ pub mod client;
 pub mod engine;
 pub mod error;
 pub mod fingerprint;
+#[cfg(feature = "inbox")]
+pub mod inbox;
 pub mod key;
 pub mod layer;
 #[cfg(feature = "outbox")]

@@ -61,6 +61,17 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Brokers
+//!
+//! With the `rabbitmq` or `nats` feature, `RabbitMqSender` and `NatsSender` publish messages
+//! to a broker (an event per committed business change), the downstream key as the broker's
+//! message id (`message_id`, `Nats-Msg-Id`); the `inbox` module is their consumer side.
+//!
+//! # Operators
+//!
+//! [`Outbox::requeue`] puts a failed message back once its cause is fixed, and
+//! [`Outbox::purge_delivered`] deletes delivered rows past a retention in bounded batches.
+//!
 //! # Backends
 //!
 //! SQLite, PostgreSQL and MySQL/MariaDB (10.6+), each behind its cargo feature, share one table
@@ -71,6 +82,8 @@
 
 mod backend;
 mod backoff;
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+mod broker;
 mod dispatcher;
 mod error;
 mod message;
@@ -79,6 +92,10 @@ mod status;
 mod store;
 
 pub use backend::Backend;
+#[cfg(feature = "nats")]
+pub use broker::NatsSender;
+#[cfg(feature = "rabbitmq")]
+pub use broker::RabbitMqSender;
 pub use dispatcher::{DispatchWaker, Dispatcher};
 pub use error::OutboxError;
 pub use message::{DownstreamKey, InvalidDownstreamKey, Message};

@@ -3,6 +3,8 @@
 //! SQLite file by default; `DATABASE_URL=postgres://…` (built with `--features postgres`) or
 //! `mysql://…` (`--features mysql`) switches the backend. `BIND` sets the address (default
 //! 127.0.0.1:3000), `IDEMPOTENCY_TTL_SECS` the retention of keys (default 24 h).
+//! `BROKER_URL=amqp://…` (`--features rabbitmq`) or `nats://…` (`--features nats`) also
+//! consumes payment events and applies each payment once (see `consumer.rs`).
 //!
 //! ```text
 //! curl -i -X POST localhost:3000/orders -H 'authorization: Bearer alice-token' \
@@ -10,6 +12,7 @@
 //!   -d '{"sku":"widget","quantity":2,"amount":12.5,"currency":"EUR"}'
 //! ```
 
+mod consumer;
 mod db;
 
 use std::borrow::Cow;
@@ -40,6 +43,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Err(_) => Duration::from_secs(24 * 3600),
     };
 
+    let broker = std::env::var("BROKER_URL")
+        .ok()
+        .filter(|url| !url.is_empty());
+    let broker = broker.as_deref();
     let app = match url.split(':').next().unwrap_or_default() {
         "sqlite" => {
             use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
@@ -47,12 +54,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .parse::<SqliteConnectOptions>()?
                 .create_if_missing(true)
                 .journal_mode(SqliteJournalMode::Wal);
-            app(sqlx::SqlitePool::connect_with(options).await?, ttl).await?
+            app(sqlx::SqlitePool::connect_with(options).await?, ttl, broker).await?
         }
         #[cfg(feature = "postgres")]
-        "postgres" | "postgresql" => app(sqlx::PgPool::connect(&url).await?, ttl).await?,
+        "postgres" | "postgresql" => app(sqlx::PgPool::connect(&url).await?, ttl, broker).await?,
         #[cfg(feature = "mysql")]
-        "mysql" | "mariadb" => app(sqlx::MySqlPool::connect(&url).await?, ttl).await?,
+        "mysql" | "mariadb" => app(sqlx::MySqlPool::connect(&url).await?, ttl, broker).await?,
         other => {
             return Err(
                 format!("DATABASE_URL scheme {other:?} is not built in (see --features)").into(),
@@ -77,6 +84,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 async fn app<DB: OrdersDb>(
     pool: Pool<DB>,
     ttl: Duration,
+    broker: Option<&str>,
 ) -> Result<Router, Box<dyn std::error::Error>>
 where
     SqlStore<DB>: Store<Database = DB>,
@@ -85,6 +93,10 @@ where
     let store = SqlStore::new(pool.clone());
     store.migrate().await?;
     store.spawn_purger(Duration::from_secs(60));
+    if let Some(broker) = broker {
+        // The consumer claims payment ids in the same store as the HTTP keys: one claim path.
+        consumer::spawn(store.clone(), broker).await?;
+    }
     let state = AppState { pool };
 
     // Keys are scoped to the user the bearer token proves, never to a header the client asserts.

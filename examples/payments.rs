@@ -629,6 +629,10 @@ enum Broker {
 impl Broker {
     async fn connect(url: &str) -> Result<Self, Box<dyn std::error::Error>> {
         let namespace = std::env::var("BROKER_NAMESPACE").unwrap_or_default();
+        #[cfg_attr(
+            not(any(feature = "rabbitmq", feature = "nats")),
+            allow(unused_variables)
+        )]
         let dotted = |name: &str| match namespace.as_str() {
             "" => name.to_owned(),
             ns => format!("{ns}.{name}"),

@@ -68,6 +68,7 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
 }
 
 /// A broker name in the test namespace, if any: `t1.payments`.
+#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
 fn dotted(name: &str) -> String {
     match std::env::var("BROKER_NAMESPACE") {
         Ok(ns) if !ns.is_empty() => format!("{ns}.{name}"),
@@ -76,6 +77,7 @@ fn dotted(name: &str) -> String {
 }
 
 /// A stream name in the test namespace, if any: `T1_PAYMENTS`.
+#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
 fn upper(name: &str) -> String {
     match std::env::var("BROKER_NAMESPACE") {
         Ok(ns) if !ns.is_empty() => format!("{}_{name}", ns.to_uppercase()),
@@ -146,7 +148,7 @@ where
         Ok(())
     };
     let concurrency: u16 = env_or("ORDERS_CONSUMER_CONCURRENCY", 4);
-    match broker_url.split(':').next().unwrap_or_default() {
+    let started: Result<(), String> = match broker_url.split(':').next().unwrap_or_default() {
         #[cfg(feature = "rabbitmq")]
         "amqp" | "amqps" => {
             use axum_idempotency::inbox::rabbitmq::RabbitMqConsumer;
@@ -165,6 +167,7 @@ where
                 tracing::error!(?ended, "the payment consumer stopped");
                 std::process::exit(1);
             });
+            Ok(())
         }
         #[cfg(feature = "nats")]
         "nats" => {
@@ -190,15 +193,16 @@ where
                 tracing::error!(?ended, "the payment consumer stopped");
                 std::process::exit(1);
             });
+            Ok(())
         }
         other => {
             let _ = (inbox, handler, concurrency);
-            return Err(format!(
+            Err(format!(
                 "BROKER_URL scheme {other:?} is not built in (features rabbitmq, nats)"
-            )
-            .into());
+            ))
         }
-    }
+    };
+    started?;
     // The URL may carry credentials: only its scheme is printed.
     let scheme = broker_url.split(':').next().unwrap_or_default();
     println!("orders consuming payment events ({scheme})");

@@ -134,6 +134,7 @@ pub(crate) trait OrdersDb: Backend {
     ) -> impl Future<Output = sqlx::Result<i64>> + Send + 'a;
     /// Appends a payment to an order and marks it paid once covered; `false` when the order
     /// does not exist. Runs in the consumer's transaction, next to the inbox's claim.
+    #[cfg_attr(not(feature = "inbox"), allow(dead_code))]
     fn apply_payment<'a>(
         conn: &'a mut Conn<Self>,
         order_id: i64,

@@ -12,6 +12,7 @@
 //!   -d '{"sku":"widget","quantity":2,"amount":12.5,"currency":"EUR"}'
 //! ```
 
+#[cfg(feature = "inbox")]
 mod consumer;
 mod db;
 
@@ -95,7 +96,14 @@ where
     store.spawn_purger(Duration::from_secs(60));
     if let Some(broker) = broker {
         // The consumer claims payment ids in the same store as the HTTP keys: one claim path.
+        #[cfg(feature = "inbox")]
         consumer::spawn(store.clone(), broker).await?;
+        #[cfg(not(feature = "inbox"))]
+        return Err(format!(
+            "BROKER_URL ({} bytes) needs --features rabbitmq or nats",
+            broker.len()
+        )
+        .into());
     }
     let state = AppState { pool };
 

@@ -447,6 +447,7 @@ impl<S: Store> Inbox<S> {
 
     /// [`handle`](Self::handle) for an operator's replay of a dead letter: one attempt, the
     /// attempt count ignored; any failure keeps it dead.
+    #[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
     pub(crate) async fn replay<F, Fut>(&self, delivery: Delivery, handler: F) -> Verdict
     where
         F: FnOnce(Tx<S::Database>, Delivery) -> Fut + Send + 'static,

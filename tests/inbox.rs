@@ -80,6 +80,28 @@ impl TestDb for sqlx::Postgres {
     }
 }
 
+#[cfg(feature = "mysql")]
+impl TestDb for sqlx::MySql {
+    const CREATE: &'static str = "CREATE TABLE effects (payment_id VARCHAR(255) NOT NULL)";
+    const INSERT: &'static str = "INSERT INTO effects (payment_id) VALUES (?)";
+    async fn pool() -> Pool<Self> {
+        let base = std::env::var("TEST_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        let admin = sqlx::MySqlPool::connect(&base)
+            .await
+            .expect("MariaDB must be reachable");
+        let database = unique("idem_");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+            .execute(&admin)
+            .await
+            .unwrap();
+        let server = base.rsplit_once('/').map_or(base.as_str(), |(s, _)| s);
+        sqlx::MySqlPool::connect(&format!("{server}/{database}"))
+            .await
+            .unwrap()
+    }
+}
+
 async fn setup<DB: TestDb>() -> (Pool<DB>, SqlStore<DB>)
 where
     SqlStore<DB>: Store<Database = DB>,
@@ -427,4 +449,28 @@ async fn rabbitmq_postgres_poison_is_dead_lettered_then_replayed_once() {
 #[tokio::test]
 async fn nats_postgres_poison_is_dead_lettered_then_replayed_once() {
     poison_is_dead_lettered_then_replayed_once::<sqlx::Postgres>(Kind::Nats).await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn mariadb_a_handler_that_writes_then_fails_leaves_no_row_and_no_record() {
+    a_handler_that_writes_then_fails_leaves_no_row_and_no_record::<sqlx::MySql>().await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn mariadb_two_deliveries_of_one_key_at_once_apply_once() {
+    two_deliveries_of_one_key_at_once_apply_once::<sqlx::MySql>().await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn rabbitmq_mariadb_poison_is_dead_lettered_then_replayed_once() {
+    poison_is_dead_lettered_then_replayed_once::<sqlx::MySql>(Kind::RabbitMq).await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn nats_mariadb_poison_is_dead_lettered_then_replayed_once() {
+    poison_is_dead_lettered_then_replayed_once::<sqlx::MySql>(Kind::Nats).await;
 }

@@ -244,6 +244,8 @@ enum Db {
     Sqlite,
     #[cfg(feature = "postgres")]
     Postgres,
+    #[cfg(feature = "mysql")]
+    MariaDb,
 }
 
 impl Database {
@@ -271,6 +273,28 @@ impl Database {
                     .await
                     .unwrap();
                 format!("{base}?options=-c%20search_path%3D{schema}")
+            }
+            #[cfg(feature = "mysql")]
+            Db::MariaDb => {
+                let base = std::env::var("TEST_MYSQL_URL")
+                    .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+                let database = format!(
+                    "orders_{}_{}",
+                    std::process::id(),
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .unwrap()
+                        .as_nanos()
+                );
+                let pool = sqlx::MySqlPool::connect(&base)
+                    .await
+                    .expect("MariaDB must be reachable");
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+                    .execute(&pool)
+                    .await
+                    .unwrap();
+                let server = base.rsplit_once('/').map_or(base.as_str(), |(s, _)| s);
+                format!("{server}/{database}")
             }
         };
         Self { url, _dir: dir }
@@ -659,4 +683,15 @@ on_each! { killed_between_commit_and_ack_skips_the_redelivery:
 on_each! { two_consumers_under_a_redelivery_storm_apply_each_payment_once:
     rabbitmq_postgres_two_consumers_under_a_redelivery_storm_apply_each_payment_once => (Kind::RabbitMq, Db::Postgres, 300);
     nats_postgres_two_consumers_under_a_redelivery_storm_apply_each_payment_once => (Kind::Nats, Db::Postgres, 300);
+}
+
+#[cfg(feature = "mysql")]
+on_each! { one_payment_applies_once_whatever_its_message_ids:
+    rabbitmq_mariadb_one_payment_applies_once_whatever_its_message_ids => (Kind::RabbitMq, Db::MariaDb);
+    nats_mariadb_one_payment_applies_once_whatever_its_message_ids => (Kind::Nats, Db::MariaDb);
+}
+#[cfg(feature = "mysql")]
+on_each! { killed_between_commit_and_ack_skips_the_redelivery:
+    rabbitmq_mariadb_killed_between_commit_and_ack_skips_the_redelivery => (Kind::RabbitMq, Db::MariaDb);
+    nats_mariadb_killed_between_commit_and_ack_skips_the_redelivery => (Kind::Nats, Db::MariaDb);
 }

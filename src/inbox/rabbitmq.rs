@@ -379,9 +379,14 @@ impl<S: Store> RabbitMqConsumer<S> {
                     report.duplicates += 1;
                     delivery.acker.ack(BasicAckOptions::default()).await?;
                 }
-                Verdict::Retry { .. } | Verdict::Dead { .. } => {
+                verdict @ (Verdict::Retry { .. } | Verdict::Dead { .. }) => {
                     report.still_dead += 1;
-                    let properties = delivery.properties.clone();
+                    let mut properties = delivery.properties.clone();
+                    if let Verdict::Dead { reason } = verdict {
+                        let mut headers = properties.headers().clone().unwrap_or_default();
+                        headers.insert(REASON.into(), long_string(&reason));
+                        properties = properties.with_headers(headers);
+                    }
                     self.forward(&channel, &delivery, &dead, properties).await?;
                 }
             }

@@ -245,7 +245,7 @@ enum Db {
     #[cfg(feature = "postgres")]
     Postgres,
     #[cfg(feature = "mysql")]
-    MariaDb,
+    Mariadb,
 }
 
 impl Database {
@@ -275,7 +275,7 @@ impl Database {
                 format!("{base}?options=-c%20search_path%3D{schema}")
             }
             #[cfg(feature = "mysql")]
-            Db::MariaDb => {
+            Db::Mariadb => {
                 let base = std::env::var("TEST_MYSQL_URL")
                     .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
                 let database = format!(
@@ -687,11 +687,11 @@ on_each! { two_consumers_under_a_redelivery_storm_apply_each_payment_once:
 
 #[cfg(feature = "mysql")]
 on_each! { one_payment_applies_once_whatever_its_message_ids:
-    rabbitmq_mariadb_one_payment_applies_once_whatever_its_message_ids => (Kind::RabbitMq, Db::MariaDb);
-    nats_mariadb_one_payment_applies_once_whatever_its_message_ids => (Kind::Nats, Db::MariaDb);
+    rabbitmq_mariadb_one_payment_applies_once_whatever_its_message_ids => (Kind::RabbitMq, Db::Mariadb);
+    nats_mariadb_one_payment_applies_once_whatever_its_message_ids => (Kind::Nats, Db::Mariadb);
 }
 #[cfg(feature = "mysql")]
 on_each! { killed_between_commit_and_ack_skips_the_redelivery:
-    rabbitmq_mariadb_killed_between_commit_and_ack_skips_the_redelivery => (Kind::RabbitMq, Db::MariaDb);
-    nats_mariadb_killed_between_commit_and_ack_skips_the_redelivery => (Kind::Nats, Db::MariaDb);
+    rabbitmq_mariadb_killed_between_commit_and_ack_skips_the_redelivery => (Kind::RabbitMq, Db::Mariadb);
+    nats_mariadb_killed_between_commit_and_ack_skips_the_redelivery => (Kind::Nats, Db::Mariadb);
 }

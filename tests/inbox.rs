@@ -474,3 +474,39 @@ async fn rabbitmq_mariadb_poison_is_dead_lettered_then_replayed_once() {
 async fn nats_mariadb_poison_is_dead_lettered_then_replayed_once() {
     poison_is_dead_lettered_then_replayed_once::<sqlx::MySql>(Kind::Nats).await;
 }
+
+/// With a finite retention, an expired dedupe record is purged in batches and the key is a
+/// new intent again (which is why the default keeps records).
+#[tokio::test]
+async fn sqlite_expired_dedupe_records_are_purged_in_batches() {
+    let (pool, store) = setup::<sqlx::Sqlite>().await;
+    let inbox = Inbox::new("orders", store)
+        .key_by(by_payload)
+        .retention(Duration::from_millis(1));
+    let apply = |mut tx: Tx<sqlx::Sqlite>, delivery: Delivery| async move {
+        sqlx::query(<sqlx::Sqlite as TestDb>::INSERT)
+            .bind(by_payload(&delivery)?)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| Failure::retryable(e.to_string()))?;
+        Ok(())
+    };
+    for key in ["p-1", "p-2", "p-3"] {
+        assert_eq!(
+            inbox.handle(Delivery::new(key), apply).await,
+            Verdict::Applied
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(inbox.purge_expired(2).await.unwrap(), 2);
+    assert_eq!(inbox.purge_expired(2).await.unwrap(), 1);
+    assert_eq!(inbox.purge_expired(2).await.unwrap(), 0);
+    assert_eq!(
+        count(&pool, "SELECT COUNT(*) FROM idempotency_records").await,
+        0
+    );
+    assert_eq!(
+        inbox.handle(Delivery::new("p-1"), apply).await,
+        Verdict::Applied
+    );
+}

@@ -6,13 +6,18 @@
 //! An unreachable broker fails the test.
 
 mod process;
+// Only its lossy proxy is used here.
+#[allow(dead_code)]
+mod support;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream;
+use axum_idempotency::client::{Backoff, IdempotentRetryLayer};
 use bytes::Bytes;
 use http::{Request, StatusCode};
+use http_body_util::BodyExt as _;
 use http_body_util::Full;
 use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeclareOptions,
@@ -22,6 +27,7 @@ use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection};
 use process::{Http, Process};
 use serde_json::{Value, json};
+use tower::{Layer as _, ServiceExt as _};
 
 const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 const NATS: &str = "nats://127.0.0.1:4222";
@@ -591,27 +597,43 @@ async fn the_chain_charges_once_and_applies_the_payment_once(kind: Kind) {
     )
     .await;
     let orders = orders(&orders_db, &broker, &[]).await;
-    let order_id = place_order(&http, &orders, &format!("{}-order", broker.ns), 12.5).await;
+    let order_id = place_order(&http, &orders, &format!("{}-order", broker.ns), 37.5).await;
 
-    // The client retries the same intent with the same key; only one payment exists.
-    let pay = || {
-        Request::post(format!("{}/payments", payments.url))
+    // Three payments through a proxy that loses half the answers after forwarding the
+    // request; the client layer retries each with the key it made for it.
+    let upstream: std::net::SocketAddr =
+        payments.url.trim_start_matches("http://").parse().unwrap();
+    let (proxy, dropped) = support::spawn_lossy_proxy(upstream, 50).await;
+    let client = IdempotentRetryLayer::new()
+        .max_attempts(12)
+        .backoff(Backoff::exponential(
+            Duration::from_millis(10),
+            Duration::from_millis(100),
+        ))
+        .layer(
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http::<Full<Bytes>>(),
+        );
+    let mut created = Vec::new();
+    for _ in 0..3 {
+        let request = Request::post(format!("http://{proxy}/payments"))
             .header("authorization", "Bearer alice-token")
-            .header("idempotency-key", format!("{}-pay", broker.ns))
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from(
                 json!({ "order_id": order_id, "amount": 12.5, "currency": "EUR", "payee": "acme" })
                     .to_string(),
             )))
-            .unwrap()
-    };
-    let first = http.call(pay()).await;
-    assert_eq!(first.status, StatusCode::ACCEPTED);
-    for _ in 0..2 {
-        let retry = http.call(pay()).await;
-        assert_eq!(retry.body, first.body);
+            .unwrap();
+        let response = client.clone().oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::ACCEPTED);
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        created.push(body["id"].as_i64().unwrap().to_string());
     }
-    let payment_id = first.json()["id"].as_i64().unwrap().to_string();
+    assert!(
+        dropped.load(Ordering::Relaxed) >= 1,
+        "the proxy should have lost answers"
+    );
 
     eventually(Duration::from_secs(40), "the order is paid", || async {
         order(&http, &orders, order_id).await["status"] == "paid"
@@ -619,11 +641,18 @@ async fn the_chain_charges_once_and_applies_the_payment_once(kind: Kind) {
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let paid = order(&http, &orders, order_id).await;
-    assert_eq!(
-        paid["payments"],
-        json!([{ "payment_id": payment_id, "amount": 12.5 }])
+    let mut applied = payment_ids(&paid);
+    applied.sort();
+    created.sort();
+    assert_eq!(applied, created, "{paid}");
+    assert!(
+        paid["payments"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|p| p["amount"] == json!(12.5))
     );
-    assert_eq!(paid["paid_total"], json!(12.5));
+    assert_eq!(paid["paid_total"], json!(37.5));
     let charges = http
         .call(
             Request::get(format!("{}/admin/charges", provider.url))
@@ -632,7 +661,7 @@ async fn the_chain_charges_once_and_applies_the_payment_once(kind: Kind) {
         )
         .await
         .json();
-    assert_eq!(charges["count"], 1);
+    assert_eq!(charges["count"], 3);
     orders.kill().await;
     payments.kill().await;
     provider.kill().await;

@@ -510,3 +510,122 @@ async fn sqlite_expired_dedupe_records_are_purged_in_batches() {
         Verdict::Applied
     );
 }
+
+/// A publisher made the exchange (RabbitMQ: not durable, the protocol's default) or the stream
+/// (NATS: memory storage, a max age) before the consumer started: the consumer takes them as
+/// they are and consumes.
+async fn accepts_what_a_publisher_created_first(kind: Kind) {
+    let (pool, store) = setup::<sqlx::Sqlite>().await;
+    let inbox = Inbox::new("orders", store).key_by(by_payload);
+    let apply = |mut tx: Tx<sqlx::Sqlite>, delivery: Delivery| async move {
+        sqlx::query(<sqlx::Sqlite as TestDb>::INSERT)
+            .bind(by_payload(&delivery)?)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| Failure::retryable(e.to_string()))?;
+        Ok(())
+    };
+    let ns = unique("t");
+    match kind {
+        Kind::RabbitMq => {
+            let connection = Arc::new(
+                Connection::connect(AMQP, Default::default())
+                    .await
+                    .expect("RabbitMQ must be reachable at 127.0.0.1:5672"),
+            );
+            let exchange = format!("{ns}.payments");
+            let queue = format!("{ns}.orders");
+            let channel = connection.create_channel().await.unwrap();
+            channel
+                .exchange_declare(
+                    exchange.as_str().into(),
+                    lapin::ExchangeKind::Topic,
+                    lapin::options::ExchangeDeclareOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap();
+            let consumer = RabbitMqConsumer::new(inbox.clone(), connection.clone(), &queue)
+                .bind(&exchange, "payment.succeeded");
+            consumer.declare().await.unwrap();
+            let running = tokio::spawn(consumer.run(apply));
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .unwrap();
+            channel
+                .basic_publish(
+                    exchange.as_str().into(),
+                    "payment.succeeded".into(),
+                    BasicPublishOptions::default(),
+                    b"p-1",
+                    BasicProperties::default().with_message_id("m-1".into()),
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+            eventually(|| async { inbox.stats().processed == 1 }).await;
+            running.abort();
+            for q in [
+                queue.clone(),
+                format!("{queue}.retry"),
+                format!("{queue}.dead"),
+            ] {
+                let _ = channel
+                    .queue_delete(q.into(), QueueDeleteOptions::default())
+                    .await;
+            }
+            let _ = channel
+                .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
+                .await;
+        }
+        Kind::Nats => {
+            let js = jetstream::new(
+                async_nats::connect(NATS)
+                    .await
+                    .expect("NATS must be reachable at 127.0.0.1:4222"),
+            );
+            let stream = ns.to_uppercase();
+            js.create_stream(jetstream::stream::Config {
+                name: stream.clone(),
+                subjects: vec![format!("{ns}.payments.>")],
+                storage: jetstream::stream::StorageType::Memory,
+                max_age: Duration::from_secs(600),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            let consumer = NatsConsumer::new(inbox.clone(), js.clone(), &stream, "orders")
+                // Would differ from the stream's subjects if it were created here.
+                .stream_subjects([format!("{ns}.other.>")])
+                .filter_subject(format!("{ns}.payments.succeeded"))
+                .dead_letters(format!("{stream}_DEAD"), format!("{ns}.orders.dead"));
+            consumer.declare().await.unwrap();
+            let running = tokio::spawn(consumer.run(apply));
+            js.publish(
+                format!("{ns}.payments.succeeded"),
+                Bytes::from_static(b"p-1"),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+            eventually(|| async { inbox.stats().processed == 1 }).await;
+            running.abort();
+            let _ = js.delete_stream(&stream).await;
+            let _ = js.delete_stream(format!("{stream}_DEAD")).await;
+        }
+    }
+    assert_eq!(count(&pool, "SELECT COUNT(*) FROM effects").await, 1);
+}
+
+#[tokio::test]
+async fn rabbitmq_accepts_an_exchange_a_publisher_created_first() {
+    accepts_what_a_publisher_created_first(Kind::RabbitMq).await;
+}
+
+#[tokio::test]
+async fn nats_accepts_a_stream_a_publisher_created_first() {
+    accepts_what_a_publisher_created_first(Kind::Nats).await;
+}

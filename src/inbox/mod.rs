@@ -624,3 +624,35 @@ fn failure_of(response: http::Response<Bytes>) -> Failure {
         Failure::Retryable(reason)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn business_keys_spelled_alike_stay_apart() {
+        // The header protocol would read `"k1"` as `k1`; business keys must not.
+        let quoted = idempotency_key("\"k1\"").map(|k| k.as_str().to_owned());
+        let bare = idempotency_key("k1").map(|k| k.as_str().to_owned());
+        assert_ne!(quoted, bare);
+        let long = "x".repeat(1000);
+        assert!(idempotency_key(&long).is_ok());
+        assert!(idempotency_key("zahlung-ü-1 ,2").is_ok());
+    }
+
+    #[test]
+    fn failures_travel_through_statuses_and_back() {
+        let back = |f: Failure| {
+            let response = failure_response(f);
+            let status = response.status();
+            failure_of(
+                http::Response::builder()
+                    .status(status)
+                    .body(Bytes::from("why"))
+                    .unwrap_or_default(),
+            )
+        };
+        assert_eq!(back(Failure::permanent("x")), Failure::permanent("why"));
+        assert_eq!(back(Failure::retryable("x")), Failure::retryable("why"));
+    }
+}

@@ -668,6 +668,64 @@ async fn the_chain_charges_once_and_applies_the_payment_once(kind: Kind) {
     broker.cleanup().await;
 }
 
+/// Runs `orders replay-dead` once, as an operator would, and returns what it printed.
+async fn replay_dead(database: &Database, broker: &Broker) -> String {
+    let output = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::process::Command::new(process::example("orders"))
+            .arg("replay-dead")
+            .env("BIND", "127.0.0.1:0")
+            .env("RUST_LOG", "warn")
+            .env("DATABASE_URL", &database.url)
+            .env("BROKER_URL", broker.url())
+            .env("BROKER_NAMESPACE", &broker.ns)
+            .output(),
+    )
+    .await
+    .expect("replay-dead is bounded")
+    .unwrap();
+    assert!(output.status.success(), "replay-dead failed: {output:?}");
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+async fn an_event_for_a_missing_order_is_dead_lettered_then_replayed_once(kind: Kind) {
+    let broker = Broker::new(kind).await;
+    let database = Database::new(Db::Sqlite).await;
+    let http = Http::new();
+    let orders = orders(&database, &broker, &[]).await;
+    let first = place_order(&http, &orders, &format!("{}-order-1", broker.ns), 5.0).await;
+
+    // The event overtook its order: permanent failure, dead-lettered, nothing applied.
+    broker
+        .publish("m-1", &event("p-early", json!(first + 1), 5.0))
+        .await;
+    eventually(Duration::from_secs(20), "dead-lettered", || async {
+        broker.dead_letters().await == 1
+    })
+    .await;
+
+    // The cause goes away (the order now exists); the operator replays the dead letters.
+    let second = place_order(&http, &orders, &format!("{}-order-2", broker.ns), 5.0).await;
+    assert_eq!(second, first + 1);
+    assert_eq!(order(&http, &orders, second).await["payments"], json!([]));
+    let replayed = replay_dead(&database, &broker).await;
+    assert!(
+        replayed.contains("applied=1 duplicates=0 still_dead=0"),
+        "{replayed}"
+    );
+    let again = replay_dead(&database, &broker).await;
+    assert!(
+        again.contains("applied=0 duplicates=0 still_dead=0"),
+        "{again}"
+    );
+    assert_eq!(broker.dead_letters().await, 0);
+    let paid = order(&http, &orders, second).await;
+    assert_eq!(payment_ids(&paid), ["p-early"], "{paid}");
+    assert_eq!(paid["status"], "paid");
+    orders.kill().await;
+    broker.cleanup().await;
+}
+
 macro_rules! on_each {
     ($scenario:ident: $($name:ident => ($($arg:expr),*);)*) => {
         $(
@@ -692,6 +750,10 @@ on_each! { killed_between_commit_and_ack_skips_the_redelivery:
 on_each! { two_consumers_under_a_redelivery_storm_apply_each_payment_once:
     rabbitmq_sqlite_two_consumers_under_a_redelivery_storm_apply_each_payment_once => (Kind::RabbitMq, Db::Sqlite, 150);
     nats_sqlite_two_consumers_under_a_redelivery_storm_apply_each_payment_once => (Kind::Nats, Db::Sqlite, 150);
+}
+on_each! { an_event_for_a_missing_order_is_dead_lettered_then_replayed_once:
+    rabbitmq_an_event_for_a_missing_order_is_dead_lettered_then_replayed_once => (Kind::RabbitMq);
+    nats_an_event_for_a_missing_order_is_dead_lettered_then_replayed_once => (Kind::Nats);
 }
 on_each! { the_chain_charges_once_and_applies_the_payment_once:
     rabbitmq_the_chain_charges_once_and_applies_the_payment_once => (Kind::RabbitMq);

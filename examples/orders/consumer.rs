@@ -85,6 +85,16 @@ fn upper(name: &str) -> String {
     }
 }
 
+/// Reports an operator's replay and ends the process: `replay-dead` is a one-off command.
+#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
+fn replayed(report: axum_idempotency::inbox::ReplayReport) -> ! {
+    println!(
+        "replayed dead letters: applied={} duplicates={} still_dead={}",
+        report.applied, report.duplicates, report.still_dead
+    );
+    std::process::exit(0)
+}
+
 /// Declares what the consumer uses and starts it in the background. Fails at once if the
 /// broker cannot be reached, so a misconfigured process does not serve without consuming.
 pub(crate) async fn spawn<DB: OrdersDb>(
@@ -148,6 +158,7 @@ where
         Ok(())
     };
     let concurrency: u16 = env_or("ORDERS_CONSUMER_CONCURRENCY", 4);
+    let replay = std::env::args().any(|arg| arg == "replay-dead");
     let started: Result<(), String> = match broker_url.split(':').next().unwrap_or_default() {
         #[cfg(feature = "rabbitmq")]
         "amqp" | "amqps" => {
@@ -161,6 +172,10 @@ where
             .bind(dotted("payments"), "payment.succeeded")
             .concurrency(concurrency);
             consumer.declare().await?;
+            if replay {
+                let report = consumer.replay_dead(handler, usize::MAX).await?;
+                replayed(report);
+            }
             tokio::spawn(async move {
                 let ended = consumer.run(handler).await;
                 // A closed channel or connection: exit so a supervisor restarts the process.
@@ -188,6 +203,13 @@ where
             )))
             .concurrency(usize::from(concurrency));
             consumer.declare().await.map_err(|e| e.to_string())?;
+            if replay {
+                let report = consumer
+                    .replay_dead(handler, usize::MAX)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                replayed(report);
+            }
             tokio::spawn(async move {
                 let ended = consumer.run(handler).await;
                 tracing::error!(?ended, "the payment consumer stopped");

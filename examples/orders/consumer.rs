@@ -77,7 +77,7 @@ fn dotted(name: &str) -> String {
 }
 
 /// A stream name in the test namespace, if any: `T1_PAYMENTS`.
-#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
+#[cfg_attr(not(feature = "nats"), allow(dead_code))]
 fn upper(name: &str) -> String {
     match std::env::var("BROKER_NAMESPACE") {
         Ok(ns) if !ns.is_empty() => format!("{}_{name}", ns.to_uppercase()),
@@ -158,6 +158,10 @@ where
         Ok(())
     };
     let concurrency: u16 = env_or("ORDERS_CONSUMER_CONCURRENCY", 4);
+    #[cfg_attr(
+        not(any(feature = "rabbitmq", feature = "nats")),
+        allow(unused_variables)
+    )]
     let replay = std::env::args().any(|arg| arg == "replay-dead");
     let started: Result<(), String> = match broker_url.split(':').next().unwrap_or_default() {
         #[cfg(feature = "rabbitmq")]

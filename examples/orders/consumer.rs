@@ -167,7 +167,16 @@ where
         #[cfg(feature = "rabbitmq")]
         "amqp" | "amqps" => {
             use axum_idempotency::inbox::rabbitmq::RabbitMqConsumer;
-            let connection = lapin::Connection::connect(broker_url, Default::default()).await?;
+            // A 10 s heartbeat: a consumer host that vanishes without closing its socket is
+            // noticed, and its unacked deliveries redelivered, within 30 s.
+            let url = if broker_url.contains("heartbeat=") {
+                broker_url.to_owned()
+            } else if broker_url.contains('?') {
+                format!("{broker_url}&heartbeat=10")
+            } else {
+                format!("{broker_url}?heartbeat=10")
+            };
+            let connection = lapin::Connection::connect(&url, Default::default()).await?;
             let consumer = RabbitMqConsumer::new(
                 inbox,
                 std::sync::Arc::new(connection),

@@ -18,8 +18,9 @@
 //! The attempt count is the sum of a header the consumer maintains on retried copies
 //! (`x-inbox-attempts`) and the quorum queue's `x-delivery-count` (redeliveries after a
 //! consumer died or a channel closed), plus one. A delivery whose consumer died is redelivered
-//! as soon as the broker notices the closed connection (at the latest after the heartbeat
-//! timeout).
+//! as soon as the broker notices the closed connection: at once when the process dies, within
+//! about two heartbeat intervals when its host vanishes (connect with `?heartbeat=10` in the
+//! URI to keep that under 30 s; the server's default is 60 s).
 //!
 //! ```no_run
 //! # async fn run(store: axum_idempotency::SqliteStore) -> Result<(), Box<dyn std::error::Error>> {

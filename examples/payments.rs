@@ -23,10 +23,18 @@
 //! first), and `OUTBOX_POLL_MS`, `OUTBOX_SEND_TIMEOUT_MS`, `OUTBOX_LOOKUP_GRACE_MS`,
 //! `OUTBOX_MAX_ATTEMPTS`, `OUTBOX_BACKOFF_MS` to tune the dispatcher.
 //!
+//! With `BROKER_URL=amqp://…` (`--features rabbitmq`) or `nats://…` (`--features nats`), each
+//! succeeded payment also publishes, through the same outbox, the event
+//! `{"payment_id", "order_id", "amount", "currency"}` (order id as given when the payment was
+//! created) with a downstream key of its own as the message id: RabbitMQ topic exchange
+//! `payments`, routing key `payment.succeeded`; NATS stream `PAYMENTS` (subjects `payments.>`),
+//! subject `payments.succeeded`. `BROKER_NAMESPACE` prefixes those names (for tests).
+//!
 //! Users: `Authorization: Bearer alice-token` (alice) or `bob-token` (bob); anything else is 401.
 
 use std::borrow::Cow;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{FromRequestParts, Path, State};
@@ -54,6 +62,8 @@ use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool,
 use tokio::sync::watch;
 
 const CHARGE_TOPIC: &str = "payments.charge";
+/// The outbox topic of the events announcing a succeeded payment.
+const EVENT_TOPIC: &str = "payment.succeeded";
 
 /// The authenticated caller; the idempotency layer scopes keys to it.
 #[derive(Clone, Debug)]
@@ -133,7 +143,8 @@ impl<DB: PaymentsDb> Clone for AppState<DB> {
 
 #[derive(Deserialize)]
 struct NewPayment {
-    order_id: String,
+    /// A string or an integer, passed on to the event unchanged.
+    order_id: Value,
     amount: Value,
     currency: String,
     payee: String,
@@ -186,11 +197,21 @@ where
     outbox.migrate().await?;
     sqlx::query(DB::SCHEMA).execute(&pool).await?;
 
+    let broker = match std::env::var("BROKER_URL") {
+        Ok(url) if !url.is_empty() => Some(Arc::new(Broker::connect(&url).await?)),
+        _ => None,
+    };
     let (stop, stopped) = watch::channel(false);
     let mut dispatchers = Vec::new();
     let mut wakers = Vec::new();
     for _ in 0..env_or("DISPATCHERS", 1u32) {
-        let dispatcher = dispatcher(outbox.clone());
+        let sender = Routed {
+            provider: provider(),
+            broker: broker.clone(),
+            outbox: outbox.clone(),
+            pool: pool.clone(),
+        };
+        let dispatcher = dispatcher(outbox.clone(), sender);
         wakers.push(dispatcher.waker());
         let mut stopped = stopped.clone();
         dispatchers.push(tokio::spawn(dispatcher.run(async move {
@@ -247,14 +268,17 @@ fn shutdown_signal() -> std::io::Result<impl Future<Output = ()>> {
     })
 }
 
-fn dispatcher<DB: PaymentsDb>(outbox: Outbox<DB>) -> Dispatcher<DB, Provider> {
-    let provider = Provider {
+fn provider() -> Provider {
+    Provider {
         client: Client::builder(TokioExecutor::new()).build_http(),
         base: std::env::var("PROVIDER_URL").unwrap_or_else(|_| "http://127.0.0.1:4000".into()),
         lookup: std::env::var("PROVIDER_LOOKUP").as_deref() != Ok("off"),
-    };
+    }
+}
+
+fn dispatcher<DB: PaymentsDb, S: Sender>(outbox: Outbox<DB>, sender: S) -> Dispatcher<DB, S> {
     let millis = |name, default| Duration::from_millis(env_or(name, default));
-    Dispatcher::new(outbox, provider)
+    Dispatcher::new(outbox, sender)
         .poll_interval(millis("OUTBOX_POLL_MS", 500))
         .send_timeout(millis("OUTBOX_SEND_TIMEOUT_MS", 5_000))
         .lookup_grace(millis("OUTBOX_LOOKUP_GRACE_MS", 10_000))
@@ -287,7 +311,12 @@ where
     if payment.currency.len() != 3 || !payment.currency.bytes().all(|b| b.is_ascii_uppercase()) {
         return invalid("currency must be a three-letter ISO 4217 code such as EUR");
     }
-    if payment.payee.trim().is_empty() || payment.order_id.trim().is_empty() {
+    let order_id = match &payment.order_id {
+        Value::String(id) if !id.trim().is_empty() => id.clone(),
+        Value::Number(id) if id.is_i64() || id.is_u64() => id.to_string(),
+        _ => return invalid("order_id must be a non-empty string or an integer"),
+    };
+    if payment.payee.trim().is_empty() {
         return invalid("order_id and payee are required");
     }
 
@@ -314,7 +343,7 @@ where
          VALUES ($1, $2, $3, $4, $5, $6) RETURNING id",
     )
     .bind(user.0.to_owned())
-    .bind(payment.order_id)
+    .bind(order_id)
     .bind(amount)
     .bind(payment.currency)
     .bind(payment.payee)
@@ -503,6 +532,217 @@ impl Sender for Provider {
             _ => LookupOutcome::Failed {
                 reason: format!("lookup answered {status}"),
             },
+        }
+    }
+}
+
+/// What the dispatcher sends through: charges to the provider, events to the broker. A charge
+/// the provider confirms (sent or found by lookup) enqueues its event in the same outbox, keyed
+/// by the charge's own key, so however often that happens the event is enqueued once.
+struct Routed<DB: PaymentsDb> {
+    provider: Provider,
+    broker: Option<Arc<Broker>>,
+    outbox: Outbox<DB>,
+    pool: Pool<DB>,
+}
+
+impl<DB> Routed<DB>
+where
+    DB: PaymentsDb,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'e> &'e Pool<DB>: Executor<'e, Database = DB>,
+    for<'q> <DB as Database>::Arguments: IntoArguments<DB>,
+    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'r> String: Decode<'r, DB> + Type<DB>,
+    &'static str: ColumnIndex<DB::Row>,
+{
+    /// Enqueues the "payment succeeded" event of a delivered charge.
+    async fn announce(&self, charge: &OutboxRecord) -> Result<(), String> {
+        if self.broker.is_none() {
+            return Ok(());
+        }
+        let row = sqlx::query("SELECT id, amount, currency FROM payments WHERE outbox_id = $1")
+            .bind(charge.id.get())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or("no payment for this charge")?;
+        let id: i64 = row.try_get("id").map_err(|e| e.to_string())?;
+        let amount: String = row.try_get("amount").map_err(|e| e.to_string())?;
+        let currency: String = row.try_get("currency").map_err(|e| e.to_string())?;
+        let amount: Value = serde_json::from_str(&amount).map_err(|e| e.to_string())?;
+        let sent: Value = charge.payload_json().map_err(|e| e.to_string())?;
+        let event = json!({
+            "payment_id": id.to_string(),
+            "order_id": sent["order_id"],
+            "amount": amount,
+            "currency": currency,
+        });
+        let key = DownstreamKey::new(format!("payment-succeeded-{}", charge.downstream_key))
+            .map_err(|e| e.to_string())?;
+        let message = Message::json(EVENT_TOPIC, key, &event).map_err(|e| e.to_string())?;
+        let mut conn = self.pool.acquire().await.map_err(|e| e.to_string())?;
+        self.outbox
+            .enqueue(&mut conn, message)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(())
+    }
+}
+
+impl<DB> Sender for Routed<DB>
+where
+    DB: PaymentsDb,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'e> &'e Pool<DB>: Executor<'e, Database = DB>,
+    for<'q> <DB as Database>::Arguments: IntoArguments<DB>,
+    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'r> String: Decode<'r, DB> + Type<DB>,
+    &'static str: ColumnIndex<DB::Row>,
+{
+    async fn send(&self, message: &OutboxRecord) -> SendOutcome {
+        if message.topic == EVENT_TOPIC {
+            return match &self.broker {
+                Some(broker) => broker.send(message).await,
+                None => SendOutcome::Retry {
+                    after: None,
+                    reason: "no BROKER_URL configured".into(),
+                },
+            };
+        }
+        let outcome = self.provider.send(message).await;
+        if let SendOutcome::Delivered { .. } = &outcome
+            && let Err(reason) = self.announce(message).await
+        {
+            // Charged, event not enqueued: a resend with the same key finds the charge again.
+            return SendOutcome::Retry {
+                after: None,
+                reason: format!("charged; event not enqueued: {reason}"),
+            };
+        }
+        outcome
+    }
+
+    async fn lookup(&self, message: &OutboxRecord) -> LookupOutcome {
+        if message.topic == EVENT_TOPIC {
+            return LookupOutcome::Unsupported;
+        }
+        let found = self.provider.lookup(message).await;
+        if let LookupOutcome::Found { .. } = &found
+            && let Err(reason) = self.announce(message).await
+        {
+            return LookupOutcome::Failed {
+                reason: format!("charged; event not enqueued: {reason}"),
+            };
+        }
+        found
+    }
+}
+
+/// The broker the events go to, declared at start (idempotently).
+enum Broker {
+    #[cfg(feature = "rabbitmq")]
+    RabbitMq(axum_idempotency::outbox::RabbitMqSender),
+    #[cfg(feature = "nats")]
+    Nats(axum_idempotency::outbox::NatsSender),
+}
+
+impl Broker {
+    async fn connect(url: &str) -> Result<Self, Box<dyn std::error::Error>> {
+        let namespace = std::env::var("BROKER_NAMESPACE").unwrap_or_default();
+        #[cfg_attr(
+            not(any(feature = "rabbitmq", feature = "nats")),
+            allow(unused_variables)
+        )]
+        let dotted = |name: &str| match namespace.as_str() {
+            "" => name.to_owned(),
+            ns => format!("{ns}.{name}"),
+        };
+        match url.split(':').next().unwrap_or_default() {
+            #[cfg(feature = "rabbitmq")]
+            "amqp" | "amqps" => {
+                use lapin::options::ExchangeDeclareOptions;
+                use lapin::types::FieldTable;
+                let connection =
+                    Arc::new(lapin::Connection::connect(url, Default::default()).await?);
+                let exchange = dotted("payments");
+                // Used as it is if it exists (a passive declare), created durable otherwise.
+                let probe = connection.create_channel().await?;
+                let passive = ExchangeDeclareOptions {
+                    passive: true,
+                    ..ExchangeDeclareOptions::default()
+                };
+                let kind = lapin::ExchangeKind::Topic;
+                if probe
+                    .exchange_declare(
+                        exchange.as_str().into(),
+                        kind.clone(),
+                        passive,
+                        FieldTable::default(),
+                    )
+                    .await
+                    .is_err()
+                {
+                    let durable = ExchangeDeclareOptions {
+                        durable: true,
+                        ..ExchangeDeclareOptions::default()
+                    };
+                    connection
+                        .create_channel()
+                        .await?
+                        .exchange_declare(
+                            exchange.as_str().into(),
+                            kind,
+                            durable,
+                            FieldTable::default(),
+                        )
+                        .await?;
+                }
+                let sender =
+                    axum_idempotency::outbox::RabbitMqSender::connect(connection, exchange)
+                        .await?
+                        .route(EVENT_TOPIC, "payment.succeeded");
+                Ok(Self::RabbitMq(sender))
+            }
+            #[cfg(feature = "nats")]
+            "nats" => {
+                let jetstream = async_nats::jetstream::new(async_nats::connect(url).await?);
+                let stream = match namespace.as_str() {
+                    "" => "PAYMENTS".to_owned(),
+                    ns => format!("{}_PAYMENTS", ns.to_uppercase()),
+                };
+                if jetstream.get_stream(&stream).await.is_err() {
+                    jetstream
+                        .get_or_create_stream(async_nats::jetstream::stream::Config {
+                            name: stream,
+                            subjects: vec![dotted("payments.>")],
+                            ..Default::default()
+                        })
+                        .await
+                        .map_err(|e| e.to_string())?;
+                }
+                let sender = axum_idempotency::outbox::NatsSender::new(jetstream)
+                    .route(EVENT_TOPIC, dotted("payments.succeeded"));
+                Ok(Self::Nats(sender))
+            }
+            other => Err(format!(
+                "BROKER_URL scheme {other:?} is not built in (features rabbitmq, nats)"
+            )
+            .into()),
+        }
+    }
+
+    async fn send(&self, message: &OutboxRecord) -> SendOutcome {
+        match self {
+            #[cfg(feature = "rabbitmq")]
+            Self::RabbitMq(sender) => sender.send(message).await,
+            #[cfg(feature = "nats")]
+            Self::Nats(sender) => sender.send(message).await,
+            #[cfg(not(any(feature = "rabbitmq", feature = "nats")))]
+            _ => {
+                let _ = message;
+                unreachable!("no broker is built in")
+            }
         }
     }
 }

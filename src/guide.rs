@@ -11,6 +11,7 @@
 //! - [`jobs`]: background jobs and manual replays on the same claim as HTTP requests.
 //! - `outbox` (feature `outbox`): calls to other systems, sent once after the commit.
 //! - `client` (feature `client`): the caller's half, one key per logical call.
+//! - `inbox` (feature `inbox`): message consumers that apply each business key once.
 //! - [`operations`]: purging, metrics and what to alert on, logs, support cases, letting a
 //!   record go.
 //! - [`performance`]: what a new key and a replay cost, and how to make replays cheaper.
@@ -366,6 +367,74 @@ pub mod outbox {}
 /// module documents it in full.
 #[cfg(feature = "client")]
 pub mod client {}
+
+/// # Consumers: the inbox (features `inbox`, `rabbitmq`, `nats`)
+///
+/// Brokers deliver at least once: a lost ack, a consumer that died, a publisher that resent all
+/// bring a message back. The inbox makes a consumer apply each **business key** once, the way the
+/// layer makes a handler run each request once:
+///
+/// ```rust,ignore
+/// let inbox = Inbox::new("orders", store)                      // the consumer's name scopes its keys
+///     .key_by(|d: &Delivery| payment_id_of(d.payload()))        // the business key, not the message id
+///     .max_attempts(5);
+/// let consumer = RabbitMqConsumer::new(inbox, connection, "orders.payment-succeeded")
+///     .bind("payments", "payment.succeeded")
+///     .concurrency(4);
+/// consumer.declare().await?;
+/// consumer.run(|mut tx: Tx<Sqlite>, delivery: Delivery| async move {
+///     // … apply the event with `&mut *tx` …
+///     Ok::<_, Failure>(())
+/// }).await?;
+/// ```
+///
+/// For each delivery the inbox begins a transaction, claims the key with the same engine as HTTP
+/// requests and jobs (scoped by the consumer's name), runs the handler with that transaction,
+/// commits, and only **then** the adapter acks. A redelivery, or the same event under another
+/// message id, finds the claim and is acked without running the handler; a copy arriving while
+/// the first is still running waits for it (bounded) and then skips. `NatsConsumer` does the same
+/// on a JetStream durable pull consumer.
+///
+/// **Why the business key.** A message id only catches redeliveries of one message. A publisher
+/// that resends the event under a new id (an outbox retry on a broker without deduplication, a
+/// second publisher, a replay from an archive) still carries the same payment id. Consumers with no
+/// business key can keep the default, the message id.
+///
+/// **Failures.** The handler returns `Failure::Retryable` (rolled back; redelivered after a backoff:
+/// NATS `Nak` with a delay, RabbitMQ a per-message-TTL delay queue `{queue}.retry` that
+/// dead-letters back, no plugin needed) or `Failure::Permanent` (rolled back; dead-lettered at
+/// once). Retryable failures are dead-lettered too once the attempt count reaches `max_attempts`
+/// (NATS: the broker's delivery count; RabbitMQ: the quorum queue's `x-delivery-count` plus an
+/// `x-inbox-attempts` header kept on retried copies). A poison message never loops and never
+/// blocks the messages behind it. Dead letters wait in `{queue}.dead` (RabbitMQ) or the stream
+/// `{DURABLE}_DEAD` (NATS); the failure is recorded through the engine in a scope of its own, and
+/// the business key stays unclaimed, so `replay_dead` after the fix (or a fresh copy from the
+/// broker) applies it through the same claim, once.
+///
+/// **Guarantees and limits.** At-least-once delivery plus the claim in the handler's transaction
+/// gives one effect per business key for what the handler writes through `Tx`; calls it makes to
+/// other systems are not covered (use the outbox). **Ordering is not guaranteed**: retries,
+/// concurrency and several consumers reorder deliveries; a handler that needs order must check it
+/// (a version column, a state machine). Dedupe records are kept by default: retention
+/// (`Inbox::retention`) must outlast the broker's redelivery horizon and the publishers' retry
+/// horizon, or a late copy would apply again. `inbox.stats()` counts processed, duplicate, retried
+/// and dead deliveries; `inbox.purge_expired(batch)` deletes expired records in batches.
+///
+/// **The chain.** With `BROKER_URL=amqp://…` or `nats://…`, the `payments` example publishes one
+/// `payment.succeeded` event per succeeded charge through its outbox (`RabbitMqSender`: publisher
+/// confirms, the downstream key as `message_id`; `NatsSender`: the key as `Nats-Msg-Id`, so the
+/// stream's duplicate window drops resends), and the `orders` example consumes them, dedupes by
+/// payment id, and shows `payments`, `paid_total` and `status: "paid"` on `GET /orders/{id}`:
+///
+/// ```sh
+/// cargo run --example payment_provider &
+/// BROKER_URL=amqp://guest:guest@127.0.0.1:5672/%2f cargo run --example orders --features rabbitmq &
+/// BROKER_URL=amqp://guest:guest@127.0.0.1:5672/%2f cargo run --example payments --features outbox,rabbitmq
+/// # once the cause of a dead letter is fixed:
+/// BROKER_URL=amqp://guest:guest@127.0.0.1:5672/%2f cargo run --example orders --features rabbitmq -- replay-dead
+/// ```
+#[cfg(feature = "inbox")]
+pub mod inbox {}
 
 /// # Running it
 ///

@@ -73,8 +73,9 @@
 //! with the [`tx`] extractor inside the claim's transaction and records the response, or
 //! replays the stored one; the [`store`] keeps records in SQL. [`error`] holds what clients and
 //! operators are told. Jobs enter at the [`Engine`], with the same claim. Behind features:
-//! `outbox` (external side effects sent after commit with a stable downstream key) and
-//! `client` (the caller's half: one key per logical call, reused on every retry).
+//! `outbox` (external side effects sent after commit with a stable downstream key), `inbox`
+//! (message consumers that apply each business key once, acking after the commit) and `client`
+//! (the caller's half: one key per logical call, reused on every retry).
 //!
 //! | feature | what it adds |
 //! |---|---|
@@ -86,6 +87,9 @@
 //! | `client` | the `client` module: `IdempotentRetryLayer` for tower HTTP clients |
 //! | `test-util` | `ManualClock`, and `clock(..)` on the engine and the layer: time that tests move |
 //! | `reqwest` | `client::IdempotentRetryMiddleware` for `reqwest-middleware` |
+//! | `inbox` | the `inbox` module: `Inbox`, a consumer that dedupes deliveries by business key |
+//! | `rabbitmq` | `inbox` + `inbox::rabbitmq::RabbitMqConsumer` (lapin); with `outbox`, `outbox::RabbitMqSender` |
+//! | `nats` | `inbox` + `inbox::nats::NatsConsumer` (async-nats JetStream); with `outbox`, `outbox::NatsSender` |
 //! | `metrics` | counters and a claim latency histogram through the `metrics` facade |
 //!
 //! # Further reading
@@ -116,6 +120,9 @@ pub mod error;
 pub mod fingerprint;
 #[cfg(feature = "server")]
 pub mod guide;
+#[cfg(feature = "server")]
+#[cfg(feature = "inbox")]
+pub mod inbox;
 #[cfg(feature = "server")]
 pub mod key;
 #[cfg(any(feature = "server", feature = "client"))]

@@ -168,6 +168,8 @@ conformance!(
     two_dispatchers_deliver_each_message_exactly_once,
     migrate_is_idempotent_and_safe_when_run_concurrently,
     an_outbox_from_before_versioning_is_adopted_as_version_one,
+    failed_message_is_requeued_through_the_api_and_delivered_with_its_key,
+    purge_deletes_only_delivered_rows_past_retention_in_batches,
 );
 
 /// A downstream whose answers are scripted and whose calls are recorded.
@@ -710,4 +712,64 @@ where
             .await
             .unwrap();
     assert_eq!(versions, [1]);
+}
+
+async fn failed_message_is_requeued_through_the_api_and_delivered_with_its_key<DB: Backend>(
+    pool: Pool<DB>,
+) {
+    let outbox = outbox(&pool).await;
+    enqueue_committed(&pool, &outbox, charge("c", "12.50")).await;
+    let downstream = Downstream::answering([
+        SendOutcome::Rejected {
+            reason: "account frozen".into(),
+        },
+        SendOutcome::Delivered {
+            receipt: "ch_1".into(),
+        },
+    ]);
+    let dispatcher = dispatcher(&outbox, &downstream);
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    let failed = record(&outbox, "c").await;
+    assert_eq!(failed.status, Status::Failed);
+
+    // Only a failed message can be requeued; the cause fixed, it goes out with the same key.
+    assert!(outbox.requeue(failed.id).await.unwrap());
+    assert!(!outbox.requeue(failed.id).await.unwrap());
+    let pending = record(&outbox, "c").await;
+    assert_eq!((pending.status, pending.attempts), (Status::Pending, 0));
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    let delivered = record(&outbox, "c").await;
+    assert_eq!(delivered.status, Status::Delivered);
+    assert_eq!(delivered.receipt.as_deref(), Some("ch_1"));
+    assert!(!outbox.requeue(delivered.id).await.unwrap());
+    let keys: Vec<String> = downstream.sends().into_iter().map(|(k, _)| k).collect();
+    assert_eq!(keys, vec![key("c").to_string(); 2]);
+}
+
+async fn purge_deletes_only_delivered_rows_past_retention_in_batches<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    for n in 0..7 {
+        enqueue_committed(&pool, &outbox, charge(&format!("d{n}"), "1.00")).await;
+    }
+    let delivered = (0..7).map(|n| SendOutcome::Delivered {
+        receipt: format!("ch_{n}"),
+    });
+    let downstream = Downstream::answering(delivered);
+    let dispatcher = dispatcher(&outbox, &downstream);
+    while dispatcher.run_once().await.unwrap() > 0 {}
+    enqueue_committed(&pool, &outbox, charge("pending", "1.00")).await;
+
+    // Nothing is old enough yet under a one-hour retention.
+    assert_eq!(
+        outbox
+            .purge_delivered(Duration::from_secs(3600), 3)
+            .await
+            .unwrap(),
+        0
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    // Batches of 3 until the 7 delivered rows are gone; the pending one stays.
+    assert_eq!(outbox.purge_delivered(Duration::ZERO, 3).await.unwrap(), 7);
+    assert_eq!(outbox.status_by_key(&key("d0")).await.unwrap(), None);
+    assert_eq!(record(&outbox, "pending").await.status, Status::Pending);
 }

@@ -27,6 +27,15 @@ pub(crate) struct Order {
     pub(crate) quantity: i64,
     pub(crate) amount: f64,
     pub(crate) currency: String,
+    /// Payment events the consumer applied, in the order applied.
+    pub(crate) payments: Vec<AppliedPayment>,
+    pub(crate) paid_total: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct AppliedPayment {
+    pub(crate) payment_id: String,
+    pub(crate) amount: f64,
 }
 
 pub(crate) struct NewOrder<'a> {
@@ -83,6 +92,8 @@ where
         quantity: row.try_get(3)?,
         amount: row.try_get(4)?,
         currency: row.try_get(5)?,
+        payments: Vec::new(),
+        paid_total: 0.0,
     })
 }
 
@@ -123,6 +134,15 @@ pub(crate) trait OrdersDb: Backend {
         article_id: i64,
         liked: bool,
     ) -> impl Future<Output = sqlx::Result<i64>> + Send + 'a;
+    /// Appends a payment to an order and marks it paid once covered; `false` when the order
+    /// does not exist. Runs in the consumer's transaction, next to the inbox's claim.
+    #[cfg_attr(not(feature = "inbox"), allow(dead_code))]
+    fn apply_payment<'a>(
+        conn: &'a mut Conn<Self>,
+        order_id: i64,
+        payment_id: &'a str,
+        amount: f64,
+    ) -> impl Future<Output = sqlx::Result<bool>> + Send + 'a;
 }
 
 impl<DB> OrdersDb for DB
@@ -201,9 +221,16 @@ where
             "SELECT id, status, sku, quantity, amount, currency FROM orders WHERE user_id = $1 ORDER BY id",
         ))
             .bind(user_id)
-            .fetch_all(conn)
+            .fetch_all(&mut *conn)
             .await?;
-        rows.iter().map(order_from).collect()
+        let mut orders = rows
+            .iter()
+            .map(order_from)
+            .collect::<sqlx::Result<Vec<_>>>()?;
+        for order in &mut orders {
+            with_payments::<DB>(conn, order).await?;
+        }
+        Ok(orders)
     }
 
     async fn order_of(conn: &mut Conn<Self>, user_id: i64, id: i64) -> sqlx::Result<Option<Order>> {
@@ -212,9 +239,13 @@ where
         ))
         .bind(user_id)
         .bind(id)
-        .fetch_optional(conn)
+        .fetch_optional(&mut *conn)
         .await?;
-        row.as_ref().map(order_from).transpose()
+        let Some(mut order) = row.as_ref().map(order_from).transpose()? else {
+            return Ok(None);
+        };
+        with_payments::<DB>(conn, &mut order).await?;
+        Ok(Some(order))
     }
 
     async fn ship(conn: &mut Conn<Self>, user_id: i64, id: i64) -> sqlx::Result<bool> {
@@ -252,6 +283,68 @@ where
         .await?
         .try_get(0)
     }
+
+    async fn apply_payment(
+        conn: &mut Conn<Self>,
+        order_id: i64,
+        payment_id: &str,
+        amount: f64,
+    ) -> sqlx::Result<bool> {
+        let order = sqlx::query(sql::<DB>("SELECT id FROM orders WHERE id = $1"))
+            .bind(order_id)
+            .fetch_optional(&mut *conn)
+            .await?;
+        if order.is_none() {
+            return Ok(false);
+        }
+        // No unique key on payment_id here on purpose: exactly-once comes from the inbox's
+        // claim on the payment id, committed in this same transaction.
+        sqlx::query(sql::<DB>(
+            "INSERT INTO order_payments (order_id, payment_id, amount) VALUES ($1, $2, $3)",
+        ))
+        .bind(order_id)
+        .bind(payment_id.to_owned())
+        .bind(amount)
+        .execute(&mut *conn)
+        .await?;
+        sqlx::query(sql::<DB>(
+            "UPDATE orders SET status = 'paid' WHERE id = $1 AND status = 'created' \
+             AND amount <= (SELECT COALESCE(SUM(amount), 0) FROM order_payments WHERE order_id = $2)",
+        ))
+        .bind(order_id)
+        .bind(order_id)
+        .execute(conn)
+        .await?;
+        Ok(true)
+    }
+}
+
+/// Reads the payments applied to `order`.
+async fn with_payments<DB>(conn: &mut Conn<DB>, order: &mut Order) -> sqlx::Result<()>
+where
+    DB: Backend,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB>,
+    usize: ColumnIndex<DB::Row>,
+    i64: for<'q> Encode<'q, DB> + Type<DB>,
+    f64: for<'r> Decode<'r, DB> + Type<DB>,
+    String: for<'r> Decode<'r, DB> + Type<DB>,
+{
+    let rows = sqlx::query(sql::<DB>(
+        "SELECT payment_id, amount FROM order_payments WHERE order_id = $1 ORDER BY seq",
+    ))
+    .bind(order.id)
+    .fetch_all(conn)
+    .await?;
+    for row in &rows {
+        let payment = AppliedPayment {
+            payment_id: row.try_get(0)?,
+            amount: row.try_get(1)?,
+        };
+        order.paid_total += payment.amount;
+        order.payments.push(payment);
+    }
+    Ok(())
 }
 
 #[cfg(feature = "sqlite")]
@@ -262,6 +355,8 @@ impl Backend for sqlx::Sqlite {
         CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY AUTOINCREMENT, user_id INTEGER NOT NULL,
             status TEXT NOT NULL, sku TEXT NOT NULL, quantity INTEGER NOT NULL, amount REAL NOT NULL, currency TEXT NOT NULL);
         CREATE TABLE IF NOT EXISTS likes (user_id INTEGER NOT NULL, article_id INTEGER NOT NULL, PRIMARY KEY (user_id, article_id));
+        CREATE TABLE IF NOT EXISTS order_payments (seq INTEGER PRIMARY KEY AUTOINCREMENT, order_id INTEGER NOT NULL,
+            payment_id TEXT NOT NULL, amount REAL NOT NULL);
         INSERT INTO users (id, name, token) VALUES (1, 'alice', 'alice-token'), (2, 'bob', 'bob-token') ON CONFLICT DO NOTHING;
         INSERT INTO products (sku, stock) VALUES ('widget', 1000000000), ('gadget', 1) ON CONFLICT DO NOTHING;";
     const ADD_LIKE: &'static str =
@@ -280,6 +375,8 @@ impl Backend for sqlx::Postgres {
         CREATE TABLE IF NOT EXISTS orders (id BIGSERIAL PRIMARY KEY, user_id BIGINT NOT NULL,
             status TEXT NOT NULL, sku TEXT NOT NULL, quantity BIGINT NOT NULL, amount DOUBLE PRECISION NOT NULL, currency TEXT NOT NULL);
         CREATE TABLE IF NOT EXISTS likes (user_id BIGINT NOT NULL, article_id BIGINT NOT NULL, PRIMARY KEY (user_id, article_id));
+        CREATE TABLE IF NOT EXISTS order_payments (seq BIGSERIAL PRIMARY KEY, order_id BIGINT NOT NULL,
+            payment_id TEXT NOT NULL, amount DOUBLE PRECISION NOT NULL);
         INSERT INTO users (id, name, token) VALUES (1, 'alice', 'alice-token'), (2, 'bob', 'bob-token') ON CONFLICT DO NOTHING;
         INSERT INTO products (sku, stock) VALUES ('widget', 1000000000), ('gadget', 1) ON CONFLICT DO NOTHING;";
     const ADD_LIKE: &'static str =
@@ -303,6 +400,8 @@ impl Backend for sqlx::MySql {
             amount DOUBLE NOT NULL, currency VARCHAR(8) NOT NULL) ENGINE = InnoDB;
         CREATE TABLE IF NOT EXISTS likes (user_id BIGINT NOT NULL, article_id BIGINT NOT NULL,
             PRIMARY KEY (user_id, article_id)) ENGINE = InnoDB;
+        CREATE TABLE IF NOT EXISTS order_payments (seq BIGINT AUTO_INCREMENT PRIMARY KEY, order_id BIGINT NOT NULL,
+            payment_id VARCHAR(255) NOT NULL, amount DOUBLE NOT NULL) ENGINE = InnoDB;
         INSERT IGNORE INTO users (id, name, token) VALUES (1, 'alice', 'alice-token'), (2, 'bob', 'bob-token');
         INSERT IGNORE INTO products (sku, stock) VALUES ('widget', 1000000000), ('gadget', 1);";
     // A no-op update rather than INSERT IGNORE, which would also silence unrelated errors.

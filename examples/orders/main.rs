@@ -4,6 +4,8 @@
 //! `mysql://…` (`--features mysql`) switches the backend. `BIND` sets the address (default
 //! 127.0.0.1:3000), `IDEMPOTENCY_TTL_SECS` the retention of keys (default 24 h),
 //! `DATABASE_MAX_CONNECTIONS` the pool's size (default 10).
+//! `BROKER_URL=amqp://…` (`--features rabbitmq`) or `nats://…` (`--features nats`) also
+//! consumes payment events and applies each payment once (see `consumer.rs`).
 //!
 //! It stops on SIGTERM (what Kubernetes and systemd send) as on Ctrl-C: it stops accepting,
 //! answers every request already in flight, then exits 0.
@@ -14,6 +16,8 @@
 //!   -d '{"sku":"widget","quantity":2,"amount":12.5,"currency":"EUR"}'
 //! ```
 
+#[cfg(feature = "inbox")]
+mod consumer;
 mod db;
 
 use std::borrow::Cow;
@@ -50,6 +54,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok(size) => size.parse()?,
         Err(_) => 10,
     };
+    let broker = std::env::var("BROKER_URL")
+        .ok()
+        .filter(|url| !url.is_empty());
+    let broker = broker.as_deref();
 
     let app = match url.split(':').next().unwrap_or_default() {
         "sqlite" => {
@@ -64,7 +72,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let store = SqliteStore::new(pool.clone());
             store.migrate().await?;
             store.spawn_purger(PURGE_EVERY);
-            app(pool, store, pool_size, ttl).await?
+            app(pool, store, pool_size, ttl, broker).await?
         }
         #[cfg(feature = "postgres")]
         "postgres" | "postgresql" => {
@@ -74,7 +82,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let store = axum_idempotency::PgStore::new(pool.clone());
             store.migrate().await?;
             store.spawn_purger(PURGE_EVERY);
-            app(pool, store, pool_size, ttl).await?
+            app(pool, store, pool_size, ttl, broker).await?
         }
         #[cfg(feature = "mysql")]
         "mysql" | "mariadb" => {
@@ -82,7 +90,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let store = axum_idempotency::MySqlStore::new(pool.clone());
             store.migrate().await?;
             store.spawn_purger(PURGE_EVERY);
-            app(pool, store, pool_size, ttl).await?
+            app(pool, store, pool_size, ttl, broker).await?
         }
         other => {
             return Err(
@@ -137,12 +145,24 @@ async fn app<DB, S>(
     store: S,
     pool_size: u32,
     ttl: Duration,
+    broker: Option<&str>,
 ) -> Result<Router, Box<dyn std::error::Error>>
 where
     DB: OrdersDb,
     S: Store<Database = DB>,
 {
     DB::create_schema(&pool).await?;
+    if let Some(broker) = broker {
+        // The consumer claims payment ids in the same store as the HTTP keys: one claim path.
+        #[cfg(feature = "inbox")]
+        consumer::spawn(store.clone(), broker).await?;
+        #[cfg(not(feature = "inbox"))]
+        return Err(format!(
+            "BROKER_URL ({} bytes) needs --features rabbitmq or nats",
+            broker.len()
+        )
+        .into());
+    }
     let state = AppState { pool };
 
     // Keys are scoped to the user the bearer token proves, never to a header the client asserts.

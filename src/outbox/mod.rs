@@ -61,6 +61,17 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Brokers
+//!
+//! With the `rabbitmq` or `nats` feature, `RabbitMqSender` and `NatsSender` publish messages
+//! to a broker (an event per committed business change), the downstream key as the broker's
+//! message id (`message_id`, `Nats-Msg-Id`); the `inbox` module is their consumer side.
+//!
+//! # Operators
+//!
+//! [`Outbox::requeue`] puts a failed message back once its cause is fixed, and
+//! [`Outbox::purge_delivered`] deletes delivered rows past a retention in bounded batches.
+//!
 //! # Backends
 //!
 //! SQLite, PostgreSQL and MySQL/MariaDB (10.6+), each behind its cargo feature, share one table
@@ -72,6 +83,8 @@
 //! the process writing them; dispatchers on several hosts assume clocks kept in sync.
 
 mod backend;
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+mod broker;
 mod dispatcher;
 mod error;
 mod message;
@@ -81,6 +94,10 @@ mod store;
 
 pub use crate::backoff::Backoff;
 pub use backend::Backend;
+#[cfg(feature = "nats")]
+pub use broker::NatsSender;
+#[cfg(feature = "rabbitmq")]
+pub use broker::RabbitMqSender;
 pub use dispatcher::{DispatchWaker, Dispatcher};
 pub use error::OutboxError;
 pub use message::{DownstreamKey, InvalidDownstreamKey, Message};

@@ -1,11 +1,13 @@
 //! The outbox table as the application sees it: create it, enqueue into it, read it back.
 
 use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
 
 use sqlx::Pool;
 
 use super::backend::Backend;
-use super::status::now_millis;
+use super::status::{duration_millis, now_millis};
 use super::{DownstreamKey, Message, MessageId, OutboxError, OutboxRecord};
 
 /// Handle on the `idempotency_outbox` table of one database; cheap to clone.
@@ -30,13 +32,18 @@ use super::{DownstreamKey, Message, MessageId, OutboxError, OutboxRecord};
 /// ```
 pub struct Outbox<DB: Backend> {
     pool: Pool<DB>,
+    // One purge at a time per outbox (and its clones): two would only race for the same rows.
+    purging: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl<DB: Backend> Outbox<DB> {
     /// An outbox whose table lives in `pool`'s database.
     #[must_use]
     pub fn new(pool: Pool<DB>) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            purging: Arc::default(),
+        }
     }
 
     /// Creates the outbox's table, or upgrades it to this version's schema: applies the schema
@@ -88,6 +95,48 @@ impl<DB: Backend> Outbox<DB> {
         Ok(DB::fetch_by_key(&mut conn, key).await?)
     }
 
+    /// Deletes delivered messages that finished more than `retention` ago, `batch` rows per
+    /// statement (so no statement holds many locks), until none is left; returns how many.
+    ///
+    /// Pending and failed messages are never purged. A purge already running on this outbox
+    /// (or a clone) makes this call return `Ok(0)` at once. Keep delivered rows at least as
+    /// long as a caller may still ask for their status.
+    ///
+    /// ```
+    /// # async fn run(outbox: axum_idempotency::outbox::Outbox<sqlx::Sqlite>) -> Result<(), axum_idempotency::outbox::OutboxError> {
+    /// use std::time::Duration;
+    /// let purged = outbox.purge_delivered(Duration::from_secs(7 * 24 * 3600), 500).await?;
+    /// # let _ = purged; Ok(()) }
+    /// ```
+    pub async fn purge_delivered(
+        &self,
+        retention: Duration,
+        batch: u32,
+    ) -> Result<u64, OutboxError> {
+        let Ok(_running) = self.purging.try_lock() else {
+            return Ok(0);
+        };
+        let before = now_millis().saturating_sub(duration_millis(retention));
+        let batch = i64::from(batch.max(1));
+        let mut purged = 0;
+        loop {
+            let deleted = DB::purge_delivered(&self.pool, before, batch).await?;
+            purged += deleted;
+            if deleted < u64::try_from(batch).unwrap_or(u64::MAX) {
+                return Ok(purged);
+            }
+        }
+    }
+
+    /// Puts a failed message back to pending, due now, with its attempts counted afresh,
+    /// once the cause of its failure is fixed. `false` when it is not failed (pending,
+    /// delivered, or unknown). Its downstream key is unchanged, so a downstream that did see
+    /// an earlier attempt still applies it once; if its last outcome was unknown, the next
+    /// attempt looks it up first.
+    pub async fn requeue(&self, id: MessageId) -> Result<bool, OutboxError> {
+        Ok(DB::requeue(&self.pool, id, now_millis()).await?)
+    }
+
     pub(crate) fn pool(&self) -> &Pool<DB> {
         &self.pool
     }
@@ -97,6 +146,7 @@ impl<DB: Backend> Clone for Outbox<DB> {
     fn clone(&self) -> Self {
         Self {
             pool: self.pool.clone(),
+            purging: Arc::clone(&self.purging),
         }
     }
 }

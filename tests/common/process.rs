@@ -31,6 +31,8 @@ pub fn example(name: &str) -> PathBuf {
 pub struct Process {
     child: Child,
     pub url: String,
+    /// Every line it printed on stdout so far.
+    pub output: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl Process {
@@ -59,8 +61,35 @@ impl Process {
         .await
         .unwrap();
         // Keep draining stdout so the child never blocks on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        Self { child, url }
+        let output = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = output.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                kept.lock().unwrap().push(line);
+            }
+        });
+        Self { child, url, output }
+    }
+
+    /// The last line printed that contains `needle`, if any.
+    pub fn last_line(&self, needle: &str) -> Option<String> {
+        let output = self.output.lock().unwrap();
+        output.iter().rev().find(|l| l.contains(needle)).cloned()
+    }
+
+    /// Waits (bounded) until a line containing `needle` is printed.
+    pub async fn wait_for_line(&self, needle: &str, within: Duration) -> String {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if let Some(line) = self.last_line(needle) {
+                return line;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no line with {needle:?} within {within:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     pub async fn kill(mut self) {

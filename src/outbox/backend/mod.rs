@@ -134,6 +134,14 @@ mod private {
             true
         }
 
+        /// Deletes delivered messages finished before a time, a bounded batch per statement.
+        /// Parameters: finished_before, limit.
+        const PURGE_DELIVERED: &'static str;
+        /// Puts a failed message back to pending, due now, its attempts counted afresh; the
+        /// unknown-outcome flag stays, so a resend still looks the message up first.
+        /// Parameters: now, id.
+        const REQUEUE: &'static str;
+
         /// How many rows a statement affected.
         fn rows_affected(result: &Self::QueryResult) -> u64;
     }
@@ -177,6 +185,20 @@ mod private {
             pool: &Pool<Self>,
             id: MessageId,
             token: i64,
+            now: i64,
+        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+        /// Deletes up to `limit` delivered messages finished before `before`.
+        fn purge_delivered(
+            pool: &Pool<Self>,
+            before: i64,
+            limit: i64,
+        ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+        /// Puts a failed message back to pending; `false` when it is not failed.
+        fn requeue(
+            pool: &Pool<Self>,
+            id: MessageId,
             now: i64,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 

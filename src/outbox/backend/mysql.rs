@@ -45,6 +45,13 @@ impl Dialect for MySql {
         WHERE id = ? AND lease_token = ?";
     // Releasing the lease always changes the row, so MySQL's "changed rows" count is 1 exactly
     // when the lease was still ours.
+    // MySQL refuses LIMIT in an IN subquery but takes it on DELETE itself.
+    const PURGE_DELIVERED: &'static str = "DELETE FROM idempotency_outbox
+        WHERE status = 'delivered' AND finished_at < ? ORDER BY finished_at LIMIT ?";
+    const REQUEUE: &'static str = "UPDATE idempotency_outbox
+        SET status = 'pending', attempts = 0, next_attempt_at = ?, finished_at = NULL,
+            lease_expires_at = NULL, lease_token = NULL
+        WHERE id = ? AND status = 'failed'";
     const SETTLE: &'static str = "UPDATE idempotency_outbox
         SET status = ?, receipt = ?, last_error = ?, outcome_unknown = ?,
             next_attempt_at = ?, finished_at = ?,

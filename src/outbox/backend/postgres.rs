@@ -46,6 +46,13 @@ impl Dialect for Postgres {
     const BEGIN_ATTEMPT: &'static str = "UPDATE idempotency_outbox
         SET attempts = attempts + 1, last_attempt_at = $1, outcome_unknown = TRUE
         WHERE id = $2 AND lease_token = $3";
+    const PURGE_DELIVERED: &'static str = "DELETE FROM idempotency_outbox WHERE id IN (
+        SELECT id FROM idempotency_outbox WHERE status = 'delivered' AND finished_at < $1
+        ORDER BY finished_at LIMIT $2)";
+    const REQUEUE: &'static str = "UPDATE idempotency_outbox
+        SET status = 'pending', attempts = 0, next_attempt_at = $1, finished_at = NULL,
+            lease_expires_at = NULL, lease_token = NULL
+        WHERE id = $2 AND status = 'failed'";
     const SETTLE: &'static str = "UPDATE idempotency_outbox
         SET status = $1, receipt = $2, last_error = $3, outcome_unknown = $4,
             next_attempt_at = $5, finished_at = $6,

@@ -158,6 +158,28 @@ where
         Ok(DB::rows_affected(&done) == 1)
     }
 
+    async fn purge_delivered(
+        pool: &Pool<Self>,
+        before: i64,
+        limit: i64,
+    ) -> Result<u64, sqlx::Error> {
+        let done = sqlx::query(DB::PURGE_DELIVERED)
+            .bind(before)
+            .bind(limit)
+            .execute(pool)
+            .await?;
+        Ok(DB::rows_affected(&done))
+    }
+
+    async fn requeue(pool: &Pool<Self>, id: MessageId, now: i64) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(DB::REQUEUE)
+            .bind(now)
+            .bind(id.get())
+            .execute(pool)
+            .await?;
+        Ok(DB::rows_affected(&done) == 1)
+    }
+
     async fn settle(
         pool: &Pool<Self>,
         id: MessageId,

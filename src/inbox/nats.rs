@@ -1,0 +1,330 @@
+//! The inbox on NATS JetStream (through async-nats), with a durable pull consumer.
+//!
+//! [`NatsConsumer`] pulls from one durable consumer on a stream, runs each message through the
+//! [`Inbox`], and acknowledges only after the inbox's transaction has ended. On
+//! [`declare`](NatsConsumer::declare) it uses the stream as it is if it exists (a publisher
+//! may have created it with server defaults) and creates it otherwise; it creates the durable
+//! consumer (explicit acks, the [ack wait](NatsConsumer::ack_wait), 30 s by default, after which
+//! a message whose consumer died is redelivered) and the dead-letter stream.
+//!
+//! - Retry: `Nak` with the inbox's backoff as delay; the attempt count is JetStream's own
+//!   delivery count.
+//! - Dead letter: the message is published to the dead-letter stream (by default
+//!   `{DURABLE}_DEAD`, subjects `{durable}.dead.>`) with its `Nats-Msg-Id`, then acked. The
+//!   dead-letter stream's duplicate window absorbs a copy published twice by a consumer that
+//!   died in between.
+//!
+//! ```no_run
+//! # async fn run(store: axum_idempotency::SqliteStore) -> Result<(), async_nats::Error> {
+//! use axum_idempotency::inbox::{Delivery, Failure, Inbox};
+//! use axum_idempotency::inbox::nats::NatsConsumer;
+//! use axum_idempotency::Tx;
+//!
+//! let client = async_nats::connect("nats://127.0.0.1:4222").await?;
+//! let jetstream = async_nats::jetstream::new(client);
+//! let consumer = NatsConsumer::new(Inbox::new("orders", store), jetstream, "PAYMENTS", "orders")
+//!     .stream_subjects(["payments.>"])
+//!     .filter_subject("payments.succeeded");
+//! consumer.declare().await?; // dead letters: stream ORDERS_DEAD, subjects orders.dead.>
+//! consumer
+//!     .run(|_tx: Tx<sqlx::Sqlite>, _delivery: Delivery| async { Ok::<_, Failure>(()) })
+//!     .await?;
+//! # Ok(()) }
+//! ```
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
+use async_nats::jetstream::message::AckKind;
+use async_nats::jetstream::{Context, stream};
+use futures_util::StreamExt;
+
+use super::{Delivery, Failure, Inbox, ReplayReport, Verdict};
+use crate::store::Store;
+use crate::tx::Tx;
+
+/// The header a dead letter carries: why it died.
+const REASON: &str = "Inbox-Reason";
+/// The header a dead letter carries: the subject it was first published on.
+const ORIGINAL_SUBJECT: &str = "Inbox-Subject";
+
+/// Consumes a JetStream durable pull consumer through an [`Inbox`]. See the
+/// [module docs](self).
+pub struct NatsConsumer<S> {
+    inbox: Inbox<S>,
+    jetstream: Context,
+    stream: String,
+    subjects: Vec<String>,
+    durable: String,
+    filter: Option<String>,
+    dead_stream: String,
+    dead_prefix: String,
+    ack_wait: Duration,
+    concurrency: usize,
+}
+
+impl<S: fmt::Debug> fmt::Debug for NatsConsumer<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsConsumer")
+            .field("inbox", &self.inbox)
+            .field("stream", &self.stream)
+            .field("durable", &self.durable)
+            .field("filter", &self.filter)
+            .field("dead_stream", &self.dead_stream)
+            .field("ack_wait", &self.ack_wait)
+            .field("concurrency", &self.concurrency)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Store> NatsConsumer<S> {
+    /// A consumer of `stream` through the durable consumer `durable`, 4 messages at a time.
+    pub fn new(
+        inbox: Inbox<S>,
+        jetstream: Context,
+        stream: impl Into<String>,
+        durable: impl Into<String>,
+    ) -> Self {
+        let durable: String = durable.into();
+        Self {
+            inbox,
+            jetstream,
+            stream: stream.into(),
+            subjects: Vec::new(),
+            dead_stream: format!("{}_DEAD", durable.to_uppercase()),
+            dead_prefix: format!("{durable}.dead"),
+            durable,
+            filter: None,
+            ack_wait: Duration::from_secs(30),
+            concurrency: 4,
+        }
+    }
+
+    /// The subjects the stream is created with if it does not exist yet (default: the filter
+    /// subject).
+    #[must_use]
+    pub fn stream_subjects<I, T>(mut self, subjects: I) -> Self
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<String>,
+    {
+        self.subjects = subjects.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Only messages on this subject reach the consumer (default: all of the stream).
+    #[must_use]
+    pub fn filter_subject(mut self, subject: impl Into<String>) -> Self {
+        self.filter = Some(subject.into());
+        self
+    }
+
+    /// Where dead letters go: stream `stream` with subjects `{prefix}.>` (default
+    /// `{DURABLE}_DEAD` and `{durable}.dead`). Keep the prefix outside the consumed stream's
+    /// subjects.
+    #[must_use]
+    pub fn dead_letters(mut self, stream: impl Into<String>, prefix: impl Into<String>) -> Self {
+        self.dead_stream = stream.into();
+        self.dead_prefix = prefix.into();
+        self
+    }
+
+    /// How long JetStream waits for an ack before redelivering (default 30 s) when the
+    /// consumer is created.
+    #[must_use]
+    pub fn ack_wait(mut self, wait: Duration) -> Self {
+        self.ack_wait = wait;
+        self
+    }
+
+    /// How many messages are handled at once (default 4); also the pull batch size.
+    #[must_use]
+    pub fn concurrency(mut self, messages: usize) -> Self {
+        self.concurrency = messages.max(1);
+        self
+    }
+
+    /// The dead-letter stream's name.
+    pub fn dead_letter_stream(&self) -> &str {
+        &self.dead_stream
+    }
+
+    /// Declares the stream (kept as it is if it exists), the durable consumer and the
+    /// dead-letter stream. Idempotent.
+    pub async fn declare(&self) -> Result<(), async_nats::Error> {
+        let stream = self.stream().await?;
+        stream
+            .get_or_create_consumer(
+                &self.durable,
+                pull::Config {
+                    durable_name: Some(self.durable.clone()),
+                    ack_policy: AckPolicy::Explicit,
+                    ack_wait: self.ack_wait,
+                    // The inbox counts attempts and dead-letters; JetStream must not drop.
+                    max_deliver: -1,
+                    filter_subject: self.filter.clone().unwrap_or_default(),
+                    max_ack_pending: 10_000,
+                    ..pull::Config::default()
+                },
+            )
+            .await?;
+        self.jetstream
+            .get_or_create_stream(stream::Config {
+                name: self.dead_stream.clone(),
+                subjects: vec![format!("{}.>", self.dead_prefix)],
+                ..stream::Config::default()
+            })
+            .await?;
+        Ok(())
+    }
+
+    async fn stream(&self) -> Result<stream::Stream, async_nats::Error> {
+        if let Ok(stream) = self.jetstream.get_stream(&self.stream).await {
+            return Ok(stream);
+        }
+        let subjects = if self.subjects.is_empty() {
+            self.filter.iter().cloned().collect()
+        } else {
+            self.subjects.clone()
+        };
+        Ok(self
+            .jetstream
+            .get_or_create_stream(stream::Config {
+                name: self.stream.clone(),
+                subjects,
+                ..stream::Config::default()
+            })
+            .await?)
+    }
+
+    async fn consumer(&self) -> Result<PullConsumer, async_nats::Error> {
+        let stream = self.jetstream.get_stream(&self.stream).await?;
+        stream.get_consumer(&self.durable).await
+    }
+
+    /// Pulls and handles messages until the connection fails for good. Each message is acked
+    /// after the inbox's transaction ended (applied, duplicate, or dead-lettered once its copy
+    /// is stored), or `Nak`ed with a delay for a retry.
+    pub async fn run<H, Fut>(self, handler: H) -> Result<(), async_nats::Error>
+    where
+        H: Fn(Tx<S::Database>, Delivery) -> Fut + Clone + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), Failure>> + Send + 'static,
+    {
+        let consumer = self.consumer().await?;
+        // Pull no more than can be handled at once: a message waiting in a client buffer
+        // still runs down its ack wait.
+        let messages = consumer
+            .stream()
+            .max_messages_per_batch(self.concurrency)
+            .messages()
+            .await?;
+        messages
+            .for_each_concurrent(self.concurrency, |message| {
+                let handler = handler.clone();
+                let this = &self;
+                async move {
+                    let outcome = match message {
+                        Ok(message) => this.process(message, handler).await,
+                        Err(error) => Err(error.into()),
+                    };
+                    if let Err(error) = outcome {
+                        tracing::warn!(consumer = %this.inbox.name(), %error, "JetStream message not settled");
+                    }
+                }
+            })
+            .await;
+        Ok(())
+    }
+
+    async fn process<H, Fut>(
+        &self,
+        message: async_nats::jetstream::Message,
+        handler: H,
+    ) -> Result<(), async_nats::Error>
+    where
+        H: Fn(Tx<S::Database>, Delivery) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<(), Failure>> + Send + 'static,
+    {
+        let attempt = message
+            .info()
+            .map(|info| u32::try_from(info.delivered.max(1)).unwrap_or(u32::MAX))
+            .unwrap_or(1);
+        let delivery = delivery_of(message.headers.as_ref(), message.payload.clone(), attempt);
+        match self.inbox.handle(delivery, handler).await {
+            Verdict::Applied | Verdict::Duplicate => message.ack().await?,
+            Verdict::Retry { after } => message.ack_with(AckKind::Nak(Some(after))).await?,
+            Verdict::Dead { reason } => {
+                self.dead_letter(&message, &reason).await?;
+                message.ack().await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Stores a copy in the dead-letter stream and waits for the stream's ack.
+    async fn dead_letter(
+        &self,
+        message: &async_nats::jetstream::Message,
+        reason: &str,
+    ) -> Result<(), async_nats::Error> {
+        let mut headers = message.headers.clone().unwrap_or_default();
+        headers.insert(REASON, reason);
+        headers.insert(ORIGINAL_SUBJECT, message.subject.as_str());
+        let subject = format!("{}.{}", self.dead_prefix, message.subject);
+        self.jetstream
+            .publish_with_headers(subject, headers, message.payload.clone())
+            .await?
+            .await?;
+        Ok(())
+    }
+
+    /// Replays up to `limit` dead letters through the same claim as live messages, for an
+    /// operator once the cause is fixed. Each is one attempt: applied (or found applied
+    /// already) → deleted from the dead-letter stream; failed again → left there.
+    pub async fn replay_dead<H, Fut>(
+        &self,
+        handler: H,
+        limit: usize,
+    ) -> Result<ReplayReport, async_nats::Error>
+    where
+        H: Fn(Tx<S::Database>, Delivery) -> Fut + Clone + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), Failure>> + Send + 'static,
+    {
+        let mut stream = self.jetstream.get_stream(&self.dead_stream).await?;
+        let state = stream.info().await?.state.clone();
+        let mut report = ReplayReport::default();
+        let mut seen = 0;
+        for sequence in state.first_sequence..=state.last_sequence {
+            if seen >= limit || state.messages == 0 {
+                break;
+            }
+            // A sequence deleted by an earlier replay has no message: skip it.
+            let Ok(dead) = stream.get_raw_message(sequence).await else {
+                continue;
+            };
+            seen += 1;
+            let delivery = delivery_of(Some(&dead.headers), dead.payload.clone(), 1);
+            match self.inbox.replay(delivery, handler.clone()).await {
+                Verdict::Applied => report.applied += 1,
+                Verdict::Duplicate => report.duplicates += 1,
+                Verdict::Retry { .. } | Verdict::Dead { .. } => {
+                    report.still_dead += 1;
+                    continue;
+                }
+            }
+            stream.delete_message(sequence).await?;
+        }
+        Ok(report)
+    }
+}
+
+fn delivery_of(headers: Option<&HeaderMap>, payload: bytes::Bytes, attempt: u32) -> Delivery {
+    let mut delivery = Delivery::new(payload).attempt(attempt);
+    if let Some(id) = headers.and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID)) {
+        delivery = delivery.message_id(id.as_str());
+    }
+    delivery
+}

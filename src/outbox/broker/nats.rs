@@ -1,0 +1,87 @@
+//! An outbox [`Sender`] that publishes to NATS JetStream with `Nats-Msg-Id`.
+
+use std::collections::HashMap;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::Context;
+
+use crate::outbox::{OutboxRecord, SendOutcome, Sender};
+
+/// Publishes outbox messages to JetStream, waiting for the stream's ack on every attempt.
+///
+/// The message's [downstream key](OutboxRecord::downstream_key) travels as `Nats-Msg-Id`, so the
+/// stream's own duplicate window drops a resend (an ack lost in transit, a dispatcher that
+/// died after publishing) and consumers see the message once; past that window, the consumer
+/// side's dedupe (see the `inbox` module) still applies it once. Keep the stream's duplicate
+/// window (2 minutes by default) above the dispatcher's send timeout plus its backoff, so the
+/// usual resends fall inside it. The subject is the message's topic, or what
+/// [`route`](Self::route) maps it to; a subject no stream captures is retried later.
+///
+/// ```no_run
+/// # async fn run(outbox: axum_idempotency::outbox::Outbox<sqlx::Sqlite>) -> Result<(), async_nats::Error> {
+/// use axum_idempotency::outbox::{Dispatcher, NatsSender};
+///
+/// let jetstream = async_nats::jetstream::new(async_nats::connect("nats://127.0.0.1:4222").await?);
+/// let sender = NatsSender::new(jetstream).route("payment.succeeded", "payments.succeeded");
+/// tokio::spawn(Dispatcher::new(outbox, sender).run(std::future::pending()));
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct NatsSender {
+    jetstream: Context,
+    routes: HashMap<String, String>,
+}
+
+impl NatsSender {
+    /// A sender publishing through `jetstream`.
+    pub fn new(jetstream: Context) -> Self {
+        Self {
+            jetstream,
+            routes: HashMap::new(),
+        }
+    }
+
+    /// Publishes messages of `topic` on `subject` (default: the topic itself).
+    #[must_use]
+    pub fn route(mut self, topic: impl Into<String>, subject: impl Into<String>) -> Self {
+        self.routes.insert(topic.into(), subject.into());
+        self
+    }
+}
+
+impl Sender for NatsSender {
+    async fn send(&self, message: &OutboxRecord) -> SendOutcome {
+        let subject = self
+            .routes
+            .get(&message.topic)
+            .cloned()
+            .unwrap_or_else(|| message.topic.clone());
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            async_nats::header::NATS_MESSAGE_ID,
+            message.downstream_key.as_str(),
+        );
+        let published = self
+            .jetstream
+            .publish_with_headers(subject, headers, message.payload.clone().into())
+            .await;
+        let ack = match published {
+            Ok(ack) => ack,
+            Err(error) => {
+                return SendOutcome::Retry {
+                    after: None,
+                    reason: format!("publish failed: {error}"),
+                };
+            }
+        };
+        match ack.await {
+            Ok(ack) => SendOutcome::Delivered {
+                receipt: format!("{}:{}", ack.stream, ack.sequence),
+            },
+            // Possibly stored: a resend with the same Nats-Msg-Id is dropped by the stream if so.
+            Err(error) => SendOutcome::Unknown {
+                reason: format!("no ack from the stream: {error}"),
+            },
+        }
+    }
+}

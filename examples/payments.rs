@@ -393,7 +393,8 @@ where
     let mut body = json!({
         "id": id,
         "order_id": field("order_id"),
-        "amount": field("amount"),
+        // Kept as the exact decimal text it was sent as; answered as the number it is.
+        "amount": serde_json::from_str::<Value>(&field("amount")).unwrap_or(Value::Null),
         "currency": field("currency"),
         "payee": field("payee"),
     });
@@ -760,7 +761,8 @@ fn env_or<T: FromStr>(name: &str, default: T) -> T {
 }
 
 fn problem(status: StatusCode, code: &str, detail: &str) -> Response {
-    let body = json!({ "title": status.canonical_reason(), "status": status.as_u16(), "code": code, "detail": detail });
+    // `about:blank`: the status says what happened; `code` is this app's stable name for it.
+    let body = json!({ "type": "about:blank", "title": status.canonical_reason(), "status": status.as_u16(), "code": code, "detail": detail });
     (
         status,
         [(header::CONTENT_TYPE, "application/problem+json")],

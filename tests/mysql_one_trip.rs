@@ -84,12 +84,37 @@ async fn census(pool: &MySqlPool) -> (i64, bool, bool) {
 /// Strings built to end a quoted literal or a statement early, in every escaping convention.
 fn hostile() -> impl Strategy<Value = String> {
     let pieces = prop::sample::select(vec![
-        "'", "''", "\\", "\\'", "';", "'); DROP TABLE canary; --", "`", "\"", ";", "-- ",
-        "#", "/*", "*/", "\u{FEFF}", "é", "😀", "\r\n", "\0", "?", "X'", "', X'", "' USING ",
-        "\u{5c}\u{27}", "%", "_",
+        "'",
+        "''",
+        "\\",
+        "\\'",
+        "';",
+        "'); DROP TABLE canary; --",
+        "`",
+        "\"",
+        ";",
+        "-- ",
+        "#",
+        "/*",
+        "*/",
+        "\u{FEFF}",
+        "é",
+        "😀",
+        "\r\n",
+        "\0",
+        "?",
+        "X'",
+        "', X'",
+        "' USING ",
+        "\u{5c}\u{27}",
+        "%",
+        "_",
     ]);
     prop::collection::vec(
-        prop_oneof![pieces.prop_map(str::to_owned), any::<String>().prop_map(|s| s.chars().take(6).collect())],
+        prop_oneof![
+            pieces.prop_map(str::to_owned),
+            any::<String>().prop_map(|s| s.chars().take(6).collect())
+        ],
         0..12,
     )
     .prop_map(|parts| parts.concat())

@@ -121,6 +121,17 @@ async fn killed_after_commit_and_before_dispatch_charges_once_after_restart() {
     let restarted = scenario.payments(&provider, &[]).await;
     let settled = http.settled(&restarted.url, id).await;
     assert_eq!(settled["status"], "succeeded");
+    // The amount comes back as the number it was sent as, not as text.
+    assert_eq!(settled["amount"], json!(12.5));
+    let missing = Request::get(format!("{}/payments/{}", restarted.url, id + 1000))
+        .header("authorization", "Bearer alice-token")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let missing = http.call(missing).await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND);
+    assert_eq!(missing.headers["content-type"], "application/problem+json");
+    assert_eq!(missing.json()["type"], "about:blank");
+    assert_eq!(missing.json()["code"], "not_found");
 
     let charges = http.charges(&provider.url).await;
     assert_eq!(charges["count"], 1);

@@ -12,7 +12,7 @@ use crate::error::{Error, Rejection};
 use crate::fingerprint::Fingerprint;
 use crate::record::{Record, RecordState};
 use crate::scope::{Scope, ScopedKey};
-use crate::store::{NewRecord, Protocol, Store};
+use crate::store::{BeganClaim, NewRecord, Protocol, Store};
 
 /// Who holds a key after a claim.
 pub(super) enum Claim<DB: sqlx::Database> {
@@ -74,6 +74,21 @@ impl<S: Store> Engine<S> {
         // database picked this transaction as a deadlock victim (InnoDB does when an original
         // rolls back under waiting duplicates). The victim's transaction is gone; claiming again
         // queues it behind the winner like any duplicate.
+        if begun.is_none() {
+            // The claim travels with the statement that begins its transaction, where the
+            // backend can: a new key then costs no exchange beyond the transaction's own.
+            match store.begin_claimed(record, self.settings.wait).await {
+                Ok(BeganClaim::Ours(tx)) => return Ok(Claim::Ours(tx)),
+                Ok(BeganClaim::Taken) => match store.lookup(&record.key).await {
+                    Ok(Some(existing)) => return Ok(Claim::Theirs(existing)),
+                    // Purged as it expired since: claim again, the usual way.
+                    Ok(None) => {}
+                    Err(error) => return Err(busy_or_internal(error)),
+                },
+                Ok(BeganClaim::Unfused) | Err(Error::Conflict) => {}
+                Err(error) => return Err(busy_or_internal(error)),
+            }
+        }
         for _ in 0..3 {
             let mut tx = match begun.take() {
                 Some(tx) => tx,

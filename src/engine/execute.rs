@@ -89,13 +89,12 @@ impl<S: Store> Engine<S> {
         match (self.settings.classify)(response.status()) {
             Classification::Completed => {
                 let stored = self.storable(&response);
-                let committed = async {
-                    self.store
-                        .protocol()
-                        .finish(&mut tx, &key, RecordState::Completed, &stored)
-                        .await?;
-                    tx.commit().await.map_err(Error::from)
-                };
+                let committed = self.store.protocol().commit_finished(
+                    tx,
+                    &key,
+                    RecordState::Completed,
+                    &stored,
+                );
                 if let Err(error) = committed.await {
                     return Answer::store_failed(error);
                 }

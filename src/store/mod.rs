@@ -17,6 +17,8 @@
 //! How a backend claims a key (statements, lock waits, error codes) is internal to this crate
 //! and may change in any release without a change to these types.
 
+#[cfg(feature = "postgres")]
+mod literal;
 mod protocol;
 mod sql;
 
@@ -36,7 +38,7 @@ pub use postgres::PgStore;
 #[cfg(feature = "sqlite")]
 pub use sqlite::SqliteStore;
 
-pub(crate) use protocol::{LeaseClaim, NewRecord, Opened, Protocol};
+pub(crate) use protocol::{BeganClaim, LeaseClaim, NewRecord, Opened, Protocol};
 
 /// A store an [`Engine`](crate::Engine) or an [`IdempotencyLayer`](crate::IdempotencyLayer)
 /// keeps records in: [`SqliteStore`], [`PgStore`] or [`MySqlStore`], each behind the cargo

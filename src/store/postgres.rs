@@ -6,8 +6,11 @@ use sqlx::error::DatabaseError;
 use sqlx::postgres::PgRow;
 use sqlx::{Postgres, Row};
 
-use super::sql::Dialect;
+use super::literal::{Literals, Syntax};
+use super::protocol::NewRecord;
+use super::sql::{Dialect, finish_text, record_literals};
 use super::store_type;
+use crate::record::{RecordState, StoredResponse};
 use crate::scope::ScopedKey;
 
 store_type! {
@@ -26,6 +29,32 @@ store_type! {
     /// ```
     PgStore(Postgres)
 }
+
+/// The records table's columns, in the order every claim writes them.
+macro_rules! record_columns {
+    () => {
+        "(key_digest, principal, method, route, fingerprint, state, status, headers, body, \
+        created_at, expires_at, lease_owner, lease_expires_at)"
+    };
+}
+
+/// A claim's conflict clause: an expired record is replaced in the same statement, under its
+/// row lock; a live one is left alone.
+macro_rules! replace_expired {
+    () => {
+        "ON CONFLICT (key_digest) DO UPDATE SET \
+        principal = EXCLUDED.principal, method = EXCLUDED.method, route = EXCLUDED.route, \
+        fingerprint = EXCLUDED.fingerprint, state = EXCLUDED.state, status = EXCLUDED.status, \
+        headers = EXCLUDED.headers, body = EXCLUDED.body, created_at = EXCLUDED.created_at, \
+        expires_at = EXCLUDED.expires_at, lease_owner = EXCLUDED.lease_owner, \
+        lease_expires_at = EXCLUDED.lease_expires_at \
+        WHERE r.expires_at <= EXCLUDED.created_at"
+    };
+}
+
+/// The primary key's constraint, which a claim sent with `BEGIN` violates on purpose when a
+/// live record holds the key.
+const PRIMARY_KEY: &str = "idempotency_records_pkey";
 
 impl Dialect for Postgres {
     const MIGRATIONS: &'static [(i64, &'static str)] = &[
@@ -46,21 +75,14 @@ impl Dialect for Postgres {
     // means no other transaction is claiming the key, so the insert cannot queue behind an
     // uncommitted row and needs no lock-wait bound. The `lock` CTE runs once, before the insert
     // reads from it; the row says whether the lock was free and whether the key was taken.
-    const TRY_CLAIM: Option<&'static str> = Some(
+    const TRY_CLAIM: Option<&'static str> = Some(concat!(
         "WITH lock AS (SELECT pg_try_advisory_xact_lock($14) AS held), \
-        claimed AS (INSERT INTO idempotency_records AS r \
-        (key_digest, principal, method, route, fingerprint, state, status, headers, body, created_at, expires_at, lease_owner, lease_expires_at) \
-        SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13 FROM lock WHERE held \
-        ON CONFLICT (key_digest) DO UPDATE SET \
-        principal = EXCLUDED.principal, method = EXCLUDED.method, route = EXCLUDED.route, \
-        fingerprint = EXCLUDED.fingerprint, state = EXCLUDED.state, status = EXCLUDED.status, \
-        headers = EXCLUDED.headers, body = EXCLUDED.body, created_at = EXCLUDED.created_at, \
-        expires_at = EXCLUDED.expires_at, lease_owner = EXCLUDED.lease_owner, \
-        lease_expires_at = EXCLUDED.lease_expires_at \
-        WHERE r.expires_at <= EXCLUDED.created_at \
-        RETURNING 1) \
-        SELECT held, EXISTS (SELECT 1 FROM claimed) FROM lock",
-    );
+        claimed AS (INSERT INTO idempotency_records AS r ",
+        record_columns!(),
+        " SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13 FROM lock WHERE held ",
+        replace_expired!(),
+        " RETURNING 1) SELECT held, EXISTS (SELECT 1 FROM claimed) FROM lock",
+    ));
     // Held, the lock belongs to an in-flight claim of the key (or, once in 2^64, of a key with
     // the same lock number): this statement waits for it, then claims. The statement bounds
     // its own wait, so the claim transaction begins with a plain `BEGIN` and the bound is part
@@ -69,20 +91,16 @@ impl Dialect for Postgres {
     // ready, waits for the key's lock. RETURNING gives the handler's own statements the saved
     // value back once the key is ours. Both settings are transaction-local, so a claim that
     // returns no row leaves nothing behind past its transaction.
-    const CLAIM: &'static str = "INSERT INTO idempotency_records AS r \
-        (key_digest, principal, method, route, fingerprint, state, status, headers, body, created_at, expires_at, lease_owner, lease_expires_at) \
-        SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13 \
+    const CLAIM: &'static str = concat!(
+        "INSERT INTO idempotency_records AS r ",
+        record_columns!(),
+        " SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13 \
         FROM (SELECT pg_advisory_xact_lock(CASE WHEN set_config('lock_timeout', \
             $14 || left(set_config('axum_idempotency.lock_timeout', current_setting('lock_timeout'), true), 0), \
-            true) IS NOT NULL THEN $15 END)) AS bound \
-        ON CONFLICT (key_digest) DO UPDATE SET \
-        principal = EXCLUDED.principal, method = EXCLUDED.method, route = EXCLUDED.route, \
-        fingerprint = EXCLUDED.fingerprint, state = EXCLUDED.state, status = EXCLUDED.status, \
-        headers = EXCLUDED.headers, body = EXCLUDED.body, created_at = EXCLUDED.created_at, \
-        expires_at = EXCLUDED.expires_at, lease_owner = EXCLUDED.lease_owner, \
-        lease_expires_at = EXCLUDED.lease_expires_at \
-        WHERE r.expires_at <= EXCLUDED.created_at \
-        RETURNING set_config('lock_timeout', current_setting('axum_idempotency.lock_timeout'), true)";
+            true) IS NOT NULL THEN $15 END)) AS bound ",
+        replace_expired!(),
+        " RETURNING set_config('lock_timeout', current_setting('axum_idempotency.lock_timeout'), true)",
+    );
     const FIND: &'static str = "SELECT state, fingerprint, status, headers, body, created_at, expires_at, lease_expires_at \
         FROM idempotency_records WHERE key_digest = $1";
     const FINISH: &'static str = "UPDATE idempotency_records \
@@ -105,6 +123,58 @@ impl Dialect for Postgres {
 
     fn begin_statement(_lock_wait: Duration) -> Option<String> {
         None
+    }
+
+    // Sent as one simple query, the claim comes *before* `BEGIN`: the statements run in the
+    // implicit transaction of their query, which `BEGIN` turns into the transaction the handler
+    // goes on in. If a statement fails, the server rolls the implicit transaction back and skips
+    // the rest, `BEGIN` included, so a refused claim leaves the connection idle, with nothing
+    // to roll back. The statements: save the session's `lock_timeout` and set the bound; wait
+    // (bounded) for the key's advisory lock, held by any in-flight claim of the key; claim on
+    // the unique key; when a live record kept it, insert the key again, plainly, so that the
+    // primary key refuses it and the failure says "taken"; restore `lock_timeout`.
+    fn fused_claim(record: &NewRecord<'_>, lock_wait: Duration) -> Option<String> {
+        let values = record_literals(record, Syntax::Postgres)?;
+        let mut digest = Literals::new(Syntax::Postgres);
+        digest.bytes(record.key.digest());
+        let lock = Self::key_lock(&record.key)?;
+        let bound = Self::claim_lock_wait(lock_wait)?;
+        Some(format!(
+            concat!(
+                "SELECT set_config('axum_idempotency.lock_timeout', current_setting('lock_timeout'), true); ",
+                "SELECT set_config('lock_timeout', '{bound}', true); ",
+                "SELECT pg_advisory_xact_lock({lock}); ",
+                "WITH claimed AS (INSERT INTO idempotency_records AS r ",
+                record_columns!(),
+                " VALUES ({values}) ",
+                replace_expired!(),
+                " RETURNING 1) INSERT INTO idempotency_records \
+                (key_digest, method, route, fingerprint, state, created_at, expires_at) \
+                SELECT {digest}, '', '', {digest}, '', 0, 0 WHERE NOT EXISTS (SELECT 1 FROM claimed); ",
+                "SELECT set_config('lock_timeout', current_setting('axum_idempotency.lock_timeout'), true); ",
+                "BEGIN",
+            ),
+            bound = bound,
+            lock = lock,
+            values = values.as_str(),
+            digest = digest.as_str(),
+        ))
+    }
+
+    fn fused_taken(error: &dyn DatabaseError) -> bool {
+        // unique_violation, on the records' own primary key
+        error.code().as_deref() == Some("23505") && error.constraint() == Some(PRIMARY_KEY)
+    }
+
+    // `BEGIN` after `COMMIT` leaves an empty transaction for the rollback the dropped
+    // `Transaction` queues, so that rollback finds a transaction to end and the server logs no
+    // warning.
+    fn fused_finish(
+        key: &ScopedKey,
+        state: RecordState,
+        response: &StoredResponse,
+    ) -> Option<String> {
+        finish_text(key, state, response, Syntax::Postgres, "; COMMIT; BEGIN")
     }
 
     fn claim_lock_wait(lock_wait: Duration) -> Option<String> {

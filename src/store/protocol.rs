@@ -57,6 +57,18 @@ pub enum Opened<DB: Database> {
     },
 }
 
+/// What [`Protocol::begin_claimed`] did.
+#[derive(Debug)]
+pub enum BeganClaim<DB: Database> {
+    /// The transaction is begun and holds the claim.
+    Ours(Transaction<'static, DB>),
+    /// A live record holds the key. Nothing was left open.
+    Taken,
+    /// The backend cannot send this claim with the statement that begins its transaction:
+    /// begin, then claim.
+    Unfused,
+}
+
 /// Storage for idempotency records, inside the handler's own database.
 ///
 /// A backend implements these steps so that:
@@ -97,6 +109,27 @@ pub trait Protocol: Clone + Send + Sync + 'static {
         &self,
         lock_wait: Duration,
     ) -> impl Future<Output = Result<Transaction<'static, Self::Database>, Error>> + Send;
+
+    /// Begins a transaction that already holds the claim on `record`'s key, in the one
+    /// exchange with the database that begins it, where the backend can. The claim keeps the
+    /// guarantees of [`claim`](Protocol::claim): the unique key decides, a concurrent claimer
+    /// is waited for up to `lock_wait` ([`Error::Busy`] past it), a deadlock or serialization
+    /// failure is [`Error::Conflict`].
+    fn begin_claimed<'a>(
+        &'a self,
+        record: &'a NewRecord<'a>,
+        lock_wait: Duration,
+    ) -> impl Future<Output = Result<BeganClaim<Self::Database>, Error>> + Send + 'a;
+
+    /// Writes the outcome into the record claimed in `tx` and commits, in one exchange with
+    /// the database where the backend can.
+    fn commit_finished<'a>(
+        &'a self,
+        tx: Transaction<'static, Self::Database>,
+        key: &'a ScopedKey,
+        state: RecordState,
+        response: &'a StoredResponse,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 'a;
 
     /// Inserts `record`, or replaces an expired record under the same key, waiting up to
     /// `lock_wait` for a concurrent claimer. Returns `false`, changing nothing, when a live

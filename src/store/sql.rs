@@ -11,7 +11,9 @@ use sqlx::{
     ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Transaction, Type,
 };
 
-use super::protocol::{LeaseClaim, NewRecord, Opened, Protocol};
+#[cfg(feature = "postgres")]
+use super::literal::{Literals, Syntax};
+use super::protocol::{BeganClaim, LeaseClaim, NewRecord, Opened, Protocol};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::migrate;
@@ -139,6 +141,33 @@ pub trait Dialect: Database {
         Ok(None)
     }
 
+    /// The statements that claim `record` and begin its transaction in one exchange (see
+    /// [`Protocol::begin_claimed`]), with the record's values as [`Literals`]; `None` where
+    /// the backend cannot. They must leave no transaction open when the key is not theirs,
+    /// and fail with an error [`fused_taken`](Dialect::fused_taken) recognises when a live
+    /// record holds it.
+    fn fused_claim(_record: &NewRecord<'_>, _lock_wait: Duration) -> Option<String> {
+        None
+    }
+
+    /// Whether the error a [`fused_claim`](Dialect::fused_claim) failed with means a live record
+    /// holds the key.
+    fn fused_taken(_error: &dyn DatabaseError) -> bool {
+        false
+    }
+
+    /// The statements that write the outcome into the claimed record and commit, in one
+    /// exchange, written as [`Literals`] like [`FINISH`](Dialect::FINISH)'s parameters; `None`
+    /// where the backend cannot. They may leave an empty transaction begun, for the rollback
+    /// the dropped `Transaction` then sends with the pool's next statement.
+    fn fused_finish(
+        _key: &ScopedKey,
+        _state: RecordState,
+        _response: &StoredResponse,
+    ) -> Option<String> {
+        None
+    }
+
     /// Whether the error means "a lock wait ran out".
     fn is_busy(error: &dyn DatabaseError) -> bool;
 
@@ -155,6 +184,76 @@ pub trait Dialect: Database {
     fn claimed(result: &Self::QueryResult) -> bool {
         Self::rows_affected(result) == 1
     }
+}
+
+/// The largest response a claim or a finish writes into its statement's text: past it, the
+/// text (twice the bytes, in hexadecimal) costs the database more parsing than the exchange
+/// it saves.
+#[cfg(feature = "postgres")]
+pub(super) const FUSED_RESPONSE_LIMIT: usize = 64 * 1024;
+
+/// The record's columns, in the order of [`Dialect::CLAIM`]'s parameters, as literals; `None`
+/// when its response is too large to write into a statement.
+#[cfg(feature = "postgres")]
+pub(super) fn record_literals(record: &NewRecord<'_>, syntax: Syntax) -> Option<Literals> {
+    let mut values = Literals::new(syntax);
+    values
+        .bytes(record.key.digest())
+        .opt_text(record.scope.principal())
+        .text(record.scope.method())
+        .text(record.scope.route())
+        .bytes(record.fingerprint.as_bytes())
+        .text(record.state.as_str());
+    match record.response {
+        Some(response) => {
+            let headers = response.encode_headers();
+            if headers.len() + response.body.len() > FUSED_RESPONSE_LIMIT {
+                return None;
+            }
+            values
+                .int(i64::from(response.status.as_u16()))
+                .bytes(&headers)
+                .bytes(&response.body);
+        }
+        None => {
+            values.null().null().null();
+        }
+    }
+    values
+        .int(record.created_at.column())
+        .int(record.expires_at.column())
+        .opt_bytes(record.lease.as_ref().map(|lease| &lease.owner[..]))
+        .opt_int(record.lease.map(|lease| lease.until.column()));
+    Some(values)
+}
+
+/// [`Dialect::FINISH`] with its values written in, followed by `tail` (the statements that
+/// commit); `None` when the response is too large to write into a statement.
+#[cfg(feature = "postgres")]
+pub(super) fn finish_text(
+    key: &ScopedKey,
+    state: RecordState,
+    response: &StoredResponse,
+    syntax: Syntax,
+    tail: &'static str,
+) -> Option<String> {
+    let headers = response.encode_headers();
+    if headers.len() + response.body.len() > FUSED_RESPONSE_LIMIT {
+        return None;
+    }
+    let mut sql = Literals::new(syntax);
+    sql.sql("UPDATE idempotency_records SET state = ")
+        .text(state.as_str())
+        .sql(", status = ")
+        .int(i64::from(response.status.as_u16()))
+        .sql(", headers = ")
+        .bytes(&headers)
+        .sql(", body = ")
+        .bytes(&response.body)
+        .sql(" WHERE key_digest = ")
+        .bytes(key.digest())
+        .sql(tail);
+    Some(sql.into_string())
 }
 
 /// Runs an autocommit statement on the pool; returns how many rows it affected.
@@ -260,6 +359,49 @@ where
             None => self.pool.begin().await,
         };
         begun.map_err(classify::<DB>)
+    }
+
+    async fn begin_claimed<'a>(
+        &'a self,
+        record: &'a NewRecord<'a>,
+        lock_wait: Duration,
+    ) -> Result<BeganClaim<DB>, Error> {
+        let Some(statement) = DB::fused_claim(record, lock_wait) else {
+            return Ok(BeganClaim::Unfused);
+        };
+        match self.pool.begin_with(sqlx::AssertSqlSafe(statement)).await {
+            Ok(tx) => Ok(BeganClaim::Ours(tx)),
+            Err(sqlx::Error::Database(error)) if DB::fused_taken(error.as_ref()) => {
+                Ok(BeganClaim::Taken)
+            }
+            Err(error) => Err(classify::<DB>(error)),
+        }
+    }
+
+    async fn commit_finished<'a>(
+        &'a self,
+        mut tx: Transaction<'static, DB>,
+        key: &'a ScopedKey,
+        state: RecordState,
+        response: &'a StoredResponse,
+    ) -> Result<(), Error> {
+        match DB::fused_finish(key, state, response) {
+            Some(statement) => {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(classify::<DB>)?;
+                // The statements committed; dropping the `Transaction` that still counts itself
+                // open queues its rollback of the empty transaction they left, sent together
+                // with the ping the pool tests a returned connection with.
+                drop(tx);
+                Ok(())
+            }
+            None => {
+                self.finish(&mut tx, key, state, response).await?;
+                tx.commit().await.map_err(Error::from)
+            }
+        }
     }
 
     async fn claim<'a>(

@@ -5,6 +5,14 @@
 //! round by round (each round starting one scenario later), because the machine is shared and
 //! noisy: the ratios are the result, the absolute numbers drift.
 //!
+//! Sections besides throughput: `round-trips` counts statements, wire round trips and pool pings
+//! per request through a TCP proxy; `latency` sends sequential requests on one connection (what
+//! one client waits, with no queueing behind others); `latency-1ms` does the same through a
+//! proxy that holds every chunk to and from the database for `BENCH_DELAY_MS` (PostgreSQL and
+//! MariaDB), which is what a user of a database one network hop away sees; `scale` (opt-in)
+//! fills the records table with `BENCH_SCALE` rows and measures the layer at that size and
+//! while `purge_expired()` deletes the expired ones under load.
+//!
 //! Settings (environment):
 //! - `BENCH_BACKENDS` (default `sqlite,postgres,mysql`): backends to run; one whose cargo feature
 //!   is not compiled in is skipped, and the run says so.
@@ -20,7 +28,15 @@
 //!   connection each time they hand it out.
 //! - `BENCH_ONLY` (default: all): a comma-separated list of scenarios to measure, the others
 //!   are skipped (to profile one scenario; ratios need their baselines measured too). The
-//!   sections `layer-storm`, `round-trips`, `soak` and `memory` are named the same way.
+//!   sections `layer-storm`, `round-trips`, `latency`, `latency-1ms`, `scale`, `soak` and
+//!   `memory` are named the same way; a section, once in, measures all of its scenarios.
+//! - `BENCH_DELAY_MS` (default 1, fractions allowed): what the `latency-1ms` section's proxy adds
+//!   in each direction between the app's pool and the database.
+//! - `BENCH_SCALE` (default unset: the `scale` section is skipped): records in the table for the
+//!   `scale` section on PostgreSQL, e.g. `10000000`. SQLite and MariaDB get the smaller of it
+//!   and 10^6, unless `BENCH_SCALE_SMALL` sets their count.
+//! - `BENCH_SCALE_EXPIRED` (default: the smaller of 10^6 and a tenth of the records): how many of
+//!   the `scale` section's records are already expired, for `purge_expired()` to delete.
 //! - `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`): the PostgreSQL server;
 //!   the run creates a schema of its own there and drops it at the end.
 //! - `MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`): the MySQL/MariaDB server; the run
@@ -78,6 +94,10 @@ struct Settings {
     soak_secs: f64,
     soak_requests: u64,
     test_before_acquire: bool,
+    delay: Duration,
+    scale: Option<u64>,
+    scale_small: Option<u64>,
+    scale_expired: Option<u64>,
     #[cfg(feature = "postgres")]
     database_url: String,
     #[cfg(feature = "mysql")]
@@ -92,11 +112,12 @@ struct Settings {
     peer_keying: String,
 }
 
+fn env_opt<T: std::str::FromStr>(name: &str) -> Option<T> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+    env_opt(name).unwrap_or(default)
 }
 
 impl Settings {
@@ -116,6 +137,10 @@ impl Settings {
             soak_secs: env_or("BENCH_SOAK_SECS", 45.0),
             soak_requests: env_or("BENCH_SOAK_REQUESTS", 1_000_000),
             test_before_acquire: env_or("BENCH_TEST_BEFORE_ACQUIRE", true),
+            delay: Duration::from_secs_f64(env_or("BENCH_DELAY_MS", 1.0_f64).max(0.0) / 1000.0),
+            scale: env_opt("BENCH_SCALE"),
+            scale_small: env_opt("BENCH_SCALE_SMALL"),
+            scale_expired: env_opt("BENCH_SCALE_EXPIRED"),
             #[cfg(feature = "postgres")]
             database_url: std::env::var("DATABASE_URL")
                 .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
@@ -135,6 +160,23 @@ impl Settings {
 
     fn duration(&self) -> Duration {
         Duration::from_secs_f64(self.secs)
+    }
+
+    /// The records the scale section fills on `backend` and how many of them are expired, or
+    /// `None` without `BENCH_SCALE`. SQLite and MariaDB are capped lower by default: a single
+    /// writer and a slower bulk insert would make their fill the whole run.
+    fn scale_of(&self, backend: &str) -> Option<(u64, u64)> {
+        let scale = self.scale?;
+        let rows = if backend == "postgres" {
+            scale
+        } else {
+            self.scale_small.unwrap_or(scale.min(1_000_000))
+        };
+        let expired = self
+            .scale_expired
+            .unwrap_or((rows / 10).min(1_000_000))
+            .min(rows);
+        Some((rows, expired))
     }
 }
 
@@ -197,6 +239,28 @@ macro_rules! order_app {
                     .route("/bare", post(bare))
                     .route("/manual", post(manual))
                     .with_state(pool)
+            }
+
+            /// The scale section's access to this app's database: SQL on its pool, and the
+            /// purge of the store the layer uses.
+            pub(crate) fn records(pool: Pool<Db>, dialect: &'static Dialect) -> Records {
+                let store = <$store>::new(pool.clone());
+                Records {
+                    exec: Box::new(move |rt: &Runtime, sql: String| {
+                        let pool = pool.clone();
+                        rt.block_on(async move {
+                            let done = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                                .execute(&pool)
+                                .await?;
+                            Ok(done.rows_affected())
+                        })
+                    }),
+                    purge: Box::new(move || {
+                        let store = store.clone();
+                        Box::pin(async move { Ok(store.purge_expired().await?) })
+                    }),
+                    dialect,
+                }
             }
 
             async fn bare(State(pool): State<Pool<Db>>, body: Bytes) -> Response {
@@ -354,6 +418,106 @@ order_app!(
 );
 
 // ---------------------------------------------------------------------------------------------
+// Scale: a records table filled server-side with rows that look like real completed records.
+
+type Exec = Box<dyn Fn(&Runtime, String) -> Result<u64, BoxError>>;
+type PurgeFuture = std::pin::Pin<Box<dyn Future<Output = Result<u64, BoxError>> + Send>>;
+
+/// What the scale section does to one backend's records table.
+struct Records {
+    /// Runs one SQL statement on the backend's pool; the rows it affected.
+    exec: Exec,
+    /// The store's own `purge_expired()`, to spawn while the load runs.
+    purge: Box<dyn Fn() -> PurgeFuture>,
+    dialect: &'static Dialect,
+}
+
+/// How one backend's SQL spells the filler rows.
+struct Dialect {
+    /// A row source of the integers `lo..hi` as a column `i`.
+    series: fn(u64, u64) -> String,
+    /// A 32-byte key digest for row `i`, as the store's SHA-256 of a scoped key would be.
+    digest: &'static str,
+    /// A literal of these bytes.
+    blob: fn(&[u8]) -> String,
+    analyze: &'static str,
+}
+
+/// Rows per filler INSERT: bounded transactions (undo, WAL) whatever `BENCH_SCALE` is. MySQL's
+/// series is a two-way cross join of 0..999, which caps a statement at 10^6 rows.
+const FILL_CHUNK: u64 = 100_000;
+
+#[cfg(feature = "postgres")]
+const POSTGRES_FILL: Dialect = Dialect {
+    series: |lo, hi| format!("generate_series({lo}::bigint, {}::bigint) AS s(i)", hi - 1),
+    digest: "sha256(int8send(i))",
+    blob: |bytes| format!("decode('{}', 'hex')", hex::encode(bytes)),
+    analyze: "ANALYZE idempotency_records",
+};
+
+// A recursive CTE of 1000 rows, joined with itself: MariaDB stops recursion at 1000 iterations
+// by default (max_recursive_iterations), MySQL 8 likewise (cte_max_recursion_depth).
+#[cfg(feature = "mysql")]
+const MYSQL_FILL: Dialect = Dialect {
+    series: |lo, hi| {
+        format!(
+            "(WITH RECURSIVE d(n) AS (SELECT 0 UNION ALL SELECT n + 1 FROM d WHERE n < 999) \
+             SELECT {lo} + a.n + 1000 * b.n AS i FROM d a, d b \
+             WHERE b.n <= {} AND a.n + 1000 * b.n < {}) AS s",
+            (hi - lo - 1) / 1000,
+            hi - lo
+        )
+    },
+    digest: "UNHEX(SHA2(i, 256))",
+    blob: |bytes| format!("X'{}'", hex::encode(bytes)),
+    analyze: "ANALYZE TABLE idempotency_records",
+};
+
+#[cfg(feature = "sqlite")]
+const SQLITE_FILL: Dialect = Dialect {
+    series: |lo, hi| {
+        format!(
+            "(WITH RECURSIVE s(i) AS (SELECT {lo} UNION ALL SELECT i + 1 FROM s WHERE i < {}) \
+             SELECT i FROM s)",
+            hi - 1
+        )
+    },
+    digest: "randomblob(32)",
+    blob: |bytes| format!("X'{}'", hex::encode(bytes)),
+    analyze: "ANALYZE",
+};
+
+/// The INSERT of filler rows `lo..hi`: completed 201s of `POST /layer` with the store's header
+/// encoding and a small body, so the table's pages hold what real records would. Rows below
+/// `expired` expired an hour ago or more; the others expire within the retention from `now`,
+/// spread over its last hour, so the expiry index is ordered as a real table's would be.
+fn filler_insert(dialect: &Dialect, lo: u64, hi: u64, expired: u64, now: i64) -> String {
+    use sha2::{Digest, Sha256};
+
+    let mut headers = Vec::new();
+    for field in [&b"content-type"[..], b"application/json"] {
+        headers.extend_from_slice(&u32::try_from(field.len()).unwrap_or(0).to_be_bytes());
+        headers.extend_from_slice(field);
+    }
+    let expires = format!(
+        "CASE WHEN i < {expired} THEN {} - i ELSE {} - i % 3600000 END",
+        now - 3_600_000,
+        now + TTL_MS
+    );
+    format!(
+        "INSERT INTO idempotency_records (key_digest, principal, method, route, fingerprint, \
+         state, status, headers, body, created_at, expires_at) \
+         SELECT {}, NULL, 'POST', '/layer', {}, 'completed', 201, {}, {}, {expires} - {TTL_MS}, \
+         {expires} FROM {}",
+        dialect.digest,
+        (dialect.blob)(&Sha256::digest(ORDER_BODY.as_bytes())),
+        (dialect.blob)(&headers),
+        (dialect.blob)(br#"{"id":1}"#),
+        (dialect.series)(lo, hi),
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
 // Counting: statements (sqlx's own statement log) and wire round trips (a counting TCP proxy).
 
 static COUNTING: AtomicBool = AtomicBool::new(false);
@@ -382,58 +546,168 @@ impl<S: Subscriber> tracing_subscriber::Layer<S> for StatementCounter {
     }
 }
 
-/// A TCP proxy to the database that counts round trips: each time the server answers after the
-/// client has sent something, one request/response exchange has completed. Pipelined messages
-/// (Parse/Bind/Execute/Sync in one flight) count once, as they cost one network wait. It reads no
-/// protocol, so it counts MySQL's exchanges the same way as PostgreSQL's.
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-async fn counting_proxy(
-    upstream: SocketAddr,
-    trips: Arc<AtomicU64>,
-) -> std::io::Result<SocketAddr> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// What one database proxy saw: exchanges answered (pings apart) while [`COUNTING`] is on, and
+/// how long it actually held the chunks it forwarded.
+#[derive(Default)]
+struct Wire {
+    trips: AtomicU64,
+    pings: AtomicU64,
+    chunks: AtomicU64,
+    held_us: AtomicU64,
+}
 
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
+impl Wire {
+    fn mean_hold_ms(&self) -> f64 {
+        let chunks = self.chunks.load(Ordering::Relaxed).max(1);
+        self.held_us.load(Ordering::Relaxed) as f64 / chunks as f64 / 1000.0
+    }
+}
+
+/// What the client's last chunk before the server's answer was.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod exchange {
+    pub(super) const NONE: u8 = 0;
+    pub(super) const QUERY: u8 = 1;
+    pub(super) const PING: u8 = 2;
+}
+
+/// Whether a client chunk is a pool's connection test and nothing else: PostgreSQL's lone Sync
+/// (sqlx's `ping()`), or MySQL's COM_PING packet (sequence 0, payload 0x0e). A heuristic on
+/// one read's bytes, not a protocol parser: a ping that shared a read with other messages
+/// counts as a round trip, and it relies on sqlx sending the ping alone and waiting for it.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+fn is_ping(chunk: &[u8]) -> bool {
+    const POSTGRES_SYNC: [u8; 5] = [b'S', 0, 0, 0, 4];
+    const MYSQL_PING: [u8; 5] = [1, 0, 0, 0, 0x0e];
+    chunk == POSTGRES_SYNC || chunk == MYSQL_PING
+}
+
+/// A TCP proxy to the database that counts round trips and can add latency. A round trip is
+/// an answer from the server after the client has sent something: pipelined messages
+/// (Parse/Bind/Execute/Sync in one flight) count once, as they cost one network wait. It reads
+/// no protocol beyond [`is_ping`], so it counts MySQL's exchanges the same way as PostgreSQL's.
+/// With a `delay`, every chunk is held that long in each direction, as on a network hop.
+///
+/// Blocking threads rather than tasks: tokio's timer rounds a 1 ms sleep up to the next
+/// millisecond tick (1 to 2 ms), a thread's sleep is within tens of microseconds.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+fn db_proxy(upstream: SocketAddr, delay: Duration, wire: Arc<Wire>) -> std::io::Result<SocketAddr> {
+    use std::net::{Shutdown, TcpListener, TcpStream};
+    use std::sync::atomic::AtomicU8;
+
+    let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let trips = Arc::clone(&trips);
-            tokio::spawn(async move {
-                let Ok(server) = TcpStream::connect(upstream).await else {
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let Ok(client) = client else {
+                continue;
+            };
+            let wire = Arc::clone(&wire);
+            std::thread::spawn(move || {
+                let Ok(server) = TcpStream::connect(upstream) else {
+                    let _ = client.shutdown(Shutdown::Both);
                     return;
                 };
                 let _ = client.set_nodelay(true);
                 let _ = server.set_nodelay(true);
-                let (mut client_read, mut client_write) = client.into_split();
-                let (mut server_read, mut server_write) = server.into_split();
-                let awaiting = Arc::new(AtomicBool::new(false));
+                let (Ok(client_read), Ok(server_read)) = (client.try_clone(), server.try_clone())
+                else {
+                    return;
+                };
+                let awaiting = Arc::new(AtomicU8::new(exchange::NONE));
                 let sent = Arc::clone(&awaiting);
-                let up = tokio::spawn(async move {
-                    let mut buf = vec![0_u8; 64 * 1024];
-                    while let Ok(n @ 1..) = client_read.read(&mut buf).await {
-                        // Marked before forwarding, so the answer cannot overtake the mark.
-                        sent.store(true, Ordering::SeqCst);
-                        if server_write.write_all(&buf[..n]).await.is_err() {
-                            break;
+                let up_wire = Arc::clone(&wire);
+                let up = std::thread::spawn(move || {
+                    relay(client_read, server, delay, &up_wire, |chunk| {
+                        // Marked on arrival, before forwarding, so the answer cannot overtake
+                        // the mark. A ping never downgrades a query still awaiting its answer.
+                        if is_ping(chunk) {
+                            let _ = sent.compare_exchange(
+                                exchange::NONE,
+                                exchange::PING,
+                                Ordering::SeqCst,
+                                Ordering::SeqCst,
+                            );
+                        } else {
+                            sent.store(exchange::QUERY, Ordering::SeqCst);
                         }
-                    }
-                    let _ = server_write.shutdown().await;
+                    });
                 });
-                let mut buf = vec![0_u8; 64 * 1024];
-                while let Ok(n @ 1..) = server_read.read(&mut buf).await {
-                    if awaiting.swap(false, Ordering::SeqCst) && COUNTING.load(Ordering::Relaxed) {
-                        trips.fetch_add(1, Ordering::Relaxed);
+                relay(server_read, client, delay, &wire, |_| {
+                    let counter = match awaiting.swap(exchange::NONE, Ordering::SeqCst) {
+                        exchange::QUERY => Some(&wire.trips),
+                        exchange::PING => Some(&wire.pings),
+                        _ => None,
+                    };
+                    if let Some(counter) = counter.filter(|_| COUNTING.load(Ordering::Relaxed)) {
+                        counter.fetch_add(1, Ordering::Relaxed);
                     }
-                    if client_write.write_all(&buf[..n]).await.is_err() {
-                        break;
-                    }
-                }
-                let _ = client_write.shutdown().await;
-                let _ = up.await;
+                });
+                let _ = up.join();
             });
         }
     });
     Ok(addr)
+}
+
+/// Copies `from` to `to` until either end closes, calling `seen` on each chunk as it arrives
+/// and writing it `delay` after its arrival. A writer thread keeps the chunks in order, and
+/// each waits only for its own due time: one that arrived while an earlier one was held has
+/// already served part of its delay, so a burst is not delayed once per chunk.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+fn relay(
+    mut from: std::net::TcpStream,
+    mut to: std::net::TcpStream,
+    delay: Duration,
+    wire: &Arc<Wire>,
+    mut seen: impl FnMut(&[u8]),
+) {
+    use std::io::{Read, Write};
+
+    let (queue, held) = std::sync::mpsc::channel::<(Instant, Vec<u8>)>();
+    let wire = Arc::clone(wire);
+    let writer = std::thread::spawn(move || {
+        for (arrived, chunk) in held {
+            std::thread::sleep((arrived + delay).saturating_duration_since(Instant::now()));
+            let held_us = u64::try_from(arrived.elapsed().as_micros()).unwrap_or(u64::MAX);
+            wire.chunks.fetch_add(1, Ordering::Relaxed);
+            wire.held_us.fetch_add(held_us, Ordering::Relaxed);
+            if to.write_all(&chunk).is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown(std::net::Shutdown::Write);
+    });
+    let mut buf = vec![0_u8; 64 * 1024];
+    while let Ok(n @ 1..) = from.read(&mut buf) {
+        let arrived = Instant::now();
+        seen(&buf[..n]);
+        if queue.send((arrived, buf[..n].to_vec())).is_err() {
+            break;
+        }
+    }
+    drop(queue);
+    let _ = writer.join();
+}
+
+/// The order app on a pool of 4 that reaches the database through a [`db_proxy`] with `delay`.
+/// `at` gives the pool's connect options for the proxy's port.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+async fn proxied_app<DB: sqlx::Database>(
+    upstream: SocketAddr,
+    delay: Duration,
+    test_before_acquire: bool,
+    at: impl Fn(u16) -> <DB::Connection as sqlx::Connection>::Options,
+    router: fn(sqlx::Pool<DB>) -> Router,
+) -> Result<(SocketAddr, Arc<Wire>), BoxError> {
+    let wire = Arc::new(Wire::default());
+    let proxy = db_proxy(upstream, delay, Arc::clone(&wire))?;
+    let pool = sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(4)
+        .test_before_acquire(test_before_acquire)
+        .connect_with(at(proxy.port()))
+        .await?;
+    Ok((serve(router(pool)).await?, wire))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -531,6 +805,8 @@ struct Plan {
     record_latency: bool,
     /// Session cookies, one per client: connection `i` sends cookie `i % len`; none if empty.
     cookies: Arc<[HeaderValue]>,
+    /// Stop once this is set, before `duration` is up (the load that runs alongside a purge).
+    stop: Option<Arc<AtomicBool>>,
 }
 
 #[derive(Default)]
@@ -562,6 +838,29 @@ impl Sample {
         self.latencies_us.sort_unstable();
         let i = ((self.latencies_us.len() as f64 * q) as usize).min(self.latencies_us.len() - 1);
         f64::from(self.latencies_us[i]) / 1000.0
+    }
+
+    fn max_ms(&self) -> f64 {
+        f64::from(self.latencies_us.iter().copied().max().unwrap_or(0)) / 1000.0
+    }
+
+    /// Requests, throughput and tail latency in a line.
+    fn summary(&mut self) -> String {
+        let p99 = self.percentile_ms(0.99);
+        format!(
+            "{} requests in {:.1} s, {:.0} req/s, p99 {p99:.2} ms, max {:.2} ms, {} non-2xx",
+            self.requests,
+            self.elapsed.as_secs_f64(),
+            self.rps(),
+            self.max_ms(),
+            self.unexpected
+        )
+    }
+
+    /// Requests that took longer than `limit`.
+    fn over(&self, limit: Duration) -> usize {
+        let limit = u32::try_from(limit.as_micros()).unwrap_or(u32::MAX);
+        self.latencies_us.iter().filter(|&&us| us > limit).count()
     }
 }
 
@@ -618,7 +917,12 @@ async fn drive(plan: &Plan, progress: Option<Arc<AtomicU64>>) -> Result<Sample, 
                 .cloned();
             let fixed = format!("{}-fixed", plan.key_prefix);
             let mut seq = 0_u64;
-            while Instant::now() < deadline {
+            let stopped = || {
+                plan.stop
+                    .as_ref()
+                    .is_some_and(|s| s.load(Ordering::Relaxed))
+            };
+            while Instant::now() < deadline && !stopped() {
                 if let Some(limit) = plan.limit
                     && total.fetch_add(1, Ordering::Relaxed) >= limit
                 {
@@ -727,15 +1031,16 @@ async fn storm(plan: &Plan) -> Result<(Sample, u64), BoxError> {
     Ok((merged, rounds))
 }
 
-/// Statements and wire round trips per request, over `n` sequential requests on one connection.
+/// Statements, and wire round trips and pings per request, over `n` sequential requests on one
+/// connection.
 async fn count_per_request(
     addr: SocketAddr,
     path: &'static str,
     keys: Keys,
     prefix: &str,
     n: usize,
-    wire: Option<&AtomicU64>,
-) -> Result<(f64, Option<f64>), BoxError> {
+    wire: Option<&Wire>,
+) -> Result<(f64, Option<(f64, f64)>), BoxError> {
     let body = Bytes::from_static(ORDER_BODY.as_bytes());
     let mut sender = connect(addr).await?;
     let key = |i: usize| match keys {
@@ -750,7 +1055,8 @@ async fn count_per_request(
     tokio::time::sleep(Duration::from_millis(200)).await;
     STATEMENTS.store(0, Ordering::SeqCst);
     if let Some(wire) = wire {
-        wire.store(0, Ordering::SeqCst);
+        wire.trips.store(0, Ordering::SeqCst);
+        wire.pings.store(0, Ordering::SeqCst);
     }
     COUNTING.store(true, Ordering::SeqCst);
     for i in 20..20 + n {
@@ -763,7 +1069,8 @@ async fn count_per_request(
     tokio::time::sleep(Duration::from_millis(300)).await;
     COUNTING.store(false, Ordering::SeqCst);
     let statements = STATEMENTS.load(Ordering::SeqCst) as f64 / n as f64;
-    let trips = wire.map(|w| w.load(Ordering::SeqCst) as f64 / n as f64);
+    let per_request = |counter: &AtomicU64| counter.load(Ordering::SeqCst) as f64 / n as f64;
+    let trips = wire.map(|w| (per_request(&w.trips), per_request(&w.pings)));
     Ok((statements, trips))
 }
 
@@ -788,8 +1095,12 @@ struct Backend {
     addr: SocketAddr,
     /// The same app on a pool that goes through the counting proxy, where there is a wire.
     counting_addr: SocketAddr,
-    wire: Option<Arc<AtomicU64>>,
+    wire: Option<Arc<Wire>>,
+    /// The same app on a pool whose every chunk to and from the database is held
+    /// `BENCH_DELAY_MS` (where there is a wire and `latency-1ms` is in the run).
+    delayed: Option<(SocketAddr, Arc<Wire>)>,
     orders: CountOrders,
+    records: Records,
     note: String,
     /// The peer crate's server on this backend's database (PostgreSQL only).
     peer: Option<Peer>,
@@ -818,6 +1129,7 @@ fn sqlite_backend(
         sqlx::raw_sql(sqlite_app::SCHEMA).execute(&pool).await?;
         axum_idempotency::SqliteStore::new(pool.clone()).migrate().await?;
         let addr = serve(sqlite_app::router(pool.clone())).await?;
+        let records = sqlite_app::records(pool.clone(), &SQLITE_FILL);
         let orders: CountOrders = Box::new(move |rt: &Runtime| {
             let pool = pool.clone();
             rt.block_on(async move {
@@ -831,7 +1143,9 @@ fn sqlite_backend(
             addr,
             counting_addr: addr,
             wire: None,
+            delayed: None,
             orders,
+            records,
             peer: None,
             note: format!(
                 "file in a temp dir, WAL, synchronous=NORMAL, pool of 8, test_before_acquire={test_before_acquire}"
@@ -846,6 +1160,7 @@ fn postgres_backend(
     url: &str,
     run: &str,
     test_before_acquire: bool,
+    delay: Duration,
 ) -> Result<Backend, BoxError> {
     use std::str::FromStr;
 
@@ -876,14 +1191,30 @@ fn postgres_backend(
             .await?
             .next()
             .ok_or("cannot resolve the database host")?;
-        let wire = Arc::new(AtomicU64::new(0));
-        let proxy = counting_proxy(upstream, Arc::clone(&wire)).await?;
-        let counted = PgPoolOptions::new()
-            .max_connections(4)
-            .test_before_acquire(test_before_acquire)
-            .connect_with(options.host("127.0.0.1").port(proxy.port()))
-            .await?;
-        let counting_addr = serve(postgres_app::router(counted)).await?;
+        let at = |port: u16| options.clone().host("127.0.0.1").port(port);
+        let (counting_addr, wire) = proxied_app(
+            upstream,
+            Duration::ZERO,
+            test_before_acquire,
+            at,
+            postgres_app::router,
+        )
+        .await?;
+        let delayed = if wanted("latency-1ms") {
+            Some(
+                proxied_app(
+                    upstream,
+                    delay,
+                    test_before_acquire,
+                    at,
+                    postgres_app::router,
+                )
+                .await?,
+            )
+        } else {
+            None
+        };
+        let records = postgres_app::records(pool.clone(), &POSTGRES_FILL);
 
         let orders: CountOrders = Box::new(move |rt: &Runtime| {
             let pool = pool.clone();
@@ -898,7 +1229,9 @@ fn postgres_backend(
             addr,
             counting_addr,
             wire: Some(wire),
+            delayed,
             orders,
+            records,
             peer: None,
             note: format!(
                 "server on loopback, schema {schema}, pool of 16, sqlx defaults otherwise"
@@ -926,6 +1259,7 @@ fn mysql_backend(
     url: &str,
     run: &str,
     test_before_acquire: bool,
+    delay: Duration,
 ) -> Result<Backend, BoxError> {
     use std::str::FromStr;
 
@@ -954,14 +1288,21 @@ fn mysql_backend(
             .await?
             .next()
             .ok_or("cannot resolve the database host")?;
-        let wire = Arc::new(AtomicU64::new(0));
-        let proxy = counting_proxy(upstream, Arc::clone(&wire)).await?;
-        let counted = MySqlPoolOptions::new()
-            .max_connections(4)
-            .test_before_acquire(test_before_acquire)
-            .connect_with(options.host("127.0.0.1").port(proxy.port()))
-            .await?;
-        let counting_addr = serve(mysql_app::router(counted)).await?;
+        let at = |port: u16| options.clone().host("127.0.0.1").port(port);
+        let (counting_addr, wire) = proxied_app(
+            upstream,
+            Duration::ZERO,
+            test_before_acquire,
+            at,
+            mysql_app::router,
+        )
+        .await?;
+        let delayed = if wanted("latency-1ms") {
+            Some(proxied_app(upstream, delay, test_before_acquire, at, mysql_app::router).await?)
+        } else {
+            None
+        };
+        let records = mysql_app::records(pool.clone(), &MYSQL_FILL);
 
         let orders: CountOrders = Box::new(move |rt: &Runtime| {
             let pool = pool.clone();
@@ -976,7 +1317,9 @@ fn mysql_backend(
             addr,
             counting_addr,
             wire: Some(wire),
+            delayed,
             orders,
+            records,
             peer: None,
             note: format!(
                 "MariaDB server on loopback, database {database}, pool of 16, sqlx defaults otherwise"
@@ -1189,14 +1532,36 @@ struct Row {
 struct Ratio {
     what: String,
     value: f64,
-    target: Option<f64>,
+    target: Option<Target>,
+}
+
+#[derive(Clone, Copy)]
+enum Target {
+    AtLeast(f64),
+    AtMost(f64),
+}
+
+impl Target {
+    /// The target column and the met column of a table row for `value`.
+    fn verdict(target: Option<Self>, value: f64) -> (String, &'static str) {
+        let (text, met) = match target {
+            Some(Self::AtLeast(t)) => (format!("≥ {t:.2}"), value >= t),
+            Some(Self::AtMost(t)) => (format!("≤ {t:.2}"), value <= t),
+            None => return ("–".into(), ""),
+        };
+        (text, if met { "yes" } else { "**no**" })
+    }
 }
 
 #[derive(Default)]
 struct Report {
     rows: Vec<Row>,
+    /// Sequential requests on one connection (`latency`, `latency-1ms`).
+    latency: Vec<Row>,
     ratios: Vec<Ratio>,
     trips: Vec<String>,
+    /// Table rows of the scale section.
+    scale: Vec<String>,
     notes: Vec<String>,
     memory: Vec<String>,
     soak: Vec<String>,
@@ -1210,23 +1575,70 @@ impl Report {
             .map(|r| r.sample.rps())
     }
 
-    fn ratio(&mut self, group: &str, what: &str, over: &str, target: Option<f64>) {
-        if let (Some(a), Some(b)) = (self.rps(group, what), self.rps(group, over)) {
+    fn latency_p50(&mut self, group: &str, scenario: &str) -> Option<f64> {
+        self.latency
+            .iter_mut()
+            .find(|r| r.group == group && r.scenario == scenario)
+            .map(|r| r.sample.percentile_ms(0.50))
+    }
+
+    fn push_ratio(
+        &mut self,
+        what: String,
+        of: Option<f64>,
+        over: Option<f64>,
+        target: Option<Target>,
+    ) {
+        if let (Some(a), Some(b)) = (of, over) {
             self.ratios.push(Ratio {
-                what: format!("{group}: {what} / {over}"),
+                what,
                 value: a / b,
                 target,
             });
         }
     }
 
-    fn print(&mut self) {
-        println!("\n## Throughput and latency\n");
+    fn ratio(&mut self, group: &str, what: &str, over: &str, target: Option<Target>) {
+        let (of, by) = (self.rps(group, what), self.rps(group, over));
+        self.push_ratio(format!("{group}: {what} / {over}"), of, by, target);
+    }
+
+    /// `what`'s p50 over `over`'s at one connection; `label` names the comparison.
+    fn latency_ratio(
+        &mut self,
+        group: &str,
+        what: &str,
+        over: &str,
+        target: Option<Target>,
+        label: &str,
+    ) {
+        let (of, by) = (self.latency_p50(group, what), self.latency_p50(group, over));
+        self.push_ratio(
+            format!("{group}, 1 connection: {what} p50 / {over} p50{label}"),
+            of,
+            by,
+            target,
+        );
+    }
+
+    /// One row of the scale table; `check` is the target and whether it is met.
+    fn scale_row(&mut self, backend: &str, figure: &str, value: String, check: (String, &str)) {
+        let (target, met) = check;
+        self.scale.push(format!(
+            "| {backend} | {figure} | {value} | {target} | {met} |"
+        ));
+    }
+
+    fn print_rows(title: &str, rows: &mut [Row]) {
+        if rows.is_empty() {
+            return;
+        }
+        println!("\n## {title}\n");
         println!(
             "| backend | scenario | conns | requests | req/s | p50 ms | p99 ms | peak RSS MiB | non-2xx | note |"
         );
         println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---|");
-        for row in &mut self.rows {
+        for row in rows {
             let (p50, p99) = (
                 row.sample.percentile_ms(0.50),
                 row.sample.percentile_ms(0.99),
@@ -1245,26 +1657,36 @@ impl Report {
                 row.note
             );
         }
+    }
+
+    fn print(&mut self) {
+        Self::print_rows("Throughput and latency", &mut self.rows);
+        Self::print_rows(
+            "Latency at one connection (sequential requests)",
+            &mut self.latency,
+        );
         println!("\n## Ratios (same run)\n");
         println!("| ratio | measured | target | met |");
         println!("|---|---:|---:|---|");
         for ratio in &self.ratios {
-            let (target, met) = match ratio.target {
-                Some(t) => (
-                    format!("≥ {t:.2}"),
-                    if ratio.value >= t { "yes" } else { "**no**" },
-                ),
-                None => ("–".into(), ""),
-            };
+            let (target, met) = Target::verdict(ratio.target, ratio.value);
             println!("| {} | {:.2} | {target} | {met} |", ratio.what, ratio.value);
         }
         if !self.trips.is_empty() {
             println!("\n## Database work per request\n");
             println!(
-                "| backend | scenario | statements logged by sqlx / req | wire round trips / req |"
+                "| backend | scenario | statements logged by sqlx / req | round trips / req (excluding pings) | pings / req |"
             );
-            println!("|---|---|---:|---:|");
+            println!("|---|---|---:|---:|---:|");
             for line in &self.trips {
+                println!("{line}");
+            }
+        }
+        if !self.scale.is_empty() {
+            println!("\n## Scale: a large records table\n");
+            println!("| backend | figure | value | target | met |");
+            println!("|---|---|---|---:|---|");
+            for line in &self.scale {
                 println!("{line}");
             }
         }
@@ -1325,6 +1747,7 @@ fn main() -> Result<(), BoxError> {
                     &settings.database_url,
                     &run,
                     settings.test_before_acquire,
+                    settings.delay,
                 )?);
             }
             #[cfg(feature = "mysql")]
@@ -1334,6 +1757,7 @@ fn main() -> Result<(), BoxError> {
                     &settings.mysql_url,
                     &run,
                     settings.test_before_acquire,
+                    settings.delay,
                 )?);
             }
             #[cfg(not(feature = "sqlite"))]
@@ -1380,6 +1804,7 @@ fn main() -> Result<(), BoxError> {
             backend,
             &mut report,
         )?;
+        run_latency(&settings, &client, &peak, &run, backend, &mut report)?;
     }
     #[cfg(feature = "sqlite")]
     run_noop(
@@ -1404,6 +1829,20 @@ fn main() -> Result<(), BoxError> {
     if let Some(backend) = backends.first().filter(|_| wanted("memory")) {
         run_big_bodies(&settings, &client, &peak, &run, backend, &mut report)?;
     }
+    // Last: the filled table would weigh on every scenario after it.
+    if settings.scale.is_some() && wanted("scale") {
+        for backend in &backends {
+            run_scale(
+                &settings,
+                &server,
+                &client,
+                &peak,
+                &run,
+                backend,
+                &mut report,
+            )?;
+        }
+    }
 
     for backend in &backends {
         report
@@ -1415,9 +1854,11 @@ fn main() -> Result<(), BoxError> {
          not log transaction control on SQLite (BEGIN, COMMIT) nor a custom BEGIN on PostgreSQL; \
          on MySQL it logs both. \
          Wire round trips are counted by a TCP proxy between the pool and the server (PostgreSQL \
-         or MariaDB; it reads no protocol): one per answer that follows a client send, so pool pings (sqlx tests a connection when it hands \
-         it out and again when it takes it back) count too. Both over sequential requests on one \
-         connection, after a warm-up."
+         or MariaDB): one per answer that follows a client send. Pool pings (sqlx tests a \
+         connection when it hands it out, if `test_before_acquire`, and again when it takes it \
+         back) are counted apart: the proxy takes a client chunk that is a lone PostgreSQL Sync \
+         or a lone MySQL COM_PING for a ping, a heuristic on the bytes of one read. Both over \
+         sequential requests on one connection, after a warm-up."
             .into(),
     );
     report.notes.push(format!(
@@ -1527,11 +1968,14 @@ fn peer_plans(
     ]
 }
 
+/// Measures `plans` (the `include`d ones) round after round, for `BENCH_ROUNDS` rounds of
+/// `plan.duration` each.
 fn measure_rounds(
     settings: &Settings,
     client: &Runtime,
     peak: &PeakRss,
     plans: &[(&str, Plan)],
+    include: fn(&str) -> bool,
 ) -> Result<Vec<Sample>, BoxError> {
     let mut samples: Vec<Sample> = plans.iter().map(|_| Sample::default()).collect();
     for round in 0..settings.rounds {
@@ -1540,7 +1984,7 @@ fn measure_rounds(
         for step in 0..plans.len() {
             let index = (step + round) % plans.len();
             let (name, plan) = &plans[index];
-            if !wanted(name) {
+            if !include(name) {
                 continue;
             }
             let total = &mut samples[index];
@@ -1567,6 +2011,47 @@ fn measure_rounds(
     Ok(samples)
 }
 
+/// The order app's scenarios: name, route, keys.
+const ORDER_SCENARIOS: [(&str, &str, Keys); 4] = [
+    ("bare", "/bare", Keys::None),
+    ("manual", "/manual", Keys::Fresh),
+    ("layer-fresh", "/layer", Keys::Fresh),
+    ("layer-replay", "/layer", Keys::Fixed),
+];
+
+/// The order app at `addr`, `conns` connections sending orders for `BENCH_SECS` a round.
+fn order_load(settings: &Settings, addr: SocketAddr, key_prefix: String, conns: usize) -> Plan {
+    Plan {
+        addr,
+        path: "/bare",
+        body: Bytes::from_static(ORDER_BODY.as_bytes()),
+        keys: Keys::None,
+        key_prefix,
+        conns,
+        duration: settings.duration(),
+        limit: None,
+        record_latency: true,
+        cookies: Arc::from([]),
+        stop: None,
+    }
+}
+
+/// [`ORDER_SCENARIOS`] on `base`, those `include` keeps.
+fn order_plans(base: &Plan, include: fn(&str) -> bool) -> Vec<(&'static str, Plan)> {
+    ORDER_SCENARIOS
+        .into_iter()
+        .filter(|(name, _, _)| include(name))
+        .map(|(name, path, keys)| {
+            let plan = Plan {
+                path,
+                keys,
+                ..base.clone()
+            };
+            (name, plan)
+        })
+        .collect()
+}
+
 fn run_backend(
     settings: &Settings,
     server: &Runtime,
@@ -1579,53 +2064,21 @@ fn run_backend(
     let name = backend.name;
     let peer = backend.peer.as_ref();
     eprintln!("[{name}] throughput…");
-    let base = Plan {
-        addr: backend.addr,
-        path: "/bare",
-        body: Bytes::from_static(ORDER_BODY.as_bytes()),
-        keys: Keys::None,
-        key_prefix: format!("{run}-{name}"),
-        conns: settings.conns,
-        duration: settings.duration(),
-        limit: None,
-        record_latency: true,
-        cookies: Arc::from([]),
-    };
-    let mut plans = vec![
-        ("bare", base.clone()),
-        (
-            "manual",
-            Plan {
-                path: "/manual",
-                keys: Keys::Fresh,
-                ..base.clone()
-            },
-        ),
-        (
-            "layer-fresh",
-            Plan {
-                path: "/layer",
-                keys: Keys::Fresh,
-                ..base.clone()
-            },
-        ),
-        (
-            "layer-replay",
-            Plan {
-                path: "/layer",
-                keys: Keys::Fixed,
-                ..base.clone()
-            },
-        ),
-        (
-            "layer-replay-cached",
-            Plan {
-                path: "/layer-cached",
-                keys: Keys::Fixed,
-                ..base.clone()
-            },
-        ),
-    ];
+    let base = order_load(
+        settings,
+        backend.addr,
+        format!("{run}-{name}"),
+        settings.conns,
+    );
+    let mut plans = order_plans(&base, |_| true);
+    plans.push((
+        "layer-replay-cached",
+        Plan {
+            path: "/layer-cached",
+            keys: Keys::Fixed,
+            ..base.clone()
+        },
+    ));
     if let Some(peer) = peer {
         plans.extend(peer_plans(
             peer,
@@ -1634,7 +2087,7 @@ fn run_backend(
             ["peer-bare", "peer-fresh", "peer-replay"],
         ));
     }
-    let samples = measure_rounds(settings, client, peak, &plans)?;
+    let samples = measure_rounds(settings, client, peak, &plans, wanted)?;
     for ((scenario, _), sample) in plans.iter().zip(samples) {
         let note = match *scenario {
             "peer-bare" => "axum-idempotent's process, no layer",
@@ -1692,9 +2145,9 @@ fn run_backend(
     }
 
     report.ratio(name, "manual", "bare", None);
-    report.ratio(name, "layer-fresh", "manual", Some(0.85));
+    report.ratio(name, "layer-fresh", "manual", Some(Target::AtLeast(0.85)));
     report.ratio(name, "layer-fresh", "bare", None);
-    report.ratio(name, "layer-replay", "bare", Some(1.5));
+    report.ratio(name, "layer-replay", "bare", Some(Target::AtLeast(1.5)));
     report.ratio(name, "layer-replay-cached", "bare", None);
     if peer.is_some() {
         report.ratio(name, "peer-bare", "bare", None);
@@ -1711,12 +2164,7 @@ fn run_backend(
     }
     eprintln!("[{name}] counting round trips…");
     let wire = backend.wire.as_deref();
-    for (scenario, path, keys) in [
-        ("bare", "/bare", Keys::None),
-        ("manual", "/manual", Keys::Fresh),
-        ("layer-fresh", "/layer", Keys::Fresh),
-        ("layer-replay", "/layer", Keys::Fixed),
-    ] {
+    for (scenario, path, keys) in ORDER_SCENARIOS {
         let prefix = format!("{run}-{name}-count-{scenario}");
         let (statements, trips) = client.block_on(count_per_request(
             backend.counting_addr,
@@ -1726,11 +2174,259 @@ fn run_backend(
             settings.trips,
             wire,
         ))?;
-        let trips = trips.map_or_else(|| "– (in-process)".into(), |t| format!("{t:.2}"));
+        let (trips, pings) = trips.map_or_else(
+            || ("– (in-process)".into(), "–".into()),
+            |(trips, pings)| (format!("{trips:.2}"), format!("{pings:.2}")),
+        );
         report.trips.push(format!(
-            "| {name} | {scenario} | {statements:.2} | {trips} |"
+            "| {name} | {scenario} | {statements:.2} | {trips} | {pings} |"
         ));
     }
+    Ok(())
+}
+
+/// [`ORDER_SCENARIOS`] as sequential requests on one connection, with nothing queued behind
+/// another client's request: what one caller waits. On loopback (`latency`), and through the
+/// delay proxy (`latency-1ms`), where each database round trip costs the network's.
+fn run_latency(
+    settings: &Settings,
+    client: &Runtime,
+    peak: &PeakRss,
+    run: &str,
+    backend: &Backend,
+    report: &mut Report,
+) -> Result<(), BoxError> {
+    let name = backend.name;
+    let delay_ms = settings.delay.as_secs_f64() * 1000.0;
+    let links = [
+        ("latency", Some(backend.addr), name.to_owned(), ""),
+        (
+            "latency-1ms",
+            backend.delayed.as_ref().map(|(addr, _)| *addr),
+            format!("{name} +{delay_ms} ms each way"),
+            " (what a user on a cloud database sees)",
+        ),
+    ];
+    for (section, addr, group, label) in links {
+        let Some(addr) = addr.filter(|_| wanted(section)) else {
+            continue;
+        };
+        eprintln!("[{name}] {section}…");
+        let base = order_load(settings, addr, format!("{run}-{name}-{section}"), 1);
+        let plans = order_plans(&base, |_| true);
+        let samples = measure_rounds(settings, client, peak, &plans, |_| true)?;
+        for ((scenario, _), sample) in plans.iter().zip(samples) {
+            report.latency.push(Row {
+                group: group.clone(),
+                scenario: (*scenario).into(),
+                conns: 1,
+                sample,
+                note: String::new(),
+            });
+        }
+        // The target is the network databases'; SQLite's figure is there to compare with.
+        let target = (name != "sqlite").then_some(Target::AtMost(1.15));
+        report.latency_ratio(&group, "layer-fresh", "bare", target, label);
+    }
+    if let Some((_, wire)) = backend.delayed.as_ref().filter(|_| wanted("latency-1ms")) {
+        report.notes.push(format!(
+            "- {name}, latency-1ms: the proxy held each of {} chunks {:.3} ms on average \
+             (`BENCH_DELAY_MS` = {delay_ms}), in each direction.",
+            wire.chunks.load(Ordering::Relaxed),
+            wire.mean_hold_ms()
+        ));
+    }
+    Ok(())
+}
+
+/// The layer's wait for an in-flight duplicate, `Engine::new`'s default, which the apps keep.
+const IN_FLIGHT_WAIT: Duration = Duration::from_secs(5);
+
+/// How long the load alongside `purge_expired()` may run at most, should the purge not end.
+const PURGE_LOAD_CAP: Duration = Duration::from_secs(3600);
+
+/// The layer on an empty records table and on one of `BENCH_SCALE` rows, then
+/// `purge_expired()` of the expired ones while layer-fresh load runs, against the same load
+/// without it for `BENCH_SECS` × `BENCH_ROUNDS` just before (before, so that the vacuum or purge
+/// work the deletes leave behind cannot slow the baseline and flatter the ratio).
+fn run_scale(
+    settings: &Settings,
+    server: &Runtime,
+    client: &Runtime,
+    peak: &PeakRss,
+    run: &str,
+    backend: &Backend,
+    report: &mut Report,
+) -> Result<(), BoxError> {
+    let Some((rows, expired)) = settings.scale_of(backend.name) else {
+        return Ok(());
+    };
+    let name = backend.name;
+    let records = &backend.records;
+    let exec = |sql: String| (records.exec)(server, sql);
+    let base = order_load(
+        settings,
+        backend.addr,
+        format!("{run}-{name}-scale"),
+        settings.conns,
+    );
+    let layer = |scenario: &str| scenario.starts_with("layer");
+    // Interleaved like every other measurement, so the two sizes see the same kind of noise.
+    let measure = |size: &str| -> Result<Vec<(&'static str, Sample)>, BoxError> {
+        let base = Plan {
+            key_prefix: format!("{}-{size}", base.key_prefix),
+            ..base.clone()
+        };
+        let plans = order_plans(&base, layer);
+        let samples = measure_rounds(settings, client, peak, &plans, |_| true)?;
+        Ok(plans
+            .iter()
+            .map(|(scenario, _)| *scenario)
+            .zip(samples)
+            .collect())
+    };
+
+    // What the run's earlier scenarios left would otherwise be the "empty" table.
+    exec("DELETE FROM idempotency_records".into())?;
+    eprintln!("[{name}] scale: the layer on an empty records table…");
+    let empty = measure("empty")?;
+
+    eprintln!("[{name}] scale: filling {rows} records ({expired} expired)…");
+    let now = now_ms();
+    let started = Instant::now();
+    let mut filled = 0;
+    for lo in (0..rows).step_by(usize::try_from(FILL_CHUNK)?) {
+        let hi = (lo + FILL_CHUNK).min(rows);
+        filled += exec(filler_insert(records.dialect, lo, hi, expired, now))?;
+    }
+    let fill = started.elapsed();
+    let started = Instant::now();
+    exec(records.dialect.analyze.into())?;
+    let analyze = started.elapsed();
+    let none = || ("–".to_owned(), "");
+    report.scale_row(
+        name,
+        "records filled (expired / live)",
+        format!("{filled} ({expired} / {})", rows - expired),
+        none(),
+    );
+    report.scale_row(
+        name,
+        &format!("fill: INSERT … SELECT, {FILL_CHUNK} rows a statement"),
+        format!(
+            "{:.1} s ({:.0} rows/s)",
+            fill.as_secs_f64(),
+            filled as f64 / fill.as_secs_f64().max(1e-9)
+        ),
+        none(),
+    );
+    report.scale_row(
+        name,
+        "ANALYZE",
+        format!("{:.1} s", analyze.as_secs_f64()),
+        none(),
+    );
+
+    eprintln!("[{name}] scale: the layer at {rows} records…");
+    let full = measure("full")?;
+    for ((scenario, mut small), (_, mut large)) in empty.into_iter().zip(full) {
+        for (size, sample) in [("empty table", &mut small), ("full table", &mut large)] {
+            report.scale_row(
+                name,
+                &format!("{scenario}, {size}"),
+                sample.summary(),
+                none(),
+            );
+        }
+        let ratio = large.rps() / small.rps().max(1e-9);
+        report.scale_row(
+            name,
+            &format!("{scenario} req/s, {rows} records / empty"),
+            format!("{ratio:.2}"),
+            Target::verdict(Some(Target::AtLeast(0.9)), ratio),
+        );
+    }
+
+    let load = Plan {
+        path: "/layer",
+        keys: Keys::Fresh,
+        duration: settings.duration().mul_f64(settings.rounds as f64),
+        ..base.clone()
+    };
+    eprintln!("[{name}] scale: layer-fresh without a purge…");
+    let mut quiet = client.block_on(drive(
+        &Plan {
+            key_prefix: format!("{}-quiet", load.key_prefix),
+            ..load.clone()
+        },
+        None,
+    ))?;
+    eprintln!("[{name}] scale: layer-fresh while purge_expired() runs…");
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::clone(&stop);
+    let purge = (records.purge)();
+    let purging = server.spawn(async move {
+        let started = Instant::now();
+        let purged = purge.await;
+        done.store(true, Ordering::Relaxed);
+        (purged, started.elapsed())
+    });
+    let during = client.block_on(drive(
+        &Plan {
+            key_prefix: format!("{}-purge", load.key_prefix),
+            duration: PURGE_LOAD_CAP,
+            stop: Some(stop),
+            ..load
+        },
+        None,
+    ));
+    let (purged, took) = server.block_on(purging)?;
+    let (purged, mut during) = (purged?, during?);
+
+    report.scale_row(
+        name,
+        "purge_expired(): rows purged, duration, rate",
+        format!(
+            "{purged} in {:.2} s ({:.0} rows/s)",
+            took.as_secs_f64(),
+            purged as f64 / took.as_secs_f64().max(1e-9)
+        ),
+        none(),
+    );
+    for (what, sample) in [
+        ("without a purge", &mut quiet),
+        ("during the purge", &mut during),
+    ] {
+        report.scale_row(
+            name,
+            &format!("layer-fresh, {} conns, {what}", settings.conns),
+            sample.summary(),
+            none(),
+        );
+    }
+    let ratio = during.percentile_ms(0.99) / quiet.percentile_ms(0.99).max(1e-9);
+    report.scale_row(
+        name,
+        "layer-fresh p99, during the purge / without",
+        format!("{ratio:.2}"),
+        Target::verdict(Some(Target::AtMost(1.5)), ratio),
+    );
+    let late = during.over(IN_FLIGHT_WAIT);
+    report.scale_row(
+        name,
+        &format!(
+            "max latency during the purge vs the in-flight wait ({} s)",
+            IN_FLIGHT_WAIT.as_secs()
+        ),
+        format!(
+            "max {:.2} ms; {late} requests past the wait",
+            during.max_ms()
+        ),
+        (
+            "none past it".into(),
+            if late == 0 { "yes" } else { "**no**" },
+        ),
+    );
     Ok(())
 }
 
@@ -1766,6 +2462,7 @@ fn run_noop(
         limit: None,
         record_latency: true,
         cookies: Arc::from([]),
+        stop: None,
     };
     let mut plans = vec![
         ("noop", base.clone()),
@@ -1809,7 +2506,7 @@ fn run_noop(
             ["noop-peer-bare", "noop-peer-fresh", "noop-peer-replay"],
         ));
     }
-    let samples = measure_rounds(settings, client, peak, &plans)?;
+    let samples = measure_rounds(settings, client, peak, &plans, wanted)?;
     let notes = [
         "no layer",
         "layer, no key (allow_missing_key): pass-through",
@@ -1829,9 +2526,24 @@ fn run_noop(
             note: note.into(),
         });
     }
-    report.ratio("noop 1 KiB", "noop-layer-replay-cached", "noop", Some(0.8));
-    report.ratio("noop 1 KiB", "noop-layer-replay", "noop", Some(0.8));
-    report.ratio("noop 1 KiB", "noop-layer-fresh", "noop", Some(0.8));
+    report.ratio(
+        "noop 1 KiB",
+        "noop-layer-replay-cached",
+        "noop",
+        Some(Target::AtLeast(0.8)),
+    );
+    report.ratio(
+        "noop 1 KiB",
+        "noop-layer-replay",
+        "noop",
+        Some(Target::AtLeast(0.8)),
+    );
+    report.ratio(
+        "noop 1 KiB",
+        "noop-layer-fresh",
+        "noop",
+        Some(Target::AtLeast(0.8)),
+    );
     report.ratio("noop 1 KiB", "noop-layer-nokey", "noop", None);
     if peer.is_some() {
         report.ratio("noop 1 KiB", "noop-peer-bare", "noop", None);
@@ -1887,6 +2599,7 @@ fn run_big_bodies(
             limit: None,
             record_latency: false,
             cookies: Arc::from([]),
+            stop: None,
         };
         let before = rss_mib();
         peak.reset();
@@ -1926,6 +2639,7 @@ fn run_soak(
         // Recording latencies would itself grow memory by 4 bytes a request.
         record_latency: false,
         cookies: Arc::from([]),
+        stop: None,
     };
     let progress = Arc::new(AtomicU64::new(0));
     let watched = Arc::clone(&progress);

@@ -260,14 +260,21 @@ pub mod protocol {}
 /// implicitly, so a transaction cannot serialise two instances migrating at once: `migrate`
 /// holds the named lock `axum_idempotency.migrate:<md5 of the database name>` (`GET_LOCK`) on
 /// one session for the whole migration, releases it after, and fails after waiting an hour
-/// for it. The scripts are safe to run twice (`IF NOT EXISTS`).
+/// for it. The scripts are safe to run twice (`IF NOT EXISTS`, `DROP PROCEDURE IF EXISTS`).
+///
+/// **The claim procedure.** Schema version 2 adds the stored procedure
+/// `axum_idempotency_claim_v1`. A new key's claim calls it in place of `BEGIN`: it begins the
+/// transaction and claims the key in the one exchange, so the layer adds no round trip before
+/// the handler runs. Creating it needs the `CREATE ROUTINE` privilege, calling it `EXECUTE`
+/// (both come with `ALL` on the database). The claim's values are written into the `CALL` as
+/// hexadecimal literals (`X'…'`), so no principal, route or body can change the statement.
 ///
 /// **The in-flight wait.** A duplicate of a request still in flight waits on the original's
 /// row lock, bounded by `innodb_lock_wait_timeout`, which takes whole seconds only: the
 /// layer's `wait_for_in_flight` is rounded **up** to the next second, at least 1 s (200 ms
 /// waits 1 s, 1.5 s waits 2 s). A duplicate never gives up sooner than configured, and may
 /// wait up to a second longer. The setting is made for the claim only: the session's own
-/// value is saved before the claim transaction begins and restored right after the claim.
+/// value is saved before the claim and restored right after it, whatever its outcome.
 ///
 /// **Errors.** InnoDB's lock wait timeout (1205) answers 409 `idempotency_request_in_progress`
 /// with `Retry-After`. A deadlock (1213) or, on MariaDB with `innodb_snapshot_isolation`,

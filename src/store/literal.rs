@@ -13,7 +13,11 @@ use std::fmt::Write;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Syntax {
     /// `decode('…', 'hex')`, independent of `standard_conforming_strings`.
+    #[cfg(feature = "postgres")]
     Postgres,
+    /// `X'…'`, independent of `sql_mode` (`NO_BACKSLASH_ESCAPES`, `ANSI_QUOTES`).
+    #[cfg(feature = "mysql")]
+    MySql,
 }
 
 /// SQL text with values written in as literals: consecutive values are separated by commas,
@@ -62,10 +66,17 @@ impl Literals {
     pub(crate) fn bytes(&mut self, value: &[u8]) -> &mut Self {
         self.separate();
         match self.syntax {
+            #[cfg(feature = "postgres")]
             Syntax::Postgres => {
                 self.sql.push_str("decode('");
                 self.hex(value);
                 self.sql.push_str("', 'hex')");
+            }
+            #[cfg(feature = "mysql")]
+            Syntax::MySql => {
+                self.sql.push_str("X'");
+                self.hex(value);
+                self.sql.push('\'');
             }
         }
         self
@@ -75,10 +86,19 @@ impl Literals {
     pub(crate) fn text(&mut self, value: &str) -> &mut Self {
         self.separate();
         match self.syntax {
+            #[cfg(feature = "postgres")]
             Syntax::Postgres => {
                 self.sql.push_str("convert_from(decode('");
                 self.hex(value.as_bytes());
                 self.sql.push_str("', 'hex'), 'UTF8')");
+            }
+            // The introducer makes the bytes text in utf8mb4, whatever the connection's
+            // character set.
+            #[cfg(feature = "mysql")]
+            Syntax::MySql => {
+                self.sql.push_str("_utf8mb4 X'");
+                self.hex(value.as_bytes());
+                self.sql.push('\'');
             }
         }
         self
@@ -157,28 +177,45 @@ mod tests {
         true
     }
 
+    /// Each syntax, with the delimiters around a literal's digits and how many quotes a text
+    /// and a byte string add.
+    fn syntaxes() -> Vec<(Syntax, &'static str, &'static str, usize, usize)> {
+        vec![
+            #[cfg(feature = "postgres")]
+            (Syntax::Postgres, "decode('", "', 'hex')", 6, 4),
+            #[cfg(feature = "mysql")]
+            (Syntax::MySql, "X'", "'", 2, 2),
+        ]
+    }
+
     proptest! {
         #[test]
         fn a_text_adds_only_hex_digits_to_the_statement(value in any::<String>()) {
-            let mut literals = Literals::new(Syntax::Postgres);
-            literals.text(&value);
-            let sql = literals.as_str();
-            prop_assert!(only_hex_between(sql, "decode('", "', 'hex')"), "{sql}");
-            prop_assert_eq!(sql.matches('\'').count(), 6);
+            for (syntax, open, close, quotes, _) in syntaxes() {
+                let mut literals = Literals::new(syntax);
+                literals.text(&value);
+                let sql = literals.as_str();
+                prop_assert!(only_hex_between(sql, open, close), "{sql}");
+                prop_assert_eq!(sql.matches('\'').count(), quotes);
+            }
         }
 
         #[test]
         fn bytes_add_only_hex_digits_to_the_statement(value in proptest::collection::vec(any::<u8>(), 0..512)) {
-            let mut literals = Literals::new(Syntax::Postgres);
-            literals.bytes(&value).int(-7).null();
-            let sql = literals.as_str();
-            prop_assert_eq!(sql.matches('\'').count(), 4);
-            prop_assert!(sql.ends_with(", -7, NULL"));
+            for (syntax, open, close, _, quotes) in syntaxes() {
+                let mut literals = Literals::new(syntax);
+                literals.bytes(&value).int(-7).null();
+                let sql = literals.as_str();
+                prop_assert!(only_hex_between(sql, open, close), "{sql}");
+                prop_assert_eq!(sql.matches('\'').count(), quotes);
+                prop_assert!(sql.ends_with(", -7, NULL"));
+            }
         }
     }
 
+    #[cfg(feature = "postgres")]
     #[test]
-    fn hostile_text_is_written_as_hex() {
+    fn hostile_text_is_written_as_hex_for_postgres() {
         let mut literals = Literals::new(Syntax::Postgres);
         literals.text("a'); DROP TABLE t; --\\\0");
         assert_eq!(
@@ -195,6 +232,22 @@ mod tests {
         assert_eq!(
             literals.as_str(),
             "convert_from(decode('27', 'hex'), 'UTF8'), decode('', 'hex'), NULL WHERE k = 1"
+        );
+    }
+
+    #[cfg(feature = "mysql")]
+    #[test]
+    fn hostile_text_is_written_as_hex_for_mysql() {
+        let mut literals = Literals::new(Syntax::MySql);
+        literals
+            .text("a'); DROP TABLE t; --\\\0")
+            .bytes(b"")
+            .opt_text(None)
+            .sql(" WHERE k = ")
+            .int(1);
+        assert_eq!(
+            literals.as_str(),
+            "_utf8mb4 X'6127293b2044524f50205441424c4520743b202d2d5c00', X'', NULL WHERE k = 1"
         );
     }
 }

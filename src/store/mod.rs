@@ -17,7 +17,7 @@
 //! How a backend claims a key (statements, lock waits, error codes) is internal to this crate
 //! and may change in any release without a change to these types.
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 mod literal;
 mod protocol;
 mod sql;

@@ -6,8 +6,12 @@ use sqlx::error::DatabaseError;
 use sqlx::mysql::{MySqlDatabaseError, MySqlRow};
 use sqlx::{MySql, Row};
 
-use super::sql::Dialect;
+use super::literal::Syntax;
+use super::protocol::NewRecord;
+use super::sql::{Dialect, finish_text, record_literals};
 use super::store_type;
+use crate::record::{RecordState, StoredResponse};
+use crate::scope::ScopedKey;
 
 store_type! {
     /// Records in MySQL 8 or MariaDB, in an InnoDB table.
@@ -46,9 +50,25 @@ const CONFLICT_ERRORS: [u16; 2] = [1213, 1020];
 /// The largest `innodb_lock_wait_timeout` the server accepts, in seconds.
 const MAX_LOCK_WAIT_SECS: u64 = 1_073_741_824;
 
+/// What the claim procedure signals when a live record holds the key.
+const TAKEN: &str = "45I01";
+
+/// `innodb_lock_wait_timeout` for a bound: whole seconds only, and 0 is not accepted, so it is
+/// rounded up and no duplicate gives up early.
+fn lock_wait_secs(lock_wait: Duration) -> u64 {
+    let secs = lock_wait
+        .as_millis()
+        .div_ceil(1000)
+        .clamp(1, u128::from(MAX_LOCK_WAIT_SECS));
+    // Clamped to a u64 just above.
+    u64::try_from(secs).unwrap_or(MAX_LOCK_WAIT_SECS)
+}
+
 impl Dialect for MySql {
-    const MIGRATIONS: &'static [(i64, &'static str)] =
-        &[(1, include_str!("../../migrations/mysql/0001_records.sql"))];
+    const MIGRATIONS: &'static [(i64, &'static str)] = &[
+        (1, include_str!("../../migrations/mysql/0001_records.sql")),
+        (2, include_str!("../../migrations/mysql/0002_claim.sql")),
+    ];
     const MIGRATION_BEGIN: &'static str = "BEGIN";
     // DDL commits implicitly, so the transaction cannot serialise two instances migrating at
     // once; a named lock held by the session can. Lock names are server-wide, so the name
@@ -120,15 +140,38 @@ impl Dialect for MySql {
         WHERE key_digest = ? AND lease_owner = ? AND state = 'processing'";
 
     fn begin_statement(lock_wait: Duration) -> Option<String> {
-        // Whole seconds only, and 0 is not accepted: round up, so no duplicate gives up early.
-        let secs = lock_wait
-            .as_millis()
-            .div_ceil(1000)
-            .clamp(1, u128::from(MAX_LOCK_WAIT_SECS));
+        let secs = lock_wait_secs(lock_wait);
         Some(format!(
             "SET @axum_idempotency_lock_wait = @@SESSION.innodb_lock_wait_timeout; \
              SET SESSION innodb_lock_wait_timeout = {secs}; BEGIN"
         ))
+    }
+
+    // The procedure (schema version 2) begins the transaction, claims, and either returns with
+    // the key held or rolls back and signals: nothing is left open when the key is not ours.
+    fn fused_claim(record: &NewRecord<'_>, lock_wait: Duration) -> Option<String> {
+        let values = record_literals(record, Syntax::MySql)?;
+        Some(format!(
+            "CALL axum_idempotency_claim_v1({}, {})",
+            values.as_str(),
+            lock_wait_secs(lock_wait)
+        ))
+    }
+
+    fn fused_taken(error: &dyn DatabaseError) -> bool {
+        error.code().as_deref() == Some(TAKEN)
+    }
+
+    // No `BEGIN` follows: a `ROLLBACK` with no transaction open is silent on MySQL. The one the
+    // dropped `Transaction` queues still costs an exchange of its own, because sqlx's MySQL
+    // driver waits for its answer before the pool's release ping; it is sent after the response
+    // is committed, off the request's path.
+    fn fused_finish(
+        key: &ScopedKey,
+        state: RecordState,
+        response: &StoredResponse,
+    ) -> Option<String> {
+        finish_text(key, state, response, Syntax::MySql, "; COMMIT")
     }
 
     fn migration_locked(row: &MySqlRow) -> bool {

@@ -11,7 +11,7 @@ use sqlx::{
     ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Transaction, Type,
 };
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 use super::literal::{Literals, Syntax};
 use super::protocol::{BeganClaim, LeaseClaim, NewRecord, Opened, Protocol};
 use crate::error::Error;
@@ -189,12 +189,12 @@ pub trait Dialect: Database {
 /// The largest response a claim or a finish writes into its statement's text: past it, the
 /// text (twice the bytes, in hexadecimal) costs the database more parsing than the exchange
 /// it saves.
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(super) const FUSED_RESPONSE_LIMIT: usize = 64 * 1024;
 
 /// The record's columns, in the order of [`Dialect::CLAIM`]'s parameters, as literals; `None`
 /// when its response is too large to write into a statement.
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(super) fn record_literals(record: &NewRecord<'_>, syntax: Syntax) -> Option<Literals> {
     let mut values = Literals::new(syntax);
     values
@@ -229,7 +229,7 @@ pub(super) fn record_literals(record: &NewRecord<'_>, syntax: Syntax) -> Option<
 
 /// [`Dialect::FINISH`] with its values written in, followed by `tail` (the statements that
 /// commit); `None` when the response is too large to write into a statement.
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(super) fn finish_text(
     key: &ScopedKey,
     state: RecordState,

@@ -84,7 +84,7 @@ fn record<'a>(
 }
 
 /// A final response with `body`, as a handler's 201 is stored.
-#[cfg(feature = "mysql")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 fn completed(body: &'static str) -> StoredResponse {
     StoredResponse {
         status: http::StatusCode::CREATED,

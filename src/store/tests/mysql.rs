@@ -8,9 +8,11 @@ use sqlx::mysql::MySqlPool;
 
 use super::{MySqlDatabase as TestDb, completed, now_ms, protocol_of, record, scope};
 use crate::error::Error;
+use crate::key::IdempotencyKey;
 use crate::record::{Millis, RecordState};
+use crate::scope::Scope;
 use crate::store::sql::SqlStore;
-use crate::store::{MySqlStore, Protocol};
+use crate::store::{BeganClaim, MySqlStore, Protocol};
 
 /// A store on `db`, migrated, over a pool of eight, driven as the engine drives it.
 async fn migrated(db: &TestDb) -> SqlStore<sqlx::MySql> {
@@ -34,10 +36,19 @@ async fn migrate_twice_is_a_no_op() {
     let pool = store.pool();
     assert_eq!(
         count(pool, "SELECT COUNT(*) FROM idempotency_schema_versions").await,
-        1
+        2
     );
     assert_eq!(
         count(pool, "SELECT MAX(version) FROM idempotency_schema_versions").await,
+        2
+    );
+    assert_eq!(
+        count(
+            pool,
+            "SELECT COUNT(*) FROM information_schema.routines \
+             WHERE routine_schema = DATABASE() AND routine_name = 'axum_idempotency_claim_v1'"
+        )
+        .await,
         1
     );
     let engine: String = sqlx::query_scalar(
@@ -65,7 +76,7 @@ async fn concurrent_migrations_from_separate_instances_all_succeed_once() {
     let pool = stores[0].pool();
     assert_eq!(
         count(pool, "SELECT COUNT(*) FROM idempotency_schema_versions").await,
-        1
+        2
     );
     // The session lock is released, not left on a pooled connection: another session takes it.
     let taken: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
@@ -121,7 +132,7 @@ async fn migrate_waits_for_the_instance_holding_the_migration_lock() {
             "SELECT COUNT(*) FROM idempotency_schema_versions"
         )
         .await,
-        1
+        2
     );
     holder.close().await.unwrap();
     db.drop().await;
@@ -441,5 +452,160 @@ async fn expired_lease_is_taken_over_only_after_asking_recovery() {
     let store = MySqlStore::new(db.pool(16).await);
     store.migrate().await.unwrap();
     super::lease::expired_lease_is_taken_over_only_after_asking_recovery(store).await;
+    db.drop().await;
+}
+
+/// `@@in_transaction` and the session's lock-wait bound, on the pool's one connection.
+async fn session_state(pool: &MySqlPool) -> (u64, u64) {
+    sqlx::query_as("SELECT @@in_transaction, @@SESSION.innodb_lock_wait_timeout")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_claim_sent_with_begin_takes_a_fresh_key_and_leaves_a_refused_session_as_it_was() {
+    let db = TestDb::create().await;
+    // One connection, so every step below runs on the session the previous one left.
+    let store = protocol_of(&MySqlStore::new(db.pool(1).await));
+    store.migrate().await.unwrap();
+    sqlx::raw_sql("SET SESSION innodb_lock_wait_timeout = 37")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let first = Scope::new(
+        "o'brien\\'); DROP TABLE idempotency_records; --",
+        "POST",
+        "/orders/'\0*/",
+        "k-fused".parse::<IdempotencyKey>().unwrap(),
+    );
+    let now = now_ms();
+    let claim = record(&first, "a", RecordState::Processing, None, now, 60_000);
+
+    let BeganClaim::Ours(mut tx) = store
+        .begin_claimed(&claim, Duration::from_secs(3))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is claimed");
+    };
+    let (open, bound): (u64, u64) =
+        sqlx::query_as("SELECT @@in_transaction, @@SESSION.innodb_lock_wait_timeout")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+    assert_eq!(
+        (open, bound),
+        (1, 37),
+        "the handler runs in the claim's transaction with the session's own bound"
+    );
+    store
+        .commit_finished(
+            tx,
+            &first.scoped_key(),
+            RecordState::Completed,
+            &completed("one"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(session_state(store.pool()).await, (0, 37));
+    let (principal, route, state): (String, String, String) = sqlx::query_as(
+        "SELECT principal, route, state FROM idempotency_records WHERE key_digest = ?",
+    )
+    .bind(first.scoped_key().digest().to_vec())
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        (principal.as_str(), route.as_str(), state.as_str()),
+        (
+            "o'brien\\'); DROP TABLE idempotency_records; --",
+            "/orders/'\0*/",
+            "completed"
+        )
+    );
+
+    let duplicate = record(&first, "b", RecordState::Processing, None, now + 1, 60_000);
+    let outcome = store
+        .begin_claimed(&duplicate, Duration::from_secs(3))
+        .await
+        .unwrap();
+    assert!(matches!(outcome, BeganClaim::Taken), "{outcome:?}");
+    assert_eq!(
+        session_state(store.pool()).await,
+        (0, 37),
+        "a refused claim leaves no transaction open and the bound restored"
+    );
+    let found = store.lookup(&first.scoped_key()).await.unwrap().unwrap();
+    assert_eq!(found.fingerprint, claim.fingerprint);
+    assert_eq!(found.response.unwrap().body.as_ref(), b"one");
+
+    // An expired record is replaced in place.
+    let old = scope("k-fused-expired");
+    let old_response = completed("old");
+    let expired = record(
+        &old,
+        "old",
+        RecordState::Completed,
+        Some(&old_response),
+        now - 10_000,
+        1_000,
+    );
+    let BeganClaim::Ours(tx) = store
+        .begin_claimed(&expired, Duration::from_secs(1))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is claimed");
+    };
+    tx.commit().await.unwrap();
+    let fresh = record(&old, "new", RecordState::Processing, None, now, 60_000);
+    let BeganClaim::Ours(tx) = store
+        .begin_claimed(&fresh, Duration::from_secs(1))
+        .await
+        .unwrap()
+    else {
+        panic!("an expired record is replaced");
+    };
+    tx.commit().await.unwrap();
+    let found = store.lookup(&old.scoped_key()).await.unwrap().unwrap();
+    assert_eq!(found.state, RecordState::Processing);
+    assert_eq!(found.fingerprint, fresh.fingerprint);
+    assert!(found.response.is_none());
+    assert_eq!(
+        count(store.pool(), "SELECT COUNT(*) FROM idempotency_records").await,
+        2
+    );
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_claim_sent_with_begin_waits_for_an_in_flight_duplicate_then_is_busy() {
+    let db = TestDb::create().await;
+    let holder_store = migrated(&db).await;
+    let waiter_store = protocol_of(&MySqlStore::new(db.pool(1).await));
+    let scope = scope("k-fused-in-flight");
+    let claim = record(&scope, "a", RecordState::Processing, None, now_ms(), 60_000);
+    let BeganClaim::Ours(holder) = holder_store
+        .begin_claimed(&claim, Duration::from_secs(1))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is claimed");
+    };
+
+    let started = std::time::Instant::now();
+    let outcome = waiter_store
+        .begin_claimed(&claim, Duration::from_millis(200))
+        .await;
+    assert!(matches!(outcome, Err(Error::Busy)), "{outcome:?}");
+    // Rounded up to the whole second the server takes.
+    assert!(started.elapsed() >= Duration::from_secs(1));
+    assert_eq!(
+        session_state(waiter_store.pool()).await,
+        (0, 50),
+        "the waiter's session is back to the server default, with nothing open"
+    );
+    drop(holder);
     db.drop().await;
 }

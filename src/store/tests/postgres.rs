@@ -5,11 +5,13 @@ use std::time::{Duration, Instant};
 
 use sqlx::PgConnection;
 
-use super::{PgSchema, now_ms, protocol_of, record, scope};
+use super::{PgSchema, completed, now_ms, protocol_of, record, scope};
 use crate::error::Error;
+use crate::key::IdempotencyKey;
 use crate::record::RecordState;
+use crate::scope::Scope;
 use crate::store::sql::SqlStore;
-use crate::store::{PgStore, Protocol};
+use crate::store::{BeganClaim, PgStore, Protocol};
 
 /// A store on a fresh schema whose connections all run with `lock_timeout = 37s`, a value no
 /// claim bound uses: seeing it inside a claim transaction means the session's setting is back.
@@ -172,4 +174,109 @@ async fn expired_lease_is_taken_over_only_after_asking_recovery() {
     let pool = store.pool().clone();
     super::lease::expired_lease_is_taken_over_only_after_asking_recovery(store).await;
     schema.drop(&pool).await;
+}
+
+/// Whether the pool's connection runs its next statement in a transaction begun earlier, and
+/// its `lock_timeout`. A simple query, so that a statement outside a transaction starts its own
+/// transaction at the statement's own start.
+async fn session_state(store: &SqlStore<sqlx::Postgres>) -> (bool, String) {
+    use sqlx::Row;
+    let row =
+        sqlx::raw_sql("SELECT now() <> statement_timestamp(), current_setting('lock_timeout')")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+    (row.get(0), row.get(1))
+}
+
+#[tokio::test]
+async fn a_claim_sent_with_begin_takes_a_fresh_key_and_leaves_a_refused_session_idle() {
+    let schema = PgSchema::create().await;
+    let store = store(&schema, 1).await;
+    let principal = "o'brien\\'); DROP TABLE idempotency_records; -- $$ \u{fe0f}";
+    let route = "/orders/'*/";
+    let key = Scope::new(
+        principal,
+        "POST",
+        route,
+        "k-fused".parse::<IdempotencyKey>().unwrap(),
+    );
+    let now = now_ms();
+    let claim = record(&key, "a", RecordState::Processing, None, now, 60_000);
+
+    let BeganClaim::Ours(mut tx) = store
+        .begin_claimed(&claim, Duration::from_secs(1))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is claimed");
+    };
+    assert_eq!(lock_timeout(&mut tx).await, "37s");
+    store
+        .commit_finished(
+            tx,
+            &key.scoped_key(),
+            RecordState::Completed,
+            &completed("one"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(session_state(&store).await, (false, "37s".to_owned()));
+    let stored: (String, String, String) = sqlx::query_as(
+        "SELECT principal, route, state FROM idempotency_records WHERE key_digest = $1",
+    )
+    .bind(key.scoped_key().digest().to_vec())
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        stored,
+        (
+            principal.to_owned(),
+            route.to_owned(),
+            "completed".to_owned()
+        )
+    );
+
+    let duplicate = record(&key, "b", RecordState::Processing, None, now + 1, 60_000);
+    let outcome = store
+        .begin_claimed(&duplicate, Duration::from_secs(1))
+        .await
+        .unwrap();
+    assert!(matches!(outcome, BeganClaim::Taken), "{outcome:?}");
+    assert_eq!(
+        session_state(&store).await,
+        (false, "37s".to_owned()),
+        "a refused claim leaves no transaction open and the session's bound in place"
+    );
+    let found = store.lookup(&key.scoped_key()).await.unwrap().unwrap();
+    assert_eq!(found.fingerprint, claim.fingerprint);
+    assert_eq!(found.response.unwrap().body.as_ref(), b"one");
+    schema.drop(store.pool()).await;
+}
+
+#[tokio::test]
+async fn a_claim_sent_with_begin_waits_for_an_in_flight_duplicate_then_is_busy() {
+    let schema = PgSchema::create().await;
+    let store = store(&schema, 2).await;
+    let key = scope("k-fused-busy");
+    let claim = record(&key, "a", RecordState::Processing, None, now_ms(), 60_000);
+    let BeganClaim::Ours(holder) = store
+        .begin_claimed(&claim, Duration::from_secs(1))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is claimed");
+    };
+
+    let wait = Duration::from_millis(300);
+    let started = Instant::now();
+    let outcome = store.begin_claimed(&claim, wait).await;
+    let waited = started.elapsed();
+    assert!(matches!(outcome, Err(Error::Busy)), "{outcome:?}");
+    assert!(waited >= wait, "gave up after {waited:?}");
+    assert!(waited < Duration::from_secs(5), "waited {waited:?}");
+    assert_eq!(session_state(&store).await, (false, "37s".to_owned()));
+    drop(holder);
+    schema.drop(store.pool()).await;
 }

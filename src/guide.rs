@@ -228,7 +228,7 @@ pub mod protocol {}
 /// | feature | store | notes |
 /// |---|---|---|
 /// | `sqlite` (default) | `SqliteStore` | embedded; claims begin `IMMEDIATE` with `busy_timeout` set from the wait; use WAL. A wait that runs out cannot tell the original from another writer: 409 either way. |
-/// | `postgres` | `PgStore` | many app instances on one database; a claim first tries its key's advisory lock without waiting; only a duplicate of an in-flight claim waits, bounded by `lock_timeout`, set for that claim and lifted for the handler in the same round trip |
+/// | `postgres` | `PgStore` | many app instances on one database; a claim is sent with `BEGIN`; a duplicate of an in-flight claim waits on the key's advisory lock, bounded by `lock_timeout`, set for that claim only and restored for the handler in the same message |
 /// | `mysql` | `MySqlStore` | MySQL 8 and MariaDB; see below |
 ///
 /// Your own sqlx must be the same major version as this crate's (0.9), since the handler's
@@ -554,12 +554,26 @@ pub mod operations {}
 /// # Performance
 ///
 /// A new key costs the claim and the response record inside the handler's own transaction,
-/// and nothing more: no read before the claim. A replay is one indexed read and no transaction
-/// when the key is one this instance handled lately (the engine remembers the last few
-/// thousand keys, in 64 KiB, to tell a likely retry from a likely first attempt); a retry that
-/// reaches an instance that has not seen its key lately finds the key taken by its claim and
-/// reads the record in that same transaction, one round trip and a rollback more. Either way
-/// the claim relies only on the table's unique key.
+/// and no read before the claim. On PostgreSQL the claim is sent in the same message as
+/// `BEGIN` and the record in the same message as `COMMIT`, so a request exchanges with the
+/// database exactly as often as the handler's transaction alone would. On MySQL and MariaDB
+/// the claim is a stored procedure called in place of `BEGIN` and the record travels with
+/// `COMMIT`, so the request waits on no extra exchange; sqlx then still sends a `ROLLBACK` for
+/// the transaction it counts open, after the response, when the pool takes the connection
+/// back. sqlx has no way to commit a transaction with a statement of the caller's (the
+/// counterpart of `begin_with`), which is what would save that exchange. Values written into
+/// these statements are hexadecimal literals only, so no principal, route or body can change
+/// them; responses over 64 KiB are stored with bound parameters, one exchange more.
+///
+/// A replay is one indexed read and no transaction when the key is one this instance handled
+/// lately (the engine remembers the last few thousand keys, in 64 KiB, to tell a likely retry
+/// from a likely first attempt); a retry that reaches an instance that has not seen its key
+/// lately finds the key taken by its claim, which leaves nothing open, and reads the record:
+/// one round trip more. Either way the claim relies only on the table's unique key.
+///
+/// The read-then-claim path begins its transaction on the connection it read with, through
+/// `sqlx::Transaction::begin`, which sqlx hides from its documentation: a sqlx release may
+/// change it. The crate depends on sqlx 0.9, and its tests run that path on every backend.
 ///
 /// With `.cache_replays(bytes)` a replay this instance has already seen is answered from
 /// memory, with no database read, and a retry that repeats the kept request byte for byte

@@ -1531,7 +1531,8 @@ struct Row {
 
 struct Ratio {
     what: String,
-    value: f64,
+    /// `None` when the baseline was left out by `BENCH_ONLY`.
+    value: Option<f64>,
     target: Option<Target>,
 }
 
@@ -1582,6 +1583,9 @@ impl Report {
             .map(|r| r.sample.percentile_ms(0.50))
     }
 
+    /// A ratio of two scenarios, `None` where `BENCH_ONLY` skipped them. One whose numerator
+    /// was skipped is left out of the table; one whose baseline was skipped is listed without
+    /// a value, so the table says which figure is missing rather than showing a 0 or NaN.
     fn push_ratio(
         &mut self,
         what: String,
@@ -1589,10 +1593,10 @@ impl Report {
         over: Option<f64>,
         target: Option<Target>,
     ) {
-        if let (Some(a), Some(b)) = (of, over) {
+        if let Some(of) = of {
             self.ratios.push(Ratio {
                 what,
-                value: a / b,
+                value: over.map(|over| of / over),
                 target,
             });
         }
@@ -1665,12 +1669,23 @@ impl Report {
             "Latency at one connection (sequential requests)",
             &mut self.latency,
         );
-        println!("\n## Ratios (same run)\n");
-        println!("| ratio | measured | target | met |");
-        println!("|---|---:|---:|---|");
+        if !self.ratios.is_empty() {
+            println!("\n## Ratios (same run)\n");
+            println!("| ratio | measured | target | met |");
+            println!("|---|---:|---:|---|");
+        }
         for ratio in &self.ratios {
-            let (target, met) = Target::verdict(ratio.target, ratio.value);
-            println!("| {} | {:.2} | {target} | {met} |", ratio.what, ratio.value);
+            let (measured, target, met) = match ratio.value {
+                Some(value) => {
+                    let (target, met) = Target::verdict(ratio.target, value);
+                    (format!("{value:.2}"), target, met)
+                }
+                None => {
+                    let (target, _) = Target::verdict(ratio.target, f64::NAN);
+                    ("– (baseline skipped)".to_owned(), target, "")
+                }
+            };
+            println!("| {} | {measured} | {target} | {met} |", ratio.what);
         }
         if !self.trips.is_empty() {
             println!("\n## Database work per request\n");
@@ -1969,14 +1984,14 @@ fn peer_plans(
 }
 
 /// Measures `plans` (the `include`d ones) round after round, for `BENCH_ROUNDS` rounds of
-/// `plan.duration` each.
+/// `plan.duration` each; `None` for a plan left out, so that no empty sample reaches a table.
 fn measure_rounds(
     settings: &Settings,
     client: &Runtime,
     peak: &PeakRss,
     plans: &[(&str, Plan)],
     include: fn(&str) -> bool,
-) -> Result<Vec<Sample>, BoxError> {
+) -> Result<Vec<Option<Sample>>, BoxError> {
     let mut samples: Vec<Sample> = plans.iter().map(|_| Sample::default()).collect();
     for round in 0..settings.rounds {
         // Each round starts one scenario later, so no scenario always follows the same one
@@ -2008,7 +2023,11 @@ fn measure_rounds(
             total.merge(sample);
         }
     }
-    Ok(samples)
+    Ok(plans
+        .iter()
+        .zip(samples)
+        .map(|((name, _), sample)| include(name).then_some(sample))
+        .collect())
 }
 
 /// The order app's scenarios: name, route, keys.
@@ -2089,6 +2108,7 @@ fn run_backend(
     }
     let samples = measure_rounds(settings, client, peak, &plans, wanted)?;
     for ((scenario, _), sample) in plans.iter().zip(samples) {
+        let Some(sample) = sample else { continue };
         let note = match *scenario {
             "peer-bare" => "axum-idempotent's process, no layer",
             "peer-fresh" => "axum-idempotent, new keys",
@@ -2216,6 +2236,7 @@ fn run_latency(
         let plans = order_plans(&base, |_| true);
         let samples = measure_rounds(settings, client, peak, &plans, |_| true)?;
         for ((scenario, _), sample) in plans.iter().zip(samples) {
+            let Some(sample) = sample else { continue };
             report.latency.push(Row {
                 group: group.clone(),
                 scenario: (*scenario).into(),
@@ -2281,8 +2302,8 @@ fn run_scale(
         let samples = measure_rounds(settings, client, peak, &plans, |_| true)?;
         Ok(plans
             .iter()
-            .map(|(scenario, _)| *scenario)
             .zip(samples)
+            .filter_map(|((scenario, _), sample)| Some((*scenario, sample?)))
             .collect())
     };
 
@@ -2518,6 +2539,7 @@ fn run_noop(
         "axum-idempotent, one key per session: 1 read (in-memory moka store), replay",
     ];
     for (((scenario, _), sample), note) in plans.iter().zip(samples).zip(notes) {
+        let Some(sample) = sample else { continue };
         report.rows.push(Row {
             group: "noop 1 KiB".into(),
             scenario: (*scenario).into(),

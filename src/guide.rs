@@ -381,7 +381,20 @@ pub mod client {}
 /// bring a message back. The inbox makes a consumer apply each **business key** once, the way the
 /// layer makes a handler run each request once:
 ///
-/// ```rust,ignore
+/// ```no_run
+/// # #[cfg(all(feature = "rabbitmq", feature = "sqlite"))]
+/// # async fn run(store: axum_idempotency::SqliteStore) -> Result<(), Box<dyn std::error::Error>> {
+/// # use std::sync::Arc;
+/// # use axum_idempotency::Tx;
+/// # use axum_idempotency::inbox::rabbitmq::RabbitMqConsumer;
+/// # use axum_idempotency::inbox::{Delivery, Failure, Inbox};
+/// # use sqlx::Sqlite;
+/// # let connection = Arc::new(lapin::Connection::connect("amqp://127.0.0.1:5672", Default::default()).await?);
+/// # fn payment_id_of(payload: &[u8]) -> Result<String, Failure> {
+/// #     let event: serde_json::Value =
+/// #         serde_json::from_slice(payload).map_err(|_| Failure::permanent("not JSON"))?;
+/// #     event["payment_id"].as_str().map(str::to_owned).ok_or_else(|| Failure::permanent("no payment_id"))
+/// # }
 /// let inbox = Inbox::new("orders", store)                      // the consumer's name scopes its keys
 ///     .key_by(|d: &Delivery| payment_id_of(d.payload()))        // the business key, not the message id
 ///     .max_attempts(5);
@@ -393,6 +406,7 @@ pub mod client {}
 ///     // … apply the event with `&mut *tx` …
 ///     Ok::<_, Failure>(())
 /// }).await?;
+/// # Ok(()) }
 /// ```
 ///
 /// For each delivery the inbox begins a transaction, claims the key with the same engine as HTTP

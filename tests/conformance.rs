@@ -17,6 +17,7 @@ macro_rules! conformance {
                 replay_reproduces_status_headers_and_body_with_replay_header,
                 storm_of_50_concurrent_duplicates_executes_once,
                 two_instances_on_separate_pools_execute_once,
+                two_instances_split_duplicates_of_many_keys_execute_each_once,
                 retry_reaching_an_instance_that_never_saw_the_key_gets_the_stored_answer,
                 panic_leaves_no_record_and_the_retry_executes_once,
                 server_error_leaves_no_record_and_the_retry_executes_once,
@@ -339,6 +340,95 @@ mod suite {
             replies.iter().all(|r| r.status == StatusCode::CREATED),
             "{replies:?}"
         );
+    }
+
+    pub(crate) async fn two_instances_split_duplicates_of_many_keys_execute_each_once<DB: Db>() {
+        const KEYS: usize = 16;
+        const DUPLICATES: usize = 8;
+        let isolated = DB::fresh(8).await;
+        // What two processes would have apart: pools, layers, servers and HTTP clients.
+        let one = Arc::new(serve(isolated.pool.clone(), |layer| layer).await);
+        let two = Arc::new(second_instance(&isolated).await);
+        let keys: Vec<String> = (0..KEYS).map(|_| unique("split")).collect();
+        let payload = |k: usize| {
+            // The original holds its claim a moment, so duplicates meet it in flight.
+            json!({ "label": format!("split-{k}"), "sleep_ms": 100 }).to_string()
+        };
+        // Every request is spawned and waits for all the others, so they leave at once.
+        let start = Arc::new(tokio::sync::Barrier::new(KEYS * DUPLICATES));
+        let mut requests = Vec::new();
+        for (k, key) in keys.iter().enumerate() {
+            for d in 0..DUPLICATES {
+                let app = Arc::clone(if d % 2 == 0 { &one } else { &two });
+                let start = Arc::clone(&start);
+                let key = key.clone();
+                let payload = payload(k);
+                requests.push(tokio::spawn(async move {
+                    start.wait().await;
+                    app.post("/effects", Some("alice"), Some(&key), &payload)
+                        .await
+                }));
+            }
+        }
+        let mut replies = Vec::new();
+        for request in requests {
+            replies.push(request.await.expect("request task"));
+        }
+
+        for (k, (key, answers)) in keys.iter().zip(replies.chunks(DUPLICATES)).enumerate() {
+            let label = format!("split-{k}");
+            assert_eq!(
+                DB::count_effects(&one.pool, &label).await,
+                1,
+                "{label}: the business ran once"
+            );
+            let (in_progress, answered): (Vec<_>, Vec<_>) = answers
+                .iter()
+                .partition(|r| r.status == StatusCode::CONFLICT);
+            // A duplicate still waiting when its wait runs out is told to come back later: the
+            // one answer the contract allows besides the replay.
+            for reply in &in_progress {
+                assert_eq!(
+                    reply.code(),
+                    "idempotency_request_in_progress",
+                    "{label}: {reply:?}"
+                );
+                assert!(reply.headers.contains_key("retry-after"), "{label}");
+                assert!(!reply.replayed(), "{label}");
+            }
+            let originals: Vec<_> = answered.iter().filter(|r| !r.replayed()).collect();
+            assert_eq!(originals.len(), 1, "{label}: one original: {answers:?}");
+            let original = originals[0];
+            assert_eq!(
+                original.status,
+                StatusCode::CREATED,
+                "{label}: {original:?}"
+            );
+            for reply in &answered {
+                assert_eq!(reply.status, original.status, "{label}: {reply:?}");
+                assert_eq!(reply.body, original.body, "{label}: {reply:?}");
+                assert_eq!(
+                    reply.headers["location"], original.headers["location"],
+                    "{label}"
+                );
+            }
+            for app in [&one, &two] {
+                let again = app
+                    .post("/effects", Some("alice"), Some(key), &payload(k))
+                    .await;
+                assert!(again.replayed(), "{label}: {again:?}");
+                assert_eq!(again.status, original.status, "{label}");
+                assert_eq!(again.body, original.body, "{label}");
+            }
+        }
+        assert_eq!(one.executions() + two.executions(), KEYS);
+        assert_eq!(
+            DB::count_records(&one.pool).await,
+            i64::try_from(KEYS).expect("keys")
+        );
+        two.pool.close().await;
+        drop((one, two));
+        DB::dispose(isolated).await;
     }
 
     pub(crate) async fn retry_reaching_an_instance_that_never_saw_the_key_gets_the_stored_answer<

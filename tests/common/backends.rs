@@ -67,6 +67,9 @@ pub(crate) trait Backend: Database {
         isolated: &Isolated<Self>,
         max_connections: u32,
     ) -> impl Future<Output = Pool<Self>> + Send;
+    /// Removes the isolated database (schema, database or file) once its pools are closed, so
+    /// a run leaves nothing behind on the shared servers.
+    fn dispose(isolated: Isolated<Self>) -> impl Future<Output = ()> + Send;
 }
 
 /// An isolated database and how to reach it again.
@@ -163,6 +166,14 @@ impl Backend for sqlx::Sqlite {
     async fn another_pool(isolated: &Isolated<Self>, max_connections: u32) -> Pool<Self> {
         sqlite_pool(&isolated.url, max_connections, false).await
     }
+
+    async fn dispose(isolated: Isolated<Self>) {
+        isolated.pool.close().await;
+        let path = isolated.url.trim_start_matches("sqlite://");
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{path}{suffix}"));
+        }
+    }
 }
 
 #[cfg(feature = "sqlite")]
@@ -216,6 +227,21 @@ impl Backend for sqlx::Postgres {
 
     async fn another_pool(isolated: &Isolated<Self>, max_connections: u32) -> Pool<Self> {
         pg_pool(&isolated.url, max_connections).await
+    }
+
+    async fn dispose(isolated: Isolated<Self>) {
+        isolated.pool.close().await;
+        let admin = sqlx::PgPool::connect(&postgres_url())
+            .await
+            .expect("connect postgres");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP SCHEMA {} CASCADE",
+            isolated.url
+        )))
+        .execute(&admin)
+        .await
+        .expect("drop schema");
+        admin.close().await;
     }
 }
 
@@ -272,6 +298,22 @@ impl Backend for sqlx::MySql {
 
     async fn another_pool(isolated: &Isolated<Self>, max_connections: u32) -> Pool<Self> {
         mysql_pool(&isolated.url, max_connections).await
+    }
+
+    async fn dispose(isolated: Isolated<Self>) {
+        use sqlx::Connection;
+        isolated.pool.close().await;
+        let mut admin = sqlx::MySqlConnection::connect(&mysql_url())
+            .await
+            .expect("connect mysql");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE {}",
+            isolated.url
+        )))
+        .execute(&mut admin)
+        .await
+        .expect("drop database");
+        let _ = admin.close().await;
     }
 }
 

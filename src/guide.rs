@@ -474,7 +474,9 @@ pub mod inbox {}
 /// `outcome`: `executed`, `expired` (executed under a key whose old record had expired),
 /// `failed_permanent`, `replayed`, `mismatch`, `in_flight`, `retryable`, `recovered`,
 /// `lease_lost`. Never the key or a body. The database stores the SHA-256 of the scoped key,
-/// not the key; principal, method and route are kept in clear for operators.
+/// not the key; principal, method and route are kept in clear for operators (a NUL in them,
+/// which PostgreSQL's `text` cannot hold, is shown as U+FFFD on every backend; the digest
+/// covers the exact text).
 ///
 /// ## Metrics
 ///

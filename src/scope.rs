@@ -8,7 +8,9 @@
 //! unrelated intents.
 //!
 //! The database stores only the SHA-256 digest of the scoped key ([`ScopedKey::digest`]),
-//! never the raw key; principal, method and route are kept in clear for operators.
+//! never the raw key; principal, method and route are kept in clear for operators, with a NUL
+//! (which PostgreSQL's `text` cannot hold) shown as U+FFFD. The digest covers the exact text,
+//! so scopes that differ only in a NUL never share a record.
 
 use std::borrow::Cow;
 use std::fmt;

@@ -3,6 +3,7 @@
 // Reachable only through the sealed `Store`, so `pub` here names nothing a user can reach.
 #![allow(unreachable_pub)]
 
+use std::borrow::Cow;
 use std::time::Duration;
 
 use sqlx::SqlSafeStr;
@@ -199,9 +200,9 @@ pub(super) fn record_literals(record: &NewRecord<'_>, syntax: Syntax) -> Option<
     let mut values = Literals::new(syntax);
     values
         .bytes(record.key.digest())
-        .opt_text(record.scope.principal())
-        .text(record.scope.method())
-        .text(record.scope.route())
+        .opt_text(record.scope.principal().map(readable).as_deref())
+        .text(&readable(record.scope.method()))
+        .text(&readable(record.scope.route()))
         .bytes(record.fingerprint.as_bytes())
         .text(record.state.as_str());
     match record.response {
@@ -254,6 +255,17 @@ pub(super) fn finish_text(
         .bytes(key.digest())
         .sql(tail);
     Some(sql.into_string())
+}
+
+/// A scope's text as the records table shows it to people: NUL, which PostgreSQL's `text`
+/// cannot hold, becomes U+FFFD on every backend alike. The key's digest covers the exact text,
+/// so two scopes that differ only there still never share a record.
+fn readable(text: &str) -> Cow<'_, str> {
+    if text.contains('\0') {
+        Cow::Owned(text.replace('\0', "\u{fffd}"))
+    } else {
+        Cow::Borrowed(text)
+    }
 }
 
 /// Runs an autocommit statement on the pool; returns how many rows it affected.
@@ -422,9 +434,9 @@ where
         let bind_record = |sql| {
             sqlx::query(sql)
                 .bind(record.key.digest().to_vec())
-                .bind(record.scope.principal().map(str::to_owned))
-                .bind(record.scope.method().to_owned())
-                .bind(record.scope.route().to_owned())
+                .bind(record.scope.principal().map(|p| readable(p).into_owned()))
+                .bind(readable(record.scope.method()).into_owned())
+                .bind(readable(record.scope.route()).into_owned())
                 .bind(record.fingerprint.as_bytes().to_vec())
                 .bind(record.state.as_str().to_owned())
                 .bind(status)

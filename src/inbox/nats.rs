@@ -15,6 +15,7 @@
 //!   died in between.
 //!
 //! ```no_run
+//! # #[cfg(feature = "sqlite")]
 //! # async fn run(store: axum_idempotency::SqliteStore) -> Result<(), async_nats::Error> {
 //! use axum_idempotency::inbox::{Delivery, Failure, Inbox};
 //! use axum_idempotency::inbox::nats::NatsConsumer;

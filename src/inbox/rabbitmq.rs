@@ -23,6 +23,7 @@
 //! URI to keep that under 30 s; the server's default is 60 s).
 //!
 //! ```no_run
+//! # #[cfg(feature = "sqlite")]
 //! # async fn run(store: axum_idempotency::SqliteStore) -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
 //! use axum_idempotency::inbox::{Delivery, Failure, Inbox};

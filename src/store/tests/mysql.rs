@@ -520,7 +520,7 @@ async fn a_claim_sent_with_begin_takes_a_fresh_key_and_leaves_a_refused_session_
         (principal.as_str(), route.as_str(), state.as_str()),
         (
             "o'brien\\'); DROP TABLE idempotency_records; --",
-            "/orders/'\0*/",
+            "/orders/'\u{fffd}*/",
             "completed"
         )
     );

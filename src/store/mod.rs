@@ -10,9 +10,11 @@
 //! that prefer their own migration tool.
 //!
 //! Expired records are purged explicitly, never implicitly: call `purge_expired()` from a job
-//! of your own, or let `spawn_purger(every)` do it on an interval. Both delete in bounded
-//! batches, so a purge never holds long locks. An expired record that has not been purged yet
-//! is already treated as absent, and its key as a new intent.
+//! of your own, or let `spawn_purger(every)` do it on an interval. Both delete in small
+//! batches, so no statement holds long locks, and rest after each batch as long as it took, so
+//! a purge beside live traffic takes at most about half of one connection's time. An expired
+//! record that has not been purged yet is already treated as absent, and its key as a new
+//! intent.
 //!
 //! How a backend claims a key (statements, lock waits, error codes) is internal to this crate
 //! and may change in any release without a change to these types.
@@ -91,14 +93,27 @@ macro_rules! store_type {
                 crate::store::Protocol::migrate(&self.0).await
             }
 
-            /// Deletes every record expired by now, in batches of a thousand so that no
-            /// statement holds long locks; returns how many it deleted.
+            /// Deletes every record expired by now; returns how many it deleted.
+            ///
+            /// It deletes in batches, a thousand records at a time (250 on SQLite, where
+            /// every claim waits for the one write lock a batch holds), and after each batch
+            /// rests as long as the batch took. Beside live traffic it therefore holds a
+            /// connection at most about half the time, and the requests' latency barely
+            /// moves; a large backlog takes about twice as long to clear as back-to-back
+            /// deletes would. The pace is the same whether the call comes from
+            /// [`spawn_purger`](Self::spawn_purger) or from a job of your own, since both run
+            /// beside the service. To clear a backlog faster while the service is stopped,
+            /// delete from `idempotency_records` where `expires_at` (milliseconds since the
+            /// Unix epoch) is past, in SQL of your own.
             pub async fn purge_expired(&self) -> Result<u64, crate::Error> {
                 crate::store::Protocol::purge_expired(&self.0).await
             }
 
             /// Spawns a task that purges expired records every `every`, logging what it
             /// deleted and any failure, and going on. Abort the returned handle to stop it.
+            ///
+            /// Each run is a paced [`purge_expired`](Self::purge_expired); one that outlasts
+            /// `every` delays the next rather than overlapping it.
             pub fn spawn_purger(&self, every: std::time::Duration) -> tokio::task::JoinHandle<()> {
                 self.0.spawn_purger(every)
             }

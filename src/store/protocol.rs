@@ -5,7 +5,7 @@
 #![allow(unreachable_pub)]
 
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::{Database, Pool, Transaction};
 
@@ -203,17 +203,29 @@ pub trait Protocol: Clone + Send + Sync + 'static {
         limit: u32,
     ) -> impl Future<Output = Result<u64, Error>> + Send;
 
-    /// Deletes every record expired by now, in batches of [`PURGE_BATCH`]; returns the count.
+    /// How many records one purge statement deletes.
+    fn purge_batch(&self) -> u32 {
+        PURGE_BATCH
+    }
+
+    /// Deletes every record expired by now, in batches of
+    /// [`purge_batch`](Protocol::purge_batch); returns the count.
+    ///
+    /// After each batch it waits as long as the batch took, so a purge holds a connection (and
+    /// on SQLite the write lock) at most about half the time, and the requests keep the rest.
     fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {
         async move {
+            let limit = self.purge_batch();
             let now = Millis::now();
             let mut total = 0;
             loop {
-                let deleted = self.purge_expired_batch(now, PURGE_BATCH).await?;
+                let started = Instant::now();
+                let deleted = self.purge_expired_batch(now, limit).await?;
                 total += deleted;
-                if deleted < u64::from(PURGE_BATCH) {
+                if deleted < u64::from(limit) {
                     return Ok(total);
                 }
+                tokio::time::sleep(started.elapsed()).await;
             }
         }
     }

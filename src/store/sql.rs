@@ -103,6 +103,8 @@ pub trait Dialect: Database {
     const FINISH: &'static str;
     /// Parameters: now, limit.
     const PURGE: &'static str;
+    /// How many records one [`PURGE`](Dialect::PURGE) deletes at most.
+    const PURGE_BATCH: u32 = super::protocol::PURGE_BATCH;
     /// Parameters: lease_expires_at, key_digest, lease_owner.
     const RENEW_LEASE: &'static str;
     /// Parameters: lease_owner, lease_expires_at, key_digest, now.
@@ -588,6 +590,10 @@ where
     async fn forget<'a>(&'a self, key: &'a ScopedKey) -> Result<bool, Error> {
         let query = sqlx::query(DB::FORGET).bind(key.digest().to_vec());
         Ok(on_pool(&self.pool, query).await? == 1)
+    }
+
+    fn purge_batch(&self) -> u32 {
+        DB::PURGE_BATCH
     }
 
     async fn purge_expired_batch(&self, now: Millis, limit: u32) -> Result<u64, Error> {

@@ -62,6 +62,9 @@ impl Dialect for Sqlite {
         SET state = ?1, status = ?2, headers = ?3, body = ?4 WHERE key_digest = ?5";
     const PURGE: &'static str = "DELETE FROM idempotency_records WHERE key_digest IN \
         (SELECT key_digest FROM idempotency_records WHERE expires_at <= ?1 LIMIT ?2)";
+    // Every claim waits for the one write lock while a batch holds it: a short batch keeps that
+    // wait within the busy handler's first few naps.
+    const PURGE_BATCH: u32 = 250;
 
     const RENEW_LEASE: &'static str = "UPDATE idempotency_records SET lease_expires_at = ?1 \
         WHERE key_digest = ?2 AND lease_owner = ?3 AND state = 'processing'";

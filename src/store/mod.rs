@@ -98,9 +98,10 @@ macro_rules! store_type {
             /// It deletes in batches, a thousand records at a time (250 on SQLite, where
             /// every claim waits for the one write lock a batch holds), and after each batch
             /// rests as long as the batch took. Beside live traffic it therefore holds a
-            /// connection at most about half the time, and the requests' latency barely
-            /// moves; a large backlog takes about twice as long to clear as back-to-back
-            /// deletes would. The pace is the same whether the call comes from
+            /// connection at most about half the time, and the requests' tail latency stays
+            /// close to what it is without a purge; a large backlog takes at least twice as
+            /// long to clear as back-to-back deletes would (on SQLite, whose batches are
+            /// smaller, several times). The pace is the same whether the call comes from
             /// [`spawn_purger`](Self::spawn_purger) or from a job of your own, since both run
             /// beside the service. To clear a backlog faster while the service is stopped,
             /// delete from `idempotency_records` where `expires_at` (milliseconds since the

@@ -14,7 +14,8 @@ use crate::fingerprint::Fingerprint;
 use crate::record::{Millis, Record, RecordState, StoredResponse};
 use crate::scope::{Scope, ScopedKey};
 
-/// How many expired records one purge statement deletes, so a purge never holds long locks.
+/// How many expired records one purge statement deletes, so a purge never holds long locks;
+/// a backend may choose fewer.
 pub(crate) const PURGE_BATCH: u32 = 1000;
 
 /// A record about to be written by a claim.

@@ -231,7 +231,7 @@ mod site {
     use axum::{Extension, Router};
     use axum_idempotency::{IdempotencyLayer, Tx};
     use bytes::Bytes;
-    use http_body_util::{BodyExt, Full};
+    use http_body_util::Full;
     use hyper_util::client::legacy::Client;
     use hyper_util::client::legacy::connect::HttpConnector;
     use hyper_util::rt::TokioExecutor;
@@ -400,14 +400,7 @@ mod site {
                 .header("idempotency-key", key)
                 .body(Full::new(Bytes::copy_from_slice(body)))
                 .expect("request");
-            let response = self.client.request(request).await.expect("send request");
-            let (parts, body) = response.into_parts();
-            let body = body.collect().await.expect("read body").to_bytes();
-            Reply {
-                status: parts.status,
-                headers: parts.headers,
-                body,
-            }
+            Reply::receive(&self.client, request).await
         }
     }
 

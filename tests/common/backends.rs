@@ -526,6 +526,21 @@ pub(crate) struct Reply {
 }
 
 impl Reply {
+    /// Sends `request` and reads the whole answer.
+    pub(crate) async fn receive(
+        client: &Client<HttpConnector, Full<Bytes>>,
+        request: hyper::Request<Full<Bytes>>,
+    ) -> Self {
+        let response = client.request(request).await.expect("send request");
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.expect("read body").to_bytes();
+        Self {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    }
+
     pub(crate) fn json(&self) -> Value {
         serde_json::from_slice(&self.body).unwrap_or(Value::Null)
     }
@@ -579,14 +594,7 @@ impl<DB: Db> App<DB> {
             request = request.header(*name, value);
         }
         let request = request.body(Full::new(Bytes::from(body))).expect("request");
-        let response = self.client.request(request).await.expect("send request");
-        let (parts, body) = response.into_parts();
-        let body = body.collect().await.expect("read body").to_bytes();
-        Reply {
-            status: parts.status,
-            headers: parts.headers,
-            body,
-        }
+        Reply::receive(&self.client, request).await
     }
 }
 

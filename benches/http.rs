@@ -2167,8 +2167,13 @@ fn run_backend(
     }
 
     report.ratio(name, "manual", "bare", None);
-    report.ratio(name, "layer-fresh", "manual", Some(Target::AtLeast(0.85)));
-    report.ratio(name, "layer-fresh", "bare", None);
+    report.ratio(name, "layer-fresh", "manual", Some(Target::AtLeast(1.0)));
+    let fresh_target = match name {
+        "postgres" => Some(Target::AtLeast(0.8)),
+        "mysql" => Some(Target::AtLeast(0.7)),
+        _ => None,
+    };
+    report.ratio(name, "layer-fresh", "bare", fresh_target);
     report.ratio(name, "layer-replay", "bare", Some(Target::AtLeast(1.5)));
     report.ratio(name, "layer-replay-cached", "bare", None);
     if peer.is_some() {

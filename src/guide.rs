@@ -574,7 +574,10 @@ pub mod operations {}
 /// A new key costs the claim and the response record inside the handler's own transaction,
 /// and no read before the claim. On PostgreSQL the claim is sent in the same message as
 /// `BEGIN` and the record in the same message as `COMMIT`, so a request exchanges with the
-/// database exactly as often as the handler's transaction alone would. On MySQL and MariaDB
+/// database exactly as often as the handler's transaction alone would. Both are calls of two
+/// functions schema version 3 creates, `axum_idempotency_claim_v1` and
+/// `axum_idempotency_finish_v1`, whose plans the server keeps for the session, so it parses
+/// and plans one call per message rather than the claim's statements. On MySQL and MariaDB
 /// the claim is a stored procedure called in place of `BEGIN` and the record travels with
 /// `COMMIT`, so the request waits on no extra exchange; sqlx then still sends a `ROLLBACK` for
 /// the transaction it counts open, after the response, when the pool takes the connection

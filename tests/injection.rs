@@ -189,7 +189,8 @@ mod statements {
         fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
             let mut text = Text(String::new());
             event.record(&mut text);
-            if text.0.contains("idempotency_records") {
+            // The records' table, or the schema's functions that write it.
+            if text.0.contains("idempotency_records") || text.0.contains("axum_idempotency_") {
                 SEEN.lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .push(text.0.to_lowercase());

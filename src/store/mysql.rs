@@ -8,7 +8,7 @@ use sqlx::{MySql, Row};
 
 use super::literal::Syntax;
 use super::protocol::NewRecord;
-use super::sql::{Dialect, finish_text, record_literals};
+use super::sql::{Dialect, FinishForm, finish_text, record_literals};
 use super::store_type;
 use crate::record::{RecordState, StoredResponse};
 use crate::scope::ScopedKey;
@@ -171,7 +171,14 @@ impl Dialect for MySql {
         state: RecordState,
         response: &StoredResponse,
     ) -> Option<String> {
-        finish_text(key, state, response, Syntax::MySql, "; COMMIT")
+        finish_text(
+            key,
+            state,
+            response,
+            Syntax::MySql,
+            FinishForm::Update,
+            "; COMMIT",
+        )
     }
 
     fn migration_locked(row: &MySqlRow) -> bool {

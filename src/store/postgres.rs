@@ -6,9 +6,9 @@ use sqlx::error::DatabaseError;
 use sqlx::postgres::PgRow;
 use sqlx::{Postgres, Row};
 
-use super::literal::{Literals, Syntax};
+use super::literal::Syntax;
 use super::protocol::NewRecord;
-use super::sql::{Dialect, finish_text, record_literals};
+use super::sql::{Dialect, FinishForm, finish_text, record_literals};
 use super::store_type;
 use crate::record::{RecordState, StoredResponse};
 use crate::scope::ScopedKey;
@@ -63,6 +63,7 @@ impl Dialect for Postgres {
             include_str!("../../migrations/postgres/0001_records.sql"),
         ),
         (2, include_str!("../../migrations/postgres/0002_leases.sql")),
+        (3, include_str!("../../migrations/postgres/0003_claim.sql")),
     ];
     const MIGRATION_BEGIN: &'static str = "BEGIN";
     // A transaction-scoped advisory lock: two instances starting at once migrate one after the
@@ -125,39 +126,22 @@ impl Dialect for Postgres {
         None
     }
 
-    // Sent as one simple query, the claim comes *before* `BEGIN`: the statements run in the
-    // implicit transaction of their query, which `BEGIN` turns into the transaction the handler
-    // goes on in. If a statement fails, the server rolls the implicit transaction back and skips
-    // the rest, `BEGIN` included, so a refused claim leaves the connection idle, with nothing
-    // to roll back. The statements: save the session's `lock_timeout` and set the bound; wait
-    // (bounded) for the key's advisory lock, held by any in-flight claim of the key; claim on
-    // the unique key; when a live record kept it, insert the key again, plainly, so that the
-    // primary key refuses it and the failure says "taken"; restore `lock_timeout`.
+    // Sent as one simple query, the claim comes *before* `BEGIN`: the call runs in the implicit
+    // transaction of its query, which `BEGIN` turns into the transaction the handler goes on in.
+    // If the call fails, the server rolls the implicit transaction back and skips `BEGIN`, so a
+    // refused claim leaves the connection idle, with nothing to roll back. The function (schema
+    // version 3) takes the key's advisory lock as TRY_CLAIM and CLAIM do: at once when it is
+    // free, else waiting, with the wait bounded by `lock_timeout` set for the claim alone; it
+    // claims on the unique key, and raises a violation of the primary key, the "taken" error,
+    // when a live record kept it. Its plans are kept for the session: the
+    // server parses and plans the one call, not the claim's statements, on every request.
     fn fused_claim(record: &NewRecord<'_>, lock_wait: Duration) -> Option<String> {
         let values = record_literals(record, Syntax::Postgres)?;
-        let mut digest = Literals::new(Syntax::Postgres);
-        digest.bytes(record.key.digest());
         let lock = Self::key_lock(&record.key)?;
         let bound = Self::claim_lock_wait(lock_wait)?;
         Some(format!(
-            concat!(
-                "SELECT set_config('axum_idempotency.lock_timeout', current_setting('lock_timeout'), true); ",
-                "SELECT set_config('lock_timeout', '{bound}', true); ",
-                "SELECT pg_advisory_xact_lock({lock}); ",
-                "WITH claimed AS (INSERT INTO idempotency_records AS r ",
-                record_columns!(),
-                " VALUES ({values}) ",
-                replace_expired!(),
-                " RETURNING 1) INSERT INTO idempotency_records \
-                (key_digest, method, route, fingerprint, state, created_at, expires_at) \
-                SELECT {digest}, '', '', {digest}, '', 0, 0 WHERE NOT EXISTS (SELECT 1 FROM claimed); ",
-                "SELECT set_config('lock_timeout', current_setting('axum_idempotency.lock_timeout'), true); ",
-                "BEGIN",
-            ),
-            bound = bound,
-            lock = lock,
+            "SELECT axum_idempotency_claim_v1({values}, {lock}, '{bound}'); BEGIN",
             values = values.as_str(),
-            digest = digest.as_str(),
         ))
     }
 
@@ -166,6 +150,7 @@ impl Dialect for Postgres {
         error.code().as_deref() == Some("23505") && error.constraint() == Some(PRIMARY_KEY)
     }
 
+    // The finish function (schema version 3) is the plain `UPDATE`, planned once per session.
     // `BEGIN` after `COMMIT` leaves an empty transaction for the rollback the dropped
     // `Transaction` queues, so that rollback finds a transaction to end and the server logs no
     // warning.
@@ -174,7 +159,14 @@ impl Dialect for Postgres {
         state: RecordState,
         response: &StoredResponse,
     ) -> Option<String> {
-        finish_text(key, state, response, Syntax::Postgres, "; COMMIT; BEGIN")
+        finish_text(
+            key,
+            state,
+            response,
+            Syntax::Postgres,
+            FinishForm::Call("SELECT axum_idempotency_finish_v1"),
+            "; COMMIT; BEGIN",
+        )
     }
 
     fn claim_lock_wait(lock_wait: Duration) -> Option<String> {

@@ -230,7 +230,18 @@ pub(super) fn record_literals(record: &NewRecord<'_>, syntax: Syntax) -> Option<
     Some(values)
 }
 
-/// [`Dialect::FINISH`] with its values written in, followed by `tail` (the statements that
+/// How a finish sent with `COMMIT` writes the outcome into the record.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[derive(Debug, Clone, Copy)]
+pub(super) enum FinishForm {
+    /// [`Dialect::FINISH`] with its values written in.
+    Update,
+    /// A call of the schema's finish function, named here, with the key's digest, the state,
+    /// the status, the headers and the body as arguments.
+    Call(&'static str),
+}
+
+/// The statement that writes the outcome, in `form`, followed by `tail` (the statements that
 /// commit); `None` when the response is too large to write into a statement.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(super) fn finish_text(
@@ -238,24 +249,38 @@ pub(super) fn finish_text(
     state: RecordState,
     response: &StoredResponse,
     syntax: Syntax,
+    form: FinishForm,
     tail: &'static str,
 ) -> Option<String> {
     let headers = response.encode_headers();
     if headers.len() + response.body.len() > FUSED_RESPONSE_LIMIT {
         return None;
     }
+    let status = i64::from(response.status.as_u16());
     let mut sql = Literals::new(syntax);
-    sql.sql("UPDATE idempotency_records SET state = ")
-        .text(state.as_str())
-        .sql(", status = ")
-        .int(i64::from(response.status.as_u16()))
-        .sql(", headers = ")
-        .bytes(&headers)
-        .sql(", body = ")
-        .bytes(&response.body)
-        .sql(" WHERE key_digest = ")
-        .bytes(key.digest())
-        .sql(tail);
+    match form {
+        FinishForm::Update => sql
+            .sql("UPDATE idempotency_records SET state = ")
+            .text(state.as_str())
+            .sql(", status = ")
+            .int(status)
+            .sql(", headers = ")
+            .bytes(&headers)
+            .sql(", body = ")
+            .bytes(&response.body)
+            .sql(" WHERE key_digest = ")
+            .bytes(key.digest()),
+        FinishForm::Call(function) => sql
+            .sql(function)
+            .sql("(")
+            .bytes(key.digest())
+            .text(state.as_str())
+            .int(status)
+            .bytes(&headers)
+            .bytes(&response.body)
+            .sql(")"),
+    };
+    sql.sql(tail);
     Some(sql.into_string())
 }
 

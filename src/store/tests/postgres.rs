@@ -256,6 +256,68 @@ async fn a_claim_sent_with_begin_takes_a_fresh_key_and_leaves_a_refused_session_
 }
 
 #[tokio::test]
+async fn a_claim_sent_with_begin_replaces_an_expired_record_through_the_schemas_functions() {
+    let schema = PgSchema::create().await;
+    let store = store(&schema, 1).await;
+    let (version, functions): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT MAX(version) FROM idempotency_schema_versions), \
+         (SELECT COUNT(*) FROM pg_proc WHERE pronamespace = current_schema()::regnamespace \
+          AND proname IN ('axum_idempotency_claim_v1', 'axum_idempotency_finish_v1'))",
+    )
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!((version, functions), (3, 2));
+
+    let now = now_ms();
+    let old = scope("k-fused-expired");
+    let old_response = completed("old");
+    let expired = record(
+        &old,
+        "old",
+        RecordState::Completed,
+        Some(&old_response),
+        now - 10_000,
+        1_000,
+    );
+    let BeganClaim::Ours(tx) = store
+        .begin_claimed(&expired, Duration::from_secs(1))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is claimed");
+    };
+    tx.commit().await.unwrap();
+    let fresh = record(&old, "new", RecordState::Processing, None, now, 60_000);
+    let BeganClaim::Ours(tx) = store
+        .begin_claimed(&fresh, Duration::from_secs(1))
+        .await
+        .unwrap()
+    else {
+        panic!("an expired record is replaced");
+    };
+    store
+        .commit_finished(
+            tx,
+            &old.scoped_key(),
+            RecordState::Completed,
+            &completed("new"),
+        )
+        .await
+        .unwrap();
+    let found = store.lookup(&old.scoped_key()).await.unwrap().unwrap();
+    assert_eq!(found.state, RecordState::Completed);
+    assert_eq!(found.fingerprint, fresh.fingerprint);
+    assert_eq!(found.response.unwrap().body.as_ref(), b"new");
+    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_records")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
+    schema.drop(store.pool()).await;
+}
+
+#[tokio::test]
 async fn a_claim_sent_with_begin_waits_for_an_in_flight_duplicate_then_is_busy() {
     let schema = PgSchema::create().await;
     let store = store(&schema, 2).await;

@@ -24,7 +24,8 @@
 /// it. Handlers write through the [`Tx`](crate::Tx) extractor: the claim, their rows and the
 /// stored response are one transaction.
 ///
-/// ```
+#[cfg_attr(feature = "sqlite", doc = "```")]
+#[cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
 /// use std::borrow::Cow;
 /// use std::time::Duration;
 ///
@@ -228,7 +229,7 @@ pub mod protocol {}
 /// | feature | store | notes |
 /// |---|---|---|
 /// | `sqlite` (default) | `SqliteStore` | embedded; claims begin `IMMEDIATE` with `busy_timeout` set from the wait; use WAL. A wait that runs out cannot tell the original from another writer: 409 either way. |
-/// | `postgres` | `PgStore` | many app instances on one database; a claim is sent with `BEGIN`; a duplicate of an in-flight claim waits on the key's advisory lock, bounded by `lock_timeout`, set for that claim only and restored for the handler in the same message |
+/// | `postgres` | `PgStore` | many app instances on one database; a claim is sent with `BEGIN` as a call of the schema's function `axum_idempotency_claim_v1`; a duplicate of an in-flight claim waits on the key's advisory lock, bounded by `lock_timeout`, set for that claim only and restored for the handler in the same message |
 /// | `mysql` | `MySqlStore` | MySQL 8 and MariaDB; see below |
 ///
 /// Your own sqlx must be the same major version as this crate's (0.9), since the handler's
@@ -286,6 +287,13 @@ pub mod protocol {}
 /// **Sizes.** `headers` and `body` are `LONGBLOB`; the real ceiling is the server's
 /// `max_allowed_packet` (16 MiB by default on MariaDB, 64 MiB on MySQL 8), which must stay
 /// above the largest response you store.
+///
+/// **Buffer pool.** The records table is clustered on the key's digest, so claims insert at
+/// random places in it and the whole table is hot. Give InnoDB a buffer pool that holds it
+/// (`innodb_buffer_pool_size`; records of small responses take a few hundred bytes each):
+/// measured at a million records, a 128 MiB pool (MariaDB's package default) served new keys
+/// at 0.78 of the empty table's rate and purged 1 000 records a second, a 2 GiB pool at 0.93
+/// and 17 000 a second.
 ///
 /// **MySQL 8 and MariaDB.** The store uses only SQL both accept, and is tested on MariaDB
 /// 10.11:
@@ -528,7 +536,8 @@ pub mod inbox {}
 /// [`Engine::look_up`](crate::Engine::look_up) reads it (and logs that it did, with the key's
 /// digest):
 ///
-/// ```
+#[cfg_attr(feature = "sqlite", doc = "```")]
+#[cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// use axum_idempotency::{Engine, IdempotencyKey, Lookup, Scope, SqliteStore};
 ///
@@ -555,7 +564,8 @@ pub mod inbox {}
 /// method, the route and the reason you give. The next request with the key executes afresh.
 /// Do not delete rows by hand: that bypasses the log and the replay cache.
 ///
-/// ```
+#[cfg_attr(feature = "sqlite", doc = "```")]
+#[cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// # use axum_idempotency::{Engine, IdempotencyKey, Scope, SqliteStore};
 /// # let store = SqliteStore::new(sqlx::SqlitePool::connect("sqlite::memory:").await?);

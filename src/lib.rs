@@ -6,7 +6,8 @@
 //! extractor, inside the very transaction that claims the request's key, so the claim, the
 //! business rows and the stored response commit or roll back together.
 //!
-//! ```
+#![cfg_attr(feature = "sqlite", doc = "```")]
+#![cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
 //! use std::time::Duration;
 //! use axum::{Json, Router, body::Body, http::{Request, StatusCode}, routing::post};
 //! use axum_idempotency::{IdempotencyLayer, SqliteStore, Tx};

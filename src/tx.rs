@@ -5,7 +5,8 @@
 //! transaction by taking a [`Tx`] argument; whatever it writes through it commits together with
 //! the stored response, or rolls back together with the claim.
 //!
-//! ```
+#![cfg_attr(feature = "sqlite", doc = "```")]
+#![cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
 //! use axum::{Json, http::StatusCode};
 //! use axum_idempotency::Tx;
 //! use sqlx::Sqlite;

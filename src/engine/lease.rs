@@ -33,7 +33,8 @@ impl<S: Store> Engine<S> {
     /// holder that lost its lease gets [`Rejection::LeaseLost`]. The work has no transaction
     /// of its own: what it does outside the database is its own to make safe.
     ///
-    /// ```
+    #[cfg_attr(feature = "sqlite", doc = "```")]
+    #[cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
     /// use std::time::Duration;
     /// use axum_idempotency::{Engine, Fingerprinter, Outcome, Scope, SqliteStore, Store};

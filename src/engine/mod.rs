@@ -4,7 +4,8 @@
 //! Background jobs, reconciliation tasks and manual replays call the same engine directly
 //! through its public API, so a job and an HTTP request that share a scoped key still execute the business once:
 //!
-//! ```
+#![cfg_attr(feature = "sqlite", doc = "```")]
+#![cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! use axum_idempotency::{Engine, Fingerprinter, IdempotencyKey, Outcome, Scope, SqliteStore, Store, Tx};
 //! use sqlx::Sqlite;
@@ -247,7 +248,8 @@ impl<S: Store> Engine<S> {
     /// hand before it expires: the instance that holds it keeps replaying it until expiry or
     /// eviction (restart the instance, or leave the cache off, if operators delete records).
     ///
-    /// ```
+    #[cfg_attr(feature = "sqlite", doc = "```")]
+    #[cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
     /// use axum_idempotency::{Engine, SqliteStore};
     ///

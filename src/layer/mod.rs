@@ -5,7 +5,8 @@
 //! with [`Router::route_layer`](axum::Router::route_layer) so the matched route template is known;
 //! under `Router::layer` the concrete path stands in for it.
 //!
-//! ```
+#![cfg_attr(feature = "sqlite", doc = "```")]
+#![cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
 //! use std::time::Duration;
 //! use axum::{Router, routing::post};
 //! use axum_idempotency::{IdempotencyLayer, SqliteStore, Tx};

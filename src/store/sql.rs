@@ -235,9 +235,11 @@ pub(super) fn record_literals(record: &NewRecord<'_>, syntax: Syntax) -> Option<
 #[derive(Debug, Clone, Copy)]
 pub(super) enum FinishForm {
     /// [`Dialect::FINISH`] with its values written in.
+    #[cfg(feature = "mysql")]
     Update,
     /// A call of the schema's finish function, named here, with the key's digest, the state,
     /// the status, the headers and the body as arguments.
+    #[cfg(feature = "postgres")]
     Call(&'static str),
 }
 
@@ -259,6 +261,7 @@ pub(super) fn finish_text(
     let status = i64::from(response.status.as_u16());
     let mut sql = Literals::new(syntax);
     match form {
+        #[cfg(feature = "mysql")]
         FinishForm::Update => sql
             .sql("UPDATE idempotency_records SET state = ")
             .text(state.as_str())
@@ -270,6 +273,7 @@ pub(super) fn finish_text(
             .bytes(&response.body)
             .sql(" WHERE key_digest = ")
             .bytes(key.digest()),
+        #[cfg(feature = "postgres")]
         FinishForm::Call(function) => sql
             .sql(function)
             .sql("(")

@@ -471,10 +471,11 @@ pub mod inbox {}
 ///
 /// Expired records are deleted explicitly, never implicitly: call the store's
 /// `purge_expired()` from a job of your own, or let `spawn_purger(every)` run it on an
-/// interval. Both delete in batches (a thousand records, 250 on SQLite) so no statement holds
-/// long locks, and rest after each batch as long as it took, so a purge beside live traffic
-/// takes at most about half of one connection's time. An expired record not yet purged is
-/// already treated as absent: its key is a new intent.
+/// interval. Both delete in batches (a thousand records, 250 on SQLite and MySQL) so no
+/// statement holds long locks, and rest after each batch as long as it took (twice as long on
+/// MySQL, where InnoDB's purge threads finish each delete in the background), so a purge beside
+/// live traffic takes at most about half of one connection's time. An expired record not yet
+/// purged is already treated as absent: its key is a new intent.
 ///
 /// ## Logs
 ///

@@ -7,7 +7,7 @@ use sqlx::mysql::{MySqlDatabaseError, MySqlRow};
 use sqlx::{MySql, Row};
 
 use super::literal::Syntax;
-use super::protocol::NewRecord;
+use super::protocol::{NewRecord, PurgePace};
 use super::sql::{Dialect, FinishForm, finish_text, record_literals};
 use super::store_type;
 use crate::record::{RecordState, StoredResponse};
@@ -125,6 +125,13 @@ impl Dialect for MySql {
     // expires_at index entry out of range, so the replacement survives without a re-check.
     const PURGE: &'static str =
         "DELETE FROM idempotency_records WHERE expires_at <= ? ORDER BY expires_at LIMIT ?";
+    // InnoDB finishes a delete after the statement returns: its purge threads remove the
+    // delete-marked rows and index entries in the background, beside the requests. Smaller
+    // batches and a longer rest leave room for that work.
+    const PURGE_PACE: PurgePace = PurgePace {
+        batch: 250,
+        rest: 2,
+    };
 
     // sqlx's CLIENT_FOUND_ROWS makes an UPDATE count the rows it matched, changed or not, so a
     // renewal to the same expiry still reports its one row.

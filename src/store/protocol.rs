@@ -14,9 +14,25 @@ use crate::fingerprint::Fingerprint;
 use crate::record::{Millis, Record, RecordState, StoredResponse};
 use crate::scope::{Scope, ScopedKey};
 
-/// How many expired records one purge statement deletes, so a purge never holds long locks;
-/// a backend may choose fewer.
-pub(crate) const PURGE_BATCH: u32 = 1000;
+/// How a purge paces itself beside live traffic: it deletes `batch` records a statement, so it
+/// never holds long locks, and after each statement rests `rest` times as long as the statement
+/// took, so the requests keep most of the database's time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PurgePace {
+    /// How many expired records one purge statement deletes at most.
+    pub batch: u32,
+    /// How many times a statement's duration the purge rests after it.
+    pub rest: u32,
+}
+
+impl PurgePace {
+    /// A thousand records a statement, and a rest as long as the statement: the purge holds a
+    /// connection at most about half the time.
+    pub const DEFAULT: Self = Self {
+        batch: 1000,
+        rest: 1,
+    };
+}
 
 /// A record about to be written by a claim.
 #[derive(Debug)]
@@ -204,19 +220,16 @@ pub trait Protocol: Clone + Send + Sync + 'static {
         limit: u32,
     ) -> impl Future<Output = Result<u64, Error>> + Send;
 
-    /// How many records one purge statement deletes.
-    fn purge_batch(&self) -> u32 {
-        PURGE_BATCH
+    /// How [`purge_expired`](Protocol::purge_expired) paces itself.
+    fn purge_pace(&self) -> PurgePace {
+        PurgePace::DEFAULT
     }
 
-    /// Deletes every record expired by now, in batches of
-    /// [`purge_batch`](Protocol::purge_batch); returns the count.
-    ///
-    /// After each batch it waits as long as the batch took, so a purge holds a connection (and
-    /// on SQLite the write lock) at most about half the time, and the requests keep the rest.
+    /// Deletes every record expired by now, paced by [`purge_pace`](Protocol::purge_pace);
+    /// returns the count.
     fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {
         async move {
-            let limit = self.purge_batch();
+            let PurgePace { batch: limit, rest } = self.purge_pace();
             let now = Millis::now();
             let mut total = 0;
             loop {
@@ -226,7 +239,7 @@ pub trait Protocol: Clone + Send + Sync + 'static {
                 if deleted < u64::from(limit) {
                     return Ok(total);
                 }
-                tokio::time::sleep(started.elapsed()).await;
+                tokio::time::sleep(started.elapsed() * rest).await;
             }
         }
     }

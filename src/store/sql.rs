@@ -14,7 +14,7 @@ use sqlx::{
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 use super::literal::{Literals, Syntax};
-use super::protocol::{BeganClaim, LeaseClaim, NewRecord, Opened, Protocol};
+use super::protocol::{BeganClaim, LeaseClaim, NewRecord, Opened, Protocol, PurgePace};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::migrate;
@@ -103,8 +103,8 @@ pub trait Dialect: Database {
     const FINISH: &'static str;
     /// Parameters: now, limit.
     const PURGE: &'static str;
-    /// How many records one [`PURGE`](Dialect::PURGE) deletes at most.
-    const PURGE_BATCH: u32 = super::protocol::PURGE_BATCH;
+    /// How [`PURGE`](Dialect::PURGE) is paced: its limit, and the rest after each statement.
+    const PURGE_PACE: PurgePace = PurgePace::DEFAULT;
     /// Parameters: lease_expires_at, key_digest, lease_owner.
     const RENEW_LEASE: &'static str;
     /// Parameters: lease_owner, lease_expires_at, key_digest, now.
@@ -621,8 +621,8 @@ where
         Ok(on_pool(&self.pool, query).await? == 1)
     }
 
-    fn purge_batch(&self) -> u32 {
-        DB::PURGE_BATCH
+    fn purge_pace(&self) -> PurgePace {
+        DB::PURGE_PACE
     }
 
     async fn purge_expired_batch(&self, now: Millis, limit: u32) -> Result<u64, Error> {

@@ -5,6 +5,7 @@ use std::time::Duration;
 use sqlx::Sqlite;
 use sqlx::error::DatabaseError;
 
+use super::protocol::PurgePace;
 use super::sql::Dialect;
 use super::store_type;
 
@@ -64,7 +65,10 @@ impl Dialect for Sqlite {
         (SELECT key_digest FROM idempotency_records WHERE expires_at <= ?1 LIMIT ?2)";
     // Every claim waits for the one write lock while a batch holds it: a short batch keeps that
     // wait within the busy handler's first few naps.
-    const PURGE_BATCH: u32 = 250;
+    const PURGE_PACE: PurgePace = PurgePace {
+        batch: 250,
+        ..PurgePace::DEFAULT
+    };
 
     const RENEW_LEASE: &'static str = "UPDATE idempotency_records SET lease_expires_at = ?1 \
         WHERE key_digest = ?2 AND lease_owner = ?3 AND state = 'processing'";

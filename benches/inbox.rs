@@ -98,7 +98,7 @@ async fn plain<DB>(
     concurrency: usize,
 ) -> f64
 where
-    DB: sqlx::Database,
+    DB: axum_idempotency::Backend,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
     for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
@@ -153,17 +153,16 @@ where
     messages as f64 / elapsed
 }
 
-async fn inbox<DB, S>(
+async fn inbox<DB>(
     js: &jetstream::Context,
-    store: S,
+    store: Store<DB>,
     insert: &'static str,
     name: &str,
     messages: usize,
     concurrency: usize,
 ) -> f64
 where
-    DB: sqlx::Database,
-    S: Store<Database = DB>,
+    DB: axum_idempotency::Backend,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
     for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,

@@ -43,9 +43,10 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router, middleware};
+use axum_idempotency::Backend;
 use axum_idempotency::outbox::{
-    Backend, Backoff, DispatchWaker, Dispatcher, DownstreamKey, LookupOutcome, Message, MessageId,
-    Outbox, OutboxRecord, SendOutcome, Sender, Status,
+    Backoff, DispatchWaker, Dispatcher, DownstreamKey, LookupOutcome, Message, MessageId, Outbox,
+    OutboxRecord, SendOutcome, Sender, Status,
 };
 use axum_idempotency::{
     IDEMPOTENCY_KEY, IdempotencyContext, IdempotencyLayer, Principal, SqliteStore, Store, Tx,
@@ -180,10 +181,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 }
 
-async fn serve<DB, S>(pool: Pool<DB>, store: S) -> Result<(), Box<dyn std::error::Error>>
+async fn serve<DB>(pool: Pool<DB>, store: Store<DB>) -> Result<(), Box<dyn std::error::Error>>
 where
     DB: PaymentsDb,
-    S: Store<Database = DB>,
     for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
     for<'q> <DB as Database>::Arguments: IntoArguments<DB>,
     for<'e> &'e Pool<DB>: Executor<'e, Database = DB>,

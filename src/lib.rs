@@ -107,6 +107,8 @@
     allow(dead_code)
 )]
 
+#[cfg(feature = "server")]
+mod backend;
 #[cfg(any(feature = "client", feature = "outbox"))]
 mod backoff;
 #[cfg(feature = "server")]
@@ -145,6 +147,8 @@ pub mod store;
 #[cfg(feature = "server")]
 pub mod tx;
 
+#[cfg(feature = "server")]
+pub use backend::Backend;
 #[cfg(feature = "server")]
 pub use engine::{Classification, Engine, Execution, IDEMPOTENT_REPLAYED, Lease, Lookup, Outcome};
 #[cfg(feature = "server")]

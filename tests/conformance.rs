@@ -74,7 +74,7 @@ mod suite {
     };
     use serde_json::json;
 
-    use crate::common::{App, Backend, Db, StoreApi, body, second_instance, serve, unique};
+    use crate::common::{App, Backend, Db, body, second_instance, serve, unique};
 
     async fn app<DB: Db>() -> App<DB> {
         serve(DB::fresh(16).await.pool, |layer| layer).await
@@ -166,7 +166,7 @@ mod suite {
 
     pub(crate) async fn cached_replays_tell_the_same_intent_from_the_same_bytes<DB: Db>() {
         let isolated = DB::fresh(8).await;
-        let configure = |layer: IdempotencyLayer<DB::Store>| {
+        let configure = |layer: IdempotencyLayer<DB>| {
             layer
                 .cache_replays(1 << 20)
                 .ignore_json_fields(["/sent_at"])

@@ -88,7 +88,7 @@ mod layer {
     /// `POST /effects`: waits the milliseconds its body names, writes one row through the
     /// claim's transaction, answers 201 naming the caller it was handed by the layer.
     async fn app(
-        configure: impl FnOnce(IdempotencyLayer<SqliteStore>) -> IdempotencyLayer<SqliteStore>,
+        configure: impl FnOnce(IdempotencyLayer<Sqlite>) -> IdempotencyLayer<Sqlite>,
     ) -> App {
         let dir = tempfile::tempdir().expect("tempdir");
         let url = format!(

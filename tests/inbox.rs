@@ -25,7 +25,8 @@ use sqlx::{Database, Pool};
 
 mod common;
 
-use common::{Backend, StoreApi, unique};
+use axum_idempotency::Store;
+use common::{Backend, unique};
 
 const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 const NATS: &str = "nats://127.0.0.1:4222";
@@ -53,7 +54,7 @@ impl TestDb for sqlx::MySql {
     const INSERT: &'static str = "INSERT INTO effects (payment_id) VALUES (?)";
 }
 
-async fn setup<DB: TestDb>() -> (Pool<DB>, DB::Store)
+async fn setup<DB: TestDb>() -> (Pool<DB>, Store<DB>)
 where
     for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
 {

@@ -238,7 +238,7 @@ mod site {
     use hyper_util::rt::TokioExecutor;
     use sqlx::Pool;
 
-    use crate::common::{Backend, Db, Reply, StoreApi, User};
+    use crate::common::{Backend, Db, Reply, User};
 
     /// Route templates that are themselves hostile: every byte a request line may carry
     /// unencoded, and so every byte a matched template (the record's `route`) can hold.
@@ -329,7 +329,7 @@ mod site {
 
     pub(crate) struct Site<DB: Db> {
         pub(crate) pool: Pool<DB>,
-        pub(crate) layer: IdempotencyLayer<DB::Store>,
+        pub(crate) layer: IdempotencyLayer<DB>,
         executions: Arc<AtomicUsize>,
         addr: SocketAddr,
         client: Client<HttpConnector, Full<Bytes>>,

@@ -116,7 +116,7 @@ async fn create_order(
 
 fn app(
     store: MySqlStore,
-    layer: impl FnOnce(IdempotencyLayer<MySqlStore>) -> IdempotencyLayer<MySqlStore>,
+    layer: impl FnOnce(IdempotencyLayer<MySql>) -> IdempotencyLayer<MySql>,
     hold: Duration,
 ) -> Router {
     Router::new()
@@ -263,7 +263,7 @@ async fn duplicates_queued_behind_a_rolled_back_original_execute_once_more_witho
     // the key over while the others wait on it.
     let attempts = Arc::new(AtomicUsize::new(0));
     let first_rolls_back = |attempts: Arc<AtomicUsize>| {
-        move |layer: IdempotencyLayer<MySqlStore>| {
+        move |layer: IdempotencyLayer<MySql>| {
             layer
                 .wait_for_in_flight(Duration::from_secs(30))
                 .classify(move |status| {

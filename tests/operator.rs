@@ -6,7 +6,7 @@ use axum_idempotency::{
 };
 use sqlx::Sqlite;
 
-async fn engine() -> Engine<SqliteStore> {
+async fn engine() -> Engine<Sqlite> {
     let pool = sqlx::SqlitePool::connect("sqlite::memory:")
         .await
         .expect("sqlite");

@@ -7,9 +7,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use axum_idempotency::Backend;
 use axum_idempotency::outbox::{
-    Backend, Backoff, Dispatcher, DownstreamKey, LookupOutcome, Message, Outbox, OutboxError,
-    OutboxRecord, SendOutcome, Sender, Status,
+    Backoff, Dispatcher, DownstreamKey, LookupOutcome, Message, Outbox, OutboxError, OutboxRecord,
+    SendOutcome, Sender, Status,
 };
 use sqlx::Pool;
 use tokio::sync::Notify;

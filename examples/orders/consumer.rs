@@ -97,13 +97,12 @@ fn replayed(report: axum_idempotency::inbox::ReplayReport) -> ! {
 
 /// Declares what the consumer uses and starts it in the background. Fails at once if the
 /// broker cannot be reached, so a misconfigured process does not serve without consuming.
-pub(crate) async fn spawn<DB, S>(
-    store: S,
+pub(crate) async fn spawn<DB>(
+    store: Store<DB>,
     broker_url: &str,
 ) -> Result<(), Box<dyn std::error::Error>>
 where
     DB: OrdersDb,
-    S: Store<Database = DB>,
 {
     let fail_percent: u32 = env_or("ORDERS_CONSUMER_FAIL_PERCENT", 0);
     let failpoint = std::env::var("ORDERS_FAILPOINT").ok();

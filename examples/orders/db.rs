@@ -9,7 +9,7 @@ use serde::Serialize;
 use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Type};
 
 /// What differs between backends in this example.
-pub(crate) trait Backend: Database {
+pub(crate) trait Backend: Database + axum_idempotency::Backend {
     const SCHEMA: &'static str;
     /// Adds a like unless it exists; the unique key on (user, article) is the natural key.
     const ADD_LIKE: &'static str;

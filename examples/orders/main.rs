@@ -140,16 +140,15 @@ fn pool_options<DB: sqlx::Database>(size: u32) -> PoolOptions<DB> {
 const PURGE_EVERY: Duration = Duration::from_secs(60);
 
 /// The whole app for one backend: schema, idempotency layer, routes.
-async fn app<DB, S>(
+async fn app<DB>(
     pool: Pool<DB>,
-    store: S,
+    store: Store<DB>,
     pool_size: u32,
     ttl: Duration,
     broker: Option<&str>,
 ) -> Result<Router, Box<dyn std::error::Error>>
 where
     DB: OrdersDb,
-    S: Store<Database = DB>,
 {
     DB::create_schema(&pool).await?;
     if let Some(broker) = broker {

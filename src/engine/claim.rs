@@ -8,11 +8,12 @@ use sqlx::Transaction;
 use super::Engine;
 use super::metrics::{self, ClaimResult};
 use super::outcome::IN_PROGRESS;
+use crate::Backend;
 use crate::error::{Error, Rejection};
 use crate::fingerprint::Fingerprint;
 use crate::record::{Record, RecordState};
 use crate::scope::{Scope, ScopedKey};
-use crate::store::{BeganClaim, NewRecord, Protocol, Store};
+use crate::store::{BeganClaim, NewRecord, Protocol};
 
 /// Who holds a key after a claim.
 pub(super) enum Claim<DB: sqlx::Database> {
@@ -22,7 +23,7 @@ pub(super) enum Claim<DB: sqlx::Database> {
     Theirs(Record),
 }
 
-impl<S: Store> Engine<S> {
+impl<DB: Backend> Engine<DB> {
     /// A record for `scope` created now, expiring after the retention.
     pub(super) fn new_record<'a>(
         &self,
@@ -49,8 +50,8 @@ impl<S: Store> Engine<S> {
     pub(super) async fn claim(
         &self,
         record: &NewRecord<'_>,
-        begun: Option<Transaction<'static, S::Database>>,
-    ) -> Result<Claim<S::Database>, Rejection> {
+        begun: Option<Transaction<'static, DB>>,
+    ) -> Result<Claim<DB>, Rejection> {
         let started = Instant::now();
         let claim = self.claim_rounds(record, begun).await;
         let result = match &claim {
@@ -66,8 +67,8 @@ impl<S: Store> Engine<S> {
     async fn claim_rounds(
         &self,
         record: &NewRecord<'_>,
-        mut begun: Option<Transaction<'static, S::Database>>,
-    ) -> Result<Claim<S::Database>, Rejection> {
+        mut begun: Option<Transaction<'static, DB>>,
+    ) -> Result<Claim<DB>, Rejection> {
         let store = self.store.protocol();
         // Another round settles the two races a claim can lose without an answer: the record
         // vanished between the failed claim and the read (purged as it expired), or the

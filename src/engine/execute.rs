@@ -12,14 +12,15 @@ use super::Engine;
 use super::claim::Claim;
 use super::metrics::{self, ClaimResult};
 use super::outcome::{Answer, Classification, Logged, Outcome};
+use crate::Backend;
 use crate::error::{Error, Rejection};
 use crate::fingerprint::{Fingerprint, Verbatim};
 use crate::record::RecordState;
 use crate::scope::{IdempotencyContext, Scope, ScopedKey};
-use crate::store::{NewRecord, Opened, Protocol, Store};
+use crate::store::{NewRecord, Opened, Protocol};
 use crate::tx::TxSlot;
 
-impl<S: Store> Engine<S> {
+impl<DB: Backend> Engine<DB> {
     pub(super) async fn execute<F, Fut, R>(
         &self,
         key: ScopedKey,
@@ -29,7 +30,7 @@ impl<S: Store> Engine<S> {
         work: F,
     ) -> Answer
     where
-        F: FnOnce(TxSlot<S::Database>, IdempotencyContext) -> Fut,
+        F: FnOnce(TxSlot<DB>, IdempotencyContext) -> Fut,
         Fut: Future<Output = R>,
         R: IntoResponse,
     {

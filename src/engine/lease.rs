@@ -14,13 +14,14 @@ use tokio::sync::watch;
 use super::Engine;
 use super::claim::Claim;
 use super::outcome::{Answer, Classification, Execution, Logged, Outcome};
+use crate::Backend;
 use crate::error::Rejection;
 use crate::fingerprint::Fingerprint;
 use crate::record::{Millis, RecordState};
 use crate::scope::{Scope, ScopedKey};
-use crate::store::{LeaseClaim, NewRecord, Protocol, Store};
+use crate::store::{LeaseClaim, NewRecord, Protocol};
 
-impl<S: Store> Engine<S> {
+impl<DB: Backend> Engine<DB> {
     /// Runs `work` once for `scope` under a lease, for work that cannot live inside one
     /// transaction (a job calling other systems, a long reconciliation).
     ///
@@ -37,7 +38,7 @@ impl<S: Store> Engine<S> {
     #[cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
     /// use std::time::Duration;
-    /// use axum_idempotency::{Engine, Fingerprinter, Outcome, Scope, SqliteStore, Store};
+    /// use axum_idempotency::{Engine, Fingerprinter, Outcome, Scope, SqliteStore};
     ///
     /// let store = SqliteStore::new(sqlx::SqlitePool::connect("sqlite::memory:").await?);
     /// store.migrate().await?;

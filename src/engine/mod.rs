@@ -7,7 +7,7 @@
 #![cfg_attr(feature = "sqlite", doc = "```")]
 #![cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! use axum_idempotency::{Engine, Fingerprinter, IdempotencyKey, Outcome, Scope, SqliteStore, Store, Tx};
+//! use axum_idempotency::{Engine, Fingerprinter, IdempotencyKey, Outcome, Scope, SqliteStore, Tx};
 //! use sqlx::Sqlite;
 //!
 //! let store = SqliteStore::new(sqlx::SqlitePool::connect("sqlite::memory:").await?);
@@ -67,6 +67,7 @@ use bytes::Bytes;
 use http::{HeaderName, StatusCode};
 use tracing::Instrument;
 
+use crate::Backend;
 use crate::cache::ReplayCache;
 use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Verbatim};
@@ -140,12 +141,12 @@ struct Settings {
 }
 
 /// Runs intents exactly once per scoped key, on a [`Store`]. Cheap to clone.
-pub struct Engine<S> {
-    store: S,
+pub struct Engine<DB: Backend> {
+    store: Store<DB>,
     settings: Arc<Settings>,
 }
 
-impl<S: Clone> Clone for Engine<S> {
+impl<DB: Backend> Clone for Engine<DB> {
     fn clone(&self) -> Self {
         Self {
             store: self.store.clone(),
@@ -154,7 +155,7 @@ impl<S: Clone> Clone for Engine<S> {
     }
 }
 
-impl<S: fmt::Debug> fmt::Debug for Engine<S> {
+impl<DB: Backend> fmt::Debug for Engine<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Engine")
             .field("store", &self.store)
@@ -166,10 +167,10 @@ impl<S: fmt::Debug> fmt::Debug for Engine<S> {
     }
 }
 
-impl<S: Store> Engine<S> {
+impl<DB: Backend> Engine<DB> {
     /// An engine with the defaults: 24 h retention, a 5 s wait for in-flight duplicates,
     /// responses up to 1 MiB stored, [`Classification::of_status`].
-    pub fn new(store: S) -> Self {
+    pub fn new(store: Store<DB>) -> Self {
         Self {
             store,
             settings: Arc::new(Settings {
@@ -277,13 +278,8 @@ impl<S: Store> Engine<S> {
     }
 
     /// The store this engine writes to.
-    pub fn store(&self) -> &S {
+    pub fn store(&self) -> &Store<DB> {
         &self.store
-    }
-
-    /// How long records count, as set by [`retention`](Self::retention).
-    pub fn record_retention(&self) -> Duration {
-        self.settings.retention
     }
 
     /// Runs `work` once for `scope` with the transaction that holds the claim, or answers
@@ -295,7 +291,7 @@ impl<S: Store> Engine<S> {
         work: F,
     ) -> Result<Execution, Rejection>
     where
-        F: FnOnce(Tx<S::Database>) -> Fut + Send + 'static,
+        F: FnOnce(Tx<DB>) -> Fut + Send + 'static,
         Fut: Future<Output = R> + Send + 'static,
         R: IntoResponse,
     {
@@ -318,7 +314,7 @@ impl<S: Store> Engine<S> {
     ) -> Result<Execution, Rejection>
     where
         I: Intent,
-        F: FnOnce(I, TxSlot<S::Database>, IdempotencyContext) -> Fut + Send + 'static,
+        F: FnOnce(I, TxSlot<DB>, IdempotencyContext) -> Fut + Send + 'static,
         Fut: Future<Output = R> + Send + 'static,
         R: IntoResponse,
     {

@@ -6,10 +6,11 @@
 use bytes::Bytes;
 
 use super::Engine;
+use crate::Backend;
 use crate::error::Error;
 use crate::record::{Millis, RecordState};
 use crate::scope::Scope;
-use crate::store::{Protocol, Store};
+use crate::store::Protocol;
 
 /// What the store holds under one scoped key, as [`Engine::look_up`] reports it.
 #[derive(Debug)]
@@ -27,7 +28,7 @@ pub enum Lookup {
     Final(http::Response<Bytes>),
 }
 
-impl<S: Store> Engine<S> {
+impl<DB: Backend> Engine<DB> {
     /// Reads the committed record under `scope` for an operator, for example to answer a
     /// support case ("was my order placed, and what did you answer?"). Logged at `INFO` with
     /// the key's digest, never the key or the stored body.

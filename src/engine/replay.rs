@@ -5,11 +5,12 @@ use http::{HeaderMap, HeaderName, HeaderValue, header};
 
 use super::outcome::{Answer, Logged, Outcome};
 use super::{Engine, IDEMPOTENT_REPLAYED};
+use crate::Backend;
 use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Verbatim};
 use crate::record::{Record, RecordState, StoredResponse};
 use crate::scope::ScopedKey;
-use crate::store::{NewRecord, Store};
+use crate::store::NewRecord;
 
 /// Headers never stored for replay unless asked for by [`Engine::replay_header`]: they belong
 /// to the first exchange (cookies, dates) or to the connection, not to the resource.
@@ -45,7 +46,7 @@ pub(crate) fn answer_existing(record: &Record, same_intent: bool) -> Answer {
     }
 }
 
-impl<S: Store> Engine<S> {
+impl<DB: Backend> Engine<DB> {
     /// Answers from a record read from the store, and keeps it for the next replay when the
     /// replay cache is on, with `request` when that is the same intent.
     pub(super) fn answer_stored(

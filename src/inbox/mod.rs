@@ -11,7 +11,7 @@
 //! ```
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! use axum_idempotency::inbox::{Delivery, Failure, Inbox, Verdict};
-//! use axum_idempotency::{SqliteStore, Store, Tx};
+//! use axum_idempotency::{SqliteStore, Tx};
 //! use sqlx::Sqlite;
 //!
 //! let pool = sqlx::SqlitePool::connect("sqlite::memory:").await?;
@@ -91,6 +91,7 @@ use bytes::Bytes;
 use http::StatusCode;
 use sha2::{Digest, Sha256};
 
+use crate::Backend;
 use crate::engine::{Classification, Engine, Outcome};
 use crate::error::{Error, Rejection};
 use crate::fingerprint::{Fingerprint, Fingerprinter};
@@ -248,10 +249,10 @@ const KEEP: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// The consumer side of the chain: dedupes deliveries by business key in the handler's
 /// transaction. Cheap to clone; see the [module docs](self).
-pub struct Inbox<S> {
+pub struct Inbox<DB: Backend> {
     name: Arc<str>,
-    engine: Engine<S>,
-    failures: Engine<S>,
+    engine: Engine<DB>,
+    failures: Engine<DB>,
     key: KeyFn,
     route: &'static str,
     max_attempts: u32,
@@ -260,7 +261,7 @@ pub struct Inbox<S> {
     counters: Arc<Counters>,
 }
 
-impl<S: Clone> Clone for Inbox<S> {
+impl<DB: Backend> Clone for Inbox<DB> {
     fn clone(&self) -> Self {
         Self {
             name: Arc::clone(&self.name),
@@ -276,7 +277,7 @@ impl<S: Clone> Clone for Inbox<S> {
     }
 }
 
-impl<S: fmt::Debug> fmt::Debug for Inbox<S> {
+impl<DB: Backend> fmt::Debug for Inbox<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Inbox")
             .field("name", &self.name)
@@ -288,13 +289,13 @@ impl<S: fmt::Debug> fmt::Debug for Inbox<S> {
     }
 }
 
-impl<S: Store> Inbox<S> {
+impl<DB: Backend> Inbox<DB> {
     /// An inbox for the consumer `name`, keeping its claims in `store`.
     ///
     /// The name scopes the keys, as principal and route scope HTTP keys: two consumers
     /// applying the same event each apply it once. Defaults: dedupe by message id, 5 attempts,
     /// backoff from 1 s doubling to 60 s, records kept, a 5 s wait on an in-flight duplicate.
-    pub fn new(name: impl Into<String>, store: S) -> Self {
+    pub fn new(name: impl Into<String>, store: Store<DB>) -> Self {
         let name: String = name.into();
         // Only a commit counts as done: a permanent failure must leave the key unclaimed so that
         // a replay after the fix goes through the same claim (see the module docs).
@@ -442,7 +443,7 @@ impl<S: Store> Inbox<S> {
     /// what the broker adapter must do with it. Never panics on the delivery's content.
     pub async fn handle<F, Fut>(&self, delivery: Delivery, handler: F) -> Verdict
     where
-        F: FnOnce(Tx<S::Database>, Delivery) -> Fut + Send + 'static,
+        F: FnOnce(Tx<DB>, Delivery) -> Fut + Send + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
         let verdict = self.decide(delivery.clone(), handler, false).await;
@@ -458,7 +459,7 @@ impl<S: Store> Inbox<S> {
     #[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
     pub(crate) async fn replay<F, Fut>(&self, delivery: Delivery, handler: F) -> Verdict
     where
-        F: FnOnce(Tx<S::Database>, Delivery) -> Fut + Send + 'static,
+        F: FnOnce(Tx<DB>, Delivery) -> Fut + Send + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
         let verdict = self.decide(delivery, handler, true).await;
@@ -470,7 +471,7 @@ impl<S: Store> Inbox<S> {
 
     async fn decide<F, Fut>(&self, delivery: Delivery, handler: F, replay: bool) -> Verdict
     where
-        F: FnOnce(Tx<S::Database>, Delivery) -> Fut + Send + 'static,
+        F: FnOnce(Tx<DB>, Delivery) -> Fut + Send + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
         let attempt = delivery.attempts();
@@ -554,16 +555,12 @@ impl<S: Store> Inbox<S> {
     async fn dead(&self, key: Option<&str>, reason: String) -> Verdict {
         if let Some(Ok(scope)) = key.map(|key| self.scope("DEAD", key)) {
             let body = reason.clone();
-            let recorded =
-                self.failures
-                    .run(
-                        &scope,
-                        self.fingerprint(),
-                        move |_tx: Tx<S::Database>| async move {
-                            (StatusCode::UNPROCESSABLE_ENTITY, body)
-                        },
-                    )
-                    .await;
+            let recorded = self
+                .failures
+                .run(&scope, self.fingerprint(), move |_tx: Tx<DB>| async move {
+                    (StatusCode::UNPROCESSABLE_ENTITY, body)
+                })
+                .await;
             if let Err(error) = recorded {
                 // The dead letter is still written: losing the note beats looping on it.
                 tracing::warn!(consumer = %self.name, %error, "could not record an inbox failure");

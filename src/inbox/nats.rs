@@ -44,7 +44,7 @@ use async_nats::jetstream::{Context, stream};
 use futures_util::StreamExt;
 
 use super::{Delivery, Failure, Inbox, ReplayReport, Verdict};
-use crate::store::Store;
+use crate::Backend;
 use crate::tx::Tx;
 
 /// The header a dead letter carries: why it died.
@@ -54,8 +54,8 @@ const ORIGINAL_SUBJECT: &str = "Inbox-Subject";
 
 /// Consumes a JetStream durable pull consumer through an [`Inbox`]. See the
 /// [module docs](self).
-pub struct NatsConsumer<S> {
-    inbox: Inbox<S>,
+pub struct NatsConsumer<DB: Backend> {
+    inbox: Inbox<DB>,
     jetstream: Context,
     stream: String,
     subjects: Vec<String>,
@@ -67,7 +67,7 @@ pub struct NatsConsumer<S> {
     concurrency: usize,
 }
 
-impl<S: fmt::Debug> fmt::Debug for NatsConsumer<S> {
+impl<DB: Backend> fmt::Debug for NatsConsumer<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NatsConsumer")
             .field("inbox", &self.inbox)
@@ -81,10 +81,10 @@ impl<S: fmt::Debug> fmt::Debug for NatsConsumer<S> {
     }
 }
 
-impl<S: Store> NatsConsumer<S> {
+impl<DB: Backend> NatsConsumer<DB> {
     /// A consumer of `stream` through the durable consumer `durable`, 4 messages at a time.
     pub fn new(
-        inbox: Inbox<S>,
+        inbox: Inbox<DB>,
         jetstream: Context,
         stream: impl Into<String>,
         durable: impl Into<String>,
@@ -211,7 +211,7 @@ impl<S: Store> NatsConsumer<S> {
     /// is stored), or `Nak`ed with a delay for a retry.
     pub async fn run<H, Fut>(self, handler: H) -> Result<(), async_nats::Error>
     where
-        H: Fn(Tx<S::Database>, Delivery) -> Fut + Clone + Send + Sync + 'static,
+        H: Fn(Tx<DB>, Delivery) -> Fut + Clone + Send + Sync + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
         let consumer = self.consumer().await?;
@@ -246,7 +246,7 @@ impl<S: Store> NatsConsumer<S> {
         handler: H,
     ) -> Result<(), async_nats::Error>
     where
-        H: Fn(Tx<S::Database>, Delivery) -> Fut + Send + 'static,
+        H: Fn(Tx<DB>, Delivery) -> Fut + Send + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
         let attempt = message
@@ -291,7 +291,7 @@ impl<S: Store> NatsConsumer<S> {
         limit: usize,
     ) -> Result<ReplayReport, async_nats::Error>
     where
-        H: Fn(Tx<S::Database>, Delivery) -> Fut + Clone + Send + Sync + 'static,
+        H: Fn(Tx<DB>, Delivery) -> Fut + Clone + Send + Sync + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
         let mut stream = self.jetstream.get_stream(&self.dead_stream).await?;

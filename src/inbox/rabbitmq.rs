@@ -56,7 +56,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ExchangeKind};
 
 use super::{Delivery, Failure, Inbox, ReplayReport, Verdict};
-use crate::store::Store;
+use crate::Backend;
 use crate::tx::Tx;
 
 /// The header a retried copy carries: attempts made before it.
@@ -65,15 +65,15 @@ const ATTEMPTS: &str = "x-inbox-attempts";
 const REASON: &str = "x-inbox-reason";
 
 /// Consumes a RabbitMQ queue through an [`Inbox`]. See the [module docs](self).
-pub struct RabbitMqConsumer<S> {
-    inbox: Inbox<S>,
+pub struct RabbitMqConsumer<DB: Backend> {
+    inbox: Inbox<DB>,
     connection: Arc<Connection>,
     queue: String,
     bindings: Vec<(String, String)>,
     concurrency: u16,
 }
 
-impl<S: fmt::Debug> fmt::Debug for RabbitMqConsumer<S> {
+impl<DB: Backend> fmt::Debug for RabbitMqConsumer<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RabbitMqConsumer")
             .field("inbox", &self.inbox)
@@ -84,9 +84,9 @@ impl<S: fmt::Debug> fmt::Debug for RabbitMqConsumer<S> {
     }
 }
 
-impl<S: Store> RabbitMqConsumer<S> {
+impl<DB: Backend> RabbitMqConsumer<DB> {
     /// A consumer of `queue` on `connection`, handling 4 deliveries at a time.
-    pub fn new(inbox: Inbox<S>, connection: Arc<Connection>, queue: impl Into<String>) -> Self {
+    pub fn new(inbox: Inbox<DB>, connection: Arc<Connection>, queue: impl Into<String>) -> Self {
         Self {
             inbox,
             connection,
@@ -206,7 +206,7 @@ impl<S: Store> RabbitMqConsumer<S> {
     /// confirmed by the broker, dead letters once their copy in the dead-letter queue is.
     pub async fn run<H, Fut>(self, handler: H) -> Result<(), lapin::Error>
     where
-        H: Fn(Tx<S::Database>, Delivery) -> Fut + Clone + Send + Sync + 'static,
+        H: Fn(Tx<DB>, Delivery) -> Fut + Clone + Send + Sync + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
         let channel = self.connection.create_channel().await?;
@@ -258,7 +258,7 @@ impl<S: Store> RabbitMqConsumer<S> {
         handler: H,
     ) -> Result<(), lapin::Error>
     where
-        H: Fn(Tx<S::Database>, Delivery) -> Fut + Send + 'static,
+        H: Fn(Tx<DB>, Delivery) -> Fut + Send + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
         let headers = delivery.properties.headers().clone().unwrap_or_default();
@@ -339,7 +339,7 @@ impl<S: Store> RabbitMqConsumer<S> {
         limit: usize,
     ) -> Result<ReplayReport, lapin::Error>
     where
-        H: Fn(Tx<S::Database>, Delivery) -> Fut + Clone + Send + Sync + 'static,
+        H: Fn(Tx<DB>, Delivery) -> Fut + Clone + Send + Sync + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
         let channel = self.connection.create_channel().await?;

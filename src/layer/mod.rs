@@ -62,6 +62,7 @@ use std::time::Duration;
 use http::{HeaderName, Method, StatusCode};
 use tokio::sync::Semaphore;
 
+use crate::Backend;
 use crate::engine::{Classification, Engine};
 use crate::fingerprint::Fingerprinter;
 use crate::store::Store;
@@ -90,12 +91,12 @@ struct Config {
 }
 
 /// Makes the routes it wraps idempotent (see the [module docs](self) and the crate docs).
-pub struct IdempotencyLayer<St> {
-    engine: Engine<St>,
+pub struct IdempotencyLayer<DB: Backend> {
+    engine: Engine<DB>,
     config: Arc<Config>,
 }
 
-impl<St: Clone> Clone for IdempotencyLayer<St> {
+impl<DB: Backend> Clone for IdempotencyLayer<DB> {
     fn clone(&self) -> Self {
         Self {
             engine: self.engine.clone(),
@@ -104,7 +105,7 @@ impl<St: Clone> Clone for IdempotencyLayer<St> {
     }
 }
 
-impl<St: fmt::Debug> fmt::Debug for IdempotencyLayer<St> {
+impl<DB: Backend> fmt::Debug for IdempotencyLayer<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyLayer")
             .field("engine", &self.engine)
@@ -124,17 +125,17 @@ impl<St: fmt::Debug> fmt::Debug for IdempotencyLayer<St> {
     }
 }
 
-impl<St: Store> IdempotencyLayer<St> {
+impl<DB: Backend> IdempotencyLayer<DB> {
     /// A layer on `store` with the defaults: key required on `POST` and `PATCH`, request bodies
     /// up to 1 MiB, no principal source (so keyed requests answer 401 until one is set with
     /// [`principal`](Self::principal) and friends, or [`allow_anonymous`](Self::allow_anonymous)
     /// is chosen), and the [`Engine`] defaults.
-    pub fn new(store: St) -> Self {
+    pub fn new(store: Store<DB>) -> Self {
         Self::from_engine(Engine::new(store))
     }
 
     /// A layer over an existing engine, sharing its settings with jobs that use it.
-    pub fn from_engine(engine: Engine<St>) -> Self {
+    pub fn from_engine(engine: Engine<DB>) -> Self {
         Self {
             engine,
             config: Arc::new(Config {
@@ -152,7 +153,7 @@ impl<St: Store> IdempotencyLayer<St> {
     }
 
     /// The engine behind this layer, for jobs that must share its claim logic.
-    pub fn engine(&self) -> &Engine<St> {
+    pub fn engine(&self) -> &Engine<DB> {
         &self.engine
     }
 

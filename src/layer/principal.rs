@@ -11,9 +11,9 @@ use http::StatusCode;
 use http::request::Parts;
 
 use super::IdempotencyLayer;
+use crate::Backend;
 use crate::error::Rejection;
 use crate::scope::Principal;
-use crate::store::Store;
 
 pub(super) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// Finds the principal of a request: `Ok(None)` when the caller was refused, `Err` when the
@@ -22,7 +22,7 @@ pub(super) type PrincipalFn = Arc<
     dyn for<'a> Fn(&'a mut Parts) -> BoxFuture<'a, Result<Option<String>, Rejection>> + Send + Sync,
 >;
 
-impl<St: Store> IdempotencyLayer<St> {
+impl<DB: Backend> IdempotencyLayer<DB> {
     fn with_principal(mut self, source: PrincipalFn) -> Self {
         self.config_mut().principal = Some(source);
         self

@@ -19,16 +19,17 @@ use tower_service::Service;
 
 use super::IdempotencyLayer;
 use super::principal::BoxFuture;
+use crate::Backend;
 use crate::engine::{Intent, Uncancelled, into_body_response};
 use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Fingerprinter, Verbatim};
 use crate::key::IdempotencyKey;
 use crate::scope::Scope;
-use crate::store::{Protocol, Store};
+use crate::store::Protocol;
 use crate::tx::TxSlot;
 
-impl<St: Store, S> Layer<S> for IdempotencyLayer<St> {
-    type Service = IdempotencyService<S, St>;
+impl<DB: Backend, S> Layer<S> for IdempotencyLayer<DB> {
+    type Service = IdempotencyService<S, DB>;
 
     fn layer(&self, inner: S) -> Self::Service {
         IdempotencyService {
@@ -61,13 +62,13 @@ impl Intent for Received {
 }
 
 /// The service [`IdempotencyLayer`] wraps a route in.
-pub struct IdempotencyService<S, St> {
+pub struct IdempotencyService<S, DB: Backend> {
     inner: S,
     // One shared count to bump per request, rather than one per store, engine and config.
-    layer: Arc<IdempotencyLayer<St>>,
+    layer: Arc<IdempotencyLayer<DB>>,
 }
 
-impl<S: Clone, St> Clone for IdempotencyService<S, St> {
+impl<S: Clone, DB: Backend> Clone for IdempotencyService<S, DB> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -76,7 +77,7 @@ impl<S: Clone, St> Clone for IdempotencyService<S, St> {
     }
 }
 
-impl<S, St: fmt::Debug> fmt::Debug for IdempotencyService<S, St> {
+impl<S, DB: Backend> fmt::Debug for IdempotencyService<S, DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyService")
             .field("layer", &self.layer)
@@ -84,9 +85,9 @@ impl<S, St: fmt::Debug> fmt::Debug for IdempotencyService<S, St> {
     }
 }
 
-impl<S, St> Service<Request<Body>> for IdempotencyService<S, St>
+impl<S, DB> Service<Request<Body>> for IdempotencyService<S, DB>
 where
-    St: Store,
+    DB: Backend,
     S: Service<Request<Body>, Error = Infallible> + Clone + Send + 'static,
     S::Response: IntoResponse,
     S::Future: Send + 'static,
@@ -131,7 +132,7 @@ where
     }
 }
 
-impl<St: Store> IdempotencyLayer<St> {
+impl<DB: Backend> IdempotencyLayer<DB> {
     async fn handle<S>(&self, inner: S, request: Request<Body>) -> Result<Response, Rejection>
     where
         S: Service<Request<Body>, Error = Infallible> + Send + 'static,

@@ -9,9 +9,10 @@ use futures_util::FutureExt;
 use futures_util::future::join_all;
 use tokio::sync::Notify;
 
-use super::backend::{Backend, Claim, Settlement};
+use super::backend::{Claim, Settlement};
 use super::status::{duration_millis, now_millis, to_millis};
 use super::{LookupOutcome, Outbox, OutboxError, OutboxRecord, SendOutcome, Sender, Status};
+use crate::Backend;
 use crate::backoff::{Backoff, random_u64};
 
 /// Delivers outbox messages through a [`Sender`]: claims due messages under a lease, calls the

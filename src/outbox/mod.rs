@@ -93,7 +93,7 @@ mod status;
 mod store;
 
 pub use crate::backoff::Backoff;
-pub use backend::Backend;
+pub(crate) use backend::Ops;
 #[cfg(feature = "nats")]
 pub use broker::NatsSender;
 #[cfg(feature = "rabbitmq")]

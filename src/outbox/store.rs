@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use sqlx::Pool;
 
-use super::backend::Backend;
 use super::status::{duration_millis, now_millis};
 use super::{DownstreamKey, Message, MessageId, OutboxError, OutboxRecord};
+use crate::Backend;
 
 /// Handle on the `idempotency_outbox` table of one database; cheap to clone.
 ///

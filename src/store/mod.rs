@@ -1,4 +1,5 @@
-//! Where records live: [`SqliteStore`], [`PgStore`] and [`MySqlStore`].
+//! Where records live: [`Store`], named by its aliases [`SqliteStore`], [`PgStore`] and
+//! [`MySqlStore`].
 //!
 //! Records sit in their own table, `idempotency_records`, keyed by the SHA-256 digest of the
 //! scoped key, so a client's key can never touch a business row or another record's fields.
@@ -33,106 +34,183 @@ mod sqlite;
 #[cfg(test)]
 mod tests;
 
-#[cfg(feature = "mysql")]
-pub use mysql::MySqlStore;
-#[cfg(feature = "postgres")]
-pub use postgres::PgStore;
-#[cfg(feature = "sqlite")]
-pub use sqlite::SqliteStore;
-
 pub(crate) use protocol::{BeganClaim, LeaseClaim, NewRecord, Opened, Protocol};
 
-/// A store an [`Engine`](crate::Engine) or an [`IdempotencyLayer`](crate::IdempotencyLayer)
-/// keeps records in: [`SqliteStore`], [`PgStore`] or [`MySqlStore`], each behind the cargo
-/// feature of its database's name.
+use std::fmt;
+
+use sqlx::Pool;
+
+use crate::backend::Backend;
+use crate::error::Error;
+
+/// Records in SQLite: the embedded default, one file, no server.
 ///
-/// The trait is sealed and has nothing to call: it names the stores this crate implements.
-pub trait Store: sealed::Backend {}
+/// SQLite has one writer at a time, so every claim transaction begins `IMMEDIATE`: it takes the
+/// write lock up front and waits for it within the layer's in-flight bound (`busy_timeout`). A
+/// duplicate therefore queues behind its original and then replays it. Use WAL mode (as below)
+/// so replays and reads go on while a writer works. On SQLite a wait that runs out cannot tell
+/// the duplicate's original from any other writer; either way the answer is 409
+/// `idempotency_request_in_progress`, retryable with the same key.
+///
+/// ```
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::str::FromStr;
+/// use axum_idempotency::{IdempotencyLayer, SqliteStore};
+/// use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool};
+///
+/// let options = SqliteConnectOptions::from_str("sqlite::memory:")?
+///     .journal_mode(SqliteJournalMode::Wal);
+/// let store = SqliteStore::new(SqlitePool::connect_with(options).await?);
+/// store.migrate().await?;
+/// let layer = IdempotencyLayer::new(store).allow_anonymous();
+/// # let _ = layer;
+/// # Ok(()) }
+/// # tokio::runtime::Runtime::new().unwrap().block_on(run()).unwrap();
+/// ```
+#[cfg(feature = "sqlite")]
+pub type SqliteStore = Store<sqlx::Sqlite>;
 
-pub(crate) mod sealed {
-    #![allow(unreachable_pub)] // Reachable only as the supertrait of `Store`.
+/// Records in PostgreSQL: the production backend, for many app instances sharing one database.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use axum_idempotency::{IdempotencyLayer, PgStore};
+///
+/// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/test").await?;
+/// let store = PgStore::new(pool);
+/// store.migrate().await?;
+/// let layer = IdempotencyLayer::new(store).allow_anonymous();
+/// # let _ = layer;
+/// # Ok(()) }
+/// ```
+#[cfg(feature = "postgres")]
+pub type PgStore = Store<sqlx::Postgres>;
 
-    use super::Protocol;
+/// Records in MySQL 8 or MariaDB, in an InnoDB table.
+///
+/// A duplicate of an in-flight request waits on the original's row lock for at most the
+/// layer's in-flight bound, set as `innodb_lock_wait_timeout`. That setting takes whole
+/// seconds, so the bound is rounded up to the next second (at least 1 s): a duplicate never
+/// gives up sooner than configured, and may wait up to a second longer. The connection's own
+/// setting is restored right after the claim, for the handler's statements and for the pool.
+///
+/// Keep the server's `max_allowed_packet` above the layer's `max_response_body` (1 MiB by
+/// default), or storing a large response fails.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use axum_idempotency::{IdempotencyLayer, MySqlStore};
+///
+/// let pool = sqlx::MySqlPool::connect("mysql://root@127.0.0.1:3306/test").await?;
+/// let store = MySqlStore::new(pool);
+/// store.migrate().await?;
+/// let layer = IdempotencyLayer::new(store).allow_anonymous();
+/// # let _ = layer;
+/// # Ok(()) }
+/// ```
+#[cfg(feature = "mysql")]
+pub type MySqlStore = Store<sqlx::MySql>;
 
-    /// What a public store type is underneath: its database and the protocol the engine
-    /// drives.
-    pub trait Backend: Clone + Send + Sync + 'static {
-        /// The sqlx database the records (and the handlers' writes) live in.
-        type Database: sqlx::Database;
-        /// The protocol the engine drives.
-        type Protocol: Protocol<Database = Self::Database>;
+/// The records table in one database, on the pool the handlers write through: the claim, the
+/// handler's rows and the stored response share one transaction of that pool. Cheap to clone.
+///
+/// Name it by its alias: [`SqliteStore`], [`PgStore`] or [`MySqlStore`].
+pub struct Store<DB: Backend> {
+    protocol: DB::Protocol,
+}
 
-        /// The protocol the engine drives.
-        fn protocol(&self) -> &Self::Protocol;
+impl<DB: Backend> Store<DB> {
+    /// A store on `pool`, the same pool the handlers' writes go to.
+    pub fn new(pool: Pool<DB>) -> Self {
+        Self {
+            protocol: DB::Protocol::on(pool),
+        }
+    }
+
+    /// The pool this store and the handlers' transactions use.
+    pub fn pool(&self) -> &Pool<DB> {
+        self.protocol.pool()
+    }
+
+    /// Creates or upgrades the store's tables; a no-op when they are current. Safe to call from
+    /// several instances at once: they migrate one after the other.
+    pub async fn migrate(&self) -> Result<(), Error> {
+        self.protocol.migrate().await
+    }
+
+    /// Deletes every record expired by now; returns how many it deleted.
+    ///
+    /// It deletes in batches, a thousand records at a time, and after each batch rests as long
+    /// as the batch took. On SQLite, where every claim waits for the one write lock a batch
+    /// holds, a batch is 250 records. On MySQL a batch is 250 records and the rest twice as
+    /// long, because InnoDB finishes a delete in the background after the statement returns.
+    /// Beside live traffic a purge therefore holds a connection at most about half the time (a
+    /// third on MySQL), and the requests' tail latency stays close to what it is without a
+    /// purge; a large backlog takes at least twice as long to clear as back-to-back deletes
+    /// would (several times on SQLite and MySQL). The pace is the same whether the call comes
+    /// from [`spawn_purger`](Self::spawn_purger) or from a job of your own, since both run
+    /// beside the service. To clear a backlog faster while the service is stopped, delete from
+    /// `idempotency_records` where `expires_at` (milliseconds since the Unix epoch) is past, in
+    /// SQL of your own.
+    pub async fn purge_expired(&self) -> Result<u64, Error> {
+        self.protocol.purge_expired().await
+    }
+
+    /// Spawns a task that purges expired records every `every`, logging what it deleted and any
+    /// failure, and going on. Abort the returned handle to stop it.
+    ///
+    /// Each run is a paced [`purge_expired`](Self::purge_expired); one that outlasts `every`
+    /// delays the next rather than overlapping it.
+    pub fn spawn_purger(&self, every: std::time::Duration) -> tokio::task::JoinHandle<()> {
+        let store = self.clone();
+        tokio::spawn(async move {
+            let mut interval = tokio::time::interval(every);
+            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                interval.tick().await;
+                match store.purge_expired().await {
+                    Ok(0) => {}
+                    Ok(deleted) => tracing::info!(deleted, "purged expired idempotency records"),
+                    Err(error) => {
+                        tracing::warn!(%error, "purging expired idempotency records failed")
+                    }
+                }
+            }
+        })
+    }
+
+    /// The protocol the engine drives.
+    pub(crate) fn protocol(&self) -> &DB::Protocol {
+        &self.protocol
     }
 }
 
-/// Declares one public store type over [`sql::SqlStore`]: its inherent methods are the whole
-/// of what a user calls, the same for every backend.
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-macro_rules! store_type {
-    ($(#[$doc:meta])* $name:ident($database:ty)) => {
-        $(#[$doc])*
-        #[derive(Debug, Clone)]
-        pub struct $name(crate::store::sql::SqlStore<$database>);
-
-        impl $name {
-            /// A store on `pool`, the same pool the handlers' writes go to.
-            pub fn new(pool: sqlx::Pool<$database>) -> Self {
-                Self(crate::store::sql::SqlStore::new(pool))
-            }
-
-            /// The pool this store and the handlers' transactions use.
-            pub fn pool(&self) -> &sqlx::Pool<$database> {
-                crate::store::Protocol::pool(&self.0)
-            }
-
-            /// Creates or upgrades the store's tables; a no-op when they are current. Safe to
-            /// call from several instances at once: they migrate one after the other.
-            pub async fn migrate(&self) -> Result<(), crate::Error> {
-                crate::store::Protocol::migrate(&self.0).await
-            }
-
-            /// Deletes every record expired by now; returns how many it deleted.
-            ///
-            /// It deletes in batches, a thousand records at a time, and after each batch
-            /// rests as long as the batch took. On SQLite, where every claim waits for the one
-            /// write lock a batch holds, a batch is 250 records. On MySQL a batch is 250
-            /// records and the rest twice as long, because InnoDB finishes a delete in the
-            /// background after the statement returns. Beside live traffic a purge therefore
-            /// holds a connection at most about half the time (a third on MySQL), and the
-            /// requests' tail latency stays close to what it is without a purge; a large
-            /// backlog takes at least twice as long to clear as back-to-back deletes would
-            /// (several times on SQLite and MySQL). The pace is the same whether the call comes from
-            /// [`spawn_purger`](Self::spawn_purger) or from a job of your own, since both run
-            /// beside the service. To clear a backlog faster while the service is stopped,
-            /// delete from `idempotency_records` where `expires_at` (milliseconds since the
-            /// Unix epoch) is past, in SQL of your own.
-            pub async fn purge_expired(&self) -> Result<u64, crate::Error> {
-                crate::store::Protocol::purge_expired(&self.0).await
-            }
-
-            /// Spawns a task that purges expired records every `every`, logging what it
-            /// deleted and any failure, and going on. Abort the returned handle to stop it.
-            ///
-            /// Each run is a paced [`purge_expired`](Self::purge_expired); one that outlasts
-            /// `every` delays the next rather than overlapping it.
-            pub fn spawn_purger(&self, every: std::time::Duration) -> tokio::task::JoinHandle<()> {
-                self.0.spawn_purger(every)
-            }
+impl<DB: Backend> Clone for Store<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            protocol: self.protocol.clone(),
         }
-
-        impl crate::store::sealed::Backend for $name {
-            type Database = $database;
-            type Protocol = crate::store::sql::SqlStore<$database>;
-
-            fn protocol(&self) -> &Self::Protocol {
-                &self.0
-            }
-        }
-
-        impl crate::store::Store for $name {}
-    };
+    }
 }
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-use store_type;
+
+impl<DB: Backend> fmt::Debug for Store<DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Store").field("pool", self.pool()).finish()
+    }
+}
+
+pub(crate) use sealed::Records;
+
+mod sealed {
+    // `pub` inside a private module is the sealed-trait idiom: `Backend` names it as a
+    // supertrait while no one outside the crate can implement or call it.
+    #![allow(unreachable_pub)]
+
+    use super::Protocol;
+
+    /// How a database keeps idempotency records: the protocol the engine drives.
+    pub trait Records: sqlx::Database {
+        /// The records table's protocol on this database.
+        type Protocol: Protocol<Database = Self>;
+    }
+}

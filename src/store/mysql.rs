@@ -9,34 +9,11 @@ use sqlx::{MySql, Row};
 use super::literal::Syntax;
 use super::protocol::{NewRecord, PurgePace};
 use super::sql::{Dialect, FinishForm, finish_text, record_literals};
-use super::store_type;
 use crate::record::{RecordState, StoredResponse};
 use crate::scope::ScopedKey;
 
-store_type! {
-    /// Records in MySQL 8 or MariaDB, in an InnoDB table.
-    ///
-    /// A duplicate of an in-flight request waits on the original's row lock for at most the
-    /// layer's in-flight bound, set as `innodb_lock_wait_timeout`. That setting takes whole
-    /// seconds, so the bound is rounded up to the next second (at least 1 s): a duplicate never
-    /// gives up sooner than configured, and may wait up to a second longer. The connection's own
-    /// setting is restored right after the claim, for the handler's statements and for the pool.
-    ///
-    /// Keep the server's `max_allowed_packet` above the layer's `max_response_body` (1 MiB by
-    /// default), or storing a large response fails.
-    ///
-    /// ```no_run
-    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    /// use axum_idempotency::{IdempotencyLayer, MySqlStore};
-    ///
-    /// let pool = sqlx::MySqlPool::connect("mysql://root@127.0.0.1:3306/test").await?;
-    /// let store = MySqlStore::new(pool);
-    /// store.migrate().await?;
-    /// let layer = IdempotencyLayer::new(store).allow_anonymous();
-    /// # let _ = layer;
-    /// # Ok(()) }
-    /// ```
-    MySqlStore(MySql)
+impl super::Records for MySql {
+    type Protocol = super::sql::SqlStore<MySql>;
 }
 
 /// InnoDB's "lock wait timeout exceeded".

@@ -9,25 +9,11 @@ use sqlx::{Postgres, Row};
 use super::literal::Syntax;
 use super::protocol::NewRecord;
 use super::sql::{Dialect, FinishForm, finish_text, record_literals};
-use super::store_type;
 use crate::record::{RecordState, StoredResponse};
 use crate::scope::ScopedKey;
 
-store_type! {
-    /// Records in PostgreSQL.
-    ///
-    /// ```no_run
-    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    /// use axum_idempotency::{IdempotencyLayer, PgStore};
-    ///
-    /// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/test").await?;
-    /// let store = PgStore::new(pool);
-    /// store.migrate().await?;
-    /// let layer = IdempotencyLayer::new(store).allow_anonymous();
-    /// # let _ = layer;
-    /// # Ok(()) }
-    /// ```
-    PgStore(Postgres)
+impl super::Records for Postgres {
+    type Protocol = super::sql::SqlStore<Postgres>;
 }
 
 /// The records table's columns, in the order every claim writes them.

@@ -1,7 +1,7 @@
 //! The steps the engine drives a store through. Crate-private: no store outside this crate
 //! could honour them, since a claim lives in the handler's own sqlx transaction.
 
-// Reachable only through the sealed `Store`, so `pub` here names nothing a user can reach.
+// Reachable only through the sealed `Backend`, so `pub` here names nothing a user can reach.
 #![allow(unreachable_pub)]
 
 use std::future::Future;
@@ -98,6 +98,9 @@ pub enum BeganClaim<DB: Database> {
 pub trait Protocol: Clone + Send + Sync + 'static {
     /// The sqlx database the records (and the handler's writes) live in.
     type Database: Database;
+
+    /// The protocol on `pool`'s database.
+    fn on(pool: Pool<Self::Database>) -> Self;
 
     /// The pool transactions are begun from.
     fn pool(&self) -> &Pool<Self::Database>;

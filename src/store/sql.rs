@@ -1,6 +1,6 @@
 //! The SQL every backend runs, written once and generic over the backend's [`Dialect`].
 
-// Reachable only through the sealed `Store`, so `pub` here names nothing a user can reach.
+// Reachable only through the sealed `Backend`, so `pub` here names nothing a user can reach.
 #![allow(unreachable_pub)]
 
 use std::borrow::Cow;
@@ -32,35 +32,6 @@ impl<DB: Database> Clone for SqlStore<DB> {
         Self {
             pool: self.pool.clone(),
         }
-    }
-}
-
-impl<DB: Database> SqlStore<DB> {
-    pub fn new(pool: Pool<DB>) -> Self {
-        Self { pool }
-    }
-}
-
-impl<DB: Database> SqlStore<DB>
-where
-    Self: Protocol,
-{
-    pub fn spawn_purger(&self, every: Duration) -> tokio::task::JoinHandle<()> {
-        let store = self.clone();
-        tokio::spawn(async move {
-            let mut interval = tokio::time::interval(every);
-            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                interval.tick().await;
-                match store.purge_expired().await {
-                    Ok(0) => {}
-                    Ok(deleted) => tracing::info!(deleted, "purged expired idempotency records"),
-                    Err(error) => {
-                        tracing::warn!(%error, "purging expired idempotency records failed")
-                    }
-                }
-            }
-        })
     }
 }
 
@@ -337,6 +308,10 @@ where
     Option<i32>: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
 {
     type Database = DB;
+
+    fn on(pool: Pool<DB>) -> Self {
+        Self { pool }
+    }
 
     fn pool(&self) -> &Pool<DB> {
         &self.pool

@@ -7,34 +7,9 @@ use sqlx::error::DatabaseError;
 
 use super::protocol::PurgePace;
 use super::sql::Dialect;
-use super::store_type;
 
-store_type! {
-    /// Records in SQLite.
-    ///
-    /// SQLite has one writer at a time, so every claim transaction begins `IMMEDIATE`: it takes the
-    /// write lock up front and waits for it within the layer's in-flight bound (`busy_timeout`).
-    /// A duplicate therefore queues behind its original and then replays it. Use WAL mode (as
-    /// below) so replays and reads go on while a writer works. On SQLite a wait that runs out
-    /// cannot tell the duplicate's original from any other writer; either way the answer is 409
-    /// `idempotency_request_in_progress`, retryable with the same key.
-    ///
-    /// ```
-    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    /// use std::str::FromStr;
-    /// use axum_idempotency::{IdempotencyLayer, SqliteStore};
-    /// use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool};
-    ///
-    /// let options = SqliteConnectOptions::from_str("sqlite::memory:")?
-    ///     .journal_mode(SqliteJournalMode::Wal);
-    /// let store = SqliteStore::new(SqlitePool::connect_with(options).await?);
-    /// store.migrate().await?;
-    /// let layer = IdempotencyLayer::new(store).allow_anonymous();
-    /// # let _ = layer;
-    /// # Ok(()) }
-    /// # tokio::runtime::Runtime::new().unwrap().block_on(run()).unwrap();
-    /// ```
-    SqliteStore(Sqlite)
+impl super::Records for Sqlite {
+    type Protocol = super::sql::SqlStore<Sqlite>;
 }
 
 impl Dialect for Sqlite {

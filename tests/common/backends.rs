@@ -15,7 +15,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{post, put};
 use axum::{Json, Router};
-use axum_idempotency::{Error, IdempotencyLayer, Principal, Store, Tx};
+use axum_idempotency::{IdempotencyLayer, Principal, Store, Tx};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
@@ -24,42 +24,15 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Type};
 
-/// The inherent methods every store type has, callable on a generic store.
-pub(crate) trait StoreApi: Store {
-    fn migrate(&self) -> impl Future<Output = Result<(), Error>> + Send;
-    fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send;
-}
-
-macro_rules! store_api {
-    ($store:ty) => {
-        impl StoreApi for $store {
-            fn migrate(&self) -> impl Future<Output = Result<(), Error>> + Send {
-                <$store>::migrate(self)
-            }
-
-            fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {
-                <$store>::purge_expired(self)
-            }
-        }
-    };
-}
-
-#[cfg(feature = "sqlite")]
-store_api!(axum_idempotency::SqliteStore);
-#[cfg(feature = "postgres")]
-store_api!(axum_idempotency::PgStore);
-#[cfg(feature = "mysql")]
-store_api!(axum_idempotency::MySqlStore);
-
 /// What each backend provides to the suite.
-pub(crate) trait Backend: Database {
-    /// The store type keeping records in this database.
-    type Store: StoreApi<Database = Self>;
+pub(crate) trait Backend: Database + axum_idempotency::Backend {
     const EFFECTS_DDL: &'static str;
     const INSERT_EFFECT: &'static str;
     const COUNT_EFFECTS: &'static str;
     /// A store on `pool`.
-    fn store(pool: Pool<Self>) -> Self::Store;
+    fn store(pool: Pool<Self>) -> Store<Self> {
+        Store::new(pool)
+    }
     /// A pool on a database (or schema, or file) of its own, with no tables yet.
     fn fresh(max_connections: u32) -> impl Future<Output = Isolated<Self>> + Send;
     /// A second pool on the same isolated database: a second app instance.
@@ -146,15 +119,10 @@ where
 
 #[cfg(feature = "sqlite")]
 impl Backend for sqlx::Sqlite {
-    type Store = axum_idempotency::SqliteStore;
     const EFFECTS_DDL: &'static str =
         "CREATE TABLE effects (id INTEGER PRIMARY KEY AUTOINCREMENT, label TEXT NOT NULL)";
     const INSERT_EFFECT: &'static str = "INSERT INTO effects (label) VALUES (?1) RETURNING id";
     const COUNT_EFFECTS: &'static str = "SELECT COUNT(*) FROM effects WHERE label = ?1";
-
-    fn store(pool: Pool<Self>) -> Self::Store {
-        axum_idempotency::SqliteStore::new(pool)
-    }
 
     async fn fresh(max_connections: u32) -> Isolated<Self> {
         let path = std::env::temp_dir().join(format!("{}.db", unique("axum_idempotency")));
@@ -199,15 +167,10 @@ pub(crate) fn postgres_url() -> String {
 
 #[cfg(feature = "postgres")]
 impl Backend for sqlx::Postgres {
-    type Store = axum_idempotency::PgStore;
     const EFFECTS_DDL: &'static str =
         "CREATE TABLE effects (id BIGSERIAL PRIMARY KEY, label TEXT NOT NULL)";
     const INSERT_EFFECT: &'static str = "INSERT INTO effects (label) VALUES ($1) RETURNING id";
     const COUNT_EFFECTS: &'static str = "SELECT COUNT(*) FROM effects WHERE label = $1";
-
-    fn store(pool: Pool<Self>) -> Self::Store {
-        axum_idempotency::PgStore::new(pool)
-    }
 
     async fn fresh(max_connections: u32) -> Isolated<Self> {
         let schema = unique("t");
@@ -268,16 +231,11 @@ pub(crate) fn mysql_url() -> String {
 
 #[cfg(feature = "mysql")]
 impl Backend for sqlx::MySql {
-    type Store = axum_idempotency::MySqlStore;
     const EFFECTS_DDL: &'static str = "CREATE TABLE effects \
         (id BIGINT AUTO_INCREMENT PRIMARY KEY, label TEXT NOT NULL) ENGINE = InnoDB";
     // RETURNING on INSERT is MariaDB's (10.5+); MySQL 8 would need LAST_INSERT_ID() instead.
     const INSERT_EFFECT: &'static str = "INSERT INTO effects (label) VALUES (?) RETURNING id";
     const COUNT_EFFECTS: &'static str = "SELECT COUNT(*) FROM effects WHERE label = ?";
-
-    fn store(pool: Pool<Self>) -> Self::Store {
-        axum_idempotency::MySqlStore::new(pool)
-    }
 
     async fn fresh(max_connections: u32) -> Isolated<Self> {
         use sqlx::Connection;
@@ -461,7 +419,7 @@ pub(crate) struct App<DB: Db> {
     pub(crate) addr: SocketAddr,
     pub(crate) executions: Arc<AtomicUsize>,
     pub(crate) pool: Pool<DB>,
-    pub(crate) layer: IdempotencyLayer<DB::Store>,
+    pub(crate) layer: IdempotencyLayer<DB>,
     client: Client<HttpConnector, Full<Bytes>>,
     server: tokio::task::JoinHandle<()>,
 }
@@ -475,7 +433,7 @@ impl<DB: Db> Drop for App<DB> {
 /// Migrates, creates the effects table unless it exists, and serves the test routes.
 pub(crate) async fn serve<DB: Db>(
     pool: Pool<DB>,
-    configure: impl FnOnce(IdempotencyLayer<DB::Store>) -> IdempotencyLayer<DB::Store>,
+    configure: impl FnOnce(IdempotencyLayer<DB>) -> IdempotencyLayer<DB>,
 ) -> App<DB> {
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
     let store = DB::store(pool.clone());

@@ -1,7 +1,7 @@
 //! The outbox's SQL, behind one sealed trait the outbox and the dispatcher are generic over.
 //! Every query runs once, generically, in [`sql`]; a backend file only states its dialect: the
 //! SQL text, how it creates the table, and how it claims and numbers messages. Adding a
-//! database means one file here implementing `Dialect` and one `impl Backend`.
+//! database means one file here implementing `Dialect`, and the crate's `Backend` for it.
 
 use std::future::Future;
 
@@ -17,12 +17,7 @@ mod sql;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
-/// A database the outbox can live in: [`sqlx::Sqlite`], [`sqlx::Postgres`] and [`sqlx::MySql`],
-/// each behind the cargo feature of the same name.
-///
-/// The trait is sealed: its methods are the SQL of one backend and not an extension point.
-pub trait Backend: sqlx::Database + private::Ops {}
-
+pub(crate) use private::Ops;
 pub(crate) use private::{Claim, Settlement};
 
 /// The columns every read selects, under the names the one row decoder reads them by. A macro,

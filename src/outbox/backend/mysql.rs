@@ -7,9 +7,7 @@ use sqlx::mysql::MySqlRow;
 use sqlx::{MySql, Row};
 
 use super::private::{ClaimSql, Dialect, NewId};
-use super::{Backend, record_columns};
-
-impl Backend for MySql {}
+use super::record_columns;
 
 impl Dialect for MySql {
     const INSERT: &'static str = "INSERT INTO idempotency_outbox

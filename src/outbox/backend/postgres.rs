@@ -5,9 +5,7 @@
 use sqlx::Postgres;
 
 use super::private::{ClaimSql, Dialect, NewId};
-use super::{Backend, record_columns};
-
-impl Backend for Postgres {}
+use super::record_columns;
 
 impl Dialect for Postgres {
     // ON CONFLICT rather than catching the unique violation: an error would abort the caller's

@@ -4,9 +4,7 @@
 use sqlx::Sqlite;
 
 use super::private::{ClaimSql, Dialect, NewId};
-use super::{Backend, record_columns};
-
-impl Backend for Sqlite {}
+use super::record_columns;
 
 impl Dialect for Sqlite {
     const INSERT: &'static str = "INSERT INTO idempotency_outbox

@@ -8,6 +8,7 @@ use std::time::Duration;
 use http::{Request, StatusCode};
 
 use super::{now_ms, unique};
+use crate::Backend;
 use crate::engine::{Engine, Outcome};
 use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Fingerprinter};
@@ -41,8 +42,8 @@ fn job(label: &str) -> (String, Scope, Fingerprint) {
 }
 
 /// Leaves behind what a lease holder that died would: a committed processing claim.
-async fn abandoned_claim<S: Store>(
-    engine: &Engine<S>,
+async fn abandoned_claim<DB: Backend>(
+    engine: &Engine<DB>,
     scope: &Scope,
     fingerprint: Fingerprint,
     until_ms: i64,
@@ -73,7 +74,9 @@ async fn abandoned_claim<S: Store>(
 }
 
 /// Run on a migrated `store`, by an engine with the defaults (those of a layer's engine).
-pub(super) async fn expired_lease_is_taken_over_only_after_asking_recovery<S: Store>(store: S) {
+pub(super) async fn expired_lease_is_taken_over_only_after_asking_recovery<DB: Backend>(
+    store: Store<DB>,
+) {
     let engine = Engine::new(store);
     let runs = Arc::new(AtomicUsize::new(0));
 
@@ -114,7 +117,7 @@ pub(super) async fn expired_lease_is_taken_over_only_after_asking_recovery<S: St
     assert_eq!(recovered.outcome, Outcome::Recovered);
     assert_eq!(runs.load(Ordering::SeqCst), 0, "querying beat a blind redo");
     let replay = engine
-        .run(&done, fingerprint, |_tx: Tx<S::Database>| async { "never" })
+        .run(&done, fingerprint, |_tx: Tx<DB>| async { "never" })
         .await
         .expect("replay");
     assert_eq!(replay.outcome, Outcome::Replayed);

@@ -41,7 +41,7 @@ fn unique(prefix: &str) -> String {
 
 /// The protocol the engine drives a public store through.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-fn protocol_of<S: Store>(store: &S) -> S::Protocol {
+fn protocol_of<DB: crate::Backend>(store: &Store<DB>) -> DB::Protocol {
     store.protocol().clone()
 }
 

@@ -115,22 +115,18 @@ pub enum Rejection {
     Internal,
 }
 
+/// Everything a rejection's answer is made of, written once per variant.
+struct Description {
+    status: StatusCode,
+    code: &'static str,
+    variant: &'static str,
+    title: &'static str,
+}
+
 impl Rejection {
     /// The HTTP status of this rejection.
     pub fn status(&self) -> StatusCode {
-        match self {
-            Self::KeyMissing | Self::KeyInvalid(_) | Self::BodyUnreadable => {
-                StatusCode::BAD_REQUEST
-            }
-            Self::PrincipalMissing => StatusCode::UNAUTHORIZED,
-            Self::PrincipalUnavailable | Self::Timeout => StatusCode::SERVICE_UNAVAILABLE,
-            Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::InProgress { .. } | Self::LeaseLost => StatusCode::CONFLICT,
-            Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::ResponseTooLarge | Self::TransactionHeld | Self::Internal => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
-        }
+        self.describe().status
     }
 
     /// When a client should try again with the same key, for the rejections that invite it
@@ -149,56 +145,95 @@ impl Rejection {
 
     /// The stable `code` member of the problem document.
     pub fn code(&self) -> &'static str {
-        match self {
-            Self::KeyMissing => "idempotency_key_missing",
-            Self::KeyInvalid(_) => "idempotency_key_invalid",
-            Self::PrincipalMissing => "idempotency_principal_missing",
-            Self::PrincipalUnavailable => "idempotency_principal_unavailable",
-            Self::Timeout => "idempotency_timeout",
-            Self::KeyReused => "idempotency_key_reused",
-            Self::InProgress { .. } => "idempotency_request_in_progress",
-            Self::LeaseLost => "idempotency_lease_lost",
-            Self::BodyTooLarge { .. } => "idempotency_body_too_large",
-            Self::BodyUnreadable => "idempotency_body_unreadable",
-            Self::ResponseTooLarge => "idempotency_response_too_large",
-            Self::TransactionHeld => "idempotency_transaction_held",
-            Self::Internal => "idempotency_internal_error",
-        }
+        self.describe().code
     }
 
-    fn variant(&self) -> &'static str {
-        match self {
-            Self::KeyMissing => "KeyMissing",
-            Self::KeyInvalid(_) => "KeyInvalid",
-            Self::PrincipalMissing => "PrincipalMissing",
-            Self::PrincipalUnavailable => "PrincipalUnavailable",
-            Self::Timeout => "Timeout",
-            Self::KeyReused => "KeyReused",
-            Self::InProgress { .. } => "InProgress",
-            Self::LeaseLost => "LeaseLost",
-            Self::BodyTooLarge { .. } => "BodyTooLarge",
-            Self::BodyUnreadable => "BodyUnreadable",
-            Self::ResponseTooLarge => "ResponseTooLarge",
-            Self::TransactionHeld => "TransactionHeld",
-            Self::Internal => "Internal",
-        }
-    }
-
-    fn title(&self) -> &'static str {
-        match self {
-            Self::KeyMissing => "Idempotency key missing",
-            Self::KeyInvalid(_) => "Idempotency key invalid",
-            Self::PrincipalMissing => "Principal missing",
-            Self::PrincipalUnavailable => "Principal unavailable",
-            Self::Timeout => "Timed out",
-            Self::KeyReused => "Idempotency key reused",
-            Self::InProgress { .. } => "Request in progress",
-            Self::LeaseLost => "Lease lost",
-            Self::BodyTooLarge { .. } => "Request body too large",
-            Self::BodyUnreadable => "Request body unreadable",
-            Self::ResponseTooLarge => "Response too large to store",
-            Self::TransactionHeld => "Transaction still held",
-            Self::Internal => "Internal error",
+    fn describe(&self) -> Description {
+        let (status, code, variant, title) = match self {
+            Self::KeyMissing => (
+                StatusCode::BAD_REQUEST,
+                "idempotency_key_missing",
+                "KeyMissing",
+                "Idempotency key missing",
+            ),
+            Self::KeyInvalid(_) => (
+                StatusCode::BAD_REQUEST,
+                "idempotency_key_invalid",
+                "KeyInvalid",
+                "Idempotency key invalid",
+            ),
+            Self::PrincipalMissing => (
+                StatusCode::UNAUTHORIZED,
+                "idempotency_principal_missing",
+                "PrincipalMissing",
+                "Principal missing",
+            ),
+            Self::PrincipalUnavailable => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "idempotency_principal_unavailable",
+                "PrincipalUnavailable",
+                "Principal unavailable",
+            ),
+            Self::Timeout => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "idempotency_timeout",
+                "Timeout",
+                "Timed out",
+            ),
+            Self::KeyReused => (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency_key_reused",
+                "KeyReused",
+                "Idempotency key reused",
+            ),
+            Self::InProgress { .. } => (
+                StatusCode::CONFLICT,
+                "idempotency_request_in_progress",
+                "InProgress",
+                "Request in progress",
+            ),
+            Self::LeaseLost => (
+                StatusCode::CONFLICT,
+                "idempotency_lease_lost",
+                "LeaseLost",
+                "Lease lost",
+            ),
+            Self::BodyTooLarge { .. } => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "idempotency_body_too_large",
+                "BodyTooLarge",
+                "Request body too large",
+            ),
+            Self::BodyUnreadable => (
+                StatusCode::BAD_REQUEST,
+                "idempotency_body_unreadable",
+                "BodyUnreadable",
+                "Request body unreadable",
+            ),
+            Self::ResponseTooLarge => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "idempotency_response_too_large",
+                "ResponseTooLarge",
+                "Response too large to store",
+            ),
+            Self::TransactionHeld => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "idempotency_transaction_held",
+                "TransactionHeld",
+                "Transaction still held",
+            ),
+            Self::Internal => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "idempotency_internal_error",
+                "Internal",
+                "Internal error",
+            ),
+        };
+        Description {
+            status,
+            code,
+            variant,
+            title,
         }
     }
 }
@@ -223,13 +258,18 @@ struct Problem<'a> {
 
 impl IntoResponse for Rejection {
     fn into_response(self) -> Response {
-        let status = self.status();
+        let Description {
+            status,
+            code,
+            variant,
+            title,
+        } = self.describe();
         let problem = Problem {
-            r#type: format!("{REJECTION_DOCS}#variant.{}", self.variant()),
-            title: self.title(),
+            r#type: format!("{REJECTION_DOCS}#variant.{variant}"),
+            title,
             status: status.as_u16(),
             detail: self.to_string(),
-            code: self.code(),
+            code,
         };
         let body = serde_json::to_vec(&problem).unwrap_or_default();
         let mut response = (

@@ -64,13 +64,6 @@ impl Fingerprint {
     pub fn to_hex(&self) -> String {
         hex::encode(self.0)
     }
-
-    /// Reads a digest back from 64 hex digits (either case).
-    pub fn from_hex(s: &str) -> Option<Self> {
-        let mut bytes = [0u8; 32];
-        hex::decode_to_slice(s, &mut bytes).ok()?;
-        Some(Self(bytes))
-    }
 }
 
 impl From<[u8; 32]> for Fingerprint {

@@ -111,8 +111,6 @@
 mod backend;
 #[cfg(any(feature = "client", feature = "outbox"))]
 mod backoff;
-#[cfg(feature = "server")]
-mod cache;
 #[cfg(feature = "client")]
 pub mod client;
 #[cfg(feature = "server")]
@@ -136,8 +134,6 @@ pub mod layer;
 mod migrate;
 #[cfg(feature = "outbox")]
 pub mod outbox;
-#[cfg(feature = "server")]
-mod recent;
 #[cfg(feature = "server")]
 mod record;
 #[cfg(feature = "server")]

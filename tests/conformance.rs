@@ -38,6 +38,7 @@ macro_rules! conformance {
                 migrate_twice_and_concurrently_is_a_no_op,
                 clients_hanging_up_mid_request_leave_no_open_transaction,
                 unkeyed_requests_commit_on_success_and_roll_back_on_failure,
+                unkeyed_requests_follow_the_layers_classification,
                 leased_work_runs_once_while_duplicates_wait_then_replay,
                 holder_that_dies_mid_work_is_taken_over_after_its_lease,
                 cached_replays_are_answered_without_reading_the_store,
@@ -69,8 +70,8 @@ mod suite {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use axum_idempotency::{
-        Fingerprint, Fingerprinter, IdempotencyKey, IdempotencyLayer, ManualClock, Outcome,
-        Rejection, Scope, Tx,
+        Classification, Fingerprint, Fingerprinter, IdempotencyKey, IdempotencyLayer, ManualClock,
+        Outcome, Rejection, Scope, Tx,
     };
     use serde_json::json;
 
@@ -1189,6 +1190,34 @@ mod suite {
             DB::count_records(&app.pool).await,
             0,
             "no records without a key"
+        );
+    }
+
+    pub(crate) async fn unkeyed_requests_follow_the_layers_classification<DB: Db>() {
+        // A rule that keeps nothing of a 201: the unkeyed path rolls it back as the keyed one
+        // would, rather than committing by its own idea of success.
+        let app = serve(DB::fresh(16).await.pool, |layer| {
+            layer.classify(|status| {
+                if status == StatusCode::CREATED {
+                    Classification::Retryable
+                } else {
+                    Classification::of_status(status)
+                }
+            })
+        })
+        .await;
+        let headers = [
+            ("authorization", "Bearer alice".to_owned()),
+            ("content-type", "application/json".to_owned()),
+        ];
+        let answered = app
+            .send("PUT", "/unkeyed", &headers, body("classified").into_bytes())
+            .await;
+        assert_eq!(answered.status, StatusCode::CREATED);
+        assert_eq!(
+            DB::count_effects(&app.pool, "classified").await,
+            0,
+            "classified retryable: rolled back"
         );
     }
 

@@ -79,3 +79,33 @@ async fn forget_lets_the_key_execute_afresh() {
     assert_eq!(again.outcome, Outcome::Executed);
     assert_eq!(again.response.body().as_ref(), b"right answer");
 }
+
+#[cfg(feature = "test-util")]
+#[tokio::test]
+async fn look_up_reads_time_from_the_engines_clock() {
+    use std::time::{Duration, SystemTime};
+
+    let clock = axum_idempotency::ManualClock::new(SystemTime::now());
+    let engine = engine()
+        .await
+        .retention(Duration::from_secs(60))
+        .clock(clock.clone());
+    let fingerprint = Fingerprinter::new().fingerprint_value("order", b"{}");
+    let alice = scope("alice");
+    engine
+        .run(&alice, fingerprint, |_tx: Tx<Sqlite>| async { "placed" })
+        .await
+        .expect("runs");
+    assert!(matches!(
+        engine.look_up(&alice).await.expect("look up"),
+        Lookup::Final(_)
+    ));
+
+    // Past retention by the engine's clock, though not by the wall clock: the key is a new
+    // intent, and the operator sees it as such.
+    clock.advance(Duration::from_secs(61));
+    assert!(matches!(
+        engine.look_up(&alice).await.expect("look up"),
+        Lookup::Absent
+    ));
+}

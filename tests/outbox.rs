@@ -8,9 +8,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use axum_idempotency::Backend;
+use axum_idempotency::outbox;
 use axum_idempotency::outbox::{
-    Backoff, Dispatcher, DownstreamKey, LookupOutcome, Message, Outbox, OutboxError, OutboxRecord,
-    SendOutcome, Sender, Status,
+    Backoff, Dispatcher, DownstreamKey, LookupOutcome, Message, Outbox, OutboxRecord, SendOutcome,
+    Sender, Status,
 };
 use sqlx::Pool;
 use tokio::sync::Notify;
@@ -382,7 +383,7 @@ async fn same_key_with_other_payload_is_rejected<DB: Backend>(pool: Pool<DB>) {
 
     let mut tx = pool.begin().await.unwrap();
     let reused = outbox.enqueue(&mut tx, charge("c", "99.00")).await;
-    assert!(matches!(reused, Err(OutboxError::KeyReused(k)) if k == key("c")));
+    assert!(matches!(reused, Err(outbox::Error::KeyReused(k)) if k == key("c")));
     // The caller's transaction is still usable after the refusal.
     outbox.enqueue(&mut tx, charge("d", "1.00")).await.unwrap();
     tx.commit().await.unwrap();

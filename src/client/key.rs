@@ -37,9 +37,9 @@ impl ClientKey {
     /// # Errors
     ///
     /// When the operating system cannot provide random bytes.
-    pub fn generate() -> Result<Self, getrandom::Error> {
+    pub fn generate() -> Result<Self, std::io::Error> {
         let mut bytes = [0_u8; GENERATED_KEY_BYTES];
-        getrandom::fill(&mut bytes)?;
+        getrandom::fill(&mut bytes).map_err(std::io::Error::from)?;
         let text = URL_SAFE_NO_PAD.encode(bytes);
         let value = HeaderValue::try_from(text).expect("URL-safe base64 is visible ASCII");
         Ok(Self(value))

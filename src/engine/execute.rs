@@ -87,7 +87,7 @@ impl<DB: Backend> Engine<DB> {
             Err(rejection) => return Answer::reject(rejection, Logged::Retryable),
         };
 
-        match (self.settings.classify)(response.status()) {
+        match self.classification(response.status()) {
             Classification::Completed => {
                 let stored = self.storable(&response);
                 let committed = self.store.protocol().commit_finished(

@@ -152,7 +152,7 @@ impl<DB: Backend> Engine<DB> {
                 return Answer::reject(rejection, Logged::Retryable);
             }
         };
-        let state = match (self.settings.classify)(response.status()) {
+        let state = match self.classification(response.status()) {
             Classification::Completed => RecordState::Completed,
             Classification::FailedPermanent => RecordState::FailedPermanent,
             Classification::Retryable => {

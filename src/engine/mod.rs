@@ -61,17 +61,13 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
 use axum::response::IntoResponse;
-use bytes::Bytes;
 use http::{HeaderName, StatusCode};
 use tracing::Instrument;
 
 use crate::Backend;
-use crate::cache::ReplayCache;
 use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Verbatim};
-use crate::recent::RecentKeys;
 use crate::record::Clock;
 #[cfg(feature = "test-util")]
 use crate::record::ManualClock;
@@ -79,12 +75,14 @@ use crate::scope::{IdempotencyContext, Scope, ScopedKey};
 use crate::store::Store;
 use crate::tx::{Tx, TxSlot};
 
+mod cache;
 mod claim;
 mod execute;
 mod lease;
 mod metrics;
 mod operator;
 mod outcome;
+mod recent;
 mod replay;
 mod uncancelled;
 
@@ -93,7 +91,9 @@ pub use operator::Lookup;
 pub use outcome::{Classification, Execution, Outcome};
 pub(crate) use uncancelled::Uncancelled;
 
+use cache::ReplayCache;
 use outcome::{Answer, Logged};
+use recent::RecentKeys;
 use replay::answer_existing;
 
 /// The header a replayed response carries.
@@ -282,6 +282,11 @@ impl<DB: Backend> Engine<DB> {
         &self.store
     }
 
+    /// How this engine classifies a response's status (see [`classify`](Self::classify)).
+    pub(crate) fn classification(&self, status: StatusCode) -> Classification {
+        (self.settings.classify)(status)
+    }
+
     /// Runs `work` once for `scope` with the transaction that holds the claim, or answers
     /// from the stored outcome. See the [module docs](self).
     pub async fn run<F, Fut, R>(
@@ -388,8 +393,4 @@ impl<DB: Backend> Engine<DB> {
         metrics::answered(answer.logged);
         answer.result
     }
-}
-
-pub(crate) fn into_body_response(response: http::Response<Bytes>) -> axum::response::Response {
-    response.map(Body::from)
 }

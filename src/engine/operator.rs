@@ -8,7 +8,7 @@ use bytes::Bytes;
 use super::Engine;
 use crate::Backend;
 use crate::error::Error;
-use crate::record::{Millis, RecordState};
+use crate::record::RecordState;
 use crate::scope::Scope;
 use crate::store::Protocol;
 
@@ -37,7 +37,7 @@ impl<DB: Backend> Engine<DB> {
         let record = self.store.protocol().lookup(&key).await?;
         let lookup = match record {
             None => Lookup::Absent,
-            Some(record) if record.is_expired(Millis::now()) => Lookup::Absent,
+            Some(record) if record.is_expired(self.settings.clock.now()) => Lookup::Absent,
             Some(record) => match (record.state, record.response) {
                 (RecordState::Completed | RecordState::FailedPermanent, Some(stored)) => {
                     Lookup::Final(stored.to_response())

@@ -37,9 +37,12 @@ where
     type Output = Result<F::Output, Box<dyn Any + Send>>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let Some(future) = self.future.as_mut() else {
-            return Poll::Pending;
-        };
+        // As with any future, polling again after completion is a caller's bug; pending
+        // forever would hide it as a hang.
+        let future = self
+            .future
+            .as_mut()
+            .expect("`Uncancelled` polled after it completed");
         // The future is dropped right after a panic, never polled again, so whatever state the
         // panic left it in is not observed.
         let polled = std::panic::catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(cx)));

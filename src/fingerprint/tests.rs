@@ -83,15 +83,12 @@ fn bodies_over_64_kib_are_not_kept_verbatim() {
 }
 
 #[test]
-fn hex_round_trips() {
+fn hex_shows_the_digest_bytes() {
     let fp = Fingerprinter::new().fingerprint_value("op", b"{}");
     assert_eq!(fp.to_hex().len(), 64);
-    assert_eq!(Fingerprint::from_hex(&fp.to_hex()), Some(fp));
-    assert_eq!(Fingerprint::from_hex(&fp.to_hex().to_uppercase()), Some(fp));
+    assert_eq!(fp.to_hex(), hex::encode(fp.as_bytes()));
     assert_eq!(fp.to_string(), fp.to_hex());
     assert_eq!(format!("{fp:?}"), format!("Fingerprint({})", fp.to_hex()));
-    assert_eq!(Fingerprint::from_hex("abc"), None);
-    assert_eq!(Fingerprint::from_hex(&"g".repeat(64)), None);
 }
 
 #[test]

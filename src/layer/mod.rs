@@ -190,6 +190,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// for their original are answered 503 rather than replayed. The pool's own acquire timeout
     /// (sqlx's `PoolOptions::acquire_timeout`, 30 s by default) is best set below it, so a
     /// pool that has run dry fails fast and is answered as retryable too.
+    #[must_use]
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.config_mut().deadline = Some(deadline);
         self
@@ -197,6 +198,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
 
     /// Lets keyed requests wait for their answer as long as the database takes, with no
     /// [`deadline`](Self::deadline).
+    #[must_use]
     pub fn without_deadline(mut self) -> Self {
         self.config_mut().deadline = None;
         self
@@ -209,6 +211,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// Set it below the pool's size so that the rest of the app (authentication, reads,
     /// requests without a key) always finds a connection during a burst of keyed requests.
     /// Clones of this layer share the bound; layers built separately bound separately.
+    #[must_use]
     pub fn max_concurrent_claims(mut self, claims: usize) -> Self {
         self.config_mut().claims = Some(Arc::new(Semaphore::new(claims.max(1))));
         self

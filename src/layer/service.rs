@@ -20,12 +20,11 @@ use tower_service::Service;
 use super::IdempotencyLayer;
 use super::principal::BoxFuture;
 use crate::Backend;
-use crate::engine::{Intent, Uncancelled, into_body_response};
+use crate::engine::{Classification, Intent, Uncancelled};
 use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Fingerprinter, Verbatim};
 use crate::key::IdempotencyKey;
 use crate::scope::Scope;
-use crate::store::Protocol;
 use crate::tx::TxSlot;
 
 impl<DB: Backend, S> Layer<S> for IdempotencyLayer<DB> {
@@ -240,7 +239,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 return Err(timeout);
             }
         };
-        Ok(into_body_response(execution.response))
+        Ok(execution.response.map(Body::from))
     }
 
     /// A request without a key: no claim, but `Tx` still works, resolved by the status.
@@ -250,7 +249,8 @@ impl<DB: Backend> IdempotencyLayer<DB> {
         S::Response: IntoResponse,
         S::Future: Send + 'static,
     {
-        let slot = TxSlot::lazy(self.engine.store().protocol().pool().clone());
+        let slot = TxSlot::lazy(self.engine.store().pool().clone());
+        let engine = self.engine.clone();
         request.extensions_mut().insert(slot.clone());
         // Never cancelled halfway, for the same reason as keyed requests: a client hanging up
         // must not abandon a transaction mid-statement.
@@ -267,11 +267,10 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                     return Rejection::TransactionHeld.into_response();
                 }
             };
-            let status = response.status();
-            let resolved = if status.is_success() || status.is_redirection() {
-                tx.commit().await
-            } else {
-                tx.rollback().await
+            // The same rule as for keyed requests: only a completed answer keeps its writes.
+            let resolved = match engine.classification(response.status()) {
+                Classification::Completed => tx.commit().await,
+                Classification::FailedPermanent | Classification::Retryable => tx.rollback().await,
             };
             match resolved {
                 Ok(()) => response,

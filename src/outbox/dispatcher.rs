@@ -11,7 +11,7 @@ use tokio::sync::Notify;
 
 use super::backend::{Claim, Settlement};
 use super::status::{duration_millis, now_millis, to_millis};
-use super::{LookupOutcome, Outbox, OutboxError, OutboxRecord, SendOutcome, Sender, Status};
+use super::{Error, LookupOutcome, Outbox, OutboxRecord, SendOutcome, Sender, Status};
 use crate::Backend;
 use crate::backoff::{Backoff, random_u64};
 
@@ -172,7 +172,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
 
     /// Claims one batch of due messages, delivers them concurrently and records each outcome;
     /// returns how many were claimed. For jobs and tests that drive delivery themselves.
-    pub async fn run_once(&self) -> Result<usize, OutboxError> {
+    pub async fn run_once(&self) -> Result<usize, Error> {
         let now = now_millis();
         let lease = self.lease.max(self.send_timeout.saturating_mul(2));
         let claim = Claim {

@@ -5,7 +5,7 @@ use super::DownstreamKey;
 /// An outbox operation that did not complete.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum OutboxError {
+pub enum Error {
     /// The database refused or lost the operation; the caller's transaction should roll back.
     #[error("outbox database operation failed")]
     Database(#[from] sqlx::Error),

@@ -99,7 +99,7 @@ pub use broker::NatsSender;
 #[cfg(feature = "rabbitmq")]
 pub use broker::RabbitMqSender;
 pub use dispatcher::{DispatchWaker, Dispatcher};
-pub use error::OutboxError;
+pub use error::Error;
 pub use message::{DownstreamKey, InvalidDownstreamKey, Message};
 pub use sender::{LookupOutcome, SendOutcome, Sender};
 pub use status::{MessageId, OutboxRecord, Status};

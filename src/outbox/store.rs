@@ -7,7 +7,7 @@ use std::time::Duration;
 use sqlx::Pool;
 
 use super::status::{duration_millis, now_millis};
-use super::{DownstreamKey, Message, MessageId, OutboxError, OutboxRecord};
+use super::{DownstreamKey, Error, Message, MessageId, OutboxRecord};
 use crate::Backend;
 
 /// Handle on the `idempotency_outbox` table of one database; cheap to clone.
@@ -50,7 +50,7 @@ impl<DB: Backend> Outbox<DB> {
     /// versions not yet recorded in `idempotency_outbox_schema_versions`.
     ///
     /// Idempotent, and safe when several instances of the app start at the same time.
-    pub async fn migrate(&self) -> Result<(), OutboxError> {
+    pub async fn migrate(&self) -> Result<(), Error> {
         DB::migrate(&self.pool).await?;
         Ok(())
     }
@@ -61,12 +61,12 @@ impl<DB: Backend> Outbox<DB> {
     /// the business rows, and no dispatcher can see it before the commit. Enqueuing a message
     /// whose downstream key is already present returns the existing message's id when topic and
     /// payload are the same (a replayed job enqueues nothing new), and
-    /// [`OutboxError::KeyReused`] when they differ.
+    /// [`Error::KeyReused`] when they differ.
     pub async fn enqueue(
         &self,
         conn: &mut DB::Connection,
         message: Message,
-    ) -> Result<MessageId, OutboxError> {
+    ) -> Result<MessageId, Error> {
         if let Some(id) = DB::insert(conn, &message, now_millis()).await? {
             return Ok(id);
         }
@@ -76,21 +76,18 @@ impl<DB: Backend> Outbox<DB> {
             {
                 Ok(existing.id)
             }
-            _ => Err(OutboxError::KeyReused(message.key().clone())),
+            _ => Err(Error::KeyReused(message.key().clone())),
         }
     }
 
     /// The message with this id, as last recorded.
-    pub async fn status(&self, id: MessageId) -> Result<Option<OutboxRecord>, OutboxError> {
+    pub async fn status(&self, id: MessageId) -> Result<Option<OutboxRecord>, Error> {
         let mut conn = self.pool.acquire().await?;
         Ok(DB::fetch_by_id(&mut conn, id).await?)
     }
 
     /// The message with this downstream key, as last recorded.
-    pub async fn status_by_key(
-        &self,
-        key: &DownstreamKey,
-    ) -> Result<Option<OutboxRecord>, OutboxError> {
+    pub async fn status_by_key(&self, key: &DownstreamKey) -> Result<Option<OutboxRecord>, Error> {
         let mut conn = self.pool.acquire().await?;
         Ok(DB::fetch_by_key(&mut conn, key).await?)
     }
@@ -103,16 +100,12 @@ impl<DB: Backend> Outbox<DB> {
     /// long as a caller may still ask for their status.
     ///
     /// ```
-    /// # async fn run(outbox: axum_idempotency::outbox::Outbox<sqlx::Sqlite>) -> Result<(), axum_idempotency::outbox::OutboxError> {
+    /// # async fn run(outbox: axum_idempotency::outbox::Outbox<sqlx::Sqlite>) -> Result<(), axum_idempotency::outbox::Error> {
     /// use std::time::Duration;
     /// let purged = outbox.purge_delivered(Duration::from_secs(7 * 24 * 3600), 500).await?;
     /// # let _ = purged; Ok(()) }
     /// ```
-    pub async fn purge_delivered(
-        &self,
-        retention: Duration,
-        batch: u32,
-    ) -> Result<u64, OutboxError> {
+    pub async fn purge_delivered(&self, retention: Duration, batch: u32) -> Result<u64, Error> {
         let Ok(_running) = self.purging.try_lock() else {
             return Ok(0);
         };
@@ -133,7 +126,7 @@ impl<DB: Backend> Outbox<DB> {
     /// delivered, or unknown). Its downstream key is unchanged, so a downstream that did see
     /// an earlier attempt still applies it once; if its last outcome was unknown, the next
     /// attempt looks it up first.
-    pub async fn requeue(&self, id: MessageId) -> Result<bool, OutboxError> {
+    pub async fn requeue(&self, id: MessageId) -> Result<bool, Error> {
         Ok(DB::requeue(&self.pool, id, now_millis()).await?)
     }
 

@@ -1,17 +1,54 @@
 //! The guide: everything past the first request, one chapter per page.
 //!
-//! The crate docs and the README get a newcomer to a first replayed request. These chapters
-//! are for the developer wiring the layer into a real service and for the operator running it.
-//! They hold no code of the crate, only documentation; the examples in them are compiled as
-//! doctests.
+//! The crate docs and the README get a newcomer to a first replayed request: the README's
+//! "Use it" section is a complete service to copy, and the repository's `examples/orders` a
+//! fuller app. These chapters are for the developer wiring the layer into a real service and
+//! for the operator running it. They hold no code of the crate, only documentation; the
+//! examples in them are compiled as doctests.
 //!
-//! - [`layer`]: putting the layer on a router, every builder option and its default.
+//! A few words recur. The **principal** is the caller your authentication verified (a user id,
+//! never a header the client asserts). A key's **scope** is the principal, the method and the
+//! route template together: the same key in another scope is another key. To **claim** a key
+//! is to insert its row, which a unique constraint lets only one request insert, inside the
+//! transaction the handler then writes through; the winner runs, every other request with the
+//! key reads the winner's record. The **intent** is what the request asks for (method, path,
+//! query and body); **intent-neutral** fields, such as a trace id, are left out of it. A
+//! **lease** is a claim with an expiry its holder renews, for work that outlives one
+//! transaction.
+//!
+//! The chapters, in reading order:
+//!
+//! - [`layer`]: putting the layer on a router, every builder option and its default, serving
+//!   it in production (timeouts, shutdown).
 //! - [`protocol`]: what is final and what is retryable, replay, and the guarantees' limits.
 //! - [`backends`]: SQLite, PostgreSQL, MySQL and MariaDB; migrations; how each one waits.
 //! - [`jobs`]: background jobs and manual replays on the same claim as HTTP requests.
-//! - `outbox` (feature `outbox`): calls to other systems, sent once after the commit.
-//! - `client` (feature `client`): the caller's half, one key per logical call.
-//! - `inbox` (feature `inbox`): message consumers that apply each business key once.
+#![cfg_attr(
+    feature = "outbox",
+    doc = "- [`outbox`]: calls to other systems, sent once after the commit (feature `outbox`)."
+)]
+#![cfg_attr(
+    not(feature = "outbox"),
+    doc = "- `outbox` (feature `outbox`): calls to other systems, sent once after the commit."
+)]
+#![cfg_attr(
+    feature = "inbox",
+    doc = "- [`inbox`]: message consumers that apply each business key once, and the payments → \
+           broker → orders example chain (feature `inbox`)."
+)]
+#![cfg_attr(
+    not(feature = "inbox"),
+    doc = "- `inbox` (feature `inbox`): message consumers that apply each business key once, \
+           and the payments → broker → orders example chain."
+)]
+#![cfg_attr(
+    feature = "client",
+    doc = "- [`client`]: the caller's half, one key per logical call (feature `client`)."
+)]
+#![cfg_attr(
+    not(feature = "client"),
+    doc = "- `client` (feature `client`): the caller's half, one key per logical call."
+)]
 //! - [`operations`]: purging, metrics and what to alert on, logs, support cases, letting a
 //!   record go.
 //! - [`performance`]: what a new key and a replay cost, and how to make replays cheaper.
@@ -23,6 +60,11 @@
 /// (`/orders/{id}/ship`) scopes the key; under `Router::layer` the concrete path stands in for
 /// it. Handlers write through the [`Tx`](crate::Tx) extractor: the claim, their rows and the
 /// stored response are one transaction.
+///
+/// The example below builds such a router on an in-memory SQLite database, to show every part
+/// in one place; it serves nothing. For a program that serves, read the README's "Use it"
+/// section (PostgreSQL, graceful shutdown, a header read timeout) and the repository's
+/// `examples/orders` (all three backends).
 ///
 #[cfg_attr(feature = "sqlite", doc = "```")]
 #[cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
@@ -99,7 +141,8 @@
 /// # let _ = app; Ok(()) }
 /// ```
 ///
-/// The principal is the *verified* caller: an extractor that authenticates
+/// The principal, the caller a key is scoped to, is the *verified* caller: an extractor that
+/// authenticates
 /// ([`principal`](crate::IdempotencyLayer::principal),
 /// [`principal_with_state`](crate::IdempotencyLayer::principal_with_state)) or an extension
 /// your authentication middleware inserted
@@ -160,6 +203,9 @@
 /// - Stop on SIGTERM (what Kubernetes and systemd send) as on Ctrl-C, so the requests in flight
 ///   are answered before the process exits. Register the handlers before serving: until then
 ///   SIGTERM's default action ends the process.
+/// - Set a read timeout for request heads (below), so a client that sends its headers slowly,
+///   or never finishes them, cannot hold a connection. The layer's deadline starts once the
+///   head has arrived: keyed requests are then answered within it, slow body or not.
 ///
 /// ```no_run
 /// # async fn run(listener: tokio::net::TcpListener, app: axum::Router) -> std::io::Result<()> {
@@ -174,6 +220,33 @@
 ///     }
 /// };
 /// axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+/// # }
+/// ```
+///
+/// **The header read timeout.** hyper has one (`header_read_timeout`, 30 s by default), but it
+/// only acts when the connection builder has a timer, and `axum::serve` sets none: under it, a
+/// request head may take for ever. Serve with hyper's builder instead, given a timer:
+/// `hyper::server::conn::http1::Builder` as below, or
+/// `hyper_util::server::conn::auto::Builder` (HTTP/1 and HTTP/2) with
+/// `.http1().timer(TokioTimer::new()).header_read_timeout(..)`. The README's "Use it" program
+/// adds the graceful shutdown to this loop with hyper-util's `GracefulShutdown` (its feature
+/// `server-graceful`).
+///
+/// ```no_run
+/// # async fn run(listener: tokio::net::TcpListener, app: axum::Router) -> std::io::Result<()> {
+/// use std::time::Duration;
+///
+/// use hyper_util::rt::{TokioIo, TokioTimer};
+/// use hyper_util::service::TowerToHyperService;
+///
+/// let mut http = hyper::server::conn::http1::Builder::new();
+/// http.timer(TokioTimer::new()) // without a timer, hyper applies no timeout at all
+///     .header_read_timeout(Duration::from_secs(5));
+/// loop {
+///     let (stream, _) = listener.accept().await?;
+///     let service = TowerToHyperService::new(app.clone());
+///     tokio::spawn(http.serve_connection(TokioIo::new(stream), service));
+/// }
 /// # }
 /// ```
 pub mod layer {}
@@ -317,7 +390,9 @@ pub mod backends {}
 /// [`Engine::run`](crate::Engine::run) runs a closure once per scoped key with the transaction
 /// that holds the claim, or replays the stored outcome. A job racing an HTTP request on the
 /// same principal, method, route and key executes the business once. Work that must outlive
-/// one transaction takes a [`Lease`](crate::Lease). The [`engine`](crate::engine) module has a
+/// one transaction takes a [`Lease`](crate::Lease): a claim with an expiry that its holder
+/// renews while it works; only once it has expired may another worker take the work over, and
+/// a recovery hook first asks whether the work in fact completed. The [`engine`](crate::engine) module has a
 /// complete example.
 pub mod jobs {}
 
@@ -342,7 +417,7 @@ pub mod jobs {}
 ///     context: IdempotencyContext,
 ///     mut tx: Tx<Sqlite>,
 /// ) -> StatusCode {
-///     // … the payment row is inserted with `&mut *tx` …
+///     // The payment row is inserted here, with `&mut *tx`.
 ///     // The same request's retries derive the same downstream key.
 ///     let key = DownstreamKey::for_request(&context.scoped_key_digest(), "charges", "charge");
 ///     let charge = serde_json::json!({ "amount": 12.5, "currency": "EUR" });
@@ -364,24 +439,6 @@ pub mod jobs {}
 /// `payments` example in the repository is a complete app with a sender.
 #[cfg(feature = "outbox")]
 pub mod outbox {}
-
-/// # The caller's half: one key per logical call
-///
-/// A retried request is only safe if it carries the key of the first attempt. With the
-/// `client` feature, [`IdempotentRetryLayer`](crate::client::IdempotentRetryLayer) wraps a
-/// tower HTTP client: it makes one key per call before the first attempt (192 random bits from
-/// the OS, 32 URL-safe characters), resends the same key and body on every retry, retries only
-/// what is retryable (connection errors, timeouts, 408, 429, 5xx, and the in-progress 409),
-/// honours `Retry-After`, and stops at a deadline. The `reqwest` feature offers the same as
-/// `reqwest-middleware` middleware. Besides this crate, a client needs `http`, `bytes` and
-/// `http-body-util` (for the request body type) and the HTTP client it wraps, such as
-/// `hyper-util`.
-///
-/// When it gives up with an error, the server may still have executed an attempt whose answer
-/// was lost: retry later with the error's key, never a fresh one. The [`client`](crate::client)
-/// module documents it in full.
-#[cfg(feature = "client")]
-pub mod client {}
 
 /// # Consumers: the inbox (features `inbox`, `rabbitmq`, `nats`)
 ///
@@ -411,7 +468,7 @@ pub mod client {}
 ///     .concurrency(4);
 /// consumer.declare().await?;
 /// consumer.run(|mut tx: Tx<Sqlite>, delivery: Delivery| async move {
-///     // … apply the event with `&mut *tx` …
+///     // Apply the event here, with `&mut *tx`.
 ///     Ok::<_, Failure>(())
 /// }).await?;
 /// # Ok(()) }
@@ -449,21 +506,162 @@ pub mod client {}
 /// horizon, or a late copy would apply again. `inbox.stats()` counts processed, duplicate, retried
 /// and dead deliveries; `inbox.purge_expired(batch)` deletes expired records in batches.
 ///
-/// **The chain.** With `BROKER_URL=amqp://…` or `nats://…`, the `payments` example publishes one
-/// `payment.succeeded` event per succeeded charge through its outbox (`RabbitMqSender`: publisher
-/// confirms, the downstream key as `message_id`; `NatsSender`: the key as `Nats-Msg-Id`, so the
-/// stream's duplicate window drops resends), and the `orders` example consumes them, dedupes by
-/// payment id, and shows `payments`, `paid_total` and `status: "paid"` on `GET /orders/{id}`:
+/// # The example chain: payments → broker → orders
+///
+/// The repository's `payments` example publishes one `payment.succeeded` event per succeeded
+/// charge through its outbox (`RabbitMqSender`: publisher confirms, the downstream key as
+/// `message_id`; `NatsSender`: the key as `Nats-Msg-Id`, so the stream's duplicate window
+/// drops resends), and the `orders` example consumes them through the inbox, dedupes by
+/// payment id, and shows `payments`, `paid_total` and `status` on `GET /orders/{id}`.
+///
+/// Start the three processes, each in a terminal of its own, in a clone of the repository
+/// (RabbitMQ at `127.0.0.1:5672` with its default `guest` user; for NATS JetStream, use
+/// `BROKER_URL=nats://127.0.0.1:4222` and the feature `nats` in place of `rabbitmq`):
 ///
 /// ```sh
-/// cargo run --example payment_provider &
-/// BROKER_URL=amqp://guest:guest@127.0.0.1:5672/%2f cargo run --example orders --features rabbitmq &
+/// cargo run --example payment_provider
+/// ```
+///
+/// ```sh
+/// BROKER_URL=amqp://guest:guest@127.0.0.1:5672/%2f cargo run --example orders --features rabbitmq
+/// ```
+///
+/// ```sh
 /// BROKER_URL=amqp://guest:guest@127.0.0.1:5672/%2f cargo run --example payments --features outbox,rabbitmq
-/// # once the cause of a dead letter is fixed:
+/// ```
+///
+/// The provider listens on `127.0.0.1:4000`, `orders` on `127.0.0.1:3000` and `payments` on
+/// `127.0.0.1:3001`, each on an SQLite file of its own in the current directory
+/// (`payment_provider.db`, `orders.db`, `payments.db`: delete them to start over). Both apps
+/// know the users `alice` (`alice-token`) and `bob` (`bob-token`).
+///
+/// Alice orders two widgets: `201 Created` with `"id":1` on a fresh `orders.db`.
+///
+/// ```sh
+/// curl -si -X POST localhost:3000/orders -H 'authorization: Bearer alice-token' \
+///   -H 'idempotency-key: 4b0f6c1e-2a9d-4e3b-8c7a-5d1e0f9a2b64' \
+///   -H 'content-type: application/json' \
+///   -d '{"sku":"widget","quantity":2,"amount":12.5,"currency":"EUR"}'
+/// ```
+///
+/// She pays it. `POST /payments` takes a key and the JSON body
+/// `{"order_id", "amount", "currency", "payee"}`: `order_id` is the id of an existing order,
+/// as an integer or a string of digits (`1` or `"1"`), `amount` a positive number, `currency`
+/// three capital letters, `payee` who is paid. It answers `202 Accepted`,
+/// `{"id":1,"status":"pending"}` and `location: /payments/1`: the payment is recorded, and
+/// the charge is sent after the commit.
+///
+/// ```sh
+/// curl -si -X POST localhost:3001/payments -H 'authorization: Bearer alice-token' \
+///   -H 'idempotency-key: 9e2d7a41-6c3b-4f8e-a1d5-0b7c3e9f2a18' \
+///   -H 'content-type: application/json' \
+///   -d '{"order_id":1,"amount":12.5,"currency":"EUR","payee":"acme"}'
+/// ```
+///
+/// A moment later the payment shows `"status":"succeeded"` with the provider's `charge_id`,
+/// and the order shows `"status":"paid"`, `"payments":[{"payment_id":"1","amount":12.5}]` and
+/// `"paid_total":12.5`. An order is paid once the payments applied to it reach its amount,
+/// shipped or not. The same payment command again replays the `202` and charges nothing.
+///
+/// ```sh
+/// curl -s localhost:3001/payments/1 -H 'authorization: Bearer alice-token'
+/// curl -s localhost:3000/orders/1 -H 'authorization: Bearer alice-token'
+/// ```
+///
+/// **A payment for an unknown order.** `payments` does not know the orders: a payment for
+/// order 2, which does not exist yet, is accepted (`202`) and charged like any other. The
+/// `orders` consumer finds no order 2, so it never applies the event and does not retry it
+/// either: it dead-letters it at once, to the queue `orders.payment-succeeded.dead` (NATS: the
+/// stream `ORDERS_DEAD`), where it waits for an operator. An `order_id` that is neither an
+/// integer nor a string of digits, such as `"o-1"`, is refused by `payments` itself with `400`
+/// `invalid_payment`, before anything is charged.
+///
+/// ```sh
+/// curl -si -X POST localhost:3001/payments -H 'authorization: Bearer alice-token' \
+///   -H 'idempotency-key: 1c7e5a39-8b2f-4d6a-9e0c-3a4b5f6d7e82' \
+///   -H 'content-type: application/json' \
+///   -d '{"order_id":2,"amount":30,"currency":"EUR","payee":"acme"}'
+/// ```
+///
+/// **Replaying dead letters.** Once the cause is fixed (here: order 2 comes to exist),
+/// `replay-dead` applies the dead letters through the same claim, once each, prints what it
+/// did (`replayed dead letters: applied=1 duplicates=0 still_dead=0`) and exits; the serving
+/// `orders` process keeps running. Order 2 then shows `"status":"paid"`.
+///
+/// ```sh
+/// curl -si -X POST localhost:3000/orders -H 'authorization: Bearer alice-token' \
+///   -H 'idempotency-key: 5f3a9c27-0d4e-4b6f-8a1c-7e2b9d0f6a43' \
+///   -H 'content-type: application/json' \
+///   -d '{"sku":"widget","quantity":4,"amount":30,"currency":"EUR"}'
 /// BROKER_URL=amqp://guest:guest@127.0.0.1:5672/%2f cargo run --example orders --features rabbitmq -- replay-dead
+/// curl -s localhost:3000/orders/2 -H 'authorization: Bearer alice-token'
 /// ```
 #[cfg(feature = "inbox")]
 pub mod inbox {}
+
+/// # The caller's half: one key per logical call
+///
+/// A retried request is only safe if it carries the key of the first attempt. With the
+/// `client` feature, [`IdempotentRetryLayer`](crate::client::IdempotentRetryLayer) wraps a
+/// tower HTTP client: it makes one key per call before the first attempt (192 random bits from
+/// the OS, 32 URL-safe characters), resends the same key and body on every retry, retries only
+/// what is retryable (connection errors, timeouts, 408, 429, 5xx, and the in-progress 409),
+/// honours `Retry-After`, and stops at a deadline. The `reqwest` feature offers the same as
+/// `reqwest-middleware` middleware.
+///
+/// A client program needs these dependencies (`default-features = false` leaves the server
+/// half, sqlx and axum out of the build):
+///
+/// ```toml
+/// [dependencies]
+/// axum-idempotency = { version = "0.1", default-features = false, features = ["client"] }
+/// bytes = "1"
+/// http = "1"
+/// http-body-util = "0.1"
+/// hyper-util = { version = "0.1", features = ["client-legacy", "http1", "tokio"] }
+/// tokio = { version = "1", features = ["macros", "rt-multi-thread"] }
+/// tower = { version = "0.5", features = ["util"] }
+/// ```
+///
+/// and places an order through hyper-util's client like this:
+///
+/// ```no_run
+/// use std::time::Duration;
+///
+/// use axum_idempotency::client::{ClientKey, IdempotentRetryLayer};
+/// use bytes::Bytes;
+/// use http_body_util::{BodyExt as _, Full};
+/// use hyper_util::client::legacy::Client;
+/// use hyper_util::rt::TokioExecutor;
+/// use tower::{Layer as _, ServiceExt as _};
+///
+/// #[tokio::main]
+/// async fn main() -> Result<(), Box<dyn std::error::Error>> {
+///     let http = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+///     let client = IdempotentRetryLayer::new()
+///         .max_attempts(5)
+///         .deadline(Duration::from_secs(30))
+///         .layer(http);
+///
+///     let request = http::Request::post("http://127.0.0.1:3000/orders")
+///         .header("authorization", "Bearer alice-token")
+///         .header("content-type", "application/json")
+///         .body(Full::new(Bytes::from_static(br#"{"sku":"widget","quantity":2}"#)))?;
+///     // One key for this call, made before the first attempt and sent on every retry.
+///     let response = client.oneshot(request).await?;
+///     let key = response.extensions().get::<ClientKey>().cloned();
+///     let status = response.status();
+///     let body = response.into_body().collect().await?.to_bytes();
+///     println!("{status} with key {key:?}: {}", String::from_utf8_lossy(&body));
+///     Ok(())
+/// }
+/// ```
+///
+/// When it gives up with an error, the server may still have executed an attempt whose answer
+/// was lost: retry later with the error's key, never a fresh one. The [`client`](crate::client)
+/// module documents it in full.
+#[cfg(feature = "client")]
+pub mod client {}
 
 /// # Running it
 ///

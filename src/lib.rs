@@ -1,10 +1,11 @@
-//! Exactly-once effects for retried HTTP requests in [axum].
+//! Exactly-once effects for retried HTTP requests in [axum](https://docs.rs/axum/0.8).
 //!
 //! Clients time out and retry, gateways replay, users double-click. `axum-idempotency` makes
 //! each of those arrive as one business intent with the effect and the answer of exactly one
 //! execution. Add an [`IdempotencyLayer`] to a router; handlers write through the [`Tx`]
-//! extractor, inside the very transaction that claims the request's key, so the claim, the
-//! business rows and the stored response commit or roll back together.
+//! extractor, inside the very transaction that claims the request's key (inserts the key's
+//! row, which a unique constraint lets only one request insert), so the claim, the business
+//! rows and the stored response commit or roll back together.
 //!
 #![cfg_attr(feature = "sqlite", doc = "```")]
 #![cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
@@ -58,7 +59,8 @@
 //! - The **client** makes the key: a long random value (a UUIDv4, or 128+ random bits in
 //!   base64url) created before the first attempt and sent unchanged in `Idempotency-Key` on
 //!   every retry. 1–255 visible ASCII characters, bare or as a structured-field string.
-//! - A key is **scoped** to the verified principal, the method and the route template.
+//! - A key is **scoped** to the principal (the caller your authentication verified, never a
+//!   header the client asserts), the method and the route template.
 //! - Same key, same intent: the first response again, byte for byte, with
 //!   `Idempotent-Replayed: true`. Same key, different intent: 422 `idempotency_key_reused`.
 //! - Same key while the first is still running: the duplicate waits (bounded), then replays;
@@ -95,7 +97,9 @@
 //!
 //! # Further reading
 //!
-//! The [`guide`] takes it from here: every builder option, the backends and their waits, jobs,
+//! The example above runs in memory. The README's "Use it" section is a complete service on
+//! PostgreSQL, and the repository's `examples/orders` a fuller app. The [`guide`] takes it
+//! from here: every builder option, the backends and their waits, jobs,
 //! the outbox and the client, running it in production (purging, metrics and alerts, support
 //! cases, letting a record go) and performance.
 

@@ -1,10 +1,10 @@
 //! The databases this crate keeps its tables in.
 
-/// A database this crate keeps its tables in: [`sqlx::Sqlite`], [`sqlx::Postgres`] and
-/// [`sqlx::MySql`] (MySQL 8 and MariaDB), each behind the cargo feature of its name.
+/// A database this crate keeps its tables in: `sqlx::Sqlite`, `sqlx::Postgres` and
+/// `sqlx::MySql` (MySQL 8 and MariaDB), each behind the cargo feature of its name.
 ///
 /// It is the one type parameter of the crate's generic types, as in sqlx:
-/// [`Store<Postgres>`](crate::Store) (alias [`PgStore`](crate::store::PgStore)),
+/// [`Store<Postgres>`](crate::Store) (alias `PgStore`),
 /// [`IdempotencyLayer<Postgres>`](crate::IdempotencyLayer), [`Engine<Postgres>`](crate::Engine)
 /// and [`Tx<Postgres>`](crate::Tx). Code of your own that is generic over the backend bounds
 /// its parameter with `DB: Backend`.
@@ -14,11 +14,11 @@
 #[cfg(not(feature = "outbox"))]
 pub trait Backend: crate::store::Records {}
 
-/// A database this crate keeps its tables in: [`sqlx::Sqlite`], [`sqlx::Postgres`] and
-/// [`sqlx::MySql`] (MySQL 8 and MariaDB), each behind the cargo feature of its name.
+/// A database this crate keeps its tables in: `sqlx::Sqlite`, `sqlx::Postgres` and
+/// `sqlx::MySql` (MySQL 8 and MariaDB), each behind the cargo feature of its name.
 ///
 /// It is the one type parameter of the crate's generic types, as in sqlx:
-/// [`Store<Postgres>`](crate::Store) (alias [`PgStore`](crate::store::PgStore)),
+/// [`Store<Postgres>`](crate::Store) (alias `PgStore`),
 /// [`IdempotencyLayer<Postgres>`](crate::IdempotencyLayer), [`Engine<Postgres>`](crate::Engine),
 /// [`Tx<Postgres>`](crate::Tx) and [`Outbox<Postgres>`](crate::outbox::Outbox). Code of your own
 /// that is generic over the backend bounds its parameter with `DB: Backend`.

@@ -8,8 +8,6 @@
 //! The build shares a target directory across runs (`<target>/readme-program`), so only the
 //! first run compiles the dependencies.
 
-#![cfg(feature = "postgres")]
-
 mod common;
 
 use std::path::{Path, PathBuf};

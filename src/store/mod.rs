@@ -1,5 +1,5 @@
-//! Where records live: [`Store`], named by its aliases [`SqliteStore`], [`PgStore`] and
-//! [`MySqlStore`].
+//! Where records live: [`Store`], named by its aliases `SqliteStore`, `PgStore` and
+//! `MySqlStore`, each behind the cargo feature of its database's name.
 //!
 //! Records sit in their own table, `idempotency_records`, keyed by the SHA-256 digest of the
 //! scoped key, so a client's key can never touch a business row or another record's fields.
@@ -114,7 +114,7 @@ pub type MySqlStore = Store<sqlx::MySql>;
 /// The records table in one database, on the pool the handlers write through: the claim, the
 /// handler's rows and the stored response share one transaction of that pool. Cheap to clone.
 ///
-/// Name it by its alias: [`SqliteStore`], [`PgStore`] or [`MySqlStore`].
+/// Name it by its alias: `SqliteStore`, `PgStore` or `MySqlStore`.
 pub struct Store<DB: Backend> {
     protocol: DB::Protocol,
 }

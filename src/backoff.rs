@@ -1,5 +1,6 @@
 //! How long to wait before trying again: exponential backoff with full jitter, shared by the
-//! client's retries and the outbox's redeliveries so both spread their load the same way.
+//! client's retries, the outbox's redeliveries and the inbox's retried deliveries so all spread
+//! their load the same way.
 
 use std::hash::{BuildHasher, RandomState};
 use std::time::Duration;
@@ -11,7 +12,8 @@ use std::time::Duration;
 /// together: their retries spread over the whole window instead of arriving at a recovering
 /// server at the same instant.
 ///
-/// ```
+#[cfg_attr(any(feature = "client", feature = "outbox"), doc = "```")]
+#[cfg_attr(not(any(feature = "client", feature = "outbox")), doc = "```ignore")]
 /// use std::time::Duration;
 /// # #[cfg(feature = "client")]
 /// use axum_idempotency::client::Backoff;

@@ -486,16 +486,19 @@ pub mod outbox {}
 /// second publisher, a replay from an archive) still carries the same payment id. Consumers with no
 /// business key can keep the default, the message id.
 ///
-/// **Failures.** The handler returns `Failure::Retryable` (rolled back; redelivered after a backoff:
-/// NATS `Nak` with a delay, RabbitMQ a per-message-TTL delay queue `{queue}.retry` that
-/// dead-letters back, no plugin needed) or `Failure::Permanent` (rolled back; dead-lettered at
-/// once). Retryable failures are dead-lettered too once the attempt count reaches `max_attempts`
-/// (NATS: the broker's delivery count; RabbitMQ: the quorum queue's `x-delivery-count` plus an
-/// `x-inbox-attempts` header kept on retried copies). A poison message never loops and never
-/// blocks the messages behind it. Dead letters wait in `{queue}.dead` (RabbitMQ) or the stream
-/// `{DURABLE}_DEAD` (NATS); the failure is recorded through the engine in a scope of its own, and
-/// the business key stays unclaimed, so `replay_dead` after the fix (or a fresh copy from the
-/// broker) applies it through the same claim, once.
+/// **Failures.** The handler returns `Failure::Retryable` (rolled back; redelivered after a backoff
+/// drawn at random below a ceiling that doubles per attempt, so consumers that failed together in
+/// one outage come back spread out: NATS `Nak` with a delay, RabbitMQ a per-message-TTL delay queue
+/// `{queue}.retry` that dead-letters back, no plugin needed) or `Failure::Permanent` (rolled back;
+/// dead-lettered at once). Retryable failures are dead-lettered too once the attempt count reaches
+/// `max_attempts` (NATS: the broker's delivery count; RabbitMQ: the quorum queue's
+/// `x-delivery-count` plus an `x-inbox-attempts` header kept on retried copies). A poison message
+/// never loops and never blocks the messages behind it. Dead letters wait in `{queue}.dead`
+/// (RabbitMQ) or the stream `{DURABLE}_DEAD` (NATS), each with its reason in the header
+/// `x-inbox-reason` (RabbitMQ) or `Inbox-Reason` (NATS); the reason is also logged at `WARN` with
+/// the consumer's name, the message id and the attempt, never the payload. The failure is recorded
+/// through the engine in a scope of its own, and the business key stays unclaimed, so `replay_dead`
+/// after the fix (or a fresh copy from the broker) applies it through the same claim, once.
 ///
 /// **Guarantees and limits.** At-least-once delivery plus the claim in the handler's transaction
 /// gives one effect per business key for what the handler writes through `Tx`; calls it makes to
@@ -504,7 +507,9 @@ pub mod outbox {}
 /// (a version column, a state machine). Dedupe records are kept by default: retention
 /// (`Inbox::retention`) must outlast the broker's redelivery horizon and the publishers' retry
 /// horizon, or a late copy would apply again. `inbox.stats()` counts processed, duplicate, retried
-/// and dead deliveries; `inbox.purge_expired(batch)` deletes expired records in batches.
+/// and dead deliveries; `inbox.is_applied(&delivery)` says whether a key's unexpired record
+/// exists. The store that keeps HTTP records keeps the inbox's, and its `purge_expired` or
+/// `spawn_purger` deletes the expired ones of both.
 ///
 /// # The example chain: payments → broker → orders
 ///

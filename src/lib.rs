@@ -113,7 +113,12 @@
 
 #[cfg(feature = "server")]
 mod backend;
-#[cfg(any(feature = "client", feature = "outbox"))]
+#[cfg(any(feature = "client", feature = "outbox", feature = "inbox"))]
+// The inbox uses it without showing the type; the client and the outbox re-export it.
+#[cfg_attr(
+    not(any(feature = "client", feature = "outbox")),
+    allow(unreachable_pub)
+)]
 mod backoff;
 #[cfg(feature = "client")]
 pub mod client;

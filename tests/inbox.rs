@@ -1,12 +1,14 @@
-//! The inbox on real databases (SQLite, PostgreSQL) and real brokers (RabbitMQ, NATS
-//! JetStream): rollback of a failed handler, concurrent deliveries of one key, poison messages
-//! dead-lettered after their attempts and replayed once after the fix.
+//! The inbox on real databases (SQLite, PostgreSQL, MariaDB) and real brokers (RabbitMQ, NATS
+//! JetStream): rollback of a failed handler, concurrent deliveries of one key, expiry, jittered
+//! retries, poison messages dead-lettered after their attempts (their reason logged and kept
+//! in a header) and replayed once after the fix.
 //!
-//! Every test uses broker names and a schema of its own and deletes the broker names at the
-//! end. An unreachable broker or database fails the test.
+//! Every test uses broker names and a database of its own and deletes both at the end. An
+//! unreachable broker or database fails the test.
 
-use std::sync::Arc;
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -16,17 +18,18 @@ use axum_idempotency::inbox::rabbitmq::RabbitMqConsumer;
 use axum_idempotency::inbox::{Delivery, Failure, Inbox, ReplayReport, Verdict};
 use bytes::Bytes;
 use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
 };
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Connection};
 use sqlx::{Database, Pool};
+use tracing_subscriber::fmt::MakeWriter;
 
 mod common;
 
 use axum_idempotency::Store;
-use common::{Backend, unique};
+use common::{Backend, Isolated, unique};
 
 const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 const NATS: &str = "nats://127.0.0.1:4222";
@@ -54,15 +57,17 @@ impl TestDb for sqlx::MySql {
     const INSERT: &'static str = "INSERT INTO effects (payment_id) VALUES (?)";
 }
 
-async fn setup<DB: TestDb>() -> (Pool<DB>, Store<DB>)
+/// A database of its own with the `effects` table and a migrated store; `DB::dispose` it at
+/// the end.
+async fn setup<DB: TestDb>() -> (Isolated<DB>, Store<DB>)
 where
     for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
 {
-    let pool = DB::fresh(8).await.pool;
-    sqlx::raw_sql(DB::CREATE).execute(&pool).await.unwrap();
-    let store = DB::store(pool.clone());
+    let db = DB::fresh(8).await;
+    sqlx::raw_sql(DB::CREATE).execute(&db.pool).await.unwrap();
+    let store = DB::store(db.pool.clone());
     store.migrate().await.unwrap();
-    (pool, store)
+    (db, store)
 }
 
 async fn count<DB: Database>(pool: &Pool<DB>, sql: &'static str) -> i64
@@ -92,7 +97,8 @@ where
     for<'q> <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
     for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
 {
-    let (pool, store) = setup::<DB>().await;
+    let (db, store) = setup::<DB>().await;
+    let pool = db.pool.clone();
     let inbox = Inbox::new("orders", store).key_by(by_payload);
     let write_then_fail = |mut tx: Tx<DB>, delivery: Delivery| async move {
         let key = by_payload(&delivery)?;
@@ -133,6 +139,7 @@ where
         (stats.processed, stats.duplicates, stats.retried, stats.dead),
         (1, 1, 1, 0)
     );
+    DB::dispose(db).await;
 }
 
 async fn two_deliveries_of_one_key_at_once_apply_once<DB: TestDb>()
@@ -144,7 +151,8 @@ where
     for<'q> <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
     for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
 {
-    let (pool, store) = setup::<DB>().await;
+    let (db, store) = setup::<DB>().await;
+    let pool = db.pool.clone();
     let inbox = Inbox::new("orders", store).key_by(by_payload);
     let slow = |mut tx: Tx<DB>, delivery: Delivery| async move {
         sqlx::query(DB::INSERT)
@@ -163,6 +171,7 @@ where
     verdicts.sort_by_key(|v| format!("{v:?}"));
     assert_eq!(verdicts, [Verdict::Applied, Verdict::Duplicate]);
     assert_eq!(count(&pool, "SELECT COUNT(*) FROM effects").await, 1);
+    DB::dispose(db).await;
 }
 
 #[tokio::test]
@@ -207,7 +216,8 @@ where
     for<'q> <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
     for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
 {
-    let (pool, store) = setup::<DB>().await;
+    let (db, store) = setup::<DB>().await;
+    let pool = db.pool.clone();
     let inbox = Inbox::new("orders", store)
         .key_by(by_payload)
         .max_attempts(3)
@@ -363,6 +373,7 @@ where
     assert_eq!(count(&pool, "SELECT COUNT(*) FROM effects").await, 1);
     assert!(inbox.is_applied(&Delivery::new("p-poison")).await.unwrap());
     assert_eq!(inbox.stats().dead, 1);
+    DB::dispose(db).await;
 }
 
 async fn eventually<F, Fut>(mut check: F)
@@ -423,47 +434,127 @@ async fn nats_mariadb_poison_is_dead_lettered_then_replayed_once() {
     poison_is_dead_lettered_then_replayed_once::<sqlx::MySql>(Kind::Nats).await;
 }
 
-/// With a finite retention, an expired dedupe record is purged in batches and the key is a
-/// new intent again (which is why the default keeps records).
-#[tokio::test]
-async fn sqlite_expired_dedupe_records_are_purged_in_batches() {
-    let (pool, store) = setup::<sqlx::Sqlite>().await;
-    let inbox = Inbox::new("orders", store)
+// ------------------------------------------------------------------ expiry and backoff
+
+/// Past the inbox's retention a dedupe record no longer counts: `is_applied` says so, the
+/// store's purge deletes it, and the key applies again as a new intent (which is why the
+/// default keeps records).
+async fn an_expired_key_is_not_applied<DB: TestDb>()
+where
+    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    i64: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+    for<'q> <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    let (db, store) = setup::<DB>().await;
+    let pool = db.pool.clone();
+    let inbox = Inbox::new("orders", store.clone())
         .key_by(by_payload)
-        .retention(Duration::from_millis(1));
-    let apply = |mut tx: Tx<sqlx::Sqlite>, delivery: Delivery| async move {
-        sqlx::query(<sqlx::Sqlite as TestDb>::INSERT)
+        .retention(Duration::from_secs(1));
+    let apply = |mut tx: Tx<DB>, delivery: Delivery| async move {
+        sqlx::query(DB::INSERT)
             .bind(by_payload(&delivery)?)
             .execute(&mut *tx)
             .await
             .map_err(|e| Failure::retryable(e.to_string()))?;
         Ok(())
     };
-    for key in ["p-1", "p-2", "p-3"] {
-        assert_eq!(
-            inbox.handle(Delivery::new(key), apply).await,
-            Verdict::Applied
-        );
-    }
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    assert_eq!(inbox.purge_expired(2).await.unwrap(), 2);
-    assert_eq!(inbox.purge_expired(2).await.unwrap(), 1);
-    assert_eq!(inbox.purge_expired(2).await.unwrap(), 0);
+    let delivery = Delivery::new("p-1").message_id("m-1");
+    assert_eq!(
+        inbox.handle(delivery.clone(), apply).await,
+        Verdict::Applied
+    );
+    assert!(inbox.is_applied(&delivery).await.unwrap());
+
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert!(
+        !inbox.is_applied(&delivery).await.unwrap(),
+        "an expired record counted as applied"
+    );
+    assert_eq!(store.purge_expired().await.unwrap(), 1);
     assert_eq!(
         count(&pool, "SELECT COUNT(*) FROM idempotency_records").await,
         0
     );
     assert_eq!(
-        inbox.handle(Delivery::new("p-1"), apply).await,
+        inbox.handle(delivery.clone(), apply).await,
         Verdict::Applied
     );
+    assert_eq!(count(&pool, "SELECT COUNT(*) FROM effects").await, 2);
+    assert!(inbox.is_applied(&delivery).await.unwrap());
+    DB::dispose(db).await;
+}
+
+#[tokio::test]
+async fn sqlite_an_expired_key_is_not_applied() {
+    an_expired_key_is_not_applied::<sqlx::Sqlite>().await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn postgres_an_expired_key_is_not_applied() {
+    an_expired_key_is_not_applied::<sqlx::Postgres>().await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn mariadb_an_expired_key_is_not_applied() {
+    an_expired_key_is_not_applied::<sqlx::MySql>().await;
+}
+
+/// A retry waits a random time from zero up to a ceiling that doubles per attempt until the
+/// cap: many deliveries that failed at once come back spread out, not in lockstep.
+#[tokio::test]
+async fn retry_backoff_is_jittered_below_a_ceiling_that_doubles_to_the_cap() {
+    let (db, store) = setup::<sqlx::Sqlite>().await;
+    let inbox = Inbox::new("orders", store)
+        .key_by(by_payload)
+        .max_attempts(10)
+        .backoff(Duration::from_millis(100), Duration::from_millis(400));
+    let fail = |_tx: Tx<sqlx::Sqlite>, _delivery: Delivery| async {
+        Err::<(), _>(Failure::retryable("the order service is down"))
+    };
+    let mut previous_ceiling = Duration::ZERO;
+    for (attempt, ceiling) in [(1, 100), (2, 200), (3, 400), (4, 400), (6, 400)] {
+        let ceiling = Duration::from_millis(ceiling);
+        let mut waits = Vec::new();
+        for n in 0..40 {
+            let delivery = Delivery::new(format!("p-{n}")).attempt(attempt);
+            match inbox.handle(delivery, fail).await {
+                Verdict::Retry { after } => waits.push(after),
+                other => panic!("attempt {attempt}: {other:?}"),
+            }
+        }
+        assert!(
+            waits.iter().all(|wait| *wait <= ceiling),
+            "attempt {attempt}: a wait above {ceiling:?}: {waits:?}"
+        );
+        // 40 draws all in the upper half, or all equal, would mean no jitter.
+        assert!(
+            waits.iter().any(|wait| *wait < ceiling / 2),
+            "attempt {attempt}: not jittered: {waits:?}"
+        );
+        let longest = waits.iter().max().copied().unwrap_or_default();
+        if ceiling > previous_ceiling {
+            assert!(
+                longest > previous_ceiling,
+                "attempt {attempt}: the ceiling did not grow past {previous_ceiling:?}: {waits:?}"
+            );
+        }
+        previous_ceiling = ceiling;
+    }
+    assert_eq!(inbox.stats().retried, 200);
+    sqlx::Sqlite::dispose(db).await;
 }
 
 /// A publisher made the exchange (RabbitMQ: not durable, the protocol's default) or the stream
 /// (NATS: memory storage, a max age) before the consumer started: the consumer takes them as
 /// they are and consumes.
 async fn accepts_what_a_publisher_created_first(kind: Kind) {
-    let (pool, store) = setup::<sqlx::Sqlite>().await;
+    let (db, store) = setup::<sqlx::Sqlite>().await;
+    let pool = db.pool.clone();
     let inbox = Inbox::new("orders", store).key_by(by_payload);
     let apply = |mut tx: Tx<sqlx::Sqlite>, delivery: Delivery| async move {
         sqlx::query(<sqlx::Sqlite as TestDb>::INSERT)
@@ -566,6 +657,7 @@ async fn accepts_what_a_publisher_created_first(kind: Kind) {
         }
     }
     assert_eq!(count(&pool, "SELECT COUNT(*) FROM effects").await, 1);
+    sqlx::Sqlite::dispose(db).await;
 }
 
 #[tokio::test]
@@ -576,4 +668,199 @@ async fn rabbitmq_accepts_an_exchange_a_publisher_created_first() {
 #[tokio::test]
 async fn nats_accepts_a_stream_a_publisher_created_first() {
     accepts_what_a_publisher_created_first(Kind::Nats).await;
+}
+
+// ------------------------------------------------------------------ where a dead letter's reason is
+
+/// The log lines written while a test runs on this thread.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().expect("log buffer")).into_owned()
+    }
+}
+
+impl Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("log buffer").extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> MakeWriter<'a> for Captured {
+    type Writer = Captured;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+/// A refused delivery's reason is where an operator looks: in a `WARN` line naming the
+/// consumer, the message id and the attempt (never the payload), and in the dead letter's
+/// header (`x-inbox-reason` on RabbitMQ, `Inbox-Reason` on NATS).
+///
+/// The consumer runs on the test's current-thread runtime, so the subscriber set for this
+/// thread sees its lines.
+async fn a_dead_letter_reason_is_logged_and_kept_in_its_header(kind: Kind) {
+    let captured = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(captured.clone())
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let (db, store) = setup::<sqlx::Sqlite>().await;
+    let inbox = Inbox::new("orders-refusing", store).key_by(by_payload);
+    let refuse = |_tx: Tx<sqlx::Sqlite>, _delivery: Delivery| async {
+        Err::<(), _>(Failure::permanent("order 7 does not exist"))
+    };
+    let payload: &[u8] = b"p-personal-8c41d";
+    let ns = unique("t");
+    let header = match kind {
+        Kind::RabbitMq => {
+            let connection = Arc::new(
+                Connection::connect(AMQP, Default::default())
+                    .await
+                    .expect("RabbitMQ must be reachable at 127.0.0.1:5672"),
+            );
+            let queue = format!("{ns}.orders");
+            let exchange = format!("{ns}.payments");
+            let consumer = RabbitMqConsumer::new(inbox.clone(), connection.clone(), &queue)
+                .bind(&exchange, "payment.succeeded");
+            consumer.declare().await.unwrap();
+            let dead = consumer.dead_letter_queue();
+            let running = tokio::spawn(consumer.run(refuse));
+            let channel = connection.create_channel().await.unwrap();
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .unwrap();
+            channel
+                .basic_publish(
+                    exchange.as_str().into(),
+                    "payment.succeeded".into(),
+                    BasicPublishOptions::default(),
+                    payload,
+                    BasicProperties::default().with_message_id("m-refused-1".into()),
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            let got = loop {
+                let got = channel
+                    .basic_get(dead.as_str().into(), BasicGetOptions { no_ack: true })
+                    .await
+                    .unwrap();
+                if got.is_some() {
+                    break got;
+                }
+                assert!(tokio::time::Instant::now() < deadline, "not within 20 s");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            };
+            running.abort();
+            let header = got.and_then(|got| {
+                let headers = got.delivery.properties.headers().clone()?;
+                match headers.inner().get(&ShortString::from("x-inbox-reason")) {
+                    Some(AMQPValue::LongString(reason)) => Some(reason.to_string()),
+                    _ => None,
+                }
+            });
+            for q in [queue.clone(), format!("{queue}.retry"), dead] {
+                let _ = channel
+                    .queue_delete(q.into(), QueueDeleteOptions::default())
+                    .await;
+            }
+            let _ = channel
+                .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
+                .await;
+            header
+        }
+        Kind::Nats => {
+            let js = jetstream::new(
+                async_nats::connect(NATS)
+                    .await
+                    .expect("NATS must be reachable at 127.0.0.1:4222"),
+            );
+            let stream = ns.to_uppercase();
+            let dead_stream = format!("{stream}_DEAD");
+            let consumer = NatsConsumer::new(inbox.clone(), js.clone(), &stream, "orders")
+                .stream_subjects([format!("{ns}.payments.>")])
+                .filter_subject(format!("{ns}.payments.succeeded"))
+                .dead_letters(&dead_stream, format!("{ns}.orders.dead"));
+            consumer.declare().await.unwrap();
+            let running = tokio::spawn(consumer.run(refuse));
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert(async_nats::header::NATS_MESSAGE_ID, "m-refused-1");
+            js.publish_with_headers(
+                format!("{ns}.payments.succeeded"),
+                headers,
+                Bytes::from_static(payload),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+            let dead_count = || async {
+                let mut s = js.get_stream(&dead_stream).await.unwrap();
+                s.info().await.unwrap().state.messages
+            };
+            eventually(|| async { dead_count().await == 1 }).await;
+            running.abort();
+            let mut dead = js.get_stream(&dead_stream).await.unwrap();
+            let first = dead.info().await.unwrap().state.first_sequence;
+            let letter = dead.get_raw_message(first).await.unwrap();
+            let header = letter
+                .headers
+                .get("Inbox-Reason")
+                .map(|reason| reason.as_str().to_owned());
+            let _ = js.delete_stream(&stream).await;
+            let _ = js.delete_stream(&dead_stream).await;
+            header
+        }
+    };
+    assert_eq!(
+        header.as_deref(),
+        Some("order 7 does not exist"),
+        "{kind:?}"
+    );
+
+    let logs = captured.text();
+    let line = logs
+        .lines()
+        .find(|line| line.contains("inbox dead-lettered a delivery"))
+        .unwrap_or_else(|| panic!("{kind:?}: no dead-letter line in:\n{logs}"));
+    for part in [
+        "WARN",
+        "consumer=orders-refusing",
+        "m-refused-1",
+        "attempt=1",
+        "order 7 does not exist",
+    ] {
+        assert!(line.contains(part), "{kind:?}: {part} missing in: {line}");
+    }
+    assert!(
+        !logs.contains("p-personal-8c41d"),
+        "{kind:?}: the payload leaked into the logs:\n{logs}"
+    );
+    assert_eq!(inbox.stats().dead, 1);
+    sqlx::Sqlite::dispose(db).await;
+}
+
+#[tokio::test]
+async fn rabbitmq_a_dead_letter_reason_is_logged_and_kept_in_its_header() {
+    a_dead_letter_reason_is_logged_and_kept_in_its_header(Kind::RabbitMq).await;
+}
+
+#[tokio::test]
+async fn nats_a_dead_letter_reason_is_logged_and_kept_in_its_header() {
+    a_dead_letter_reason_is_logged_and_kept_in_its_header(Kind::Nats).await;
 }

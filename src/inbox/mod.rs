@@ -57,7 +57,10 @@
 //! - `Ok(())`: the claim and the handler's writes commit together; [`Verdict::Applied`].
 //! - [`Failure::Retryable`] (a deadlock, a downstream timeout): everything is rolled back, no
 //!   record remains, and the broker redelivers after a backoff ([`Verdict::Retry`]) — until the
-//!   delivery's attempt count reaches [`Inbox::max_attempts`], when it is dead-lettered.
+//!   delivery's attempt count reaches [`Inbox::max_attempts`], when it is dead-lettered. The
+//!   backoff is drawn at random below a ceiling that doubles per attempt
+//!   ([`Inbox::backoff`]), so consumers that failed together in one outage do not all come
+//!   back at the same instant.
 //! - [`Failure::Permanent`] (malformed payload, an order that does not exist): rolled back and
 //!   dead-lettered at once ([`Verdict::Dead`]).
 //!
@@ -69,6 +72,13 @@
 //! Two deliveries of one key at the same time: the second waits (bounded by
 //! [`Inbox::wait_for_in_flight`]) on the first's claim, then skips as a duplicate; past the
 //! wait it is retried later, never run twice.
+//!
+//! # Where a dead letter's reason is
+//!
+//! Each dead-lettered delivery is logged at `WARN` with the consumer's name, the message id,
+//! the attempt and the reason (never the payload, which may hold personal data). The broker
+//! adapters also keep the reason with the dead letter, in a header: `x-inbox-reason` on
+//! RabbitMQ, `Inbox-Reason` on NATS.
 //!
 //! # Guarantees and their limits
 //!
@@ -86,18 +96,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::StatusCode;
 use sha2::{Digest, Sha256};
+use tokio::sync::oneshot;
 
 use crate::Backend;
-use crate::engine::{Classification, Engine, Outcome};
+use crate::backoff::Backoff;
+use crate::engine::{Classification, Engine, Lookup, Outcome};
 use crate::error::{Error, Rejection};
 use crate::fingerprint::{Fingerprint, Fingerprinter};
 use crate::key::IdempotencyKey;
 use crate::scope::Scope;
-use crate::store::{Protocol, Store};
+use crate::store::Store;
 use crate::tx::Tx;
 
 #[cfg(feature = "nats")]
@@ -199,7 +210,8 @@ pub enum Verdict {
     },
     /// Failed for good (or out of attempts): dead-letter it, then acknowledge.
     Dead {
-        /// Why, kept with the dead letter.
+        /// Why. Logged at `WARN` when the delivery is dead-lettered, and kept with the dead
+        /// letter in the header `x-inbox-reason` (RabbitMQ) or `Inbox-Reason` (NATS).
         reason: String,
     },
 }
@@ -244,8 +256,15 @@ type Observer = Arc<dyn Fn(&Delivery, &Verdict) + Send + Sync>;
 /// The route name business keys are claimed under (message ids get their own).
 const BY_BUSINESS_KEY: &str = "business-key";
 const BY_MESSAGE_ID: &str = "message-id";
+/// The verbs a business key is claimed under, and its dead letter's note recorded under.
+const CONSUME: &str = "CONSUME";
+const DEAD: &str = "DEAD";
 /// "Keep": long enough to outlive any broker's or publisher's retry horizon.
 const KEEP: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+/// The engine speaks in responses; the inbox tells it only commit (record the key) or roll back
+/// (keep no record). A handler's failure itself travels back typed, beside the response.
+const COMMIT: StatusCode = StatusCode::NO_CONTENT;
+const ROLL_BACK: StatusCode = StatusCode::SERVICE_UNAVAILABLE;
 
 /// The consumer side of the chain: dedupes deliveries by business key in the handler's
 /// transaction. Cheap to clone; see the [module docs](self).
@@ -256,7 +275,7 @@ pub struct Inbox<DB: Backend> {
     key: KeyFn,
     route: &'static str,
     max_attempts: u32,
-    backoff: (Duration, Duration),
+    backoff: Backoff,
     observer: Option<Observer>,
     counters: Arc<Counters>,
 }
@@ -294,7 +313,8 @@ impl<DB: Backend> Inbox<DB> {
     ///
     /// The name scopes the keys, as principal and route scope HTTP keys: two consumers
     /// applying the same event each apply it once. Defaults: dedupe by message id, 5 attempts,
-    /// backoff from 1 s doubling to 60 s, records kept, a 5 s wait on an in-flight duplicate.
+    /// a backoff of up to 1 s doubling to at most 60 s, records kept, a 5 s wait on an in-flight
+    /// duplicate.
     pub fn new(name: impl Into<String>, store: Store<DB>) -> Self {
         let name: String = name.into();
         // Only a commit counts as done: a permanent failure must leave the key unclaimed so that
@@ -302,7 +322,7 @@ impl<DB: Backend> Inbox<DB> {
         let engine = Engine::new(store.clone())
             .retention(KEEP)
             .classify(|status| {
-                if status.is_success() {
+                if status == COMMIT {
                     Classification::Completed
                 } else {
                     Classification::Retryable
@@ -320,7 +340,7 @@ impl<DB: Backend> Inbox<DB> {
             }),
             route: BY_MESSAGE_ID,
             max_attempts: 5,
-            backoff: (Duration::from_secs(1), Duration::from_secs(60)),
+            backoff: Backoff::exponential(Duration::from_secs(1), Duration::from_secs(60)),
             observer: None,
             counters: Arc::default(),
         }
@@ -360,15 +380,21 @@ impl<DB: Backend> Inbox<DB> {
         self
     }
 
-    /// Backoff before a retry: `base` doubled per attempt, at most `cap` (default 1 s, 60 s).
+    /// Backoff before a retry: a wait drawn at random from zero up to `base` doubled per attempt,
+    /// at most `cap` (default 1 s, 60 s). The draw (full jitter) spreads the retries of many
+    /// deliveries that failed together, say in one outage, instead of sending them all back at
+    /// once.
     #[must_use]
     pub fn backoff(mut self, base: Duration, cap: Duration) -> Self {
-        self.backoff = (base, cap.max(base));
+        self.backoff = Backoff::exponential(base, cap.max(base));
         self
     }
 
     /// How long dedupe records are kept (default: kept). Must exceed the broker's redelivery
     /// horizon and the publishers' retry horizon, or a late copy applies again.
+    ///
+    /// Expired records stay in the table until the store purges them:
+    /// [`Store::purge_expired`] or [`Store::spawn_purger`] on the store the inbox was made with.
     #[must_use]
     pub fn retention(mut self, retention: Duration) -> Self {
         self.engine = self.engine.retention(retention);
@@ -411,32 +437,21 @@ impl<DB: Backend> Inbox<DB> {
         }
     }
 
-    /// Deletes up to `batch` expired records of the store (the inbox's and any other), and
-    /// says how many. Call it in a loop until it returns less than `batch`; records kept by
-    /// default never expire.
-    pub async fn purge_expired(&self, batch: u32) -> Result<u64, Error> {
-        self.engine
-            .store()
-            .protocol()
-            .purge_expired_batch(crate::record::Millis::now(), batch)
-            .await
-    }
-
-    /// Whether the delivery's business key has been applied (a committed claim exists).
+    /// Whether the delivery's business key has been applied: a committed claim exists and has
+    /// not expired (see [`retention`](Self::retention)). It reads through the engine's
+    /// [`look_up`](Engine::look_up), so it is logged as that is, with the key's digest only.
     pub async fn is_applied(&self, delivery: &Delivery) -> Result<bool, Error> {
         let Ok(key) = (self.key)(delivery) else {
             return Ok(false);
         };
-        let Ok(scope) = self.scope("CONSUME", &key) else {
+        let Ok(scope) = self.scope(CONSUME, &key) else {
             return Ok(false);
         };
-        let record = self
-            .engine
-            .store()
-            .protocol()
-            .lookup(&scope.scoped_key())
-            .await?;
-        Ok(record.is_some_and(|r| r.state == crate::record::RecordState::Completed))
+        // The inbox's engine keeps a record only for a commit: any final record is applied.
+        Ok(matches!(
+            self.engine.look_up(&scope).await?,
+            Lookup::Final(_)
+        ))
     }
 
     /// Runs `handler` for one delivery unless its business key was applied before, and says
@@ -446,7 +461,7 @@ impl<DB: Backend> Inbox<DB> {
         F: FnOnce(Tx<DB>, Delivery) -> Fut + Send + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
-        let verdict = self.decide(delivery.clone(), handler, false).await;
+        let verdict = self.decide(&delivery, handler, false).await;
         self.count(&verdict);
         if let Some(observe) = &self.observer {
             observe(&delivery, &verdict);
@@ -462,33 +477,39 @@ impl<DB: Backend> Inbox<DB> {
         F: FnOnce(Tx<DB>, Delivery) -> Fut + Send + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
-        let verdict = self.decide(delivery, handler, true).await;
+        let verdict = self.decide(&delivery, handler, true).await;
         if matches!(verdict, Verdict::Applied) {
             self.counters.processed.fetch_add(1, Ordering::Relaxed);
         }
         verdict
     }
 
-    async fn decide<F, Fut>(&self, delivery: Delivery, handler: F, replay: bool) -> Verdict
+    async fn decide<F, Fut>(&self, delivery: &Delivery, handler: F, replay: bool) -> Verdict
     where
         F: FnOnce(Tx<DB>, Delivery) -> Fut + Send + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
-        let attempt = delivery.attempts();
-        let key = match (self.key)(&delivery) {
+        let key = match (self.key)(delivery) {
             Ok(key) => key,
-            Err(failure) => return self.failed(None, failure, attempt, replay).await,
+            Err(failure) => return self.failed(delivery, None, failure, replay).await,
         };
-        let scope = match self.scope("CONSUME", &key) {
+        let scope = match self.scope(CONSUME, &key) {
             Ok(scope) => scope,
-            Err(failure) => return self.failed(None, failure, attempt, replay).await,
+            Err(failure) => return self.failed(delivery, None, failure, replay).await,
         };
+        let (report, mut reported) = oneshot::channel();
+        let message = delivery.clone();
         let run = self
             .engine
             .run(&scope, self.fingerprint(), move |tx| async move {
-                match handler(tx, delivery).await {
-                    Ok(()) => StatusCode::OK.into_response(),
-                    Err(failure) => failure_response(failure),
+                match handler(tx, message).await {
+                    Ok(()) => COMMIT,
+                    Err(failure) => {
+                        // No one reads it if the caller went away meanwhile: the rollback
+                        // stands either way, and the broker redelivers.
+                        let _ = report.send(failure);
+                        ROLL_BACK
+                    }
                 }
             })
             .await;
@@ -496,8 +517,10 @@ impl<DB: Backend> Inbox<DB> {
             Ok(execution) => match execution.outcome {
                 Outcome::Replayed => Verdict::Duplicate,
                 Outcome::RolledBack => {
-                    let failure = failure_of(execution.response);
-                    self.failed(Some(&key), failure, attempt, replay).await
+                    let failure = reported.try_recv().unwrap_or_else(|_| {
+                        Failure::retryable("the handler's transaction was rolled back")
+                    });
+                    self.failed(delivery, Some(&key), failure, replay).await
                 }
                 _ => Verdict::Applied,
             },
@@ -507,54 +530,40 @@ impl<DB: Backend> Inbox<DB> {
                 Verdict::Retry { after: retry_after }
             }
             Err(rejection) => {
-                tracing::warn!(consumer = %self.name, error = %rejection, "inbox could not claim; retrying later");
-                self.retry_or_dead(
-                    Some(&key),
-                    format!("claim failed: {rejection}"),
-                    attempt,
-                    replay,
-                )
-                .await
+                // The store failed or the handler panicked: nothing was committed.
+                tracing::warn!(consumer = %self.name, error = %rejection, "inbox could not apply a delivery");
+                let failure = Failure::retryable(format!("not applied: {rejection}"));
+                self.failed(delivery, Some(&key), failure, replay).await
             }
         }
     }
 
     async fn failed(
         &self,
+        delivery: &Delivery,
         key: Option<&str>,
         failure: Failure,
-        attempt: u32,
         replay: bool,
     ) -> Verdict {
+        let attempt = delivery.attempts();
         match failure {
-            Failure::Permanent(reason) => self.dead(key, reason).await,
-            Failure::Retryable(reason) => self.retry_or_dead(key, reason, attempt, replay).await,
-        }
-    }
-
-    async fn retry_or_dead(
-        &self,
-        key: Option<&str>,
-        reason: String,
-        attempt: u32,
-        replay: bool,
-    ) -> Verdict {
-        if replay || attempt >= self.max_attempts {
-            let reason = format!("{reason} (attempt {attempt})");
-            return self.dead(key, reason).await;
-        }
-        let (base, cap) = self.backoff;
-        let factor = 2u32.saturating_pow(attempt.saturating_sub(1).min(20));
-        Verdict::Retry {
-            after: base.saturating_mul(factor).min(cap),
+            Failure::Permanent(reason) => self.dead(delivery, key, reason).await,
+            Failure::Retryable(reason) if replay || attempt >= self.max_attempts => {
+                let reason = format!("{reason} (attempt {attempt})");
+                self.dead(delivery, key, reason).await
+            }
+            Failure::Retryable(_) => Verdict::Retry {
+                after: self.backoff.delay(attempt),
+            },
         }
     }
 
     /// Records the failure through the engine, in its own transaction and a scope of its own,
-    /// then tells the adapter to dead-letter the delivery.
-    async fn dead(&self, key: Option<&str>, reason: String) -> Verdict {
-        if let Some(Ok(scope)) = key.map(|key| self.scope("DEAD", key)) {
+    /// logs it, then tells the adapter to dead-letter the delivery.
+    async fn dead(&self, delivery: &Delivery, key: Option<&str>, reason: String) -> Verdict {
+        if let Some(Ok(scope)) = key.map(|key| self.scope(DEAD, key)) {
             let body = reason.clone();
+            // The engine's record format is a response; nothing is decided from its status.
             let recorded = self
                 .failures
                 .run(&scope, self.fingerprint(), move |_tx: Tx<DB>| async move {
@@ -566,6 +575,15 @@ impl<DB: Backend> Inbox<DB> {
                 tracing::warn!(consumer = %self.name, %error, "could not record an inbox failure");
             }
         }
+        // Operators look for why here or in the dead letter's header; the payload (and the
+        // business key, read from it) may hold personal data and stay out of the log.
+        tracing::warn!(
+            consumer = %self.name,
+            message_id = delivery.id(),
+            attempt = delivery.attempts(),
+            reason = %reason,
+            "inbox dead-lettered a delivery"
+        );
         Verdict::Dead { reason }
     }
 
@@ -604,32 +622,6 @@ fn idempotency_key(key: &str) -> Result<IdempotencyKey, Failure> {
         .map_err(|_| Failure::permanent("the business key cannot be encoded"))
 }
 
-/// The statuses failures travel through the engine as: classified retryable by the inbox's
-/// engine, so both roll back; told apart afterwards.
-const PERMANENT: StatusCode = StatusCode::UNPROCESSABLE_ENTITY;
-
-fn failure_response(failure: Failure) -> Response {
-    match failure {
-        Failure::Permanent(reason) => (PERMANENT, reason).into_response(),
-        Failure::Retryable(reason) => (StatusCode::SERVICE_UNAVAILABLE, reason).into_response(),
-    }
-}
-
-fn failure_of(response: http::Response<Bytes>) -> Failure {
-    let permanent = response.status() == PERMANENT;
-    let reason = String::from_utf8_lossy(response.body()).into_owned();
-    let reason = if reason.is_empty() {
-        format!("the handler failed ({})", response.status())
-    } else {
-        reason
-    };
-    if permanent {
-        Failure::Permanent(reason)
-    } else {
-        Failure::Retryable(reason)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -643,21 +635,5 @@ mod tests {
         let long = "x".repeat(1000);
         assert!(idempotency_key(&long).is_ok());
         assert!(idempotency_key("zahlung-ü-1 ,2").is_ok());
-    }
-
-    #[test]
-    fn failures_travel_through_statuses_and_back() {
-        let back = |f: Failure| {
-            let response = failure_response(f);
-            let status = response.status();
-            failure_of(
-                http::Response::builder()
-                    .status(status)
-                    .body(Bytes::from("why"))
-                    .unwrap_or_default(),
-            )
-        };
-        assert_eq!(back(Failure::permanent("x")), Failure::permanent("why"));
-        assert_eq!(back(Failure::retryable("x")), Failure::retryable("why"));
     }
 }

@@ -11,8 +11,9 @@
 //!   delivery count.
 //! - Dead letter: the message is published to the dead-letter stream (by default
 //!   `{DURABLE}_DEAD`, subjects `{durable}.dead.>`) with its `Nats-Msg-Id`, then acked. The
-//!   dead-letter stream's duplicate window absorbs a copy published twice by a consumer that
-//!   died in between.
+//!   copy carries why it died in the header **`Inbox-Reason`** (the reason is also logged at
+//!   `WARN`) and the subject it was published on in `Inbox-Subject`. The dead-letter stream's
+//!   duplicate window absorbs a copy published twice by a consumer that died in between.
 //!
 //! ```no_run
 //! # #[cfg(feature = "sqlite")]

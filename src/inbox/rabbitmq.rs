@@ -12,8 +12,10 @@
 //!   the head of the queue only, so a long backoff can hold shorter ones behind it for at most
 //!   the backoff cap;
 //! - `{queue}.dead`, where dead letters wait for an operator
-//!   ([`replay_dead`](RabbitMqConsumer::replay_dead)). The quorum queue dead-letters there too
-//!   if the broker's own delivery limit is ever reached.
+//!   ([`replay_dead`](RabbitMqConsumer::replay_dead)). Each carries why it died in the header
+//!   **`x-inbox-reason`** (the reason is also logged at `WARN`; a replay that fails again
+//!   rewrites it). The quorum queue dead-letters there too if the broker's own delivery limit
+//!   is ever reached; such a copy has no `x-inbox-reason`.
 //!
 //! The attempt count is the sum of a header the consumer maintains on retried copies
 //! (`x-inbox-attempts`) and the quorum queue's `x-delivery-count` (redeliveries after a

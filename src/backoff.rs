@@ -41,7 +41,7 @@ impl Backoff {
     /// Waits drawn from `0..=base` before the first retry, doubling the ceiling each time up to
     /// `cap`.
     #[must_use]
-    pub fn exponential(base: Duration, cap: Duration) -> Self {
+    pub const fn exponential(base: Duration, cap: Duration) -> Self {
         Self { base, cap }
     }
 

@@ -14,10 +14,12 @@
 //! | leased work lost its lease to another worker (jobs only) | 409 | `idempotency_lease_lost` |
 //! | request body over the layer's limit | 413 | `idempotency_body_too_large` |
 //! | request body could not be read (the client went away mid-body) | 400 | `idempotency_body_unreadable` |
+//! | request body not received within the layer's deadline (the connection is closed) | 408 + `Retry-After` | `idempotency_body_timeout` |
 //! | handler response over the storable limit (rolled back) | 500 | `idempotency_response_too_large` |
 //! | a `Tx` was still held when the handler returned (rolled back) | 500 | `idempotency_transaction_held` |
 //! | the store failed or the handler panicked (rolled back) | 500 + `Retry-After` | `idempotency_internal_error` |
 //! | no answer within the layer's deadline (the database is silent or saturated) | 503 + `Retry-After` | `idempotency_timeout` |
+//! | the database kept aborting the transaction on conflicts with concurrent ones, past the re-runs | 503 + `Retry-After` | `idempotency_conflict` |
 //!
 //! The 5xx are retryable with the same key: nothing of the attempt was committed, or, after
 //! `idempotency_timeout`, whatever still commits is what the retry replays. Database details
@@ -102,6 +104,11 @@ pub enum Rejection {
     /// The request body could not be read, typically because the client went away.
     #[error("the request body could not be read")]
     BodyUnreadable,
+    /// The client had not sent its whole body by the layer's
+    /// [deadline](crate::IdempotencyLayer::deadline). Retryable with the same key: nothing was
+    /// claimed. The connection is closed, since the rest of the body was never read.
+    #[error("the request body did not arrive in time; send it again with the same idempotency key")]
+    BodyTimeout,
     /// The handler's response exceeded the storable limit; the attempt was rolled back.
     #[error("the response was too large to store; nothing was committed")]
     ResponseTooLarge,
@@ -113,6 +120,13 @@ pub enum Rejection {
     /// The store failed or the handler panicked; the attempt was rolled back.
     #[error("the request could not be processed; nothing was committed")]
     Internal,
+    /// The database kept aborting the request's transaction to resolve conflicts with
+    /// concurrent ones (serialization failures, deadlocks, certification conflicts), and the
+    /// attempts to run it again ran out. Retryable with the same key: nothing was committed.
+    #[error(
+        "the request kept conflicting with concurrent ones; nothing was committed, retry it with the same idempotency key"
+    )]
+    Conflict,
 }
 
 /// Everything a rejection's answer is made of, written once per variant.
@@ -136,9 +150,11 @@ impl Rejection {
             Self::InProgress { retry_after } => Some(*retry_after),
             // A transient fault: one second spreads the retries of a burst without making a
             // client wait long once the database is back.
-            Self::PrincipalUnavailable | Self::Timeout | Self::Internal => {
-                Some(Duration::from_secs(1))
-            }
+            Self::PrincipalUnavailable
+            | Self::Timeout
+            | Self::BodyTimeout
+            | Self::Internal
+            | Self::Conflict => Some(Duration::from_secs(1)),
             _ => None,
         }
     }
@@ -210,6 +226,12 @@ impl Rejection {
                 "BodyUnreadable",
                 "Request body unreadable",
             ),
+            Self::BodyTimeout => (
+                StatusCode::REQUEST_TIMEOUT,
+                "idempotency_body_timeout",
+                "BodyTimeout",
+                "Request body timed out",
+            ),
             Self::ResponseTooLarge => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "idempotency_response_too_large",
@@ -227,6 +249,12 @@ impl Rejection {
                 "idempotency_internal_error",
                 "Internal",
                 "Internal error",
+            ),
+            Self::Conflict => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "idempotency_conflict",
+                "Conflict",
+                "Conflicts with concurrent requests",
             ),
         };
         Description {
@@ -281,6 +309,13 @@ impl IntoResponse for Rejection {
             body,
         )
             .into_response();
+        // A body left unread in part: the connection cannot carry another request, and closing
+        // it is what frees the server from a client that keeps trickling.
+        if matches!(self, Self::BodyTimeout | Self::BodyTooLarge { .. }) {
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         if let Some(retry_after) = self.retry_after() {
             let seconds = retry_after.as_secs().max(1);
             response
@@ -289,4 +324,22 @@ impl IntoResponse for Rejection {
         }
         response
     }
+}
+
+/// Whether the database aborted the transaction `error` came from to resolve a conflict with a
+/// concurrent one: a serialization failure or a deadlock (SQLSTATE 40001, 40P01), which is also
+/// how MySQL reports a deadlock and Galera a certification conflict (1213), or MariaDB's "record
+/// has changed since last read" (1020). Such a transaction is gone; running it again is safe.
+pub(crate) fn is_conflict_abort(error: &sqlx::Error) -> bool {
+    let Some(database) = error.as_database_error() else {
+        return false;
+    };
+    if matches!(database.code().as_deref(), Some("40001" | "40P01")) {
+        return true;
+    }
+    #[cfg(feature = "mysql")]
+    if let Some(mysql) = database.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+        return matches!(mysql.number(), 1213 | 1020);
+    }
+    false
 }

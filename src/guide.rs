@@ -161,7 +161,7 @@
 /// | `.allow_missing_key()` | off (key required) | keyed methods without a key run unprotected instead of 400 |
 /// | `.retention(d)` | 24 h | how long a record counts; then its key is a new intent |
 /// | `.wait_for_in_flight(d)` | 5 s | how long a duplicate waits for its original before 409 |
-/// | `.deadline(d)` / `.without_deadline()` | 10 s | the longest a keyed request waits for its answer before `503 idempotency_timeout` (keep it above the in-flight wait) |
+/// | `.deadline(d)` / `.without_deadline()` | 10 s | the longest a keyed request takes, from the layer receiving its head: a body not received by then is `408 idempotency_body_timeout` (the connection is closed), an answer not ready by then `503 idempotency_timeout` (keep it above the in-flight wait) |
 /// | `.max_concurrent_claims(n)` | unbounded | at most `n` keyed requests hold a claim (a pooled connection) at once; set it below the pool's size |
 /// | `.ignore_json_fields([..])` | none | JSON Pointers left out of the fingerprint (`/request_time`, `/trace_id`) |
 /// | `.include_headers([..])` | none | request headers that join the fingerprint |
@@ -195,6 +195,12 @@
 ///   runs. Nothing commits that the retry would execute again. Requests of the methods that
 ///   take no key get the same bound; a keyed method sent without a key under
 ///   `.allow_missing_key()` does not (its retry after a late commit would run it twice).
+/// - The deadline counts the time the client takes to send its body: a client that trickles
+///   its body gets `408 idempotency_body_timeout` by the deadline and its connection is
+///   closed, so a slow client holds neither a connection nor a claim for long. A body whose
+///   declared `Content-Length` is over `.max_request_body(..)` is refused with `413` at once,
+///   before any of it is read. The head of a request comes before the layer sees anything, so
+///   bound it in the server (a header read timeout, below).
 /// - Set the pool's acquire timeout below the deadline (the `orders` example uses 3 s with
 ///   `PoolOptions::acquire_timeout`), so a pool that cannot reach its database fails fast.
 /// - An authentication extractor that fails for a reason other than refusing the caller (its
@@ -291,6 +297,11 @@ pub mod layer {}
 /// - The handler's work is never cancelled halfway: if the client hangs up first, what is left
 ///   of it moves to a task of its own and completes there, so no pooled connection is left
 ///   inside an open transaction. Its outcome is replayed to the retry.
+/// - A transaction the database aborts on a conflict with a concurrent one (a serialization
+///   failure at `SERIALIZABLE`, a deadlock, a Galera certification conflict) is run again by
+///   the layer with the buffered request, so the client never sees the abort: handlers return
+///   their statements' errors as [`TxError`](crate::TxError) (see
+///   [the `tx` module](crate::tx#conflicts-are-run-again)).
 /// - Responses are buffered (bounded) to be stored; streaming responses (server-sent events)
 ///   do not belong under the layer.
 /// - Time is the application's clock (records keep milliseconds since the epoch): keep hosts

@@ -113,8 +113,9 @@
 
 #[cfg(feature = "server")]
 mod backend;
-#[cfg(any(feature = "client", feature = "outbox", feature = "inbox"))]
-// The inbox uses it without showing the type; the client and the outbox re-export it.
+#[cfg(any(feature = "server", feature = "client"))]
+// The engine and the inbox use it without showing the type; the client and the outbox
+// re-export it.
 #[cfg_attr(
     not(any(feature = "client", feature = "outbox")),
     allow(unreachable_pub)
@@ -177,4 +178,4 @@ pub use store::SqliteStore;
 #[cfg(feature = "server")]
 pub use store::Store;
 #[cfg(feature = "server")]
-pub use tx::Tx;
+pub use tx::{Tx, TxError};

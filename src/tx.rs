@@ -8,18 +8,61 @@
 #![cfg_attr(feature = "sqlite", doc = "```")]
 #![cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
 //! use axum::{Json, http::StatusCode};
-//! use axum_idempotency::Tx;
+//! use axum_idempotency::{Tx, TxError};
 //! use sqlx::Sqlite;
 //!
-//! async fn create_order(mut tx: Tx<Sqlite>, Json(sku): Json<String>) -> Result<StatusCode, StatusCode> {
+//! async fn create_order(mut tx: Tx<Sqlite>, Json(sku): Json<String>) -> Result<StatusCode, TxError> {
 //!     sqlx::query("INSERT INTO orders (sku) VALUES (?)")
 //!         .bind(sku)
 //!         .execute(&mut *tx)
-//!         .await
-//!         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+//!         .await?;
 //!     Ok(StatusCode::CREATED)
 //! }
 //! ```
+//!
+//! # Conflicts are run again
+//!
+//! Under concurrency a database may abort a transaction to resolve a conflict with another: a
+//! serialization failure (PostgreSQL at `SERIALIZABLE` or `REPEATABLE READ`, distributed SQL),
+//! a deadlock, a Galera certification conflict. Nothing of such an attempt stands, so the layer
+//! rolls it back and runs the request again with the same buffered request, a bounded number of
+//! times with jittered pauses, within its deadline; if a duplicate committed meanwhile, the
+//! re-run replays its answer. A conflict at `COMMIT` is run again the same way. The client
+//! never sees the abort; only when the attempts run out does it get a retryable
+//! `503 idempotency_conflict`.
+//!
+//! For a conflict in one of the handler's own statements to be run again, the layer must learn
+//! of it: return the statement's error as a [`TxError`], which `?` converts from any
+//! `sqlx::Error`, as above. An application error type of your own keeps this by holding a
+//! `TxError` and answering with its response:
+//!
+//! ```
+//! use axum::response::{IntoResponse, Response};
+//! use axum_idempotency::TxError;
+//!
+//! enum AppError {
+//!     OutOfStock,
+//!     Database(TxError),
+//! }
+//!
+//! impl From<sqlx::Error> for AppError {
+//!     fn from(error: sqlx::Error) -> Self {
+//!         Self::Database(error.into())
+//!     }
+//! }
+//!
+//! impl IntoResponse for AppError {
+//!     fn into_response(self) -> Response {
+//!         match self {
+//!             Self::OutOfStock => (axum::http::StatusCode::CONFLICT, "out of stock").into_response(),
+//!             Self::Database(error) => error.into_response(),
+//!         }
+//!     }
+//! }
+//! ```
+//!
+//! Any other database error answers a retryable `500 idempotency_internal_error`, its details
+//! logged and never shown to the client.
 //!
 //! `Tx` has no `commit`: the layer resolves the transaction after the handler, because the
 //! response record must be written into it first. Requests that carry no key (a `GET`, say)
@@ -35,10 +78,11 @@ use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use axum::extract::FromRequestParts;
+use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 use sqlx::{Database, Pool, Transaction};
 
-use crate::error::Rejection;
+use crate::error::{Rejection, is_conflict_abort};
 
 /// A handle on the request's database transaction (see the [module docs](crate::tx)).
 ///
@@ -125,6 +169,72 @@ impl<DB: Database, S: Send + Sync> FromRequestParts<S> for Tx<DB> {
         }
     }
 }
+
+/// A statement of the request's transaction failed: the handler's error for database work
+/// through [`Tx`] (see the [module docs](crate::tx#conflicts-are-run-again)). `?` converts any
+/// `sqlx::Error` into it.
+///
+/// As a response, a conflict abort tells the layer to run the request again (the client never
+/// sees it); any other error is a retryable `500 idempotency_internal_error`, logged with its
+/// details, which never reach the client.
+#[derive(Debug)]
+pub struct TxError(sqlx::Error);
+
+impl TxError {
+    /// Whether the database aborted the transaction to resolve a conflict with a concurrent
+    /// one (a serialization failure, a deadlock, a certification conflict): the request is run
+    /// again.
+    pub fn is_conflict(&self) -> bool {
+        is_conflict_abort(&self.0)
+    }
+
+    /// The database's error.
+    pub fn into_inner(self) -> sqlx::Error {
+        self.0
+    }
+}
+
+impl From<sqlx::Error> for TxError {
+    fn from(error: sqlx::Error) -> Self {
+        Self(error)
+    }
+}
+
+impl fmt::Display for TxError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "a statement of the request's transaction failed: {}",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for TxError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
+}
+
+impl IntoResponse for TxError {
+    fn into_response(self) -> Response {
+        if self.is_conflict() {
+            tracing::debug!(error = %self.0, "the transaction was aborted on a conflict");
+            // Marked so the engine runs the request again; should the response reach a client
+            // anyway (a route without the layer), it says what happened.
+            let mut response = Rejection::Conflict.into_response();
+            response.extensions_mut().insert(ConflictAborted);
+            response
+        } else {
+            tracing::error!(error = %self.0, "a statement of the request's transaction failed");
+            Rejection::Internal.into_response()
+        }
+    }
+}
+
+/// Marks a response whose transaction the database aborted on a conflict.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ConflictAborted;
 
 /// The request extension a [`Tx`] is taken from and handed back to.
 pub(crate) struct TxSlot<DB: Database>(Arc<Mutex<SlotState<DB>>>);

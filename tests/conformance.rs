@@ -29,6 +29,8 @@ macro_rules! conformance {
                 expired_key_is_a_new_intent_claimed_once,
                 purge_deletes_only_expired_records,
                 body_over_the_limit_is_rejected_before_any_claim,
+                declared_body_over_the_limit_is_refused_before_it_is_sent,
+                slow_body_is_answered_by_the_deadline_and_its_connection_closed,
                 duplicate_past_the_wait_gets_409_with_retry_after,
                 missing_or_malformed_key_is_rejected,
                 missing_principal_is_401_unless_anonymous_is_allowed,
@@ -856,6 +858,116 @@ mod suite {
         assert_eq!(reply.code(), "idempotency_body_too_large");
         assert_eq!(app.executions(), 0);
         assert_eq!(DB::count_records(&app.pool).await, 0);
+    }
+
+    /// Sends a keyed `POST /effects` head on a raw connection, declaring `length` body bytes.
+    async fn send_head(app: &App<impl Db>, length: usize) -> tokio::net::TcpStream {
+        use tokio::io::AsyncWriteExt;
+        let mut stream = tokio::net::TcpStream::connect(app.addr)
+            .await
+            .expect("connect");
+        let head = format!(
+            "POST /effects HTTP/1.1\r\nhost: test\r\nauthorization: Bearer alice\r\n\
+             idempotency-key: {}\r\ncontent-type: application/json\r\n\
+             content-length: {length}\r\n\r\n",
+            unique("slow-client")
+        );
+        stream.write_all(head.as_bytes()).await.expect("head");
+        stream
+    }
+
+    /// Reads until the server closes the connection or `limit` passes; returns what was read
+    /// and whether the connection was closed.
+    async fn read_until_closed(
+        stream: &mut tokio::net::TcpStream,
+        limit: Duration,
+    ) -> (String, bool) {
+        use tokio::io::AsyncReadExt;
+        let mut answer = Vec::new();
+        let mut buffer = [0u8; 4096];
+        let read_all = async {
+            loop {
+                match stream.read(&mut buffer).await {
+                    Ok(0) | Err(_) => return true,
+                    Ok(n) => answer.extend_from_slice(&buffer[..n]),
+                }
+            }
+        };
+        let closed = tokio::time::timeout(limit, read_all).await.unwrap_or(false);
+        (String::from_utf8_lossy(&answer).into_owned(), closed)
+    }
+
+    pub(crate) async fn declared_body_over_the_limit_is_refused_before_it_is_sent<DB: Db>() {
+        let app = serve(DB::fresh(8).await.pool, |layer| layer).await;
+        let started = Instant::now();
+        // 50 MiB declared against the default 1 MiB, and never sent.
+        let mut stream = send_head(&app, 50 * 1024 * 1024).await;
+        let (answer, closed) = read_until_closed(&mut stream, Duration::from_secs(5)).await;
+        assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+        assert!(answer.contains("idempotency_body_too_large"), "{answer}");
+        assert!(
+            closed,
+            "the connection is closed, not left waiting for the body"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "answered without waiting for the body or the deadline"
+        );
+        assert_eq!(app.executions(), 0);
+        assert_eq!(DB::count_records(&app.pool).await, 0);
+    }
+
+    pub(crate) async fn slow_body_is_answered_by_the_deadline_and_its_connection_closed<DB: Db>() {
+        use tokio::io::AsyncWriteExt;
+        let deadline = Duration::from_secs(1);
+        let app = serve(DB::fresh(8).await.pool, |layer| layer.deadline(deadline)).await;
+        let started = Instant::now();
+        let stream = send_head(&app, 100).await;
+        let (mut reader, mut writer) = stream.into_split();
+        // One byte every 100 ms: the whole body would take 10 s.
+        let trickle = tokio::spawn(async move {
+            for _ in 0..100 {
+                if writer.write_all(b" ").await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        // Meanwhile a normal keyed request is served as usual.
+        let normal = app
+            .post(
+                "/effects",
+                Some("alice"),
+                Some(&unique("normal")),
+                &body("normal"),
+            )
+            .await;
+        assert_eq!(normal.status, StatusCode::CREATED);
+
+        use tokio::io::AsyncReadExt;
+        let mut answer = Vec::new();
+        let closed = tokio::time::timeout(deadline + Duration::from_secs(5), async {
+            let mut buffer = [0u8; 4096];
+            loop {
+                match reader.read(&mut buffer).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => answer.extend_from_slice(&buffer[..n]),
+                }
+            }
+        })
+        .await
+        .is_ok();
+        trickle.abort();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(answer.contains("idempotency_body_timeout"), "{answer}");
+        assert!(
+            answer.to_ascii_lowercase().contains("retry-after: 1"),
+            "{answer}"
+        );
+        assert!(closed, "the connection is closed within deadline + 5 s");
+        assert!(started.elapsed() < deadline + Duration::from_secs(5));
+        assert_eq!(app.executions(), 1, "only the normal request ran");
     }
 
     pub(crate) async fn duplicate_past_the_wait_gets_409_with_retry_after<DB: Db>() {

@@ -37,6 +37,8 @@ fn every_rejection() -> Vec<Rejection> {
         Rejection::TransactionHeld,
         Rejection::Internal,
         Rejection::Timeout,
+        Rejection::BodyTimeout,
+        Rejection::Conflict,
     ]
 }
 

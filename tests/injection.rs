@@ -764,8 +764,9 @@ mod suite {
     fn job_work<DB: Db>(
         effect: String,
         body: Vec<u8>,
-    ) -> impl FnOnce(Tx<DB>) -> BoxFuture<'static, (StatusCode, Bytes)> + Send + 'static {
+    ) -> impl FnMut(Tx<DB>) -> BoxFuture<'static, (StatusCode, Bytes)> + Send + 'static {
         move |mut tx: Tx<DB>| {
+            let (effect, body) = (effect.clone(), body.clone());
             Box::pin(async move {
                 DB::insert_effect(&mut tx, &effect).await.expect("insert");
                 (StatusCode::ACCEPTED, Bytes::from(body))

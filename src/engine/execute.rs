@@ -2,7 +2,7 @@
 //! the record with the work's writes, record a final refusal alone, or roll everything back.
 
 use std::future::Future;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -12,13 +12,16 @@ use super::Engine;
 use super::claim::Claim;
 use super::metrics::{self, ClaimResult};
 use super::outcome::{Answer, Classification, Logged, Outcome};
+use sqlx::Transaction;
+
 use crate::Backend;
+use crate::backoff::Backoff;
 use crate::error::{Error, Rejection};
 use crate::fingerprint::{Fingerprint, Verbatim};
 use crate::record::RecordState;
 use crate::scope::{IdempotencyContext, Scope, ScopedKey};
 use crate::store::{NewRecord, Opened, Protocol};
-use crate::tx::TxSlot;
+use crate::tx::{ConflictAborted, TxSlot};
 
 impl<DB: Backend> Engine<DB> {
     pub(super) async fn execute<F, Fut, R>(
@@ -27,17 +30,17 @@ impl<DB: Backend> Engine<DB> {
         scope: &Scope,
         fingerprint: Fingerprint,
         request: Option<Verbatim>,
-        work: F,
+        mut work: F,
     ) -> Answer
     where
-        F: FnOnce(TxSlot<DB>, IdempotencyContext) -> Fut,
+        F: FnMut(TxSlot<DB>, IdempotencyContext) -> Fut,
         Fut: Future<Output = R>,
         R: IntoResponse,
     {
         // A key this instance has handled lately is likely a retry: one read answers it without
         // a transaction, on the connection that, for a key not yet taken, goes on to claim it.
         // Any other key is likely new and is claimed at once, saving the read (see `recent`).
-        let (begun, expired) = if self.settings.recent.saw(&key) {
+        let (mut begun, expired) = if self.settings.recent.saw(&key) {
             let started = Instant::now();
             let opened = self
                 .store
@@ -59,32 +62,102 @@ impl<DB: Backend> Engine<DB> {
         } else {
             (None, false)
         };
+        let mut request = request;
+        for attempt in 1..=CONFLICT_ATTEMPTS {
+            if attempt > 1 {
+                tokio::time::sleep(CONFLICT_BACKOFF.delay(attempt - 1)).await;
+            }
+            let attempted = self
+                .attempt(
+                    key,
+                    scope,
+                    fingerprint,
+                    &mut request,
+                    &mut work,
+                    begun.take(),
+                    expired,
+                )
+                .await;
+            match attempted {
+                Attempted::Answered(answer) => return answer,
+                Attempted::Conflicted => {
+                    tracing::debug!(
+                        attempt,
+                        "the transaction was aborted on a conflict; running it again"
+                    );
+                }
+            }
+        }
+        tracing::warn!(
+            attempts = CONFLICT_ATTEMPTS,
+            "the transaction kept conflicting with concurrent ones; answered 503"
+        );
+        Answer::reject(Rejection::Conflict, Logged::Retryable)
+    }
+
+    /// One attempt: claim, run the work in the claim's transaction, and record its outcome; or
+    /// learn that the database aborted the transaction on a conflict, leaving nothing behind.
+    #[allow(clippy::too_many_arguments)]
+    async fn attempt<F, Fut, R>(
+        &self,
+        key: ScopedKey,
+        scope: &Scope,
+        fingerprint: Fingerprint,
+        request: &mut Option<Verbatim>,
+        work: &mut F,
+        begun: Option<Transaction<'static, DB>>,
+        expired: bool,
+    ) -> Attempted
+    where
+        F: FnMut(TxSlot<DB>, IdempotencyContext) -> Fut,
+        Fut: Future<Output = R>,
+        R: IntoResponse,
+    {
         let record = self.new_record(key, scope, fingerprint, RecordState::Processing);
         let mut tx = match self.claim(&record, begun).await {
             Ok(Claim::Ours(tx)) => tx,
             Ok(Claim::Theirs(record)) => {
-                return self.answer_stored(key, record, fingerprint, request);
+                return Attempted::Answered(self.answer_stored(
+                    key,
+                    record,
+                    fingerprint,
+                    request.take(),
+                ));
             }
             Err(rejection @ Rejection::InProgress { .. }) => {
-                return Answer::reject(rejection, Logged::InFlight);
+                return Attempted::Answered(Answer::reject(rejection, Logged::InFlight));
             }
-            Err(rejection) => return Answer::reject(rejection, Logged::Retryable),
+            Err(rejection) => {
+                return Attempted::Answered(Answer::reject(rejection, Logged::Retryable));
+            }
         };
 
         let slot = TxSlot::ready(tx);
         let context = IdempotencyContext::with_key(scope.clone(), key);
         let response = work(slot.clone(), context).await.into_response();
+        let conflicted = response.extensions().get::<ConflictAborted>().is_some();
         let response = self.buffer(response).await;
         tx = match slot.take_back() {
             Ok(Some(tx)) => tx,
             Ok(None) | Err(_) => {
                 tracing::error!("a Tx was still held when the work returned; rolled back");
-                return Answer::reject(Rejection::TransactionHeld, Logged::Retryable);
+                return Attempted::Answered(Answer::reject(
+                    Rejection::TransactionHeld,
+                    Logged::Retryable,
+                ));
             }
         };
+        if conflicted {
+            // The database has already undone the transaction (or will at this rollback); its
+            // failure changes nothing, the attempt is simply run again.
+            let _ = tx.rollback().await;
+            return Attempted::Conflicted;
+        }
         let response = match response {
             Ok(response) => response,
-            Err(rejection) => return Answer::reject(rejection, Logged::Retryable),
+            Err(rejection) => {
+                return Attempted::Answered(Answer::reject(rejection, Logged::Retryable));
+            }
         };
 
         match self.classification(response.status()) {
@@ -96,48 +169,60 @@ impl<DB: Backend> Engine<DB> {
                     RecordState::Completed,
                     &stored,
                 );
-                if let Err(error) = committed.await {
-                    return Answer::store_failed(error);
+                match committed.await {
+                    Ok(()) => {}
+                    Err(Error::Conflict) => return Attempted::Conflicted,
+                    Err(error) => return Attempted::Answered(Answer::store_failed(error)),
                 }
-                self.remember(&record, RecordState::Completed, &stored, request);
+                self.remember(&record, RecordState::Completed, &stored, request.take());
                 let logged = if expired {
                     Logged::Expired
                 } else {
                     Logged::Executed
                 };
-                Answer::respond(response, Outcome::Executed, logged)
+                Attempted::Answered(Answer::respond(response, Outcome::Executed, logged))
             }
             Classification::FailedPermanent => {
                 // Undo the work's writes by ending its transaction, then record the refusal in
                 // a fresh one. A duplicate that claimed in between ran the work itself; its
                 // outcome is the key's outcome, and this request answers with it.
                 if let Err(error) = tx.rollback().await {
-                    return Answer::store_failed(error);
+                    return Attempted::Answered(Answer::store_failed(error));
                 }
                 let stored = self.storable(&response);
                 let record = NewRecord {
                     response: Some(&stored),
                     ..self.new_record(key, scope, fingerprint, RecordState::FailedPermanent)
                 };
-                match self.claim(&record, None).await {
+                let answer = match self.claim(&record, None).await {
                     Ok(Claim::Ours(tx)) => {
                         if let Err(error) = tx.commit().await {
-                            return Answer::store_failed(error);
+                            return Attempted::Answered(Answer::store_failed(error));
                         }
-                        self.remember(&record, RecordState::FailedPermanent, &stored, request);
+                        self.remember(
+                            &record,
+                            RecordState::FailedPermanent,
+                            &stored,
+                            request.take(),
+                        );
                         Answer::respond(response, Outcome::Executed, Logged::FailedPermanent)
                     }
                     Ok(Claim::Theirs(record)) => {
-                        self.answer_stored(key, record, fingerprint, request)
+                        self.answer_stored(key, record, fingerprint, request.take())
                     }
                     Err(rejection) => Answer::reject(rejection, Logged::Retryable),
-                }
+                };
+                Attempted::Answered(answer)
             }
             Classification::Retryable => {
                 if let Err(error) = tx.rollback().await {
-                    return Answer::store_failed(error);
+                    return Attempted::Answered(Answer::store_failed(error));
                 }
-                Answer::respond(response, Outcome::RolledBack, Logged::Retryable)
+                Attempted::Answered(Answer::respond(
+                    response,
+                    Outcome::RolledBack,
+                    Logged::Retryable,
+                ))
             }
         }
     }
@@ -162,4 +247,21 @@ impl<DB: Backend> Engine<DB> {
             }
         }
     }
+}
+
+/// How many times a transaction the database aborts on conflicts is run in all.
+const CONFLICT_ATTEMPTS: u32 = 12;
+
+/// The pause before running an aborted transaction again: jittered, so the transactions that
+/// conflicted do not meet again at once, and short, since each has already waited for its
+/// lock or its commit.
+const CONFLICT_BACKOFF: Backoff =
+    Backoff::exponential(Duration::from_millis(5), Duration::from_millis(400));
+
+/// How one attempt ended.
+enum Attempted {
+    /// With the answer for the client.
+    Answered(Answer),
+    /// The database aborted its transaction on a conflict: nothing of it stands.
+    Conflicted,
 }

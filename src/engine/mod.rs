@@ -289,28 +289,35 @@ impl<DB: Backend> Engine<DB> {
 
     /// Runs `work` once for `scope` with the transaction that holds the claim, or answers
     /// from the stored outcome. See the [module docs](self).
+    ///
+    /// `work` may be called more than once: when the database aborts its transaction to resolve
+    /// a conflict with a concurrent one (see [`TxError`](crate::TxError)), nothing of that call
+    /// stands and it is called again with a fresh transaction.
     pub async fn run<F, Fut, R>(
         &self,
         scope: &Scope,
         fingerprint: Fingerprint,
-        work: F,
+        mut work: F,
     ) -> Result<Execution, Rejection>
     where
-        F: FnOnce(Tx<DB>) -> Fut + Send + 'static,
+        F: FnMut(Tx<DB>) -> Fut + Send + 'static,
         Fut: Future<Output = R> + Send + 'static,
         R: IntoResponse,
     {
-        self.run_in_slot(scope, fingerprint, move |_, slot, _context| async move {
-            match slot.into_tx() {
-                Ok(tx) => work(tx).await.into_response(),
-                Err(_) => Rejection::TransactionHeld.into_response(),
+        self.run_in_slot(scope, fingerprint, move |_, slot, _context| {
+            let work = slot.into_tx().map(&mut work);
+            async move {
+                match work {
+                    Ok(work) => work.await.into_response(),
+                    Err(_) => Rejection::TransactionHeld.into_response(),
+                }
             }
         })
         .await
     }
 
-    /// [`run`](Self::run) for the layer: `work` gets the intent back (the request it carries)
-    /// with a transaction slot and the request's context.
+    /// [`run`](Self::run) for the layer: `work` gets the intent (the request it carries) with a
+    /// transaction slot and the request's context, once per attempt.
     pub(crate) async fn run_in_slot<I, F, Fut, R>(
         &self,
         scope: &Scope,
@@ -319,7 +326,7 @@ impl<DB: Backend> Engine<DB> {
     ) -> Result<Execution, Rejection>
     where
         I: Intent,
-        F: FnOnce(I, TxSlot<DB>, IdempotencyContext) -> Fut + Send + 'static,
+        F: FnMut(&I, TxSlot<DB>, IdempotencyContext) -> Fut + Send + 'static,
         Fut: Future<Output = R> + Send + 'static,
         R: IntoResponse,
     {
@@ -332,9 +339,10 @@ impl<DB: Backend> Engine<DB> {
                     Some(_) => intent.verbatim(),
                     None => None,
                 };
+                let mut work = work;
                 engine
                     .execute(key, &scope, fingerprint, request, move |slot, context| {
-                        work(intent, slot, context)
+                        work(&intent, slot, context)
                     })
                     .await
             }

@@ -92,14 +92,13 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::StatusCode;
 use sha2::{Digest, Sha256};
-use tokio::sync::oneshot;
 
 use crate::Backend;
 use crate::backoff::Backoff;
@@ -458,7 +457,7 @@ impl<DB: Backend> Inbox<DB> {
     /// what the broker adapter must do with it. Never panics on the delivery's content.
     pub async fn handle<F, Fut>(&self, delivery: Delivery, handler: F) -> Verdict
     where
-        F: FnOnce(Tx<DB>, Delivery) -> Fut + Send + 'static,
+        F: FnMut(Tx<DB>, Delivery) -> Fut + Send + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
         let verdict = self.decide(&delivery, handler, false).await;
@@ -474,7 +473,7 @@ impl<DB: Backend> Inbox<DB> {
     #[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
     pub(crate) async fn replay<F, Fut>(&self, delivery: Delivery, handler: F) -> Verdict
     where
-        F: FnOnce(Tx<DB>, Delivery) -> Fut + Send + 'static,
+        F: FnMut(Tx<DB>, Delivery) -> Fut + Send + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
         let verdict = self.decide(&delivery, handler, true).await;
@@ -486,7 +485,7 @@ impl<DB: Backend> Inbox<DB> {
 
     async fn decide<F, Fut>(&self, delivery: &Delivery, handler: F, replay: bool) -> Verdict
     where
-        F: FnOnce(Tx<DB>, Delivery) -> Fut + Send + 'static,
+        F: FnMut(Tx<DB>, Delivery) -> Fut + Send + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
         let key = match (self.key)(delivery) {
@@ -497,18 +496,27 @@ impl<DB: Backend> Inbox<DB> {
             Ok(scope) => scope,
             Err(failure) => return self.failed(delivery, None, failure, replay).await,
         };
-        let (report, mut reported) = oneshot::channel();
+        // The handler's failure comes back here typed; the engine only learns whether to
+        // commit. A slot rather than a channel: the engine calls the handler again when the
+        // database aborted its transaction on a conflict, and the last call's failure counts.
+        let reported: Arc<Mutex<Option<Failure>>> = Arc::default();
+        let report = Arc::clone(&reported);
+        let mut handler = handler;
         let message = delivery.clone();
         let run = self
             .engine
-            .run(&scope, self.fingerprint(), move |tx| async move {
-                match handler(tx, message).await {
-                    Ok(()) => COMMIT,
-                    Err(failure) => {
-                        // No one reads it if the caller went away meanwhile: the rollback
-                        // stands either way, and the broker redelivers.
-                        let _ = report.send(failure);
-                        ROLL_BACK
+            .run(&scope, self.fingerprint(), move |tx| {
+                let applied = handler(tx, message.clone());
+                let report = Arc::clone(&report);
+                async move {
+                    match applied.await {
+                        Ok(()) => COMMIT,
+                        Err(failure) => {
+                            // No one reads it if the caller went away meanwhile: the rollback
+                            // stands either way, and the broker redelivers.
+                            *report.lock().unwrap_or_else(PoisonError::into_inner) = Some(failure);
+                            ROLL_BACK
+                        }
                     }
                 }
             })
@@ -517,9 +525,13 @@ impl<DB: Backend> Inbox<DB> {
             Ok(execution) => match execution.outcome {
                 Outcome::Replayed => Verdict::Duplicate,
                 Outcome::RolledBack => {
-                    let failure = reported.try_recv().unwrap_or_else(|_| {
-                        Failure::retryable("the handler's transaction was rolled back")
-                    });
+                    let failure = reported
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .take()
+                        .unwrap_or_else(|| {
+                            Failure::retryable("the handler's transaction was rolled back")
+                        });
                     self.failed(delivery, Some(&key), failure, replay).await
                 }
                 _ => Verdict::Applied,
@@ -566,8 +578,9 @@ impl<DB: Backend> Inbox<DB> {
             // The engine's record format is a response; nothing is decided from its status.
             let recorded = self
                 .failures
-                .run(&scope, self.fingerprint(), move |_tx: Tx<DB>| async move {
-                    (StatusCode::UNPROCESSABLE_ENTITY, body)
+                .run(&scope, self.fingerprint(), move |_tx: Tx<DB>| {
+                    let body = body.clone();
+                    async move { (StatusCode::UNPROCESSABLE_ENTITY, body) }
                 })
                 .await;
             if let Err(error) = recorded {

@@ -12,6 +12,7 @@ use axum::extract::MatchedPath;
 use axum::response::{IntoResponse, Response};
 use http::Request;
 use http::request::Parts;
+use http_body::Body as _;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower::ServiceExt;
 use tower_layer::Layer;
@@ -117,6 +118,7 @@ where
                             | Rejection::PrincipalUnavailable
                             | Rejection::BodyTooLarge { .. }
                             | Rejection::BodyUnreadable
+                            | Rejection::BodyTimeout
                     ) {
                         tracing::info!(
                             status = rejection.status().as_u16(),
@@ -134,7 +136,7 @@ where
 impl<DB: Backend> IdempotencyLayer<DB> {
     async fn handle<S>(&self, inner: S, request: Request<Body>) -> Result<Response, Rejection>
     where
-        S: Service<Request<Body>, Error = Infallible> + Send + 'static,
+        S: Service<Request<Body>, Error = Infallible> + Clone + Send + 'static,
         S::Response: IntoResponse,
         S::Future: Send + 'static,
     {
@@ -161,16 +163,25 @@ impl<DB: Backend> IdempotencyLayer<DB> {
             return within(config.deadline, passed).await;
         };
 
-        // The deadline covers finding the principal (its extractor may wait on the database)
-        // and the engine, not the time the client takes to send its body.
+        // A body declared larger than the limit (hyper reads `Content-Length` into the size
+        // hint) is refused before anything waits for it.
+        let limit = config.max_request_body;
+        if body.size_hint().lower() > u64::try_from(limit).unwrap_or(u64::MAX) {
+            return Err(Rejection::BodyTooLarge { limit });
+        }
+        // The deadline runs from here: finding the principal (its extractor may wait on the
+        // database), the client sending its body (a slow one must not hold a connection and a
+        // claim slot open-ended), and the engine.
         let started = tokio::time::Instant::now();
+        let remaining = || {
+            config
+                .deadline
+                .map(|deadline| deadline.saturating_sub(started.elapsed()))
+        };
         let principal = match &config.principal {
-            Some(source) => within(config.deadline, source(&mut parts)).await??,
+            Some(source) => within(remaining(), source(&mut parts)).await??,
             None => None,
         };
-        let remaining = config
-            .deadline
-            .map(|deadline| deadline.saturating_sub(started.elapsed()));
         if principal.is_none() && !config.allow_anonymous {
             return Err(Rejection::PrincipalMissing);
         }
@@ -179,12 +190,13 @@ impl<DB: Backend> IdempotencyLayer<DB> {
             .get::<MatchedPath>()
             .map_or_else(|| parts.uri.path().to_owned(), |m| m.as_str().to_owned());
 
-        let bytes = match Limited::new(body, config.max_request_body).collect().await {
+        let read = within(remaining(), Limited::new(body, limit).collect())
+            .await
+            .map_err(|_elapsed| Rejection::BodyTimeout)?;
+        let bytes = match read {
             Ok(collected) => collected.to_bytes(),
             Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
-                return Err(Rejection::BodyTooLarge {
-                    limit: config.max_request_body,
-                });
+                return Err(Rejection::BodyTooLarge { limit });
             }
             Err(error) => {
                 tracing::debug!(%error, "could not read the request body");
@@ -217,10 +229,15 @@ impl<DB: Backend> IdempotencyLayer<DB> {
             self.engine
                 .run_in_slot(&scope, received, move |received, slot, context| {
                     // Built here, not before: a replay answered from the cache never needs it.
-                    let Received { parts, body, .. } = received;
-                    let mut request = Request::from_parts(parts, Body::from(body));
+                    // Built from copies, since a transaction aborted on a conflict runs again.
+                    let mut request = Request::from_parts(
+                        received.parts.clone(),
+                        Body::from(received.body.clone()),
+                    );
                     request.extensions_mut().insert(context);
                     request.extensions_mut().insert(slot);
+                    let inner = inner.clone();
+                    let permit = permit.clone();
                     async move {
                         let _permit = permit;
                         match inner.oneshot(request).await {
@@ -231,7 +248,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 })
                 .await
         };
-        let execution = match within(remaining, run).await {
+        let execution = match within(remaining(), run).await {
             Ok(ran) => ran?,
             Err(timeout) => {
                 tracing::warn!(key = %scope.scoped_key(),

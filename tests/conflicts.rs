@@ -1,0 +1,252 @@
+//! Transactions the database aborts on a conflict with a concurrent one are run again by the
+//! layer, so the client never sees the abort: distinct keys buying from one contended stock row,
+//! on PostgreSQL at `SERIALIZABLE` (serialization failures) and on MariaDB with shared locks
+//! taken before the update (deadlocks). The stock is never oversold, every request gets a final
+//! answer on its first try, and the handler ran more often than there were requests: the aborts
+//! happened, and were absorbed.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum_idempotency::{IdempotencyLayer, Store, Tx, TxError};
+use common::{Backend, unique};
+use sqlx::Pool;
+
+const STOCK: i64 = 25;
+const BUYERS: usize = 40;
+
+/// What the storm left: statuses of the first tries, handler runs, and the rows.
+struct Storm {
+    statuses: Vec<StatusCode>,
+    runs: usize,
+    stock_left: i64,
+    bought: i64,
+    records: i64,
+}
+
+impl Storm {
+    fn check(&self) {
+        let created = self
+            .statuses
+            .iter()
+            .filter(|s| **s == StatusCode::CREATED)
+            .count();
+        let refused = self
+            .statuses
+            .iter()
+            .filter(|s| **s == StatusCode::CONFLICT)
+            .count();
+        assert_eq!(
+            created + refused,
+            BUYERS,
+            "every first try is final (201 or 409 out of stock), none 5xx: {:?}",
+            self.statuses
+        );
+        assert_eq!(created as i64, STOCK, "all the stock is sold");
+        assert_eq!(self.stock_left, 0, "never oversold");
+        assert_eq!(self.bought, STOCK, "one purchase row per 201");
+        assert_eq!(self.records, BUYERS as i64, "one record per key");
+        assert!(
+            self.runs > BUYERS,
+            "aborted transactions were run again ({} runs for {BUYERS} requests)",
+            self.runs
+        );
+    }
+}
+
+/// Fires `BUYERS` keyed purchases at once, each under a key of its own.
+async fn storm(app: Router) -> Vec<StatusCode> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let server = tokio::spawn(async move { axum::serve(listener, app).await.expect("serve") });
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<bytes::Bytes>>();
+    let start = Arc::new(tokio::sync::Barrier::new(BUYERS));
+    let requests = (0..BUYERS).map(|_| {
+        let client = client.clone();
+        let start = Arc::clone(&start);
+        async move {
+            let request = http::Request::post(format!("http://{addr}/buy"))
+                .header("idempotency-key", unique("buyer"))
+                .body(http_body_util::Full::new(bytes::Bytes::new()))
+                .expect("request");
+            start.wait().await;
+            client.request(request).await.expect("answer").status()
+        }
+    });
+    let statuses = futures_util::future::join_all(requests).await;
+    server.abort();
+    statuses
+}
+
+fn layer<DB: axum_idempotency::Backend>(store: Store<DB>) -> IdempotencyLayer<DB> {
+    IdempotencyLayer::new(store).allow_anonymous()
+}
+
+#[cfg(feature = "postgres")]
+mod postgres {
+    use super::*;
+    use sqlx::Postgres;
+
+    async fn buy(
+        State(runs): State<Arc<AtomicUsize>>,
+        mut tx: Tx<Postgres>,
+    ) -> Result<Response, TxError> {
+        runs.fetch_add(1, Ordering::SeqCst);
+        let stock: i64 = sqlx::query_scalar("SELECT stock FROM stock WHERE id = 1")
+            .fetch_one(&mut *tx)
+            .await?;
+        if stock < 1 {
+            return Ok((StatusCode::CONFLICT, "out of stock").into_response());
+        }
+        sqlx::query("UPDATE stock SET stock = stock - 1 WHERE id = 1")
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("INSERT INTO bought (n) VALUES (1)")
+            .execute(&mut *tx)
+            .await?;
+        Ok((StatusCode::CREATED, "bought").into_response())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn serializable_storm_on_one_stock_row_is_never_oversold_and_never_5xx() {
+        let isolated = Postgres::fresh(2).await;
+        // Every transaction of this pool, the claims' included, runs at SERIALIZABLE, as on a
+        // server configured with `default_transaction_isolation = serializable`.
+        let options = common::postgres_url()
+            .parse::<sqlx::postgres::PgConnectOptions>()
+            .expect("url")
+            .options([
+                ("search_path", isolated.url.as_str()),
+                ("default_transaction_isolation", "serializable"),
+            ]);
+        let pool: Pool<Postgres> = sqlx::pool::PoolOptions::new()
+            .max_connections(16)
+            .connect_with(options)
+            .await
+            .expect("connect");
+        sqlx::raw_sql(
+            "CREATE TABLE stock (id INT PRIMARY KEY, stock BIGINT NOT NULL);
+             CREATE TABLE bought (n INT NOT NULL);",
+        )
+        .execute(&pool)
+        .await
+        .expect("tables");
+        sqlx::query("INSERT INTO stock VALUES (1, $1)")
+            .bind(STOCK)
+            .execute(&pool)
+            .await
+            .expect("stock");
+        let store = Store::new(pool.clone());
+        store.migrate().await.expect("migrate");
+        let runs = Arc::new(AtomicUsize::new(0));
+        let app = Router::new()
+            .route("/buy", post(buy))
+            .route_layer(layer(store))
+            .with_state(Arc::clone(&runs));
+
+        let statuses = storm(app).await;
+        let count = |sql: &'static str| {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_scalar::<_, i64>(sql)
+                    .fetch_one(&pool)
+                    .await
+                    .expect(sql)
+            }
+        };
+        let result = Storm {
+            statuses,
+            runs: runs.load(Ordering::SeqCst),
+            stock_left: count("SELECT stock FROM stock WHERE id = 1").await,
+            bought: count("SELECT COUNT(*) FROM bought").await,
+            records: count("SELECT COUNT(*) FROM idempotency_records").await,
+        };
+        pool.close().await;
+        Postgres::dispose(isolated).await;
+        result.check();
+    }
+}
+
+#[cfg(feature = "mysql")]
+mod mariadb {
+    use super::*;
+    use sqlx::MySql;
+
+    async fn buy(
+        State(runs): State<Arc<AtomicUsize>>,
+        mut tx: Tx<MySql>,
+    ) -> Result<Response, TxError> {
+        runs.fetch_add(1, Ordering::SeqCst);
+        // The shared lock two buyers both hold before either updates: a classic deadlock,
+        // which InnoDB resolves by aborting one of them.
+        let stock: i64 =
+            sqlx::query_scalar("SELECT stock FROM stock WHERE id = 1 LOCK IN SHARE MODE")
+                .fetch_one(&mut *tx)
+                .await?;
+        if stock < 1 {
+            return Ok((StatusCode::CONFLICT, "out of stock").into_response());
+        }
+        sqlx::query("UPDATE stock SET stock = stock - 1 WHERE id = 1")
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("INSERT INTO bought (n) VALUES (1)")
+            .execute(&mut *tx)
+            .await?;
+        Ok((StatusCode::CREATED, "bought").into_response())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn deadlocking_storm_on_one_stock_row_is_never_oversold_and_never_5xx() {
+        let isolated = MySql::fresh(16).await;
+        let pool = isolated.pool.clone();
+        sqlx::raw_sql(
+            "CREATE TABLE stock (id INT PRIMARY KEY, stock BIGINT NOT NULL) ENGINE=InnoDB;
+             CREATE TABLE bought (n INT NOT NULL) ENGINE=InnoDB;",
+        )
+        .execute(&pool)
+        .await
+        .expect("tables");
+        sqlx::query("INSERT INTO stock VALUES (1, ?)")
+            .bind(STOCK)
+            .execute(&pool)
+            .await
+            .expect("stock");
+        let store = Store::new(pool.clone());
+        store.migrate().await.expect("migrate");
+        let runs = Arc::new(AtomicUsize::new(0));
+        let app = Router::new()
+            .route("/buy", post(buy))
+            .route_layer(layer(store))
+            .with_state(Arc::clone(&runs));
+
+        let statuses = storm(app).await;
+        let count = |sql: &'static str| {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_scalar::<_, i64>(sql)
+                    .fetch_one(&pool)
+                    .await
+                    .expect(sql)
+            }
+        };
+        let result = Storm {
+            statuses,
+            runs: runs.load(Ordering::SeqCst),
+            stock_left: count("SELECT stock FROM stock WHERE id = 1").await,
+            bought: count("SELECT COUNT(*) FROM bought").await,
+            records: count("SELECT COUNT(*) FROM idempotency_records").await,
+        };
+        MySql::dispose(isolated).await;
+        result.check();
+    }
+}

@@ -97,13 +97,7 @@ async fn main() -> Result<(), Error> {
             let store = axum_idempotency::SqliteStore::new(pool.clone());
             store.migrate().await?;
             let layer = IdempotencyLayer::new(store).principal::<AuthUser>();
-            serve(
-                pool,
-                Router::new()
-                    .route("/payments", post(create::<sqlx::Sqlite>))
-                    .route_layer(layer),
-            )
-            .await
+            serve(pool, keyed().route_layer(layer)).await
         }
         #[cfg(feature = "postgres")]
         "postgres" | "postgresql" => {
@@ -115,13 +109,7 @@ async fn main() -> Result<(), Error> {
             let store = axum_idempotency::PgStore::new(pool.clone());
             store.migrate().await?;
             let layer = IdempotencyLayer::new(store).principal::<AuthUser>();
-            serve(
-                pool,
-                Router::new()
-                    .route("/payments", post(create::<sqlx::Postgres>))
-                    .route_layer(layer),
-            )
-            .await
+            serve(pool, keyed().route_layer(layer)).await
         }
         #[cfg(feature = "mysql")]
         "mysql" | "mariadb" => {
@@ -133,16 +121,15 @@ async fn main() -> Result<(), Error> {
             let store = axum_idempotency::MySqlStore::new(pool.clone());
             store.migrate().await?;
             let layer = IdempotencyLayer::new(store).principal::<AuthUser>();
-            serve(
-                pool,
-                Router::new()
-                    .route("/payments", post(create::<sqlx::MySql>))
-                    .route_layer(layer),
-            )
-            .await
+            serve(pool, keyed().route_layer(layer)).await
         }
         other => Err(format!("DATABASE_URL {other:?} is not built in (see --features)").into()),
     }
+}
+
+/// The routes behind the idempotency layer.
+fn keyed<DB: Payments>() -> Router<AppState<DB>> {
+    Router::new().route("/payments", post(create::<DB>))
 }
 
 /// Starts the dispatchers and serves `keyed` (the routes behind the idempotency layer) with
@@ -159,29 +146,21 @@ async fn serve<DB: Payments>(pool: Pool<DB>, keyed: Router<AppState<DB>>) -> Res
     let (stop, stopped) = watch::channel(false);
     let (mut dispatchers, mut wakers) = (Vec::new(), Vec::new());
     for _ in 0..env_or("DISPATCHERS", 1) {
-        let provider = Provider {
-            client: Client::builder(TokioExecutor::new()).build_http(),
-            base: std::env::var("PROVIDER_URL").unwrap_or_else(|_| "http://127.0.0.1:4000".into()),
-            lookup: std::env::var("PROVIDER_LOOKUP").as_deref() != Ok("off"),
+        let routed = Routed {
+            provider: provider(),
+            broker: broker.clone(),
+            outbox: outbox.clone(),
+            pool: pool.clone(),
         };
-        let (broker, outbox, pool) = (broker.clone(), outbox.clone(), pool.clone());
-        let dispatcher = Dispatcher::new(
-            outbox.clone(),
-            Routed {
-                provider,
-                broker,
-                outbox,
-                pool,
-            },
-        )
-        .poll_interval(millis("OUTBOX_POLL_MS", 500))
-        .send_timeout(millis("OUTBOX_SEND_TIMEOUT_MS", 5_000))
-        .lookup_grace(millis("OUTBOX_LOOKUP_GRACE_MS", 10_000))
-        .max_attempts(env_or("OUTBOX_MAX_ATTEMPTS", 10) as u32)
-        .backoff(Backoff::exponential(
-            millis("OUTBOX_BACKOFF_MS", 200),
-            Duration::from_secs(10),
-        ));
+        let dispatcher = Dispatcher::new(outbox.clone(), routed)
+            .poll_interval(millis("OUTBOX_POLL_MS", 500))
+            .send_timeout(millis("OUTBOX_SEND_TIMEOUT_MS", 5_000))
+            .lookup_grace(millis("OUTBOX_LOOKUP_GRACE_MS", 10_000))
+            .max_attempts(env_or("OUTBOX_MAX_ATTEMPTS", 10) as u32)
+            .backoff(Backoff::exponential(
+                millis("OUTBOX_BACKOFF_MS", 200),
+                Duration::from_secs(10),
+            ));
         wakers.push(dispatcher.waker());
         let mut stopped = stopped.clone();
         dispatchers.push(tokio::spawn(dispatcher.run(async move {
@@ -414,6 +393,14 @@ async fn show<DB: Payments>(
     Json(body).into_response()
 }
 
+fn provider() -> Provider {
+    Provider {
+        client: Client::builder(TokioExecutor::new()).build_http(),
+        base: std::env::var("PROVIDER_URL").unwrap_or_else(|_| "http://127.0.0.1:4000".into()),
+        lookup: std::env::var("PROVIDER_LOOKUP").as_deref() != Ok("off"),
+    }
+}
+
 /// Charges through the provider's HTTP API, with the downstream key as `Idempotency-Key`.
 struct Provider {
     client: Client<HttpConnector, Full<Bytes>>,
@@ -451,45 +438,30 @@ impl Sender for Provider {
             .body(Full::new(Bytes::from(message.payload.clone())));
         let answer = match request {
             Ok(request) => self.call(request).await,
-            Err(error) => {
-                return SendOutcome::Rejected {
-                    reason: error.to_string(),
-                };
-            }
+            Err(error) => return rejected(error.to_string()),
         };
         let (status, after, body) = match answer {
             Ok(answer) => answer,
             // Refused before anything was sent: certainly not charged.
-            Err((false, reason)) => {
-                return SendOutcome::Retry {
-                    after: None,
-                    reason: format!("provider unreachable: {reason}"),
-                };
-            }
+            Err((false, reason)) => return retry(format!("provider unreachable: {reason}")),
             Err((true, reason)) => {
-                return SendOutcome::Unknown {
-                    reason: format!("no answer from the provider: {reason}"),
-                };
+                return unknown(format!("no answer from the provider: {reason}"));
             }
         };
         let reason = format!("provider answered {status}");
         match status.as_u16() {
             200 | 201 => match charge_id(&body) {
                 Some(receipt) => SendOutcome::Delivered { receipt },
-                None => SendOutcome::Unknown {
-                    reason: "unreadable charge in the answer".into(),
-                },
+                None => unknown("unreadable charge in the answer".into()),
             },
             429 | 503 => SendOutcome::Retry { after, reason },
             // A 500 may come after the charge was written: only a lookup or a resend with the
             // same key can tell.
             500..=599 => SendOutcome::Unknown { reason },
-            _ => SendOutcome::Rejected {
-                reason: format!(
-                    "provider refused the charge ({status}): {}",
-                    String::from_utf8_lossy(&body)
-                ),
-            },
+            _ => rejected(format!(
+                "provider refused the charge ({status}): {}",
+                String::from_utf8_lossy(&body)
+            )),
         }
     }
 
@@ -505,17 +477,32 @@ impl Sender for Provider {
         match answer {
             Ok((StatusCode::OK, _, body)) => match charge_id(&body) {
                 Some(receipt) => LookupOutcome::Found { receipt },
-                None => LookupOutcome::Failed {
-                    reason: "unreadable charge in the lookup".into(),
-                },
+                None => failed("unreadable charge in the lookup".into()),
             },
             Ok((StatusCode::NOT_FOUND, _, _)) => LookupOutcome::NotFound,
-            Ok((status, _, _)) => LookupOutcome::Failed {
-                reason: format!("lookup answered {status}"),
-            },
+            Ok((status, _, _)) => failed(format!("lookup answered {status}")),
             Err(reason) => LookupOutcome::Failed { reason },
         }
     }
+}
+
+fn retry(reason: String) -> SendOutcome {
+    SendOutcome::Retry {
+        after: None,
+        reason,
+    }
+}
+
+fn unknown(reason: String) -> SendOutcome {
+    SendOutcome::Unknown { reason }
+}
+
+fn rejected(reason: String) -> SendOutcome {
+    SendOutcome::Rejected { reason }
+}
+
+fn failed(reason: String) -> LookupOutcome {
+    LookupOutcome::Failed { reason }
 }
 
 fn charge_id(body: &[u8]) -> Option<String> {
@@ -563,10 +550,7 @@ impl<DB: Payments> Sender for Routed<DB> {
         if message.topic == EVENT_TOPIC {
             return match &self.broker {
                 Some(broker) => broker.send(message).await,
-                None => SendOutcome::Retry {
-                    after: None,
-                    reason: "no BROKER_URL configured".into(),
-                },
+                None => retry("no BROKER_URL configured".into()),
             };
         }
         let outcome = self.provider.send(message).await;
@@ -574,10 +558,7 @@ impl<DB: Payments> Sender for Routed<DB> {
             && let Err(reason) = self.announce(message).await
         {
             // Charged, event not enqueued: a resend with the same key finds the charge again.
-            return SendOutcome::Retry {
-                after: None,
-                reason: format!("charged; event not enqueued: {reason}"),
-            };
+            return retry(format!("charged; event not enqueued: {reason}"));
         }
         outcome
     }
@@ -590,9 +571,7 @@ impl<DB: Payments> Sender for Routed<DB> {
         if let LookupOutcome::Found { .. } = &found
             && let Err(reason) = self.announce(message).await
         {
-            return LookupOutcome::Failed {
-                reason: format!("charged; event not enqueued: {reason}"),
-            };
+            return failed(format!("charged; event not enqueued: {reason}"));
         }
         found
     }
@@ -688,7 +667,10 @@ impl Broker {
     }
 
     // Without a broker feature there is no broker, and nothing to send.
-    #[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(unused_variables))]
+    #[cfg_attr(
+        not(any(feature = "rabbitmq", feature = "nats")),
+        allow(unused_variables)
+    )]
     async fn send(&self, message: &OutboxRecord) -> SendOutcome {
         match *self {
             #[cfg(feature = "rabbitmq")]

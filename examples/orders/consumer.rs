@@ -15,113 +15,74 @@
 //! (retryable), `ORDERS_FAILPOINT=after-commit` freezes the process after the first commit,
 //! before its ack (to be killed), and `ORDERS_CONSUMER_STATS_MS` prints the inbox's counters.
 
+use std::fmt::Debug;
+use std::time::Duration;
+
 use axum_idempotency::Tx;
-use axum_idempotency::inbox::{Delivery, Failure};
+use axum_idempotency::inbox::{Delivery, Failure, ReplayReport, Stats, Verdict};
 use serde_json::Value;
 
+use crate::Error;
 use crate::db::{Arg, Backend, Cents};
 
 /// Starts consuming payment events with an inbox on `$store`, or with `replay-dead` replays
 /// the dead letters and exits. Fails at once if the broker cannot be reached, so a
 /// misconfigured process does not serve without consuming. A macro for the reason given at
-/// `serve_on!`: the inbox and the broker adapters have a type per backend.
+/// `serve_on!`: the inbox and the broker adapters have a type per backend. All it does besides
+/// is in the functions below.
 macro_rules! spawn {
     ($store:expr, $broker_url:expr) => {{
-        use axum_idempotency::inbox::{Delivery, Inbox, ReplayReport, Verdict};
         use std::time::Duration;
-        use $crate::consumer::{Event, apply, name};
+        use $crate::consumer::{self as c, Broker};
         use $crate::setting;
         let fail_percent: u32 = setting("ORDERS_CONSUMER_FAIL_PERCENT", 0)?;
-        let handler = move |tx, delivery| apply(tx, delivery, fail_percent);
+        let handler = move |tx, delivery| c::apply(tx, delivery, fail_percent);
         let backoff = Duration::from_millis(setting("ORDERS_CONSUMER_BACKOFF_MS", 1000)?);
-        let mut inbox = Inbox::new("orders", $store)
-            .key_by(|delivery: &Delivery| Ok(Event::parse(delivery.payload())?.payment_id))
+        let mut inbox = axum_idempotency::inbox::Inbox::new("orders", $store)
+            .key_by(c::payment_id)
             .max_attempts(setting("ORDERS_CONSUMER_MAX_ATTEMPTS", 5)?)
             .backoff(backoff, Duration::from_secs(60));
         if std::env::var("ORDERS_FAILPOINT").as_deref() == Ok("after-commit") {
-            inbox = inbox.on_verdict(|_, verdict| {
-                if *verdict == Verdict::Applied {
-                    // Committed, not acked: frozen here until the test kills the process.
-                    println!("failpoint after-commit reached");
-                    loop {
-                        std::thread::sleep(Duration::from_secs(3600));
-                    }
-                }
-            });
+            inbox = inbox.on_verdict(c::freeze_after_commit);
         }
         if let Ok(every) = std::env::var("ORDERS_CONSUMER_STATS_MS") {
-            let (inbox, every) = (inbox.clone(), Duration::from_millis(every.parse()?));
-            tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(every).await;
-                    let s = inbox.stats();
-                    let (processed, duplicates, retried, dead) = (s.processed, s.duplicates, s.retried, s.dead);
-                    println!("consumer stats processed={processed} duplicates={duplicates} retried={retried} dead={dead}");
-                }
-            });
+            let (every, inbox) = (Duration::from_millis(every.parse()?), inbox.clone());
+            c::print_stats(every, move || inbox.stats());
         }
         let replay = std::env::args().any(|arg| arg == "replay-dead");
         let concurrency: u16 = setting("ORDERS_CONSUMER_CONCURRENCY", 4)?;
-        let report: Option<ReplayReport> = match $broker_url.split(':').next().unwrap_or_default() {
+        match Broker::connect($broker_url).await? {
             #[cfg(feature = "rabbitmq")]
-            "amqp" | "amqps" => {
+            Broker::RabbitMq(connection) => {
                 use axum_idempotency::inbox::rabbitmq::RabbitMqConsumer;
-                // A 10 s heartbeat: a consumer host that vanishes without closing its socket
-                // is noticed, and its unacked deliveries redelivered, within 30 s.
-                let url = match ($broker_url.contains("heartbeat="), $broker_url.contains('?')) {
-                    (true, _) => $broker_url.to_owned(),
-                    (false, true) => format!("{}&heartbeat=10", $broker_url),
-                    (false, false) => format!("{}?heartbeat=10", $broker_url),
-                };
-                let connection = lapin::Connection::connect(&url, Default::default()).await?;
-                let queue = name("orders.payment-succeeded");
-                let consumer = RabbitMqConsumer::new(inbox, std::sync::Arc::new(connection), queue)
-                    .bind(name("payments"), "payment.succeeded")
+                let queue = c::name("orders.payment-succeeded");
+                let consumer = RabbitMqConsumer::new(inbox, connection, queue)
+                    .bind(c::name("payments"), "payment.succeeded")
                     .concurrency(concurrency);
                 consumer.declare().await?;
                 if replay {
-                    Some(consumer.replay_dead(handler, usize::MAX).await?)
-                } else {
-                    tokio::spawn(async move {
-                        let ended = consumer.run(handler).await;
-                        // The channel or the connection closed: exit, for a supervisor to restart.
-                        tracing::error!(?ended, "the payment consumer stopped");
-                        std::process::exit(1);
-                    });
-                    None
+                    c::replayed(consumer.replay_dead(handler, usize::MAX).await?);
                 }
+                c::run(consumer.run(handler));
             }
             #[cfg(feature = "nats")]
-            "nats" => {
+            Broker::Nats(jetstream) => {
                 use axum_idempotency::inbox::nats::NatsConsumer;
-                let jetstream = async_nats::jetstream::new(async_nats::connect($broker_url).await?);
-                let ack_wait = Duration::from_secs(setting("ORDERS_CONSUMER_ACK_WAIT_SECS", 30)?);
-                let stream = name("PAYMENTS");
-                let consumer = NatsConsumer::new(inbox, jetstream, stream, "orders")
-                    .stream_subjects([name("payments.>")])
-                    .filter_subject(name("payments.succeeded"))
-                    .dead_letters(name("ORDERS_DEAD"), name("orders.dead"))
-                    .ack_wait(ack_wait)
+                let consumer = NatsConsumer::new(inbox, *jetstream, c::name("PAYMENTS"), "orders")
+                    .stream_subjects([c::name("payments.>")])
+                    .filter_subject(c::name("payments.succeeded"))
+                    .dead_letters(c::name("ORDERS_DEAD"), c::name("orders.dead"))
+                    .ack_wait(Duration::from_secs(setting(
+                        "ORDERS_CONSUMER_ACK_WAIT_SECS",
+                        30,
+                    )?))
                     .concurrency(usize::from(concurrency));
                 consumer.declare().await?;
                 if replay {
-                    Some(consumer.replay_dead(handler, usize::MAX).await?)
-                } else {
-                    tokio::spawn(async move {
-                        let ended = consumer.run(handler).await;
-                        tracing::error!(?ended, "the payment consumer stopped");
-                        std::process::exit(1);
-                    });
-                    None
+                    c::replayed(consumer.replay_dead(handler, usize::MAX).await?);
                 }
+                c::run(consumer.run(handler));
             }
-            other => return Err(format!("BROKER_URL {other:?} is not built in (features rabbitmq, nats)").into()),
-        };
-        if let Some(report) = report {
-            // `replay-dead` is a one-off command.
-            let (applied, duplicates, still_dead) = (report.applied, report.duplicates, report.still_dead);
-            println!("replayed dead letters: applied={applied} duplicates={duplicates} still_dead={still_dead}");
-            std::process::exit(0);
         }
         // The URL may carry credentials: only its scheme is printed.
         let scheme = $broker_url.split(':').next().unwrap_or_default();
@@ -130,9 +91,102 @@ macro_rules! spawn {
 }
 pub(crate) use spawn;
 
+/// The connection to the broker `BROKER_URL` names.
+pub(crate) enum Broker {
+    #[cfg(feature = "rabbitmq")]
+    RabbitMq(std::sync::Arc<lapin::Connection>),
+    #[cfg(feature = "nats")]
+    Nats(Box<async_nats::jetstream::Context>),
+}
+
+impl Broker {
+    pub(crate) async fn connect(url: &str) -> Result<Self, Error> {
+        match url.split(':').next().unwrap_or_default() {
+            #[cfg(feature = "rabbitmq")]
+            "amqp" | "amqps" => {
+                // A 10 s heartbeat: a consumer host that vanishes without closing its socket is
+                // noticed, and its unacked deliveries redelivered, within 30 s.
+                let url = match (url.contains("heartbeat="), url.contains('?')) {
+                    (true, _) => url.to_owned(),
+                    (false, true) => format!("{url}&heartbeat=10"),
+                    (false, false) => format!("{url}?heartbeat=10"),
+                };
+                let connection = lapin::Connection::connect(&url, Default::default()).await?;
+                Ok(Self::RabbitMq(std::sync::Arc::new(connection)))
+            }
+            #[cfg(feature = "nats")]
+            "nats" => {
+                let jetstream = async_nats::jetstream::new(async_nats::connect(url).await?);
+                Ok(Self::Nats(Box::new(jetstream)))
+            }
+            other => Err(
+                format!("BROKER_URL {other:?} is not built in (features rabbitmq, nats)").into(),
+            ),
+        }
+    }
+}
+
+/// The inbox's key: the payment id, so a payment applies once whatever its message ids.
+pub(crate) fn payment_id(delivery: &Delivery) -> Result<String, Failure> {
+    Ok(Event::parse(delivery.payload())?.payment_id)
+}
+
+/// `ORDERS_FAILPOINT=after-commit`: committed, not acked; frozen here until the test kills the
+/// process.
+pub(crate) fn freeze_after_commit(_: &Delivery, verdict: &Verdict) {
+    if *verdict == Verdict::Applied {
+        println!("failpoint after-commit reached");
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+}
+
+/// `ORDERS_CONSUMER_STATS_MS`: prints the inbox's counters that often.
+pub(crate) fn print_stats(every: Duration, stats: impl Fn() -> Stats + Send + 'static) {
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(every).await;
+            let Stats {
+                processed,
+                duplicates,
+                retried,
+                dead,
+                ..
+            } = stats();
+            println!(
+                "consumer stats processed={processed} duplicates={duplicates} retried={retried} dead={dead}"
+            );
+        }
+    });
+}
+
+/// Runs the consumer in the background. It only ends when its channel or connection closed:
+/// then the process exits, for a supervisor to restart it.
+pub(crate) fn run<E: Debug>(consumer: impl Future<Output = Result<(), E>> + Send + 'static) {
+    tokio::spawn(async move {
+        let ended = consumer.await;
+        tracing::error!(?ended, "the payment consumer stopped");
+        std::process::exit(1);
+    });
+}
+
+/// Reports an operator's replay and ends the process: `replay-dead` is a one-off command.
+pub(crate) fn replayed(report: ReplayReport) -> ! {
+    let ReplayReport {
+        applied,
+        duplicates,
+        still_dead,
+        ..
+    } = report;
+    println!(
+        "replayed dead letters: applied={applied} duplicates={duplicates} still_dead={still_dead}"
+    );
+    std::process::exit(0)
+}
+
 /// A broker name in the test namespace `BROKER_NAMESPACE`, if any: `t1.payments`, and for
 /// NATS streams (upper case) `T1_PAYMENTS`.
-#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
 pub(crate) fn name(name: &str) -> String {
     match std::env::var("BROKER_NAMESPACE") {
         Ok(ns) if !ns.is_empty() && name.starts_with(char::is_uppercase) => {

@@ -16,7 +16,7 @@
 //!   -d '{"sku":"widget","quantity":2,"amount":12.5,"currency":"EUR"}'
 //! ```
 
-#[cfg(feature = "inbox")]
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
 mod consumer;
 mod db;
 
@@ -52,9 +52,9 @@ macro_rules! serve_on {
             && !broker.is_empty()
         {
             // The consumer claims payment ids in the same store as the HTTP keys: one claim path.
-            #[cfg(feature = "inbox")]
+            #[cfg(any(feature = "rabbitmq", feature = "nats"))]
             consumer::spawn!(store.clone(), broker);
-            #[cfg(not(feature = "inbox"))]
+            #[cfg(not(any(feature = "rabbitmq", feature = "nats")))]
             return Err("BROKER_URL needs --features rabbitmq or nats".into());
         }
         // Keys are scoped to the user the bearer token proves, never to a header the client

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequestParts, Path};
-use axum::http::{StatusCode, header, request::Parts};
+use axum::http::{Method, StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Extension, Json, Router};
@@ -158,7 +158,7 @@ fn routes<DB: Backend>() -> Router<Pool<DB>> {
         .route("/orders/{id}", get(get_order::<DB>))
         .route("/orders/{id}/ship", post(ship_order::<DB>))
         // Likes need no key: the unique (user, article) pair is the natural idempotency key.
-        .route("/articles/{id}/like", put(like::<DB>).delete(unlike::<DB>))
+        .route("/articles/{id}/like", put(like::<DB>).delete(like::<DB>))
 }
 
 /// A caller proven by `Authorization: Bearer <token>` against the users table.
@@ -283,31 +283,19 @@ async fn ship_order<DB: Backend>(
     get_order(user, tx, Path(id)).await
 }
 
+/// `PUT` likes the article, `DELETE` takes the like back.
 async fn like<DB: Backend>(
-    user: AuthUser,
-    tx: Tx<DB>,
-    Path(id): Path<i64>,
-) -> Result<Response, Problem> {
-    set_like(user, tx, id, true).await
-}
-
-async fn unlike<DB: Backend>(
-    user: AuthUser,
-    tx: Tx<DB>,
-    Path(id): Path<i64>,
-) -> Result<Response, Problem> {
-    set_like(user, tx, id, false).await
-}
-
-async fn set_like<DB: Backend>(
+    method: Method,
     user: AuthUser,
     mut tx: Tx<DB>,
-    article_id: i64,
-    liked: bool,
+    Path(article_id): Path<i64>,
 ) -> Result<Response, Problem> {
-    let change = match liked {
-        true => DB::ADD_LIKE,
-        false => "DELETE FROM likes WHERE user_id = ? AND article_id = ?",
+    let (liked, change) = match method {
+        Method::PUT => (true, DB::ADD_LIKE),
+        _ => (
+            false,
+            "DELETE FROM likes WHERE user_id = ? AND article_id = ?",
+        ),
     };
     DB::execute(&mut tx, change, &[Int(user.id), Int(article_id)]).await?;
     let count = "SELECT COUNT(*) FROM likes WHERE article_id = ?";

@@ -3,10 +3,17 @@
 //! ```text
 //! cargo run --example payment_provider &
 //! cargo run --example payments --features outbox
+//! ```
+//!
+//! and in another terminal:
+//!
+//! ```text
 //! curl -i -X POST http://127.0.0.1:3001/payments \
-//!      -H 'Authorization: Bearer alice-token' -H 'Idempotency-Key: 6d1c8a52-…' \
+//!      -H 'Authorization: Bearer alice-token' \
+//!      -H 'Idempotency-Key: 6d1c8a52-3f0e-4b7a-9c2d-5e8f1a4b7c90' \
 //!      -H 'Content-Type: application/json' \
-//!      -d '{"order_id":"o-1","amount":12.5,"currency":"EUR","payee":"acme"}'
+//!      -d '{"order_id":"1","amount":12.5,"currency":"EUR","payee":"acme"}'
+//! curl -i http://127.0.0.1:3001/payments/1 -H 'Authorization: Bearer alice-token'
 //! ```
 //!
 //! `POST /payments` never calls the provider. It writes the payment and an outbox message in
@@ -16,12 +23,18 @@
 //! crashes all reach the provider as one charge. `GET /payments/{id}` shows `pending`,
 //! `succeeded` (with the provider's charge id) or `failed` (with the reason).
 //!
+//! A payment is refused with a final `400` (`invalid_payment`) unless its `order_id` is an
+//! integer or a string of digits (what the orders example can apply), its `amount` a positive
+//! number of at most two decimals below 10^13, its `currency` three capital letters and its
+//! `payee` 1 to 255 printable characters: the provider is never charged for it.
+//!
 //! Environment: `BIND` (default `127.0.0.1:3001`), `DATABASE_URL` (default
-//! `sqlite:payments.db`; `postgres://…` switches), `PROVIDER_URL` (default
-//! `http://127.0.0.1:4000`), `DISPATCHERS` (dispatcher tasks, default 1; 0 only accepts
-//! payments), `PROVIDER_LOOKUP=off` (resend on an unknown outcome without looking the charge up
-//! first), and `OUTBOX_POLL_MS`, `OUTBOX_SEND_TIMEOUT_MS`, `OUTBOX_LOOKUP_GRACE_MS`,
-//! `OUTBOX_MAX_ATTEMPTS`, `OUTBOX_BACKOFF_MS` to tune the dispatcher.
+//! `sqlite:payments.db`; `postgres://…` with `--features postgres` or `mysql://…` with
+//! `--features mysql` switches), `PROVIDER_URL` (default `http://127.0.0.1:4000`),
+//! `DISPATCHERS` (dispatcher tasks, default 1; 0 only accepts payments), `PROVIDER_LOOKUP=off`
+//! (resend on an unknown outcome without looking the charge up first), and `OUTBOX_POLL_MS`,
+//! `OUTBOX_SEND_TIMEOUT_MS`, `OUTBOX_LOOKUP_GRACE_MS`, `OUTBOX_MAX_ATTEMPTS`,
+//! `OUTBOX_BACKOFF_MS` to tune the dispatcher.
 //!
 //! With `BROKER_URL=amqp://…` (`--features rabbitmq`) or `nats://…` (`--features nats`), each
 //! succeeded payment also publishes, through the same outbox, the event
@@ -33,38 +46,188 @@
 //! Users: `Authorization: Bearer alice-token` (alice) or `bob-token` (bob); anything else is 401.
 
 use std::borrow::Cow;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router, middleware};
-use axum_idempotency::Backend;
 use axum_idempotency::outbox::{
-    Backoff, DispatchWaker, Dispatcher, DownstreamKey, LookupOutcome, Message, MessageId, Outbox,
-    OutboxRecord, SendOutcome, Sender, Status,
+    Backoff, DispatchWaker, Dispatcher, DownstreamKey, LookupOutcome, Message, MessageId,
+    Outbox, OutboxRecord, SendOutcome, Sender, Status,
 };
 use axum_idempotency::{
-    IDEMPOTENCY_KEY, IdempotencyContext, IdempotencyLayer, Principal, SqliteStore, Store, Tx,
+    Backend, IDEMPOTENCY_KEY, IdempotencyContext, IdempotencyLayer, Principal, Tx,
 };
 use bytes::Bytes;
+use db::Arg::{Int, Text};
+use db::{COLUMNS, Payments};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
 use serde_json::{Value, json};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Type};
+use sqlx::Pool;
 use tokio::sync::watch;
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
 
 const CHARGE_TOPIC: &str = "payments.charge";
 /// The outbox topic of the events announcing a succeeded payment.
 const EVENT_TOPIC: &str = "payment.succeeded";
+
+#[tokio::main]
+async fn main() -> Result<(), Error> {
+    let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
+    tracing_subscriber::fmt().with_env_filter(filter).init();
+    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "sqlite:payments.db".into());
+    // Each backend has its own store type, so the idempotency layer is built here, per arm;
+    // everything else is `serve`'s.
+    match url.split(':').next().unwrap_or_default() {
+        #[cfg(feature = "sqlite")]
+        "sqlite" => {
+            use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+            let options = url.parse::<SqliteConnectOptions>()?.create_if_missing(true);
+            let options = options.journal_mode(SqliteJournalMode::Wal);
+            let pool = SqlitePoolOptions::new().connect_with(options).await?;
+            sqlx::raw_sql(db::SQLITE).execute(&pool).await?;
+            let store = axum_idempotency::SqliteStore::new(pool.clone());
+            store.migrate().await?;
+            let layer = IdempotencyLayer::new(store).principal::<AuthUser>();
+            serve(pool, keyed().route_layer(layer)).await
+        }
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => {
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(16)
+                .connect(&url)
+                .await?;
+            sqlx::raw_sql(db::POSTGRES).execute(&pool).await?;
+            let store = axum_idempotency::PgStore::new(pool.clone());
+            store.migrate().await?;
+            let layer = IdempotencyLayer::new(store).principal::<AuthUser>();
+            serve(pool, keyed().route_layer(layer)).await
+        }
+        #[cfg(feature = "mysql")]
+        "mysql" | "mariadb" => {
+            let pool = sqlx::mysql::MySqlPoolOptions::new()
+                .max_connections(16)
+                .connect(&url)
+                .await?;
+            sqlx::raw_sql(db::MYSQL).execute(&pool).await?;
+            let store = axum_idempotency::MySqlStore::new(pool.clone());
+            store.migrate().await?;
+            let layer = IdempotencyLayer::new(store).principal::<AuthUser>();
+            serve(pool, keyed().route_layer(layer)).await
+        }
+        other => Err(format!("DATABASE_URL {other:?} is not built in (see --features)").into()),
+    }
+}
+
+/// The routes behind the idempotency layer.
+fn keyed<DB: Payments>() -> Router<AppState<DB>> {
+    Router::new().route("/payments", post(create::<DB>))
+}
+
+/// Starts the dispatchers and serves `keyed` (the routes behind the idempotency layer) with
+/// the rest, until SIGTERM (Kubernetes, systemd) or Ctrl-C: then it stops accepting, answers
+/// every request in flight, stops the dispatchers and returns.
+async fn serve<DB: Payments>(pool: Pool<DB>, keyed: Router<AppState<DB>>) -> Result<(), Error> {
+    let outbox = Outbox::new(pool.clone());
+    outbox.migrate().await?;
+    let broker = match std::env::var("BROKER_URL") {
+        Ok(url) if !url.is_empty() => Some(Arc::new(Broker::connect(&url).await?)),
+        _ => None,
+    };
+    let millis = |name, default| Duration::from_millis(env_or(name, default));
+    let (stop, stopped) = watch::channel(false);
+    let (mut dispatchers, mut wakers) = (Vec::new(), Vec::new());
+    for _ in 0..env_or("DISPATCHERS", 1) {
+        let routed = Routed {
+            provider: provider(),
+            broker: broker.clone(),
+            outbox: outbox.clone(),
+            pool: pool.clone(),
+        };
+        let dispatcher = Dispatcher::new(outbox.clone(), routed)
+            .poll_interval(millis("OUTBOX_POLL_MS", 500))
+            .send_timeout(millis("OUTBOX_SEND_TIMEOUT_MS", 5_000))
+            .lookup_grace(millis("OUTBOX_LOOKUP_GRACE_MS", 10_000))
+            .max_attempts(env_or("OUTBOX_MAX_ATTEMPTS", 10) as u32)
+            .backoff(Backoff::exponential(
+                millis("OUTBOX_BACKOFF_MS", 200),
+                Duration::from_secs(10),
+            ));
+        wakers.push(dispatcher.waker());
+        let mut stopped = stopped.clone();
+        dispatchers.push(tokio::spawn(dispatcher.run(async move {
+            let _ = stopped.wait_for(|stop| *stop).await;
+        })));
+    }
+
+    let app = keyed
+        // Outside the idempotency layer, so it runs after the commit: a dispatcher woken
+        // earlier would find nothing to send yet.
+        .route_layer(middleware::map_response(move |response: Response| {
+            if response.status() == StatusCode::ACCEPTED {
+                wakers.iter().for_each(DispatchWaker::wake);
+            }
+            std::future::ready(response)
+        }))
+        .route("/payments/{id}", get(show::<DB>))
+        .with_state(AppState { pool, outbox });
+
+    // Listening for signals before the address is printed: a signal sent as soon as the server
+    // is up is never met by the default action (an abrupt exit).
+    use tokio::signal::unix::{SignalKind, signal};
+    let (mut terminate, mut interrupt) = (
+        signal(SignalKind::terminate())?,
+        signal(SignalKind::interrupt())?,
+    );
+    let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3001".into());
+    let listener = tokio::net::TcpListener::bind(&bind).await?;
+    println!("payments listening on http://{}", listener.local_addr()?);
+    let shutdown = async move {
+        tokio::select! {
+            _ = terminate.recv() => {}
+            _ = interrupt.recv() => {}
+        }
+    };
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await?;
+    let _ = stop.send(true);
+    for dispatcher in dispatchers {
+        let _ = dispatcher.await;
+    }
+    Ok(())
+}
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(default)
+}
+
+struct AppState<DB: Backend> {
+    pool: Pool<DB>,
+    outbox: Outbox<DB>,
+}
+
+impl<DB: Backend> Clone for AppState<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            outbox: self.outbox.clone(),
+        }
+    }
+}
 
 /// The authenticated caller; the idempotency layer scopes keys to it.
 #[derive(Clone, Debug)]
@@ -74,12 +237,8 @@ impl<S: Send + Sync> FromRequestParts<S> for AuthUser {
     type Rejection = Response;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-        let token = parts
-            .headers
-            .get(header::AUTHORIZATION)
-            .and_then(|value| value.to_str().ok())
-            .and_then(|value| value.strip_prefix("Bearer "));
-        match token {
+        let header = parts.headers.get(header::AUTHORIZATION);
+        match header.and_then(|value| value.to_str().ok()?.strip_prefix("Bearer ")) {
             Some("alice-token") => Ok(Self("alice")),
             Some("bob-token") => Ok(Self("bob")),
             _ => Err(problem(
@@ -97,309 +256,128 @@ impl Principal for AuthUser {
     }
 }
 
-/// The SQL that differs between the databases this example runs on; the queries themselves
-/// are portable (SQLite accepts `$1` placeholders too).
-trait PaymentsDb: Backend {
-    const SCHEMA: &'static str;
-}
-
-impl PaymentsDb for sqlx::Sqlite {
-    const SCHEMA: &'static str = "CREATE TABLE IF NOT EXISTS payments (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        owner TEXT NOT NULL,
-        order_id TEXT NOT NULL,
-        amount TEXT NOT NULL,
-        currency TEXT NOT NULL,
-        payee TEXT NOT NULL,
-        outbox_id BIGINT NOT NULL
-    )";
-}
-
-#[cfg(feature = "postgres")]
-impl PaymentsDb for sqlx::Postgres {
-    const SCHEMA: &'static str = "CREATE TABLE IF NOT EXISTS payments (
-        id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-        owner TEXT NOT NULL,
-        order_id TEXT NOT NULL,
-        amount TEXT NOT NULL,
-        currency TEXT NOT NULL,
-        payee TEXT NOT NULL,
-        outbox_id BIGINT NOT NULL
-    )";
-}
-
-struct AppState<DB: PaymentsDb> {
-    pool: Pool<DB>,
-    outbox: Outbox<DB>,
-}
-
-impl<DB: PaymentsDb> Clone for AppState<DB> {
-    fn clone(&self) -> Self {
-        Self {
-            pool: self.pool.clone(),
-            outbox: self.outbox.clone(),
-        }
-    }
-}
-
 #[derive(Deserialize)]
 struct NewPayment {
-    /// A string or an integer, passed on to the event unchanged.
+    /// An integer or a string of digits, passed on to the event unchanged.
     order_id: Value,
     amount: Value,
     currency: String,
     payee: String,
 }
 
-#[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
-        .init();
-    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "sqlite:payments.db".into());
-    if url.starts_with("postgres") {
-        #[cfg(feature = "postgres")]
-        {
-            let pool = sqlx::postgres::PgPoolOptions::new()
-                .max_connections(16)
-                .connect(&url)
-                .await?;
-            let store = axum_idempotency::PgStore::new(pool.clone());
-            store.migrate().await?;
-            return serve(pool, store).await;
-        }
-        #[cfg(not(feature = "postgres"))]
-        return Err("DATABASE_URL is postgres://…, build with --features postgres".into());
-    } else {
-        let options = SqliteConnectOptions::from_str(&url)?
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal);
-        let pool = SqlitePoolOptions::new().connect_with(options).await?;
-        let store = SqliteStore::new(pool.clone());
-        store.migrate().await?;
-        serve(pool, store).await
-    }
-}
-
-async fn serve<DB>(pool: Pool<DB>, store: Store<DB>) -> Result<(), Box<dyn std::error::Error>>
-where
-    DB: PaymentsDb,
-    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
-    for<'q> <DB as Database>::Arguments: IntoArguments<DB>,
-    for<'e> &'e Pool<DB>: Executor<'e, Database = DB>,
-    for<'q> String: Encode<'q, DB> + Type<DB>,
-    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
-    for<'r> String: Decode<'r, DB>,
-    &'static str: ColumnIndex<DB::Row>,
-    usize: ColumnIndex<DB::Row>,
-{
-    let outbox = Outbox::new(pool.clone());
-    outbox.migrate().await?;
-    sqlx::query(DB::SCHEMA).execute(&pool).await?;
-
-    let broker = match std::env::var("BROKER_URL") {
-        Ok(url) if !url.is_empty() => Some(Arc::new(Broker::connect(&url).await?)),
-        _ => None,
-    };
-    let (stop, stopped) = watch::channel(false);
-    let mut dispatchers = Vec::new();
-    let mut wakers = Vec::new();
-    for _ in 0..env_or("DISPATCHERS", 1u32) {
-        let sender = Routed {
-            provider: provider(),
-            broker: broker.clone(),
-            outbox: outbox.clone(),
-            pool: pool.clone(),
-        };
-        let dispatcher = dispatcher(outbox.clone(), sender);
-        wakers.push(dispatcher.waker());
-        let mut stopped = stopped.clone();
-        dispatchers.push(tokio::spawn(dispatcher.run(async move {
-            let _ = stopped.wait_for(|stop| *stop).await;
-        })));
-    }
-
-    let state = AppState { pool, outbox };
-    let app = Router::new()
-        .route("/payments", post(create_payment::<DB>))
-        .route_layer(IdempotencyLayer::new(store).principal::<AuthUser>())
-        // Outside the idempotency layer, so it runs after the commit: a dispatcher woken
-        // earlier would find nothing to send yet.
-        .route_layer(middleware::map_response(move |response: Response| {
-            let wakers = wakers.clone();
-            async move {
-                if response.status() == StatusCode::ACCEPTED {
-                    wakers.iter().for_each(DispatchWaker::wake);
-                }
-                response
-            }
-        }))
-        .route("/payments/{id}", get(show_payment::<DB>))
-        .with_state(state);
-
-    let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3001".into());
-    let shutdown = shutdown_signal()?;
-    let listener = tokio::net::TcpListener::bind(&bind).await?;
-    println!("payments listening on http://{}", listener.local_addr()?);
-    // SIGTERM (Kubernetes, systemd) and Ctrl-C alike: stop accepting, answer every request in
-    // flight, then stop the dispatchers and exit 0.
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await?;
-    let _ = stop.send(true);
-    for dispatcher in dispatchers {
-        let _ = dispatcher.await;
-    }
-    Ok(())
-}
-
-/// Listens for SIGTERM (what Kubernetes and systemd send) and SIGINT (Ctrl-C) from now on; the
-/// future resolves on the first of them. Registered before the address is printed, so a signal
-/// sent as soon as the server is up is never met by the default action (an abrupt exit).
-fn shutdown_signal() -> std::io::Result<impl Future<Output = ()>> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut terminate = signal(SignalKind::terminate())?;
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    Ok(async move {
-        tokio::select! {
-            _ = terminate.recv() => {}
-            _ = interrupt.recv() => {}
-        }
-    })
-}
-
-fn provider() -> Provider {
-    Provider {
-        client: Client::builder(TokioExecutor::new()).build_http(),
-        base: std::env::var("PROVIDER_URL").unwrap_or_else(|_| "http://127.0.0.1:4000".into()),
-        lookup: std::env::var("PROVIDER_LOOKUP").as_deref() != Ok("off"),
-    }
-}
-
-fn dispatcher<DB: PaymentsDb, S: Sender>(outbox: Outbox<DB>, sender: S) -> Dispatcher<DB, S> {
-    let millis = |name, default| Duration::from_millis(env_or(name, default));
-    Dispatcher::new(outbox, sender)
-        .poll_interval(millis("OUTBOX_POLL_MS", 500))
-        .send_timeout(millis("OUTBOX_SEND_TIMEOUT_MS", 5_000))
-        .lookup_grace(millis("OUTBOX_LOOKUP_GRACE_MS", 10_000))
-        .max_attempts(env_or("OUTBOX_MAX_ATTEMPTS", 10))
-        .backoff(Backoff::exponential(
-            millis("OUTBOX_BACKOFF_MS", 200),
-            Duration::from_secs(10),
-        ))
-}
-
-async fn create_payment<DB>(
+async fn create<DB: Payments>(
     State(state): State<AppState<DB>>,
     user: AuthUser,
     context: IdempotencyContext,
     mut tx: Tx<DB>,
-    Json(payment): Json<NewPayment>,
-) -> Response
-where
-    DB: PaymentsDb,
-    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
-    for<'q> <DB as Database>::Arguments: IntoArguments<DB>,
-    for<'q> String: Encode<'q, DB> + Type<DB>,
-    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
-    usize: ColumnIndex<DB::Row>,
-{
+    payment: Result<Json<NewPayment>, JsonRejection>,
+) -> Response {
+    // Everything is checked before anything is written or charged: what the tables, the
+    // provider or the orders example cannot take is a final 400, never a retryable 500.
+    let Ok(Json(payment)) = payment else {
+        return invalid(
+            "the payment needs order_id, amount, currency and payee of the right types",
+        );
+    };
+    // Kept as the exact decimal text it was sent as; a number of cents, so orders can apply it.
     let amount = match &payment.amount {
-        Value::Number(n) if n.as_f64().is_some_and(|a| a > 0.0) => n.to_string(),
-        _ => return invalid("amount must be a positive number"),
+        Value::Number(n) if cents(&n.to_string()).is_some_and(|cents| cents > 0) => n.to_string(),
+        _ => {
+            return invalid(
+                "amount must be a positive number with at most two decimals, below 10000000000000",
+            );
+        }
     };
     if payment.currency.len() != 3 || !payment.currency.bytes().all(|b| b.is_ascii_uppercase()) {
         return invalid("currency must be a three-letter ISO 4217 code such as EUR");
     }
     let order_id = match &payment.order_id {
-        Value::String(id) if !id.trim().is_empty() => id.clone(),
-        Value::Number(id) if id.is_i64() || id.is_u64() => id.to_string(),
-        _ => return invalid("order_id must be a non-empty string or an integer"),
+        Value::Number(id) if id.is_i64() => id.to_string(),
+        Value::String(id) if id.len() <= 19 && digits(id) && id.parse::<i64>().is_ok() => {
+            id.clone()
+        }
+        _ => return invalid("order_id must be an integer or a string of digits"),
     };
-    if payment.payee.trim().is_empty() {
-        return invalid("order_id and payee are required");
+    let payee = &payment.payee;
+    if payee.trim().is_empty() || payee.chars().count() > 255 || payee.contains(char::is_control) {
+        return invalid("payee must be 1 to 255 printable characters");
     }
 
     // Derived from the request's scoped key, so every retry of this intent carries the same
     // key downstream.
     let downstream_key =
         DownstreamKey::for_request(&context.scoped_key_digest(), CHARGE_TOPIC, "charge");
-    let charge = json!({
-        "order_id": payment.order_id,
-        "amount": amount,
-        "currency": payment.currency,
-        "payee": payment.payee,
-    });
-    let message = match Message::json(CHARGE_TOPIC, downstream_key, &charge) {
-        Ok(message) => message,
+    let charge = json!({ "order_id": payment.order_id, "amount": amount, "currency": payment.currency, "payee": payee });
+    let outbox_id = match Message::json(CHARGE_TOPIC, downstream_key, &charge) {
+        Ok(message) => state.outbox.enqueue(&mut tx, message).await,
         Err(error) => return internal(&error.to_string()),
     };
-    let outbox_id = match state.outbox.enqueue(&mut tx, message).await {
-        Ok(id) => id,
+    let outbox_id = match outbox_id {
+        Ok(id) => id.get(),
         Err(error) => return internal(&error.to_string()),
     };
-    let id: Result<i64, _> = sqlx::query_scalar(
-        "INSERT INTO payments (owner, order_id, amount, currency, payee, outbox_id)
-         VALUES ($1, $2, $3, $4, $5, $6) RETURNING id",
-    )
-    .bind(user.0.to_owned())
-    .bind(order_id)
-    .bind(amount)
-    .bind(payment.currency)
-    .bind(payment.payee)
-    .bind(outbox_id.get())
-    .fetch_one(&mut *tx)
-    .await;
-    let id = match id {
-        Ok(id) => id,
+    let insert = format!(
+        "INSERT INTO payments (owner, order_id, amount, currency, payee, outbox_id) \
+         VALUES (?, ?, ?, ?, ?, ?) RETURNING {COLUMNS}"
+    );
+    let currency = &payment.currency;
+    let args = [
+        Text(user.0),
+        Text(&order_id),
+        Text(&amount),
+        Text(currency),
+        Text(payee),
+        Int(outbox_id),
+    ];
+    let id = match DB::payment(&mut tx, &insert, &args).await {
+        Ok(Some((id, ..))) => id,
+        Ok(None) => return internal("the insert returned no row"),
         Err(error) => return internal(&error.to_string()),
     };
+    let location = [(header::LOCATION, format!("/payments/{id}"))];
     (
         StatusCode::ACCEPTED,
-        [(header::LOCATION, format!("/payments/{id}"))],
+        location,
         Json(json!({ "id": id, "status": "pending" })),
     )
         .into_response()
 }
 
-async fn show_payment<DB>(
+fn digits(text: &str) -> bool {
+    !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// The cents in a JSON number's text (`12.5` → 1250); `None` when negative, finer than a cent,
+/// or from 10^13 on (15 digits, all a JSON number carries exactly).
+fn cents(number: &str) -> Option<i64> {
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    if !digits(whole) || fraction.len() > 2 || !(fraction.is_empty() || digits(fraction)) {
+        return None;
+    }
+    let cents = whole.parse::<i64>().ok()?.checked_mul(100)?
+        + format!("{fraction:0<2}").parse::<i64>().ok()?;
+    (cents < 10_i64.pow(15)).then_some(cents)
+}
+
+async fn show<DB: Payments>(
     State(state): State<AppState<DB>>,
     user: AuthUser,
     Path(id): Path<i64>,
-) -> Response
-where
-    DB: PaymentsDb,
-    for<'e> &'e Pool<DB>: Executor<'e, Database = DB>,
-    for<'q> <DB as Database>::Arguments: IntoArguments<DB>,
-    for<'q> String: Encode<'q, DB> + Type<DB>,
-    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
-    for<'r> String: Decode<'r, DB>,
-    &'static str: ColumnIndex<DB::Row>,
-{
-    let row = sqlx::query(
-        "SELECT order_id, amount, currency, payee, outbox_id FROM payments
-         WHERE id = $1 AND owner = $2",
-    )
-    .bind(id)
-    .bind(user.0.to_owned())
-    .fetch_optional(&state.pool)
-    .await;
-    let row = match row {
+) -> Response {
+    let sql = format!("SELECT {COLUMNS} FROM payments WHERE id = ? AND owner = ?");
+    let row = match state.pool.acquire().await {
+        Ok(mut conn) => DB::payment(&mut conn, &sql, &[Int(id), Text(user.0)]).await,
+        Err(error) => Err(error),
+    };
+    let (id, order_id, amount, currency, payee, outbox_id) = match row {
         Ok(Some(row)) => row,
         Ok(None) => return problem(StatusCode::NOT_FOUND, "not_found", "no such payment"),
         Err(error) => return internal(&error.to_string()),
     };
-    let field = |name: &'static str| row.try_get::<String, _>(name).unwrap_or_default();
-    let mut body = json!({
-        "id": id,
-        "order_id": field("order_id"),
-        // Kept as the exact decimal text it was sent as; answered as the number it is.
-        "amount": serde_json::from_str::<Value>(&field("amount")).unwrap_or(Value::Null),
-        "currency": field("currency"),
-        "payee": field("payee"),
-    });
-    let outbox_id = MessageId::from(row.try_get::<i64, _>("outbox_id").unwrap_or_default());
-    match state.outbox.status(outbox_id).await {
+    // The amount was kept as the exact decimal text it was sent as; answered as the number it is.
+    let amount = serde_json::from_str::<Value>(&amount).unwrap_or(Value::Null);
+    let mut body = json!({ "id": id, "order_id": order_id, "amount": amount, "currency": currency, "payee": payee });
+    match state.outbox.status(MessageId::from(outbox_id)).await {
         Ok(Some(record)) => match record.status {
             Status::Pending => body["status"] = "pending".into(),
             Status::Delivered => {
@@ -417,11 +395,41 @@ where
     Json(body).into_response()
 }
 
+fn provider() -> Provider {
+    Provider {
+        client: Client::builder(TokioExecutor::new()).build_http(),
+        base: std::env::var("PROVIDER_URL").unwrap_or_else(|_| "http://127.0.0.1:4000".into()),
+        lookup: std::env::var("PROVIDER_LOOKUP").as_deref() != Ok("off"),
+    }
+}
+
 /// Charges through the provider's HTTP API, with the downstream key as `Idempotency-Key`.
 struct Provider {
     client: Client<HttpConnector, Full<Bytes>>,
     base: String,
     lookup: bool,
+}
+
+/// What the provider answered: status, `Retry-After`, body.
+type Answer = (StatusCode, Option<Duration>, Bytes);
+
+impl Provider {
+    /// `Err((sent, reason))`: `sent` is false when the request certainly never left.
+    async fn call(&self, request: http::Request<Full<Bytes>>) -> Result<Answer, (bool, String)> {
+        let response = match self.client.request(request).await {
+            Ok(response) => response,
+            Err(error) => return Err((!error.is_connect(), error.to_string())),
+        };
+        let status = response.status();
+        let retry_after = response.headers().get(header::RETRY_AFTER);
+        let retry_after = retry_after
+            .and_then(|value| value.to_str().ok()?.parse().ok())
+            .map(Duration::from_secs);
+        match response.into_body().collect().await {
+            Ok(body) => Ok((status, retry_after, body.to_bytes())),
+            Err(error) => Err((true, format!("answer cut off: {error}"))),
+        }
+    }
 }
 
 impl Sender for Provider {
@@ -430,66 +438,32 @@ impl Sender for Provider {
             .header(header::CONTENT_TYPE, "application/json")
             .header(IDEMPOTENCY_KEY, message.downstream_key.as_str())
             .body(Full::new(Bytes::from(message.payload.clone())));
-        let request = match request {
-            Ok(request) => request,
-            Err(error) => {
-                return SendOutcome::Rejected {
-                    reason: error.to_string(),
-                };
-            }
+        let answer = match request {
+            Ok(request) => self.call(request).await,
+            Err(error) => return rejected(error.to_string()),
         };
-        let response = match self.client.request(request).await {
-            Ok(response) => response,
+        let (status, after, body) = match answer {
+            Ok(answer) => answer,
             // Refused before anything was sent: certainly not charged.
-            Err(error) if error.is_connect() => {
-                return SendOutcome::Retry {
-                    after: None,
-                    reason: format!("provider unreachable: {error}"),
-                };
-            }
-            Err(error) => {
-                return SendOutcome::Unknown {
-                    reason: format!("no answer from the provider: {error}"),
-                };
+            Err((false, reason)) => return retry(format!("provider unreachable: {reason}")),
+            Err((true, reason)) => {
+                return unknown(format!("no answer from the provider: {reason}"));
             }
         };
-        let status = response.status();
-        let retry_after = response
-            .headers()
-            .get(header::RETRY_AFTER)
-            .and_then(|value| value.to_str().ok())
-            .and_then(|value| value.parse().ok())
-            .map(Duration::from_secs);
-        let body = match response.into_body().collect().await {
-            Ok(body) => body.to_bytes(),
-            Err(error) => {
-                return SendOutcome::Unknown {
-                    reason: format!("answer cut off: {error}"),
-                };
-            }
-        };
+        let reason = format!("provider answered {status}");
         match status.as_u16() {
             200 | 201 => match charge_id(&body) {
                 Some(receipt) => SendOutcome::Delivered { receipt },
-                None => SendOutcome::Unknown {
-                    reason: "unreadable charge in the answer".into(),
-                },
+                None => unknown("unreadable charge in the answer".into()),
             },
-            429 | 503 => SendOutcome::Retry {
-                after: retry_after,
-                reason: format!("provider answered {status}"),
-            },
+            429 | 503 => SendOutcome::Retry { after, reason },
             // A 500 may come after the charge was written: only a lookup or a resend with the
             // same key can tell.
-            500..=599 => SendOutcome::Unknown {
-                reason: format!("provider answered {status}"),
-            },
-            _ => SendOutcome::Rejected {
-                reason: format!(
-                    "provider refused the charge ({status}): {}",
-                    String::from_utf8_lossy(&body)
-                ),
-            },
+            500..=599 => SendOutcome::Unknown { reason },
+            _ => rejected(format!(
+                "provider refused the charge ({status}): {}",
+                String::from_utf8_lossy(&body)
+            )),
         }
     }
 
@@ -497,118 +471,88 @@ impl Sender for Provider {
         if !self.lookup {
             return LookupOutcome::Unsupported;
         }
-        let request = http::Request::get(format!(
-            "{}/charges?key={}",
-            self.base, message.downstream_key
-        ))
-        .body(Full::new(Bytes::new()));
-        let request = match request {
-            Ok(request) => request,
-            Err(error) => {
-                return LookupOutcome::Failed {
-                    reason: error.to_string(),
-                };
-            }
+        let url = format!("{}/charges?key={}", self.base, message.downstream_key);
+        let answer = match http::Request::get(url).body(Full::new(Bytes::new())) {
+            Ok(request) => self.call(request).await.map_err(|(_, reason)| reason),
+            Err(error) => Err(error.to_string()),
         };
-        let response = match self.client.request(request).await {
-            Ok(response) => response,
-            Err(error) => {
-                return LookupOutcome::Failed {
-                    reason: error.to_string(),
-                };
-            }
-        };
-        let status = response.status();
-        let body = match response.into_body().collect().await {
-            Ok(body) => body.to_bytes(),
-            Err(error) => {
-                return LookupOutcome::Failed {
-                    reason: error.to_string(),
-                };
-            }
-        };
-        match (status, charge_id(&body)) {
-            (StatusCode::OK, Some(receipt)) => LookupOutcome::Found { receipt },
-            (StatusCode::NOT_FOUND, _) => LookupOutcome::NotFound,
-            _ => LookupOutcome::Failed {
-                reason: format!("lookup answered {status}"),
+        match answer {
+            Ok((StatusCode::OK, _, body)) => match charge_id(&body) {
+                Some(receipt) => LookupOutcome::Found { receipt },
+                None => failed("unreadable charge in the lookup".into()),
             },
+            Ok((StatusCode::NOT_FOUND, _, _)) => LookupOutcome::NotFound,
+            Ok((status, _, _)) => failed(format!("lookup answered {status}")),
+            Err(reason) => LookupOutcome::Failed { reason },
         }
     }
+}
+
+fn retry(reason: String) -> SendOutcome {
+    SendOutcome::Retry {
+        after: None,
+        reason,
+    }
+}
+
+fn unknown(reason: String) -> SendOutcome {
+    SendOutcome::Unknown { reason }
+}
+
+fn rejected(reason: String) -> SendOutcome {
+    SendOutcome::Rejected { reason }
+}
+
+fn failed(reason: String) -> LookupOutcome {
+    LookupOutcome::Failed { reason }
+}
+
+fn charge_id(body: &[u8]) -> Option<String> {
+    let charge: Value = serde_json::from_slice(body).ok()?;
+    charge["id"].as_str().map(str::to_owned)
 }
 
 /// What the dispatcher sends through: charges to the provider, events to the broker. A charge
 /// the provider confirms (sent or found by lookup) enqueues its event in the same outbox, keyed
 /// by the charge's own key, so however often that happens the event is enqueued once.
-struct Routed<DB: PaymentsDb> {
+struct Routed<DB: Backend> {
     provider: Provider,
     broker: Option<Arc<Broker>>,
     outbox: Outbox<DB>,
     pool: Pool<DB>,
 }
 
-impl<DB> Routed<DB>
-where
-    DB: PaymentsDb,
-    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
-    for<'e> &'e Pool<DB>: Executor<'e, Database = DB>,
-    for<'q> <DB as Database>::Arguments: IntoArguments<DB>,
-    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
-    for<'r> String: Decode<'r, DB> + Type<DB>,
-    &'static str: ColumnIndex<DB::Row>,
-{
+impl<DB: Payments> Routed<DB> {
     /// Enqueues the "payment succeeded" event of a delivered charge.
-    async fn announce(&self, charge: &OutboxRecord) -> Result<(), String> {
+    async fn announce(&self, charge: &OutboxRecord) -> Result<(), Error> {
         if self.broker.is_none() {
             return Ok(());
         }
-        let row = sqlx::query("SELECT id, amount, currency FROM payments WHERE outbox_id = $1")
-            .bind(charge.id.get())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| e.to_string())?
-            .ok_or("no payment for this charge")?;
-        let id: i64 = row.try_get("id").map_err(|e| e.to_string())?;
-        let amount: String = row.try_get("amount").map_err(|e| e.to_string())?;
-        let currency: String = row.try_get("currency").map_err(|e| e.to_string())?;
-        let amount: Value = serde_json::from_str(&amount).map_err(|e| e.to_string())?;
-        let sent: Value = charge.payload_json().map_err(|e| e.to_string())?;
+        let mut conn = self.pool.acquire().await?;
+        let sql = format!("SELECT {COLUMNS} FROM payments WHERE outbox_id = ?");
+        let row = DB::payment(&mut conn, &sql, &[Int(charge.id.get())]).await?;
+        let (id, _, amount, currency, _, _) = row.ok_or("no payment for this charge")?;
+        let sent: Value = charge.payload_json()?;
         let event = json!({
             "payment_id": id.to_string(),
             "order_id": sent["order_id"],
-            "amount": amount,
+            "amount": serde_json::from_str::<Value>(&amount)?,
             "currency": currency,
         });
-        let key = DownstreamKey::new(format!("payment-succeeded-{}", charge.downstream_key))
-            .map_err(|e| e.to_string())?;
-        let message = Message::json(EVENT_TOPIC, key, &event).map_err(|e| e.to_string())?;
-        let mut conn = self.pool.acquire().await.map_err(|e| e.to_string())?;
+        let key = DownstreamKey::new(format!("payment-succeeded-{}", charge.downstream_key))?;
         self.outbox
-            .enqueue(&mut conn, message)
-            .await
-            .map_err(|e| e.to_string())?;
+            .enqueue(&mut conn, Message::json(EVENT_TOPIC, key, &event)?)
+            .await?;
         Ok(())
     }
 }
 
-impl<DB> Sender for Routed<DB>
-where
-    DB: PaymentsDb,
-    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
-    for<'e> &'e Pool<DB>: Executor<'e, Database = DB>,
-    for<'q> <DB as Database>::Arguments: IntoArguments<DB>,
-    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
-    for<'r> String: Decode<'r, DB> + Type<DB>,
-    &'static str: ColumnIndex<DB::Row>,
-{
+impl<DB: Payments> Sender for Routed<DB> {
     async fn send(&self, message: &OutboxRecord) -> SendOutcome {
         if message.topic == EVENT_TOPIC {
             return match &self.broker {
                 Some(broker) => broker.send(message).await,
-                None => SendOutcome::Retry {
-                    after: None,
-                    reason: "no BROKER_URL configured".into(),
-                },
+                None => retry("no BROKER_URL configured".into()),
             };
         }
         let outcome = self.provider.send(message).await;
@@ -616,10 +560,7 @@ where
             && let Err(reason) = self.announce(message).await
         {
             // Charged, event not enqueued: a resend with the same key finds the charge again.
-            return SendOutcome::Retry {
-                after: None,
-                reason: format!("charged; event not enqueued: {reason}"),
-            };
+            return retry(format!("charged; event not enqueued: {reason}"));
         }
         outcome
     }
@@ -632,15 +573,14 @@ where
         if let LookupOutcome::Found { .. } = &found
             && let Err(reason) = self.announce(message).await
         {
-            return LookupOutcome::Failed {
-                reason: format!("charged; event not enqueued: {reason}"),
-            };
+            return failed(format!("charged; event not enqueued: {reason}"));
         }
         found
     }
 }
 
-/// The broker the events go to, declared at start (idempotently).
+/// The broker the events go to. What it needs is declared at start, idempotently; an exchange or
+/// a stream that already exists is used as it is.
 enum Broker {
     #[cfg(feature = "rabbitmq")]
     RabbitMq(axum_idempotency::outbox::RabbitMqSender),
@@ -649,12 +589,8 @@ enum Broker {
 }
 
 impl Broker {
-    async fn connect(url: &str) -> Result<Self, Box<dyn std::error::Error>> {
+    async fn connect(url: &str) -> Result<Self, Error> {
         let namespace = std::env::var("BROKER_NAMESPACE").unwrap_or_default();
-        #[cfg_attr(
-            not(any(feature = "rabbitmq", feature = "nats")),
-            allow(unused_variables)
-        )]
         let dotted = |name: &str| match namespace.as_str() {
             "" => name.to_owned(),
             ns => format!("{ns}.{name}"),
@@ -662,102 +598,89 @@ impl Broker {
         match url.split(':').next().unwrap_or_default() {
             #[cfg(feature = "rabbitmq")]
             "amqp" | "amqps" => {
-                use lapin::options::ExchangeDeclareOptions;
-                use lapin::types::FieldTable;
+                use lapin::options::ExchangeDeclareOptions as Options;
                 let connection =
                     Arc::new(lapin::Connection::connect(url, Default::default()).await?);
-                let exchange = dotted("payments");
-                // Used as it is if it exists (a passive declare), created durable otherwise.
-                let probe = connection.create_channel().await?;
-                let passive = ExchangeDeclareOptions {
+                let (exchange, kind) = (dotted("payments"), lapin::ExchangeKind::Topic);
+                let passive = Options {
                     passive: true,
-                    ..ExchangeDeclareOptions::default()
+                    ..Options::default()
                 };
-                let kind = lapin::ExchangeKind::Topic;
-                if probe
-                    .exchange_declare(
-                        exchange.as_str().into(),
-                        kind.clone(),
-                        passive,
-                        FieldTable::default(),
-                    )
-                    .await
-                    .is_err()
-                {
-                    let durable = ExchangeDeclareOptions {
+                let channel = connection.create_channel().await?;
+                let exists = channel.exchange_declare(
+                    exchange.as_str().into(),
+                    kind.clone(),
+                    passive,
+                    Default::default(),
+                );
+                if exists.await.is_err() {
+                    // The refused passive declare closed that channel: declare on a new one.
+                    let durable = Options {
                         durable: true,
-                        ..ExchangeDeclareOptions::default()
+                        ..Options::default()
                     };
-                    connection
-                        .create_channel()
-                        .await?
+                    let channel = connection.create_channel().await?;
+                    channel
                         .exchange_declare(
                             exchange.as_str().into(),
                             kind,
                             durable,
-                            FieldTable::default(),
+                            Default::default(),
                         )
                         .await?;
                 }
                 let sender =
-                    axum_idempotency::outbox::RabbitMqSender::connect(connection, exchange)
-                        .await?
-                        .route(EVENT_TOPIC, "payment.succeeded");
-                Ok(Self::RabbitMq(sender))
+                    axum_idempotency::outbox::RabbitMqSender::connect(connection, exchange).await?;
+                Ok(Self::RabbitMq(
+                    sender.route(EVENT_TOPIC, "payment.succeeded"),
+                ))
             }
             #[cfg(feature = "nats")]
             "nats" => {
+                use async_nats::jetstream::stream::Config;
                 let jetstream = async_nats::jetstream::new(async_nats::connect(url).await?);
-                let stream = match namespace.as_str() {
+                let name = match namespace.as_str() {
                     "" => "PAYMENTS".to_owned(),
                     ns => format!("{}_PAYMENTS", ns.to_uppercase()),
                 };
-                if jetstream.get_stream(&stream).await.is_err() {
+                if jetstream.get_stream(&name).await.is_err() {
+                    let subjects = vec![dotted("payments.>")];
                     jetstream
-                        .get_or_create_stream(async_nats::jetstream::stream::Config {
-                            name: stream,
-                            subjects: vec![dotted("payments.>")],
-                            ..Default::default()
+                        .get_or_create_stream(Config {
+                            name,
+                            subjects,
+                            ..Config::default()
                         })
-                        .await
-                        .map_err(|e| e.to_string())?;
+                        .await?;
                 }
-                let sender = axum_idempotency::outbox::NatsSender::new(jetstream)
-                    .route(EVENT_TOPIC, dotted("payments.succeeded"));
-                Ok(Self::Nats(sender))
+                let sender = axum_idempotency::outbox::NatsSender::new(jetstream);
+                Ok(Self::Nats(
+                    sender.route(EVENT_TOPIC, dotted("payments.succeeded")),
+                ))
             }
-            other => Err(format!(
-                "BROKER_URL scheme {other:?} is not built in (features rabbitmq, nats)"
-            )
-            .into()),
+            other => {
+                let _ = dotted;
+                Err(
+                    format!("BROKER_URL {other:?} is not built in (features rabbitmq, nats)")
+                        .into(),
+                )
+            }
         }
     }
 
+    // Without a broker feature there is no broker, and nothing to send.
+    #[cfg_attr(
+        not(any(feature = "rabbitmq", feature = "nats")),
+        allow(unused_variables)
+    )]
     async fn send(&self, message: &OutboxRecord) -> SendOutcome {
-        match self {
+        match *self {
             #[cfg(feature = "rabbitmq")]
-            Self::RabbitMq(sender) => sender.send(message).await,
+            Self::RabbitMq(ref sender) => sender.send(message).await,
             #[cfg(feature = "nats")]
-            Self::Nats(sender) => sender.send(message).await,
-            #[cfg(not(any(feature = "rabbitmq", feature = "nats")))]
-            _ => {
-                let _ = message;
-                unreachable!("no broker is built in")
-            }
+            Self::Nats(ref sender) => sender.send(message).await,
         }
     }
-}
-
-fn charge_id(body: &[u8]) -> Option<String> {
-    let charge: Value = serde_json::from_slice(body).ok()?;
-    charge["id"].as_str().map(str::to_owned)
-}
-
-fn env_or<T: FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|value| value.parse().ok())
-        .unwrap_or(default)
 }
 
 fn problem(status: StatusCode, code: &str, detail: &str) -> Response {
@@ -783,4 +706,104 @@ fn internal(detail: &str) -> Response {
         "internal",
         "internal error",
     )
+}
+
+/// The payments table, and how each backend runs a statement on it. The handlers write each
+/// statement once with `?` for its arguments; each backend implements [`Payments`] on its own
+/// connection type, so nothing is generic over sqlx's encoding traits.
+mod db {
+    use std::future::Future;
+
+    #[derive(Clone, Copy)]
+    pub(crate) enum Arg<'a> {
+        Int(i64),
+        Text(&'a str),
+    }
+
+    type Conn<DB> = <DB as sqlx::Database>::Connection;
+    /// id, order_id, amount (its exact decimal text), currency, payee, outbox_id.
+    pub(crate) type Row = (i64, String, String, String, String, i64);
+    pub(crate) const COLUMNS: &str = "id, order_id, amount, currency, payee, outbox_id";
+
+    pub(crate) trait Payments: axum_idempotency::Backend {
+        /// The payment a statement selects (or inserts, `RETURNING` its [`COLUMNS`]), if any.
+        fn payment(
+            c: &mut Conn<Self>,
+            sql: &str,
+            args: &[Arg],
+        ) -> impl Future<Output = sqlx::Result<Option<Row>>> + Send;
+    }
+
+    #[cfg(feature = "sqlite")]
+    pub(crate) const SQLITE: &str =
+        "CREATE TABLE IF NOT EXISTS payments (id INTEGER PRIMARY KEY AUTOINCREMENT,
+        owner TEXT NOT NULL, order_id TEXT NOT NULL, amount TEXT NOT NULL, currency TEXT NOT NULL,
+        payee TEXT NOT NULL, outbox_id BIGINT NOT NULL)";
+
+    #[cfg(feature = "sqlite")]
+    impl Payments for sqlx::Sqlite {
+        async fn payment(
+            c: &mut Conn<Self>,
+            sql: &str,
+            args: &[Arg<'_>],
+        ) -> sqlx::Result<Option<Row>> {
+            let query = sqlx::query_as(sqlx::AssertSqlSafe(sql.to_owned()));
+            let query = args.iter().fold(query, |query, arg| match *arg {
+                Arg::Int(value) => query.bind(value),
+                Arg::Text(value) => query.bind(value),
+            });
+            query.fetch_optional(c).await
+        }
+    }
+
+    #[cfg(feature = "postgres")]
+    pub(crate) const POSTGRES: &str = "CREATE TABLE IF NOT EXISTS payments (
+        id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, owner TEXT NOT NULL, order_id TEXT NOT NULL,
+        amount TEXT NOT NULL, currency TEXT NOT NULL, payee TEXT NOT NULL, outbox_id BIGINT NOT NULL)";
+
+    #[cfg(feature = "postgres")]
+    impl Payments for sqlx::Postgres {
+        async fn payment(
+            c: &mut Conn<Self>,
+            sql: &str,
+            args: &[Arg<'_>],
+        ) -> sqlx::Result<Option<Row>> {
+            // PostgreSQL numbers its parameters: each `?` becomes `$1`, `$2`, … in order.
+            let mut numbered = String::with_capacity(sql.len() + 16);
+            for (n, part) in sql.split('?').enumerate() {
+                if n > 0 {
+                    numbered.push_str(&format!("${n}"));
+                }
+                numbered.push_str(part);
+            }
+            let query = sqlx::query_as(sqlx::AssertSqlSafe(numbered));
+            let query = args.iter().fold(query, |query, arg| match *arg {
+                Arg::Int(value) => query.bind(value),
+                Arg::Text(value) => query.bind(value),
+            });
+            query.fetch_optional(c).await
+        }
+    }
+
+    /// utf8mb4, so any payee the app accepts fits. INSERT … RETURNING is MariaDB's (10.5+).
+    #[cfg(feature = "mysql")]
+    pub(crate) const MYSQL: &str = "CREATE TABLE IF NOT EXISTS payments (id BIGINT AUTO_INCREMENT PRIMARY KEY,
+        owner VARCHAR(32) NOT NULL, order_id VARCHAR(32) NOT NULL, amount VARCHAR(32) NOT NULL,
+        currency CHAR(3) NOT NULL, payee VARCHAR(255) NOT NULL, outbox_id BIGINT NOT NULL) DEFAULT CHARSET = utf8mb4";
+
+    #[cfg(feature = "mysql")]
+    impl Payments for sqlx::MySql {
+        async fn payment(
+            c: &mut Conn<Self>,
+            sql: &str,
+            args: &[Arg<'_>],
+        ) -> sqlx::Result<Option<Row>> {
+            let query = sqlx::query_as(sqlx::AssertSqlSafe(sql.to_owned()));
+            let query = args.iter().fold(query, |query, arg| match *arg {
+                Arg::Int(value) => query.bind(value),
+                Arg::Text(value) => query.bind(value),
+            });
+            query.fetch_optional(c).await
+        }
+    }
 }

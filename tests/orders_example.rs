@@ -1,4 +1,4 @@
-//! The `orders` example as a real process, on SQLite and on PostgreSQL.
+//! The `orders` example as a real process, on SQLite, PostgreSQL and MariaDB.
 
 mod common;
 
@@ -54,6 +54,17 @@ impl Orders {
     /// `POST /orders` as the holder of `token`.
     async fn place(&self, token: &str, key: Option<&str>, body: Option<Value>) -> Answer {
         self.send("POST", "/orders", token, key, body).await
+    }
+
+    /// `POST /orders` with `body` sent as written, for numbers `serde_json` would respell.
+    async fn raw(&self, token: &str, key: &str, body: &str) -> Answer {
+        let request = Request::post(format!("{}/orders", self.process.url))
+            .header("authorization", format!("Bearer {token}"))
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.to_owned())))
+            .expect("request");
+        self.http.call(request).await
     }
 }
 
@@ -178,88 +189,287 @@ async fn out_of_stock_is_final_and_replayed(orders: Orders) {
     assert_eq!(again.body, refused.body);
 }
 
-fn sqlite_url() -> (tempfile::TempDir, String) {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let url = format!("sqlite://{}", dir.path().join("orders.db").display());
-    (dir, url)
+/// Where one test's orders live: an SQLite file, or a PostgreSQL schema or MariaDB database of
+/// its own, dropped by [`Database::drop`].
+struct Database {
+    url: String,
+    /// The admin URL and the statement that drops the schema or the database.
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+    drop: Option<(String, String)>,
+    _dir: tempfile::TempDir,
+}
+
+impl Database {
+    fn sqlite() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let url = format!("sqlite://{}", dir.path().join("orders.db").display());
+        Self {
+            url,
+            drop: None,
+            _dir: dir,
+        }
+    }
+
+    #[cfg(feature = "postgres")]
+    async fn postgres() -> Self {
+        let base = std::env::var("TEST_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        let schema = common::unique("orders");
+        let admin = sqlx::PgPool::connect(&base)
+            .await
+            .unwrap_or_else(|e| panic!("PostgreSQL at {base} is unreachable: {e}"));
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+            .execute(&admin)
+            .await
+            .expect("schema");
+        Self {
+            url: format!("{base}?options=-c%20search_path%3D{schema}"),
+            drop: Some((base, format!("DROP SCHEMA {schema} CASCADE"))),
+            _dir: tempfile::tempdir().expect("tempdir"),
+        }
+    }
+
+    #[cfg(feature = "mysql")]
+    async fn mysql() -> Self {
+        use sqlx::Connection;
+        let base = std::env::var("TEST_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        let database = common::unique("orders");
+        let mut admin = sqlx::MySqlConnection::connect(&base)
+            .await
+            .unwrap_or_else(|e| panic!("MariaDB/MySQL at {base} is unreachable: {e}"));
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+            .execute(&mut admin)
+            .await
+            .expect("database");
+        let server = base
+            .rsplit_once('/')
+            .map_or(base.as_str(), |(server, _)| server);
+        Self {
+            url: format!("{server}/{database}"),
+            drop: Some((base.clone(), format!("DROP DATABASE {database}"))),
+            _dir: tempfile::tempdir().expect("tempdir"),
+        }
+    }
+
+    /// Runs `scenario` on the example started on this database, then drops the database.
+    async fn run<F, Fut>(self, scenario: F)
+    where
+        F: FnOnce(Orders) -> Fut,
+        Fut: Future<Output = ()>,
+    {
+        scenario(Orders::start(&self.url).await).await;
+        #[cfg(any(feature = "postgres", feature = "mysql"))]
+        if let Some((admin, drop)) = self.drop {
+            let drop = sqlx::AssertSqlSafe(drop);
+            match admin.split(':').next() {
+                #[cfg(feature = "postgres")]
+                Some("postgres") => {
+                    let admin = sqlx::PgPool::connect(&admin).await.expect("admin");
+                    sqlx::raw_sql(drop).execute(&admin).await.expect("drop");
+                }
+                #[cfg(feature = "mysql")]
+                Some("mysql") => {
+                    let admin = sqlx::MySqlPool::connect(&admin).await.expect("admin");
+                    sqlx::raw_sql(drop).execute(&admin).await.expect("drop");
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// What a column cannot hold (a NUL, which PostgreSQL refuses; a currency longer than MariaDB's
+/// column) and skus that only look like a product are final 400s on every backend, decided
+/// before any SQL, never a 500 the client would retry forever.
+async fn unstorable_input_and_lookalike_skus_are_final_400s(orders: Orders) {
+    let long = "E".repeat(100_000);
+    let cases = [
+        ("widget", "EUR\u{0}"),
+        ("widget", long.as_str()),
+        ("widget", "EURO-DOLLAR"),
+        ("widget", ""),
+        (long.as_str(), "EUR"),
+        ("wid\u{0}get", "EUR"),
+        ("WIDGET", "EUR"),
+        ("Widget", "EUR"),
+        ("widget ", "EUR"),
+        (" widget", "EUR"),
+    ];
+    for (sku, currency) in cases {
+        let body = json!({ "sku": sku, "quantity": 1, "amount": 12.5, "currency": currency });
+        let key = key("unstorable");
+        let refused = orders
+            .place("alice-token", Some(&key), Some(body.clone()))
+            .await;
+        let what = format!("sku {:.20?} currency {:.20?}", sku, currency);
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{what}");
+        assert_eq!(refused.json()["code"], "invalid_order", "{what}");
+        let again = orders.place("alice-token", Some(&key), Some(body)).await;
+        assert!(replayed(&again), "final, so replayed: {what}");
+    }
+    for sku in ["WIDGET", "Widget", "widget "] {
+        let answer = orders
+            .place("alice-token", Some(&key("sku")), Some(order(sku, 1)))
+            .await;
+        assert_eq!(answer.json()["detail"], "unknown sku", "{sku:?}");
+    }
+    // Tokens match exactly too: MariaDB's default collation would take this one for alice's.
+    let shouting = orders
+        .place("ALICE-TOKEN", Some(&key("token")), Some(order("widget", 1)))
+        .await;
+    assert_eq!(shouting.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        orders
+            .send("GET", "/orders", "alice-token", None, None)
+            .await
+            .json(),
+        json!([]),
+        "nothing was written"
+    );
+}
+
+/// Amounts are kept in cents: each echoes as the number it was sent as (`10` as `10.0`, as
+/// the example always answered), and one finer than a cent or too large is a final 400.
+async fn amounts_are_exact_cents(orders: Orders) {
+    let echoes = [
+        ("0.1", "0.1"),
+        ("0.2", "0.2"),
+        ("0.3", "0.3"),
+        ("10", "10.0"),
+        ("12.50", "12.5"),
+        ("1e2", "100.0"),
+        ("0.07", "0.07"),
+        ("1234567890.99", "1234567890.99"),
+        ("9999999999999.99", "9999999999999.99"),
+    ];
+    for (sent, echoed) in echoes {
+        let body = format!(r#"{{"sku":"widget","quantity":1,"amount":{sent},"currency":"EUR"}}"#);
+        let answer = orders.raw("alice-token", &key("amount"), &body).await;
+        assert_eq!(answer.status, StatusCode::CREATED, "{sent}");
+        let text = String::from_utf8_lossy(&answer.body).into_owned();
+        assert!(
+            text.contains(&format!(r#""amount":{echoed},"#)),
+            "{sent} echoed as {text}"
+        );
+        let id = answer.json()["id"].as_i64().expect("id");
+        let stored = orders
+            .send("GET", &format!("/orders/{id}"), "alice-token", None, None)
+            .await;
+        assert!(
+            String::from_utf8_lossy(&stored.body).contains(&format!(r#""amount":{echoed},"#)),
+            "{sent} read back"
+        );
+    }
+    for sent in [
+        "0.001",
+        "12.345",
+        "0.30000000000000004",
+        "10000000000000",
+        "1e20",
+        "0",
+        "-5",
+    ] {
+        let body = format!(r#"{{"sku":"widget","quantity":1,"amount":{sent},"currency":"EUR"}}"#);
+        let answer = orders.raw("alice-token", &key("amount"), &body).await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{sent}");
+        assert_eq!(answer.json()["code"], "invalid_order", "{sent}");
+    }
 }
 
 #[tokio::test]
 async fn orders_example_keeps_the_contract_on_sqlite() {
-    let (_dir, url) = sqlite_url();
-    the_contract_holds(Orders::start(&url).await).await;
+    Database::sqlite().run(the_contract_holds).await;
 }
 
 #[tokio::test]
 async fn orders_example_replays_out_of_stock_on_sqlite() {
-    let (_dir, url) = sqlite_url();
-    out_of_stock_is_final_and_replayed(Orders::start(&url).await).await;
+    Database::sqlite()
+        .run(out_of_stock_is_final_and_replayed)
+        .await;
 }
 
-#[cfg(feature = "postgres")]
-async fn postgres_url() -> String {
-    let base = std::env::var("TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let schema = common::unique("orders");
-    let admin = sqlx::PgPool::connect(&base)
-        .await
-        .unwrap_or_else(|e| panic!("PostgreSQL at {base} is unreachable: {e}"));
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-        .execute(&admin)
-        .await
-        .expect("schema");
-    format!("{base}?options=-c%20search_path%3D{schema}")
+#[tokio::test]
+async fn orders_example_refuses_unstorable_input_and_lookalike_skus_on_sqlite() {
+    Database::sqlite()
+        .run(unstorable_input_and_lookalike_skus_are_final_400s)
+        .await;
+}
+
+#[tokio::test]
+async fn orders_example_keeps_amounts_in_exact_cents_on_sqlite() {
+    Database::sqlite().run(amounts_are_exact_cents).await;
 }
 
 #[cfg(feature = "postgres")]
 #[tokio::test]
 async fn orders_example_keeps_the_contract_on_postgres() {
-    the_contract_holds(Orders::start(&postgres_url().await).await).await;
+    Database::postgres().await.run(the_contract_holds).await;
 }
 
 #[cfg(feature = "postgres")]
 #[tokio::test]
 async fn orders_example_replays_out_of_stock_on_postgres() {
-    out_of_stock_is_final_and_replayed(Orders::start(&postgres_url().await).await).await;
+    Database::postgres()
+        .await
+        .run(out_of_stock_is_final_and_replayed)
+        .await;
 }
 
-#[cfg(feature = "mysql")]
-async fn mysql_url() -> String {
-    use sqlx::Connection;
-    let base = std::env::var("TEST_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
-    let database = common::unique("orders");
-    let mut admin = sqlx::MySqlConnection::connect(&base)
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn orders_example_refuses_unstorable_input_and_lookalike_skus_on_postgres() {
+    Database::postgres()
         .await
-        .unwrap_or_else(|e| panic!("MariaDB/MySQL at {base} is unreachable: {e}"));
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
-        .execute(&mut admin)
+        .run(unstorable_input_and_lookalike_skus_are_final_400s)
+        .await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn orders_example_keeps_amounts_in_exact_cents_on_postgres() {
+    Database::postgres()
         .await
-        .expect("database");
-    let server = base
-        .rsplit_once('/')
-        .map_or(base.as_str(), |(server, _)| server);
-    format!("{server}/{database}")
+        .run(amounts_are_exact_cents)
+        .await;
 }
 
 #[cfg(feature = "mysql")]
 #[tokio::test]
 async fn orders_example_keeps_the_contract_on_mysql() {
-    the_contract_holds(Orders::start(&mysql_url().await).await).await;
+    Database::mysql().await.run(the_contract_holds).await;
 }
 
 #[cfg(feature = "mysql")]
 #[tokio::test]
 async fn orders_example_replays_out_of_stock_on_mysql() {
-    out_of_stock_is_final_and_replayed(Orders::start(&mysql_url().await).await).await;
+    Database::mysql()
+        .await
+        .run(out_of_stock_is_final_and_replayed)
+        .await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn orders_example_refuses_unstorable_input_and_lookalike_skus_on_mysql() {
+    Database::mysql()
+        .await
+        .run(unstorable_input_and_lookalike_skus_are_final_400s)
+        .await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn orders_example_keeps_amounts_in_exact_cents_on_mysql() {
+    Database::mysql().await.run(amounts_are_exact_cents).await;
 }
 
 /// The example's own 4xx are problem+json with codes of its own, never `idempotency_*`, and a
 /// body that does not fit an order is a 400, not axum's 422 (the crate's reused-key status).
 #[tokio::test]
 async fn orders_example_answers_its_own_body_errors_as_problem_json_on_sqlite() {
-    let (_dir, url) = sqlite_url();
-    let orders = Orders::start(&url).await;
+    let database = Database::sqlite();
+    let orders = Orders::start(&database.url).await;
     let cases: [(&str, &str, &str, StatusCode, &str); 3] = [
         (
             "application/json",

@@ -58,7 +58,7 @@ impl Http {
 }
 
 fn payment(order: usize) -> Value {
-    json!({ "order_id": format!("o-{order}"), "amount": 12.5, "currency": "EUR", "payee": "acme" })
+    json!({ "order_id": order.to_string(), "amount": 12.5, "currency": "EUR", "payee": "acme" })
 }
 
 fn id_of(answer: &Answer) -> i64 {
@@ -92,8 +92,17 @@ impl Scenario {
     /// Starts payments on this scenario's SQLite file; `env` overrides the defaults.
     async fn payments(&self, provider: &Process, env: &[(&str, &str)]) -> Process {
         let database = format!("sqlite:{}", self.path("payments.db"));
+        self.payments_on(&database, provider, env).await
+    }
+
+    async fn payments_on(
+        &self,
+        database: &str,
+        provider: &Process,
+        env: &[(&str, &str)],
+    ) -> Process {
         let mut all = vec![
-            ("DATABASE_URL", database.as_str()),
+            ("DATABASE_URL", database),
             ("PROVIDER_URL", provider.url.as_str()),
             ("OUTBOX_POLL_MS", "100"),
             ("OUTBOX_BACKOFF_MS", "50"),
@@ -292,6 +301,106 @@ async fn on_postgres_killed_before_dispatch_charges_once_after_restart() {
     restarted.kill().await;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
         .execute(&mut admin)
+        .await
+        .unwrap();
+}
+
+/// What the orders example could not apply (an order id like `o-1`, an amount finer than a
+/// cent) or a column could not hold (a NUL, 100,000 characters) is a final 400 before anything
+/// is written or charged; a valid payment is charged once and shows its amount as sent.
+async fn refuses_what_orders_cannot_apply_and_charges_the_rest_once(database: &str) {
+    let scenario = Scenario::new();
+    let http = &scenario.http;
+    let provider = scenario.provider(&[]).await;
+    let payments = scenario.payments_on(database, &provider, &[]).await;
+    let long = "x".repeat(100_000);
+    let refused = [
+        json!({ "order_id": "o-1", "amount": 12.5, "currency": "EUR", "payee": "acme" }),
+        json!({ "order_id": "", "amount": 12.5, "currency": "EUR", "payee": "acme" }),
+        json!({ "order_id": 1.5, "amount": 12.5, "currency": "EUR", "payee": "acme" }),
+        json!({ "order_id": "1".repeat(40), "amount": 12.5, "currency": "EUR", "payee": "acme" }),
+        json!({ "order_id": 1, "amount": 12.345, "currency": "EUR", "payee": "acme" }),
+        json!({ "order_id": 1, "amount": 0, "currency": "EUR", "payee": "acme" }),
+        json!({ "order_id": 1, "amount": 12.5, "currency": "EU\u{0}", "payee": "acme" }),
+        json!({ "order_id": 1, "amount": 12.5, "currency": long, "payee": "acme" }),
+        json!({ "order_id": 1, "amount": 12.5, "currency": "EUR", "payee": "ac\u{0}me" }),
+        json!({ "order_id": 1, "amount": 12.5, "currency": "EUR", "payee": long }),
+        json!({ "order_id": 1, "amount": "12.5", "currency": "EUR", "payee": "acme" }),
+    ];
+    for (n, body) in refused.iter().enumerate() {
+        let key = format!("refused-{n}");
+        let answer = http.pay(&payments.url, &key, body).await;
+        let what = format!("{:.80}", body.to_string());
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{what}");
+        assert_eq!(answer.headers["content-type"], "application/problem+json");
+        assert_eq!(answer.json()["code"], "invalid_payment", "{what}");
+        let again = http.pay(&payments.url, &key, body).await;
+        assert_eq!(
+            again.headers["idempotent-replayed"], "true",
+            "final: {what}"
+        );
+    }
+
+    for (n, order_id) in [json!(7), json!("8")].into_iter().enumerate() {
+        let body = json!({ "order_id": order_id, "amount": 0.1, "currency": "EUR", "payee": "acme-\u{e9}" });
+        let accepted = http.pay(&payments.url, &format!("good-{n}"), &body).await;
+        assert_eq!(accepted.status, StatusCode::ACCEPTED);
+        let settled = http.settled(&payments.url, id_of(&accepted)).await;
+        assert_eq!(settled["status"], "succeeded");
+        assert_eq!(settled["amount"], json!(0.1));
+        assert_eq!(settled["payee"], "acme-\u{e9}");
+    }
+    assert_eq!(
+        http.charges(&provider.url).await["count"],
+        2,
+        "only the valid payments"
+    );
+    payments.kill().await;
+    provider.kill().await;
+}
+
+#[tokio::test]
+async fn on_sqlite_refuses_what_orders_cannot_apply_and_charges_the_rest_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let database = format!("sqlite:{}", dir.path().join("payments.db").display());
+    refuses_what_orders_cannot_apply_and_charges_the_rest_once(&database).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn on_postgres_refuses_what_orders_cannot_apply_and_charges_the_rest_once() {
+    let base = std::env::var("TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let schema = common::unique("payments");
+    let admin = sqlx::PgPool::connect(&base).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let url = format!("{base}?options=-c%20search_path%3D{schema}");
+    refuses_what_orders_cannot_apply_and_charges_the_rest_once(&url).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn on_mariadb_refuses_what_orders_cannot_apply_and_charges_the_rest_once() {
+    let base = std::env::var("TEST_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+    let database = common::unique("payments");
+    let admin = sqlx::MySqlPool::connect(&base).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let server = base.rsplit_once('/').map_or(base.as_str(), |(s, _)| s);
+    let url = format!("{server}/{database}");
+    refuses_what_orders_cannot_apply_and_charges_the_rest_once(&url).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP DATABASE {database}")))
+        .execute(&admin)
         .await
         .unwrap();
 }

@@ -5,7 +5,8 @@
 //! `payment.succeeded`; dead letters go to `orders.payment-succeeded.dead`.
 //! `BROKER_URL=nats://…` (feature `nats`) consumes the durable consumer `orders` on the stream
 //! `PAYMENTS` (subjects `payments.>`), filter `payments.succeeded`; dead letters go to the
-//! stream `ORDERS_DEAD` (subjects `orders.dead.>`).
+//! stream `ORDERS_DEAD` (subjects `orders.dead.>`). `orders replay-dead` replays the dead
+//! letters once and exits.
 //!
 //! Tuning: `ORDERS_CONSUMER_CONCURRENCY` (default 4), `ORDERS_CONSUMER_MAX_ATTEMPTS` (5),
 //! `ORDERS_CONSUMER_BACKOFF_MS` (1000), `ORDERS_CONSUMER_ACK_WAIT_SECS` (NATS, 30).
@@ -14,28 +15,214 @@
 //! (retryable), `ORDERS_FAILPOINT=after-commit` freezes the process after the first commit,
 //! before its ack (to be killed), and `ORDERS_CONSUMER_STATS_MS` prints the inbox's counters.
 
+use std::fmt::Debug;
 use std::time::Duration;
 
-use axum_idempotency::inbox::{Delivery, Failure, Inbox, Verdict};
-use axum_idempotency::{Store, Tx};
+use axum_idempotency::Tx;
+use axum_idempotency::inbox::{Delivery, Failure, ReplayReport, Stats, Verdict};
 use serde_json::Value;
 
-use crate::db::OrdersDb;
+use crate::Error;
+use crate::db::{Arg, Backend, Cents};
 
-/// A payment event as the payments example publishes it.
-struct PaymentSucceeded {
-    payment_id: String,
-    order_id: i64,
-    amount: f64,
+/// Starts consuming payment events with an inbox on `$store`, or with `replay-dead` replays
+/// the dead letters and exits. Fails at once if the broker cannot be reached, so a
+/// misconfigured process does not serve without consuming. A macro for the reason given at
+/// `serve_on!`: the inbox and the broker adapters have a type per backend. All it does besides
+/// is in the functions below.
+macro_rules! spawn {
+    ($store:expr, $broker_url:expr) => {{
+        use std::time::Duration;
+        use $crate::consumer::{self as c, Broker};
+        use $crate::setting;
+        let fail_percent: u32 = setting("ORDERS_CONSUMER_FAIL_PERCENT", 0)?;
+        let handler = move |tx, delivery| c::apply(tx, delivery, fail_percent);
+        let backoff = Duration::from_millis(setting("ORDERS_CONSUMER_BACKOFF_MS", 1000)?);
+        let mut inbox = axum_idempotency::inbox::Inbox::new("orders", $store)
+            .key_by(c::payment_id)
+            .max_attempts(setting("ORDERS_CONSUMER_MAX_ATTEMPTS", 5)?)
+            .backoff(backoff, Duration::from_secs(60));
+        if std::env::var("ORDERS_FAILPOINT").as_deref() == Ok("after-commit") {
+            inbox = inbox.on_verdict(c::freeze_after_commit);
+        }
+        if let Ok(every) = std::env::var("ORDERS_CONSUMER_STATS_MS") {
+            let (every, inbox) = (Duration::from_millis(every.parse()?), inbox.clone());
+            c::print_stats(every, move || inbox.stats());
+        }
+        let replay = std::env::args().any(|arg| arg == "replay-dead");
+        let concurrency: u16 = setting("ORDERS_CONSUMER_CONCURRENCY", 4)?;
+        match Broker::connect($broker_url).await? {
+            #[cfg(feature = "rabbitmq")]
+            Broker::RabbitMq(connection) => {
+                use axum_idempotency::inbox::rabbitmq::RabbitMqConsumer;
+                let queue = c::name("orders.payment-succeeded");
+                let consumer = RabbitMqConsumer::new(inbox, connection, queue)
+                    .bind(c::name("payments"), "payment.succeeded")
+                    .concurrency(concurrency);
+                consumer.declare().await?;
+                if replay {
+                    c::replayed(consumer.replay_dead(handler, usize::MAX).await?);
+                }
+                c::run(consumer.run(handler));
+            }
+            #[cfg(feature = "nats")]
+            Broker::Nats(jetstream) => {
+                use axum_idempotency::inbox::nats::NatsConsumer;
+                let consumer = NatsConsumer::new(inbox, *jetstream, c::name("PAYMENTS"), "orders")
+                    .stream_subjects([c::name("payments.>")])
+                    .filter_subject(c::name("payments.succeeded"))
+                    .dead_letters(c::name("ORDERS_DEAD"), c::name("orders.dead"))
+                    .ack_wait(Duration::from_secs(setting(
+                        "ORDERS_CONSUMER_ACK_WAIT_SECS",
+                        30,
+                    )?))
+                    .concurrency(usize::from(concurrency));
+                consumer.declare().await?;
+                if replay {
+                    c::replayed(consumer.replay_dead(handler, usize::MAX).await?);
+                }
+                c::run(consumer.run(handler));
+            }
+        }
+        // The URL may carry credentials: only its scheme is printed.
+        let scheme = $broker_url.split(':').next().unwrap_or_default();
+        println!("orders consuming payment events ({scheme})");
+    }};
+}
+pub(crate) use spawn;
+
+/// The connection to the broker `BROKER_URL` names.
+pub(crate) enum Broker {
+    #[cfg(feature = "rabbitmq")]
+    RabbitMq(std::sync::Arc<lapin::Connection>),
+    #[cfg(feature = "nats")]
+    Nats(Box<async_nats::jetstream::Context>),
 }
 
-impl PaymentSucceeded {
-    fn parse(payload: &[u8]) -> Result<Self, Failure> {
+impl Broker {
+    pub(crate) async fn connect(url: &str) -> Result<Self, Error> {
+        match url.split(':').next().unwrap_or_default() {
+            #[cfg(feature = "rabbitmq")]
+            "amqp" | "amqps" => {
+                // A 10 s heartbeat: a consumer host that vanishes without closing its socket is
+                // noticed, and its unacked deliveries redelivered, within 30 s.
+                let url = match (url.contains("heartbeat="), url.contains('?')) {
+                    (true, _) => url.to_owned(),
+                    (false, true) => format!("{url}&heartbeat=10"),
+                    (false, false) => format!("{url}?heartbeat=10"),
+                };
+                let connection = lapin::Connection::connect(&url, Default::default()).await?;
+                Ok(Self::RabbitMq(std::sync::Arc::new(connection)))
+            }
+            #[cfg(feature = "nats")]
+            "nats" => {
+                let jetstream = async_nats::jetstream::new(async_nats::connect(url).await?);
+                Ok(Self::Nats(Box::new(jetstream)))
+            }
+            other => Err(
+                format!("BROKER_URL {other:?} is not built in (features rabbitmq, nats)").into(),
+            ),
+        }
+    }
+}
+
+/// The inbox's key: the payment id, so a payment applies once whatever its message ids.
+pub(crate) fn payment_id(delivery: &Delivery) -> Result<String, Failure> {
+    Ok(Event::parse(delivery.payload())?.payment_id)
+}
+
+/// `ORDERS_FAILPOINT=after-commit`: committed, not acked; frozen here until the test kills the
+/// process.
+pub(crate) fn freeze_after_commit(_: &Delivery, verdict: &Verdict) {
+    if *verdict == Verdict::Applied {
+        println!("failpoint after-commit reached");
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+}
+
+/// `ORDERS_CONSUMER_STATS_MS`: prints the inbox's counters that often.
+pub(crate) fn print_stats(every: Duration, stats: impl Fn() -> Stats + Send + 'static) {
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(every).await;
+            let Stats {
+                processed,
+                duplicates,
+                retried,
+                dead,
+                ..
+            } = stats();
+            println!(
+                "consumer stats processed={processed} duplicates={duplicates} retried={retried} dead={dead}"
+            );
+        }
+    });
+}
+
+/// Runs the consumer in the background. It only ends when its channel or connection closed:
+/// then the process exits, for a supervisor to restart it.
+pub(crate) fn run<E: Debug>(consumer: impl Future<Output = Result<(), E>> + Send + 'static) {
+    tokio::spawn(async move {
+        let ended = consumer.await;
+        tracing::error!(?ended, "the payment consumer stopped");
+        std::process::exit(1);
+    });
+}
+
+/// Reports an operator's replay and ends the process: `replay-dead` is a one-off command.
+pub(crate) fn replayed(report: ReplayReport) -> ! {
+    let ReplayReport {
+        applied,
+        duplicates,
+        still_dead,
+        ..
+    } = report;
+    println!(
+        "replayed dead letters: applied={applied} duplicates={duplicates} still_dead={still_dead}"
+    );
+    std::process::exit(0)
+}
+
+/// A broker name in the test namespace `BROKER_NAMESPACE`, if any: `t1.payments`, and for
+/// NATS streams (upper case) `T1_PAYMENTS`.
+pub(crate) fn name(name: &str) -> String {
+    match std::env::var("BROKER_NAMESPACE") {
+        Ok(ns) if !ns.is_empty() && name.starts_with(char::is_uppercase) => {
+            format!("{}_{name}", ns.to_uppercase())
+        }
+        Ok(ns) if !ns.is_empty() => format!("{ns}.{name}"),
+        _ => name.to_owned(),
+    }
+}
+
+/// A payment event as the payments example publishes it.
+pub(crate) struct Event {
+    pub(crate) payment_id: String,
+    order_id: i64,
+    amount: Cents,
+}
+
+impl Event {
+    /// A malformed event, or one the tables cannot hold, is a permanent failure: dead-lettered
+    /// at once rather than retried.
+    pub(crate) fn parse(payload: &[u8]) -> Result<Self, Failure> {
         let event: Value = serde_json::from_slice(payload)
             .map_err(|e| Failure::permanent(format!("malformed JSON: {e}")))?;
         let payment_id = match &event["payment_id"] {
-            Value::String(id) if !id.is_empty() => id.clone(),
-            _ => return Err(Failure::permanent("payment_id must be a non-empty string")),
+            Value::String(id)
+                if !id.is_empty()
+                    && id.chars().count() <= 255
+                    && !id.contains(char::is_control) =>
+            {
+                id.clone()
+            }
+            _ => {
+                return Err(Failure::permanent(
+                    "payment_id must be 1 to 255 printable characters",
+                ));
+            }
         };
         let order_id = match &event["order_id"] {
             Value::Number(n) => n.as_i64(),
@@ -43,12 +230,12 @@ impl PaymentSucceeded {
                 s.parse().ok()
             }
             _ => None,
-        }
-        .ok_or_else(|| Failure::permanent("order_id must be an integer or a string of digits"))?;
-        let amount = event["amount"]
-            .as_f64()
-            .filter(|a| a.is_finite() && *a >= 0.0)
-            .ok_or_else(|| Failure::permanent("amount must be a non-negative number"))?;
+        };
+        let order_id = order_id.ok_or(Failure::permanent(
+            "order_id must be an integer or a string of digits",
+        ))?;
+        let amount = event["amount"].as_number().and_then(Cents::parse);
+        let amount = amount.ok_or(Failure::permanent("amount must be a number of whole cents"))?;
         if !event["currency"].is_string() {
             return Err(Failure::permanent("currency must be a string"));
         }
@@ -60,186 +247,40 @@ impl PaymentSucceeded {
     }
 }
 
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-/// A broker name in the test namespace, if any: `t1.payments`.
-#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
-fn dotted(name: &str) -> String {
-    match std::env::var("BROKER_NAMESPACE") {
-        Ok(ns) if !ns.is_empty() => format!("{ns}.{name}"),
-        _ => name.to_owned(),
-    }
-}
-
-/// A stream name in the test namespace, if any: `T1_PAYMENTS`.
-#[cfg_attr(not(feature = "nats"), allow(dead_code))]
-fn upper(name: &str) -> String {
-    match std::env::var("BROKER_NAMESPACE") {
-        Ok(ns) if !ns.is_empty() => format!("{}_{name}", ns.to_uppercase()),
-        _ => name.to_owned(),
-    }
-}
-
-/// Reports an operator's replay and ends the process: `replay-dead` is a one-off command.
-#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
-fn replayed(report: axum_idempotency::inbox::ReplayReport) -> ! {
-    println!(
-        "replayed dead letters: applied={} duplicates={} still_dead={}",
-        report.applied, report.duplicates, report.still_dead
-    );
-    std::process::exit(0)
-}
-
-/// Declares what the consumer uses and starts it in the background. Fails at once if the
-/// broker cannot be reached, so a misconfigured process does not serve without consuming.
-pub(crate) async fn spawn<DB>(
-    store: Store<DB>,
-    broker_url: &str,
-) -> Result<(), Box<dyn std::error::Error>>
-where
-    DB: OrdersDb,
-{
-    let fail_percent: u32 = env_or("ORDERS_CONSUMER_FAIL_PERCENT", 0);
-    let failpoint = std::env::var("ORDERS_FAILPOINT").ok();
-    let mut inbox = Inbox::new("orders", store)
-        .key_by(|delivery: &Delivery| Ok(PaymentSucceeded::parse(delivery.payload())?.payment_id))
-        .max_attempts(env_or("ORDERS_CONSUMER_MAX_ATTEMPTS", 5))
-        .backoff(
-            Duration::from_millis(env_or("ORDERS_CONSUMER_BACKOFF_MS", 1000)),
-            Duration::from_secs(60),
-        );
-    if failpoint.as_deref() == Some("after-commit") {
-        inbox = inbox.on_verdict(|_, verdict| {
-            if *verdict == Verdict::Applied {
-                // Committed, not acked: the process stays frozen here until it is killed.
-                println!("failpoint after-commit reached");
-                loop {
-                    std::thread::sleep(Duration::from_secs(3600));
-                }
-            }
-        });
-    }
-    if let Some(every) = std::env::var("ORDERS_CONSUMER_STATS_MS")
-        .ok()
-        .and_then(|v| v.parse().ok())
+/// Applies one event in the inbox's transaction, the one that holds the claim on its payment
+/// id: that claim, not a unique key in `order_payments`, applies it once.
+///
+/// The order is paid once its payments cover its amount, shipped or not. `status` is set
+/// before `paid_total`: MySQL reads a column already assigned in the same UPDATE, the others
+/// read the old row; in this order all three compare with the old total.
+pub(crate) async fn apply<DB: Backend>(
+    mut tx: Tx<DB>,
+    delivery: Delivery,
+    fail_percent: u32,
+) -> Result<(), Failure> {
+    let event = Event::parse(delivery.payload())?;
+    let retryable = |e: sqlx::Error| Failure::retryable(e.to_string());
+    let (order, amount) = (Arg::Int(event.order_id), Arg::Int(event.amount.0));
+    let pay = "UPDATE orders SET status = CASE WHEN paid_total + ? >= amount THEN 'paid' ELSE status END, \
+        paid_total = paid_total + ? WHERE id = ?";
+    if DB::execute(&mut tx, pay, &[amount, amount, order])
+        .await
+        .map_err(retryable)?
+        == 0
     {
-        let inbox = inbox.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_millis(every)).await;
-                let s = inbox.stats();
-                println!(
-                    "consumer stats processed={} duplicates={} retried={} dead={}",
-                    s.processed, s.duplicates, s.retried, s.dead
-                );
-            }
-        });
+        return Err(Failure::permanent(format!(
+            "order {} does not exist",
+            event.order_id
+        )));
     }
-    let handler = move |mut tx: Tx<DB>, delivery: Delivery| async move {
-        let event = PaymentSucceeded::parse(delivery.payload())?;
-        let applied = DB::apply_payment(&mut tx, event.order_id, &event.payment_id, event.amount)
-            .await
-            .map_err(|e| Failure::retryable(e.to_string()))?;
-        if !applied {
-            return Err(Failure::permanent(format!(
-                "order {} does not exist",
-                event.order_id
-            )));
-        }
-        if fail_percent > 0 && fastrand::u32(0..100) < fail_percent {
-            // Written, then failed: the rollback must leave neither the row nor the claim.
-            return Err(Failure::retryable("injected failure"));
-        }
-        Ok(())
-    };
-    let concurrency: u16 = env_or("ORDERS_CONSUMER_CONCURRENCY", 4);
-    #[cfg_attr(
-        not(any(feature = "rabbitmq", feature = "nats")),
-        allow(unused_variables)
-    )]
-    let replay = std::env::args().any(|arg| arg == "replay-dead");
-    let started: Result<(), String> = match broker_url.split(':').next().unwrap_or_default() {
-        #[cfg(feature = "rabbitmq")]
-        "amqp" | "amqps" => {
-            use axum_idempotency::inbox::rabbitmq::RabbitMqConsumer;
-            // A 10 s heartbeat: a consumer host that vanishes without closing its socket is
-            // noticed, and its unacked deliveries redelivered, within 30 s.
-            let url = if broker_url.contains("heartbeat=") {
-                broker_url.to_owned()
-            } else if broker_url.contains('?') {
-                format!("{broker_url}&heartbeat=10")
-            } else {
-                format!("{broker_url}?heartbeat=10")
-            };
-            let connection = lapin::Connection::connect(&url, Default::default()).await?;
-            let consumer = RabbitMqConsumer::new(
-                inbox,
-                std::sync::Arc::new(connection),
-                dotted("orders.payment-succeeded"),
-            )
-            .bind(dotted("payments"), "payment.succeeded")
-            .concurrency(concurrency);
-            consumer.declare().await?;
-            if replay {
-                let report = consumer.replay_dead(handler, usize::MAX).await?;
-                replayed(report);
-            }
-            tokio::spawn(async move {
-                let ended = consumer.run(handler).await;
-                // A closed channel or connection: exit so a supervisor restarts the process.
-                tracing::error!(?ended, "the payment consumer stopped");
-                std::process::exit(1);
-            });
-            Ok(())
-        }
-        #[cfg(feature = "nats")]
-        "nats" => {
-            use axum_idempotency::inbox::nats::NatsConsumer;
-            let client = async_nats::connect(broker_url).await?;
-            let consumer = NatsConsumer::new(
-                inbox,
-                async_nats::jetstream::new(client),
-                upper("PAYMENTS"),
-                "orders",
-            )
-            .stream_subjects([dotted("payments.>")])
-            .filter_subject(dotted("payments.succeeded"))
-            .dead_letters(upper("ORDERS_DEAD"), dotted("orders.dead"))
-            .ack_wait(Duration::from_secs(env_or(
-                "ORDERS_CONSUMER_ACK_WAIT_SECS",
-                30,
-            )))
-            .concurrency(usize::from(concurrency));
-            consumer.declare().await.map_err(|e| e.to_string())?;
-            if replay {
-                let report = consumer
-                    .replay_dead(handler, usize::MAX)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                replayed(report);
-            }
-            tokio::spawn(async move {
-                let ended = consumer.run(handler).await;
-                tracing::error!(?ended, "the payment consumer stopped");
-                std::process::exit(1);
-            });
-            Ok(())
-        }
-        other => {
-            let _ = (inbox, handler, concurrency);
-            Err(format!(
-                "BROKER_URL scheme {other:?} is not built in (features rabbitmq, nats)"
-            ))
-        }
-    };
-    started?;
-    // The URL may carry credentials: only its scheme is printed.
-    let scheme = broker_url.split(':').next().unwrap_or_default();
-    println!("orders consuming payment events ({scheme})");
+    let insert = "INSERT INTO order_payments (order_id, payment_id, amount) VALUES (?, ?, ?)";
+    let args = [order, Arg::Text(&event.payment_id), amount];
+    DB::execute(&mut tx, insert, &args)
+        .await
+        .map_err(retryable)?;
+    if fail_percent > 0 && fastrand::u32(0..100) < fail_percent {
+        // Written, then failed: the rollback must leave neither the row nor the claim.
+        return Err(Failure::retryable("injected failure"));
+    }
     Ok(())
 }

@@ -16,7 +16,7 @@
 //!   -d '{"sku":"widget","quantity":2,"amount":12.5,"currency":"EUR"}'
 //! ```
 
-#[cfg(feature = "inbox")]
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
 mod consumer;
 mod db;
 
@@ -25,177 +25,140 @@ use std::time::Duration;
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequestParts, Path};
-use axum::http::{StatusCode, header, request::Parts};
+use axum::http::{Method, StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Extension, Json, Router};
-use axum_idempotency::{IdempotencyLayer, Principal, SqliteStore, Store, Tx};
-use db::{NewOrder, Order, OrdersDb, StockError};
+use axum_idempotency::{IdempotencyLayer, Principal, SqliteStore, Tx};
+use db::Arg::{Int, Text};
+use db::{Backend, Cents, Order};
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::Pool;
 use sqlx::pool::PoolOptions;
 
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// Everything built on the backend's store: the tables, the purger, the payment consumer and
+/// the idempotency layer around the routes. A macro rather than a function because the store,
+/// the layer and the inbox have a type per backend; each arm of `main` pastes the same lines.
+macro_rules! serve_on {
+    ($pool:ident, $store:expr, $schema:expr, $pool_size:ident) => {{
+        sqlx::raw_sql($schema).execute(&$pool).await?;
+        let store = $store;
+        store.migrate().await?;
+        store.spawn_purger(Duration::from_secs(60));
+        if let Ok(broker) = std::env::var("BROKER_URL").as_deref()
+            && !broker.is_empty()
+        {
+            // The consumer claims payment ids in the same store as the HTTP keys: one claim path.
+            #[cfg(any(feature = "rabbitmq", feature = "nats"))]
+            consumer::spawn!(store.clone(), broker);
+            #[cfg(not(any(feature = "rabbitmq", feature = "nats")))]
+            return Err("BROKER_URL needs --features rabbitmq or nats".into());
+        }
+        // Keys are scoped to the user the bearer token proves, never to a header the client
+        // asserts. The layer hands that user to keyed handlers (`Extension<AuthUser>`), so they
+        // never look it up again on a second connection while the claim holds one. Claims leave
+        // two connections free for authentication and reads during a burst.
+        let idempotency = IdempotencyLayer::new(store)
+            .principal_with_state::<AuthUser, _>($pool.clone())
+            .max_concurrent_claims($pool_size.saturating_sub(2).max(1) as usize)
+            .deadline(Duration::from_secs(10))
+            .retention(Duration::from_secs(setting(
+                "IDEMPOTENCY_TTL_SECS",
+                24 * 3600,
+            )?))
+            .wait_for_in_flight(Duration::from_secs(5))
+            .ignore_json_fields(["/request_time", "/trace_id"]);
+        routes().route_layer(idempotency).with_state($pool)
+    }};
+}
+
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> Result<(), Error> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env();
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(filter.unwrap_or_else(|_| "info".into()))
         .init();
     let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "sqlite://orders.db".into());
-    let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
-    let ttl = match std::env::var("IDEMPOTENCY_TTL_SECS") {
-        Ok(secs) => Duration::from_secs(secs.parse()?),
-        Err(_) => Duration::from_secs(24 * 3600),
-    };
-
-    let pool_size = match std::env::var("DATABASE_MAX_CONNECTIONS") {
-        Ok(size) => size.parse()?,
-        Err(_) => 10,
-    };
-    let broker = std::env::var("BROKER_URL")
-        .ok()
-        .filter(|url| !url.is_empty());
-    let broker = broker.as_deref();
-
+    let pool_size = setting("DATABASE_MAX_CONNECTIONS", 10)?;
     let app = match url.split(':').next().unwrap_or_default() {
         "sqlite" => {
             use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
-            let options = url
-                .parse::<SqliteConnectOptions>()?
-                .create_if_missing(true)
-                .journal_mode(SqliteJournalMode::Wal);
-            let pool = pool_options::<sqlx::Sqlite>(pool_size)
-                .connect_with(options)
-                .await?;
+            let options = url.parse::<SqliteConnectOptions>()?.create_if_missing(true);
+            let options = options.journal_mode(SqliteJournalMode::Wal);
+            let pool = pool_options(pool_size).connect_with(options).await?;
             let store = SqliteStore::new(pool.clone());
-            store.migrate().await?;
-            store.spawn_purger(PURGE_EVERY);
-            app(pool, store, pool_size, ttl, broker).await?
+            serve_on!(pool, store, db::sqlite::SCHEMA, pool_size)
         }
         #[cfg(feature = "postgres")]
         "postgres" | "postgresql" => {
-            let pool = pool_options::<sqlx::Postgres>(pool_size)
-                .connect(&url)
-                .await?;
+            let pool = pool_options(pool_size).connect(&url).await?;
             let store = axum_idempotency::PgStore::new(pool.clone());
-            store.migrate().await?;
-            store.spawn_purger(PURGE_EVERY);
-            app(pool, store, pool_size, ttl, broker).await?
+            serve_on!(pool, store, db::postgres::SCHEMA, pool_size)
         }
         #[cfg(feature = "mysql")]
         "mysql" | "mariadb" => {
-            let pool = pool_options::<sqlx::MySql>(pool_size).connect(&url).await?;
+            let pool = pool_options(pool_size).connect(&url).await?;
             let store = axum_idempotency::MySqlStore::new(pool.clone());
-            store.migrate().await?;
-            store.spawn_purger(PURGE_EVERY);
-            app(pool, store, pool_size, ttl, broker).await?
+            serve_on!(pool, store, db::mysql::SCHEMA, pool_size)
         }
         other => {
-            return Err(
-                format!("DATABASE_URL scheme {other:?} is not built in (see --features)").into(),
-            );
+            return Err(format!("DATABASE_URL {other:?} is not built in (see --features)").into());
         }
     };
 
-    let shutdown = shutdown_signal()?;
+    // Listening for signals from now on, before the address is printed: a signal sent as soon
+    // as the server is up is never met by the default action (an abrupt exit).
+    use tokio::signal::unix::{SignalKind, signal};
+    let (mut terminate, mut interrupt) = (
+        signal(SignalKind::terminate())?,
+        signal(SignalKind::interrupt())?,
+    );
+    let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
     let listener = tokio::net::TcpListener::bind(&bind).await?;
     println!(
         "orders example listening on http://{}",
         listener.local_addr()?
     );
     // Requests in flight when the signal comes are answered before the process exits.
+    let shutdown = async move {
+        tokio::select! {
+            _ = terminate.recv() => {}
+            _ = interrupt.recv() => {}
+        }
+    };
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await?;
     Ok(())
 }
 
-/// Listens for SIGTERM (what Kubernetes and systemd send) and SIGINT (Ctrl-C) from now on; the
-/// future resolves on the first of them. Registered before the address is printed, so a signal
-/// sent as soon as the server is up is never met by the default action (an abrupt exit).
-fn shutdown_signal() -> std::io::Result<impl Future<Output = ()>> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut terminate = signal(SignalKind::terminate())?;
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    Ok(async move {
-        tokio::select! {
-            _ = terminate.recv() => {}
-            _ = interrupt.recv() => {}
-        }
-    })
+/// The setting `name`, or `default` when it is not set; a value that does not parse stops the
+/// example.
+fn setting<T: std::str::FromStr>(name: &str, default: T) -> Result<T, Error>
+where
+    T::Err: std::error::Error + Send + Sync + 'static,
+{
+    std::env::var(name).map_or(Ok(default), |value| Ok(value.parse()?))
 }
 
-/// The pool every backend uses. A connection is waited for at most three seconds, well within
-/// the idempotency layer's ten-second deadline: when the database is down or the pool has run
-/// dry, the request fails fast with a retryable answer instead of hanging.
+/// A connection is waited for at most three seconds, well within the layer's ten-second
+/// deadline: with the database down or the pool run dry, a request fails fast and retryably.
 fn pool_options<DB: sqlx::Database>(size: u32) -> PoolOptions<DB> {
     PoolOptions::new()
         .max_connections(size)
         .acquire_timeout(Duration::from_secs(3))
 }
 
-/// How often expired idempotency records are deleted.
-const PURGE_EVERY: Duration = Duration::from_secs(60);
-
-/// The whole app for one backend: schema, idempotency layer, routes.
-async fn app<DB>(
-    pool: Pool<DB>,
-    store: Store<DB>,
-    pool_size: u32,
-    ttl: Duration,
-    broker: Option<&str>,
-) -> Result<Router, Box<dyn std::error::Error>>
-where
-    DB: OrdersDb,
-{
-    DB::create_schema(&pool).await?;
-    if let Some(broker) = broker {
-        // The consumer claims payment ids in the same store as the HTTP keys: one claim path.
-        #[cfg(feature = "inbox")]
-        consumer::spawn(store.clone(), broker).await?;
-        #[cfg(not(feature = "inbox"))]
-        return Err(format!(
-            "BROKER_URL ({} bytes) needs --features rabbitmq or nats",
-            broker.len()
-        )
-        .into());
-    }
-    let state = AppState { pool };
-
-    // Keys are scoped to the user the bearer token proves, never to a header the client asserts.
-    // The layer hands that user to keyed handlers (`Extension<AuthUser>`), so they never look
-    // it up again on a second connection while the claim holds one. Claims leave two
-    // connections free for authentication and reads during a burst.
-    let idempotency = IdempotencyLayer::new(store)
-        .principal_with_state::<AuthUser, _>(state.clone())
-        .max_concurrent_claims(pool_size.saturating_sub(2).max(1) as usize)
-        .deadline(Duration::from_secs(10))
-        .retention(ttl)
-        .wait_for_in_flight(Duration::from_secs(5))
-        .ignore_json_fields(["/request_time", "/trace_id"]);
-
-    Ok(Router::new()
+fn routes<DB: Backend>() -> Router<Pool<DB>> {
+    Router::new()
         .route("/orders", post(create_order::<DB>).get(list_orders::<DB>))
         .route("/orders/{id}", get(get_order::<DB>))
         .route("/orders/{id}/ship", post(ship_order::<DB>))
         // Likes need no key: the unique (user, article) pair is the natural idempotency key.
-        .route("/articles/{id}/like", put(like::<DB>).delete(unlike::<DB>))
-        .route_layer(idempotency)
-        .with_state(state))
-}
-
-struct AppState<DB: sqlx::Database> {
-    pool: Pool<DB>,
-}
-
-impl<DB: sqlx::Database> Clone for AppState<DB> {
-    fn clone(&self) -> Self {
-        Self {
-            pool: self.pool.clone(),
-        }
-    }
+        .route("/articles/{id}/like", put(like::<DB>).delete(like::<DB>))
 }
 
 /// A caller proven by `Authorization: Bearer <token>` against the users table.
@@ -213,20 +176,16 @@ impl Principal for AuthUser {
     }
 }
 
-impl<DB: OrdersDb> FromRequestParts<AppState<DB>> for AuthUser {
-    type Rejection = ApiError;
+impl<DB: Backend> FromRequestParts<Pool<DB>> for AuthUser {
+    type Rejection = Problem;
 
-    async fn from_request_parts(parts: &mut Parts, state: &AppState<DB>) -> Result<Self, ApiError> {
-        let token = parts
-            .headers
-            .get(header::AUTHORIZATION)
-            .and_then(|value| value.to_str().ok())
-            .and_then(|value| value.strip_prefix("Bearer "))
-            .ok_or(ApiError::Unauthorized)?;
-        match DB::user_by_token(&state.pool, token).await? {
-            Some(id) => Ok(AuthUser { id }),
-            None => Err(ApiError::Unauthorized),
-        }
+    async fn from_request_parts(parts: &mut Parts, pool: &Pool<DB>) -> Result<Self, Problem> {
+        let header = parts.headers.get(header::AUTHORIZATION);
+        let token = header.and_then(|value| value.to_str().ok()?.strip_prefix("Bearer "));
+        let token = token.ok_or(UNAUTHORIZED)?;
+        let sql = "SELECT id FROM users WHERE token = ?";
+        let id = DB::int(&mut *pool.acquire().await?, sql, &[Text(token)]).await?;
+        id.map(|id| AuthUser { id }).ok_or(UNAUTHORIZED)
     }
 }
 
@@ -234,184 +193,182 @@ impl<DB: OrdersDb> FromRequestParts<AppState<DB>> for AuthUser {
 struct OrderRequest {
     sku: String,
     quantity: i64,
-    amount: f64,
+    /// Read as written, not as a float: see `Cents::parse`.
+    amount: serde_json::Number,
     currency: String,
 }
 
-async fn create_order<DB: OrdersDb>(
+async fn create_order<DB: Backend>(
     Extension(user): Extension<AuthUser>,
     mut tx: Tx<DB>,
     request: Result<Json<OrderRequest>, JsonRejection>,
-) -> Result<Response, ApiError> {
-    let Json(request) = request?;
-    if request.quantity < 1 {
-        return Err(ApiError::InvalidOrder("quantity must be at least 1"));
+) -> Result<Response, Problem> {
+    let Json(OrderRequest {
+        sku,
+        quantity,
+        amount,
+        currency,
+    }) = request?;
+    if quantity < 1 {
+        return Err(invalid("quantity must be at least 1"));
     }
-    if !(request.amount.is_finite() && request.amount > 0.0) {
-        return Err(ApiError::InvalidOrder("amount must be a positive number"));
+    let amount = Cents::parse(&amount)
+        .filter(|amount| amount.0 > 0)
+        .ok_or(invalid(
+            "amount must be a positive number with at most two decimals, below 10000000000000",
+        ))?;
+    // What a column cannot hold is refused here, finally: in the database it would fail as a
+    // 5xx, which the client would retry forever. The catalog is checked here too, so a sku
+    // matches exactly on every backend (MySQL's default collation ignores case and spaces).
+    if currency.is_empty() || currency.chars().count() > 8 || currency.contains(char::is_control) {
+        return Err(invalid("currency must be 1 to 8 printable characters"));
     }
-    DB::take_stock(&mut tx, &request.sku, request.quantity)
-        .await
-        .map_err(|e| match e {
-            StockError::UnknownSku => ApiError::InvalidOrder("unknown sku"),
-            StockError::OutOfStock => ApiError::OutOfStock,
-            StockError::Db(e) => ApiError::Db(e),
-        })?;
-    let order = NewOrder {
-        user_id: user.id,
-        sku: &request.sku,
-        quantity: request.quantity,
-        amount: request.amount,
-        currency: &request.currency,
+    if !["widget", "gadget"].contains(&sku.as_str()) {
+        return Err(invalid("unknown sku"));
+    }
+    let take = "UPDATE products SET stock = stock - ? WHERE sku = ? AND stock >= ?";
+    if DB::execute(&mut tx, take, &[Int(quantity), Text(&sku), Int(quantity)]).await? == 0 {
+        return Err(OUT_OF_STOCK);
+    }
+    let insert = "INSERT INTO orders (user_id, status, sku, quantity, amount, currency) \
+        VALUES (?, 'created', ?, ?, ?, ?) RETURNING id";
+    let args = [
+        Int(user.id),
+        Text(&sku),
+        Int(quantity),
+        Int(amount.0),
+        Text(&currency),
+    ];
+    let id = DB::int(&mut tx, insert, &args)
+        .await?
+        .ok_or(sqlx::Error::RowNotFound)?;
+    let (status, payments, paid_total) = ("created".into(), Vec::new(), Cents(0));
+    let order = Order {
+        id,
+        status,
+        sku,
+        quantity,
+        amount,
+        currency,
+        payments,
+        paid_total,
     };
-    let order = DB::insert_order(&mut tx, &order).await?;
-    let location = format!("/orders/{}", order.id);
-    Ok((
-        StatusCode::CREATED,
-        [(header::LOCATION, location)],
-        Json(order),
-    )
-        .into_response())
+    let location = [(header::LOCATION, format!("/orders/{id}"))];
+    Ok((StatusCode::CREATED, location, Json(order)).into_response())
 }
 
-async fn list_orders<DB: OrdersDb>(
-    user: AuthUser,
-    mut tx: Tx<DB>,
-) -> Result<Json<Vec<Order>>, ApiError> {
-    Ok(Json(DB::orders_of(&mut tx, user.id).await?))
+async fn list_orders<DB: Backend>(user: AuthUser, mut tx: Tx<DB>) -> Result<Response, Problem> {
+    let orders = db::orders::<DB>(&mut tx, user.id, (1, i64::MAX)).await?;
+    Ok(Json(orders).into_response())
 }
 
-async fn get_order<DB: OrdersDb>(
+async fn get_order<DB: Backend>(
     user: AuthUser,
     mut tx: Tx<DB>,
     Path(id): Path<i64>,
-) -> Result<Json<Order>, ApiError> {
-    DB::order_of(&mut tx, user.id, id)
-        .await?
-        .map(Json)
-        .ok_or(ApiError::NotFound)
+) -> Result<Response, Problem> {
+    let order = db::orders::<DB>(&mut tx, user.id, (id, id)).await?.pop();
+    Ok(Json(order.ok_or(NOT_FOUND)?).into_response())
 }
 
-async fn ship_order<DB: OrdersDb>(
+async fn ship_order<DB: Backend>(
     Extension(user): Extension<AuthUser>,
     mut tx: Tx<DB>,
     Path(id): Path<i64>,
-) -> Result<Json<Order>, ApiError> {
-    if !DB::ship(&mut tx, user.id, id).await? {
-        return Err(ApiError::NotFound);
+) -> Result<Response, Problem> {
+    let ship = "UPDATE orders SET status = 'shipped' WHERE user_id = ? AND id = ?";
+    if DB::execute(&mut tx, ship, &[Int(user.id), Int(id)]).await? == 0 {
+        return Err(NOT_FOUND);
     }
-    DB::order_of(&mut tx, user.id, id)
-        .await?
-        .map(Json)
-        .ok_or(ApiError::NotFound)
+    get_order(user, tx, Path(id)).await
 }
 
-async fn like<DB: OrdersDb>(
-    user: AuthUser,
-    tx: Tx<DB>,
-    Path(id): Path<i64>,
-) -> Result<Response, ApiError> {
-    set_like(user, tx, id, true).await
-}
-
-async fn unlike<DB: OrdersDb>(
-    user: AuthUser,
-    tx: Tx<DB>,
-    Path(id): Path<i64>,
-) -> Result<Response, ApiError> {
-    set_like(user, tx, id, false).await
-}
-
-async fn set_like<DB: OrdersDb>(
+/// `PUT` likes the article, `DELETE` takes the like back.
+async fn like<DB: Backend>(
+    method: Method,
     user: AuthUser,
     mut tx: Tx<DB>,
-    article_id: i64,
-    liked: bool,
-) -> Result<Response, ApiError> {
-    let likes = DB::set_like(&mut tx, user.id, article_id, liked).await?;
+    Path(article_id): Path<i64>,
+) -> Result<Response, Problem> {
+    let (liked, change) = match method {
+        Method::PUT => (true, DB::ADD_LIKE),
+        _ => (
+            false,
+            "DELETE FROM likes WHERE user_id = ? AND article_id = ?",
+        ),
+    };
+    DB::execute(&mut tx, change, &[Int(user.id), Int(article_id)]).await?;
+    let count = "SELECT COUNT(*) FROM likes WHERE article_id = ?";
+    let likes = DB::int(&mut tx, count, &[Int(article_id)]).await?;
     Ok(Json(json!({ "article_id": article_id, "liked": liked, "likes": likes })).into_response())
 }
 
-/// The example's own errors, as problem+json like the crate's rejections. Their `code`s never
-/// start with `idempotency_`, and their `type` is `about:blank`, so a client tells them from
-/// the crate's answers without reading the status alone.
-enum ApiError {
-    Unauthorized,
-    InvalidOrder(&'static str),
-    /// The body was not a JSON order: axum's `Json` rejection, re-dressed as problem+json.
-    BadBody(JsonRejection),
-    OutOfStock,
-    NotFound,
-    Db(sqlx::Error),
+/// The example's own refusals (status, `code`, detail), as problem+json like the crate's. Their
+/// `code`s never start with `idempotency_` and their `type` is `about:blank`, so a client tells
+/// them from the crate's answers without reading the status alone.
+struct Problem(StatusCode, &'static str, &'static str);
+
+const UNAUTHORIZED: Problem = Problem(
+    StatusCode::UNAUTHORIZED,
+    "unauthorized",
+    "a valid bearer token is required",
+);
+const OUT_OF_STOCK: Problem = Problem(
+    StatusCode::CONFLICT,
+    "out_of_stock",
+    "not enough stock left for this order",
+);
+const NOT_FOUND: Problem = Problem(StatusCode::NOT_FOUND, "not_found", "no such order");
+
+fn invalid(detail: &'static str) -> Problem {
+    Problem(StatusCode::BAD_REQUEST, "invalid_order", detail)
 }
 
-impl From<JsonRejection> for ApiError {
+impl From<JsonRejection> for Problem {
+    /// A body that parses but does not fit is 400 like any other invalid order, never axum's
+    /// 422, which a client reading only the status would take for a reused key.
     fn from(rejection: JsonRejection) -> Self {
-        Self::BadBody(rejection)
-    }
-}
-
-impl From<sqlx::Error> for ApiError {
-    fn from(e: sqlx::Error) -> Self {
-        Self::Db(e)
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let (status, code, detail) = match self {
-            Self::Unauthorized => (
-                StatusCode::UNAUTHORIZED,
-                "unauthorized",
-                "a valid bearer token is required",
-            ),
-            Self::InvalidOrder(detail) => (StatusCode::BAD_REQUEST, "invalid_order", detail),
-            // A body that parses but does not fit is 400 like any other invalid order, never
-            // axum's 422, which a client reading only the status would take for a reused key.
-            Self::BadBody(JsonRejection::MissingJsonContentType(_)) => (
+        match rejection {
+            JsonRejection::MissingJsonContentType(_) => Problem(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "unsupported_media_type",
                 "send the order as application/json",
             ),
-            Self::BadBody(JsonRejection::JsonDataError(_)) => (
-                StatusCode::BAD_REQUEST,
-                "invalid_order",
-                "the order needs sku, quantity, amount and currency of the right types",
-            ),
-            Self::BadBody(_) => (
+            JsonRejection::JsonDataError(_) => {
+                invalid("the order needs sku, quantity, amount and currency of the right types")
+            }
+            _ => Problem(
                 StatusCode::BAD_REQUEST,
                 "malformed_json",
                 "the body is not valid JSON",
             ),
-            Self::OutOfStock => (
-                StatusCode::CONFLICT,
-                "out_of_stock",
-                "not enough stock left for this order",
-            ),
-            Self::NotFound => (StatusCode::NOT_FOUND, "not_found", "no such order"),
-            Self::Db(error) => {
-                // Logged for operators; the client learns only that it may retry.
-                tracing::error!(%error, "database error");
-                (
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal_error",
-                    "try again later",
-                )
-            }
-        };
-        let body = json!({ "type": "about:blank", "title": code, "status": status.as_u16(), "code": code, "detail": detail });
-        let mut response = (
-            status,
-            [(header::CONTENT_TYPE, "application/problem+json")],
-            body.to_string(),
+        }
+    }
+}
+
+impl From<sqlx::Error> for Problem {
+    fn from(error: sqlx::Error) -> Self {
+        // Logged for operators; the client learns only that it may retry.
+        tracing::error!(%error, "database error");
+        Problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            "try again later",
         )
-            .into_response();
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let Problem(status, code, detail) = self;
+        let body = json!({ "type": "about:blank", "title": code, "status": status.as_u16(), "code": code, "detail": detail });
+        let content_type = (header::CONTENT_TYPE, "application/problem+json");
+        let mut response = (status, [content_type], body.to_string()).into_response();
         if status.is_server_error() {
             // Nothing was committed (the idempotency layer rolls a 5xx back): the client may
             // retry with the same key, after a short pause while the database recovers.
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+            let pause = header::HeaderValue::from_static("1");
+            response.headers_mut().insert(header::RETRY_AFTER, pause);
         }
         response
     }

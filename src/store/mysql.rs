@@ -58,6 +58,8 @@ impl Dialect for MySql {
         Some("DO RELEASE_LOCK(CONCAT('axum_idempotency.migrate:', MD5(DATABASE())))");
     const MIGRATION_RECORD: &'static str =
         "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES (?, ?)";
+    const VERSIONS_TABLE_EXISTS: &'static str = "SELECT COUNT(*) FROM information_schema.tables \
+        WHERE table_schema = DATABASE() AND table_name = 'idempotency_schema_versions'";
     // ON DUPLICATE KEY UPDATE rather than INSERT IGNORE: it replaces an expired record in the
     // same statement, under the row's exclusive lock, so duplicates queue behind an in-flight
     // claim. INSERT IGNORE takes a shared lock, so two duplicates of an expired record that

@@ -58,6 +58,9 @@ impl Dialect for Postgres {
         Some("SELECT pg_advisory_xact_lock(7351906218944770001)");
     const MIGRATION_RECORD: &'static str =
         "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES ($1, $2)";
+    // Resolved through the search_path, as every other statement's tables are.
+    const VERSIONS_TABLE_EXISTS: &'static str =
+        "SELECT COUNT(to_regclass('idempotency_schema_versions'))";
     // A claim first tries for its key's advisory lock without waiting (TRY_CLAIM): free, it
     // means no other transaction is claiming the key, so the insert cannot queue behind an
     // uncommitted row and needs no lock-wait bound. The `lock` CTE runs once, before the insert

@@ -4,13 +4,14 @@
 #![allow(unreachable_pub)]
 
 use std::borrow::Cow;
+use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::SqlSafeStr;
 use sqlx::error::DatabaseError;
 use sqlx::{
     ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Transaction, Type,
 };
+use tokio::sync::OnceCell;
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 use super::literal::{Literals, Syntax};
@@ -25,15 +26,22 @@ use crate::scope::ScopedKey;
 #[derive(Debug)]
 pub struct SqlStore<DB: Database> {
     pool: Pool<DB>,
+    /// Set once the schema is known to be current, by a check or a migration, and shared by
+    /// the store's clones: the check costs one look at the database per store, not per request.
+    schema_current: Arc<OnceCell<()>>,
 }
 
 impl<DB: Database> Clone for SqlStore<DB> {
     fn clone(&self) -> Self {
         Self {
             pool: self.pool.clone(),
+            schema_current: self.schema_current.clone(),
         }
     }
 }
+
+/// The table `migrate` records applied versions in.
+const VERSIONS: &str = "SELECT MAX(version) FROM idempotency_schema_versions";
 
 /// One backend's SQL and error vocabulary.
 pub trait Dialect: Database {
@@ -50,6 +58,9 @@ pub trait Dialect: Database {
     const MIGRATION_UNLOCK: Option<&'static str> = None;
     /// Records an applied migration. Parameters: version, applied_at.
     const MIGRATION_RECORD: &'static str;
+    /// Whether `idempotency_schema_versions` exists, as a count (0 or 1): an unmigrated
+    /// database has nothing to read a version from.
+    const VERSIONS_TABLE_EXISTS: &'static str;
     /// Parameters: key_digest, principal, method, route, fingerprint, state, status, headers,
     /// body, created_at, expires_at, lease_owner, lease_expires_at, and then
     /// [`claim_lock_wait`](Dialect::claim_lock_wait) and [`key_lock`](Dialect::key_lock) where
@@ -284,11 +295,72 @@ where
     Ok(DB::rows_affected(&result))
 }
 
+/// The newest schema version `migrate` recorded in the database, 0 when it never ran.
+async fn schema_version<DB>(pool: &Pool<DB>) -> Result<i64, Error>
+where
+    DB: Dialect,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB>,
+    usize: ColumnIndex<DB::Row>,
+    i64: for<'r> Decode<'r, DB> + Type<DB>,
+    Option<i64>: for<'r> Decode<'r, DB> + Type<DB>,
+{
+    let mut conn = pool.acquire().await?;
+    let exists: i64 = sqlx::query(DB::VERSIONS_TABLE_EXISTS)
+        .fetch_one(&mut *conn)
+        .await?
+        .try_get(0)?;
+    if exists == 0 {
+        return Ok(0);
+    }
+    let version: Option<i64> = sqlx::query(VERSIONS)
+        .fetch_one(&mut *conn)
+        .await?
+        .try_get(0)?;
+    Ok(version.unwrap_or(0))
+}
+
 fn classify<DB: Dialect>(error: sqlx::Error) -> Error {
     match &error {
         sqlx::Error::Database(db) if DB::is_conflict(db.as_ref()) => Error::Conflict,
         sqlx::Error::Database(db) if DB::is_busy(db.as_ref()) => Error::Busy,
         _ => Error::Database(error),
+    }
+}
+
+impl<DB> SqlStore<DB>
+where
+    DB: Dialect,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB>,
+    usize: ColumnIndex<DB::Row>,
+    i64: for<'r> Decode<'r, DB> + Type<DB>,
+    Option<i64>: for<'r> Decode<'r, DB> + Type<DB>,
+{
+    /// Fails with [`Error::SchemaOutdated`] while the schema is older than this code: every
+    /// claim would fail on a missing table, column or function, and a client would retry in
+    /// vain. Checked on the store's first use, and again on each use until it passes, so a
+    /// migration run meanwhile by another instance is noticed without a restart.
+    async fn schema_current(&self) -> Result<(), Error> {
+        if self.schema_current.initialized() {
+            return Ok(());
+        }
+        let expected = DB::MIGRATIONS.last().map_or(0, |&(version, _)| version);
+        self.schema_current
+            .get_or_try_init(|| async {
+                let found = schema_version(&self.pool).await?;
+                if found >= expected {
+                    return Ok(());
+                }
+                tracing::error!(
+                    found,
+                    expected,
+                    "the idempotency schema is outdated; call Store::migrate() at start-up"
+                );
+                Err(Error::SchemaOutdated { found, expected })
+            })
+            .await
+            .copied()
     }
 }
 
@@ -310,7 +382,10 @@ where
     type Database = DB;
 
     fn on(pool: Pool<DB>) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            schema_current: Arc::default(),
+        }
     }
 
     fn pool(&self) -> &Pool<DB> {
@@ -337,10 +412,14 @@ where
                 migrate::Failure::LockRefused => {
                     Error::Migration("the lock that serialises migrators was not granted".into())
                 }
-            })
+            })?;
+        // Already set by a check that passed, or being set by one now: either way it is true.
+        let _ = self.schema_current.set(());
+        Ok(())
     }
 
     async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, Error> {
+        self.schema_current().await?;
         let mut conn = self.pool.acquire().await?;
         self.find(&mut conn, key).await
     }
@@ -351,27 +430,22 @@ where
         now: Millis,
         lock_wait: Duration,
     ) -> Result<Opened<DB>, Error> {
-        let mut conn = self.pool.acquire().await?;
-        match self.find(&mut conn, key).await? {
+        match self.lookup(key).await? {
             Some(record) if !record.is_expired(now) => Ok(Opened::Live(record)),
-            found => {
-                // sqlx's own `Pool::begin_with` is this very call on a fresh checkout. The call
-                // is hidden from sqlx's docs, so a sqlx release may move it: this is the one
-                // place to adapt, and the conformance suite is what notices.
-                let statement = DB::begin_statement(lock_wait)
-                    .map(|statement| sqlx::AssertSqlSafe(statement).into_sql_str());
-                let tx = Transaction::begin(conn, statement)
-                    .await
-                    .map_err(classify::<DB>)?;
-                Ok(Opened::Claimable {
-                    tx,
-                    expired: found.is_some(),
-                })
-            }
+            // The read's connection went back to the pool and the claim's transaction takes
+            // one afresh, through sqlx's public API: beginning on the very connection needs a
+            // call sqlx hides from its docs. The extra checkout is paid only here, for a key
+            // this instance saw lately that holds no live record: a retry after a retryable
+            // failure.
+            found => Ok(Opened::Claimable {
+                tx: self.begin(lock_wait).await?,
+                expired: found.is_some(),
+            }),
         }
     }
 
     async fn begin(&self, lock_wait: Duration) -> Result<Transaction<'static, DB>, Error> {
+        self.schema_current().await?;
         let begun = match DB::begin_statement(lock_wait) {
             Some(statement) => self.pool.begin_with(sqlx::AssertSqlSafe(statement)).await,
             None => self.pool.begin().await,
@@ -384,6 +458,7 @@ where
         record: &'a NewRecord<'a>,
         lock_wait: Duration,
     ) -> Result<BeganClaim<DB>, Error> {
+        self.schema_current().await?;
         let Some(statement) = DB::fused_claim(record, lock_wait) else {
             return Ok(BeganClaim::Unfused);
         };
@@ -592,6 +667,7 @@ where
     }
 
     async fn forget<'a>(&'a self, key: &'a ScopedKey) -> Result<bool, Error> {
+        self.schema_current().await?;
         let query = sqlx::query(DB::FORGET).bind(key.digest().to_vec());
         Ok(on_pool(&self.pool, query).await? == 1)
     }
@@ -601,6 +677,7 @@ where
     }
 
     async fn purge_expired_batch(&self, now: Millis, limit: u32) -> Result<u64, Error> {
+        self.schema_current().await?;
         let query = sqlx::query(DB::PURGE)
             .bind(now.column())
             .bind(i64::from(limit));

@@ -22,6 +22,8 @@ impl Dialect for Sqlite {
     const MIGRATION_LOCK: Option<&'static str> = None;
     const MIGRATION_RECORD: &'static str =
         "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES (?1, ?2)";
+    const VERSIONS_TABLE_EXISTS: &'static str = "SELECT COUNT(*) FROM sqlite_master \
+        WHERE type = 'table' AND name = 'idempotency_schema_versions'";
     const CLAIM: &'static str = "INSERT INTO idempotency_records \
         (key_digest, principal, method, route, fingerprint, state, status, headers, body, created_at, expires_at, lease_owner, lease_expires_at) \
         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13) \

@@ -609,3 +609,25 @@ async fn a_claim_sent_with_begin_waits_for_an_in_flight_duplicate_then_is_busy()
     drop(holder);
     db.drop().await;
 }
+
+#[tokio::test]
+async fn an_unmigrated_store_names_the_fix_until_migrated() {
+    let db = TestDb::create().await;
+    super::schema::an_unmigrated_store_names_the_fix_until_migrated(
+        MySqlStore::new(db.pool(2).await),
+        2,
+    )
+    .await;
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn an_outdated_schema_is_reported_until_it_is_current() {
+    let db = TestDb::create().await;
+    super::schema::an_outdated_schema_is_reported_until_it_is_current(
+        MySqlStore::new(db.pool(2).await),
+        2,
+    )
+    .await;
+    db.drop().await;
+}

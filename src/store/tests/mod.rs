@@ -18,6 +18,7 @@ use crate::{
     store::{NewRecord, Store},
 };
 
+mod large;
 mod lease;
 #[cfg(feature = "mysql")]
 mod mysql;

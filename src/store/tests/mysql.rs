@@ -645,3 +645,12 @@ async fn an_outdated_schema_is_reported_until_it_is_current() {
     .await;
     db.drop().await;
 }
+
+#[tokio::test]
+async fn a_record_too_large_to_write_out_is_claimed_with_bound_values() {
+    let db = TestDb::create().await;
+    let store = MySqlStore::new(db.pool(2).await);
+    store.migrate().await.unwrap();
+    super::large::a_record_too_large_to_write_out_is_claimed_with_bound_values(store).await;
+    db.drop().await;
+}

@@ -363,3 +363,13 @@ async fn an_outdated_schema_is_reported_until_it_is_current() {
     .await;
     schema.drop(&pool).await;
 }
+
+#[tokio::test]
+async fn a_record_too_large_to_write_out_is_claimed_with_bound_values() {
+    let schema = PgSchema::create().await;
+    let store = PgStore::new(schema.pool(2).await);
+    store.migrate().await.unwrap();
+    let pool = store.pool().clone();
+    super::large::a_record_too_large_to_write_out_is_claimed_with_bound_values(store).await;
+    schema.drop(&pool).await;
+}

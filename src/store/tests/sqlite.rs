@@ -54,3 +54,12 @@ async fn an_outdated_schema_is_reported_until_it_is_current() {
         .await;
     remove(pool, path).await;
 }
+
+#[tokio::test]
+async fn a_record_too_large_to_write_out_is_claimed_with_bound_values() {
+    let (pool, path) = fresh(2).await;
+    let store = SqliteStore::new(pool.clone());
+    store.migrate().await.unwrap();
+    super::large::a_record_too_large_to_write_out_is_claimed_with_bound_values(store).await;
+    remove(pool, path).await;
+}

@@ -2,8 +2,8 @@
 //!
 //! SQLite has one writer at a time, so a claim's transaction begins `IMMEDIATE`, taking the
 //! write lock up front and waiting for it within the claim's bound (`busy_timeout`); the claim
-//! itself then never waits. A claim cannot travel with `BEGIN` here: it is sent on its own,
-//! with its values bound.
+//! itself then never waits. The database runs in-process, so sending the claim with `BEGIN`
+//! would save no round trip: it is sent on its own, with its values bound.
 
 use std::time::Duration;
 

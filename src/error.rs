@@ -56,6 +56,20 @@ pub enum Error {
     /// A schema migration failed.
     #[error("migration failed: {0}")]
     Migration(String),
+    /// The store's tables are older than this release needs, or were never created: no keyed
+    /// request can succeed until they are migrated. Call the store's `migrate()` at start-up;
+    /// a team applying the scripts under `migrations/<backend>/` with its own tool applies
+    /// them up to `expected` and records each version in `idempotency_schema_versions`.
+    #[error(
+        "the idempotency schema is at version {found}, this release needs version {expected}: \
+         call Store::migrate()"
+    )]
+    SchemaOutdated {
+        /// The newest version recorded in the database; 0 when it was never migrated.
+        found: i64,
+        /// The version this release needs.
+        expected: i64,
+    },
 }
 
 /// Why a request was not executed (or not answered as executed): the client-facing half.

@@ -12,7 +12,9 @@ use sqlx::{
 use crate::record::Millis;
 
 /// One schema and how its backend migrates it.
-pub(crate) struct Schema<DB: Database> {
+// `pub` in a private module: a store's sealed backend trait names it, and no user can reach it.
+#[allow(unreachable_pub, missing_debug_implementations)]
+pub struct Schema<DB: Database> {
     /// The table its applied versions are recorded in (a constant, never input).
     pub(crate) versions_table: &'static str,
     /// (version, SQL script), oldest first.

@@ -1,156 +1,257 @@
-//! Values written into SQL text, for the statements that travel with `BEGIN` and `COMMIT`.
+//! Statements that carry values, each written once and sent either way: with its values
+//! written into its text, or with its values bound.
 //!
-//! Several statements sent as one exchange go through the database's text protocol, which
-//! takes no bind parameters, so a claim or a record sent that way carries its values in the
-//! statement itself. Every byte string and every text is written as hexadecimal digits and
-//! decoded by the database, never quoted: whatever a principal, a route or a body holds
-//! (quotes, backslashes, NUL, comment markers), the only characters it adds to the statement
-//! are `0-9a-f`, so it cannot end its literal early. Integers are written by Rust's formatter.
+//! Several statements sent as one exchange (a claim with `BEGIN`, a finish with `COMMIT`) go
+//! through the database's text protocol, which takes no bind parameters, so they carry their
+//! values in their text. A [`Statement`] is the only way this crate writes a value into SQL:
+//! it takes typed values alone (bytes, text, integers, `NULL`) and writes every byte string and
+//! every text as hexadecimal digits the database decodes, never quoted. Whatever a principal, a
+//! route or a body holds (quotes, backslashes, NUL, comment markers), the only characters it
+//! adds to the statement are `0-9a-f`, so it cannot end its literal early. Integers are written
+//! by Rust's formatter. The same statement renders with placeholders instead, for values too
+//! large to be worth writing out.
 
+use std::borrow::Cow;
 use std::fmt::Write;
 
-/// How the database spells a decoded literal.
+use sqlx::AssertSqlSafe;
+
+/// How the database spells a decoded literal and a placeholder.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Syntax {
-    /// `decode('…', 'hex')`, independent of `standard_conforming_strings`.
+    /// `decode('…', 'hex')`, independent of `standard_conforming_strings`; `$1`.
     #[cfg(feature = "postgres")]
     Postgres,
-    /// `X'…'`, independent of `sql_mode` (`NO_BACKSLASH_ESCAPES`, `ANSI_QUOTES`).
+    /// `X'…'`, independent of `sql_mode` (`NO_BACKSLASH_ESCAPES`, `ANSI_QUOTES`); `?`.
     #[cfg(feature = "mysql")]
     MySql,
+    /// `X'…'`; `?1`.
+    #[cfg(feature = "sqlite")]
+    Sqlite,
 }
 
-/// SQL text with values written in as literals: consecutive values are separated by commas,
-/// as in a `VALUES (…)` list or a call's arguments.
+/// A value a statement carries; `None` is `NULL` of the value's type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Value<'a> {
+    Bytes(Option<Cow<'a, [u8]>>),
+    Text(Option<Cow<'a, str>>),
+    /// A 32-bit integer, for an `INTEGER` column or parameter.
+    Int4(Option<i32>),
+    /// A 64-bit integer, for a `BIGINT` column or parameter.
+    Int8(Option<i64>),
+}
+
 #[derive(Debug)]
-pub(crate) struct Literals {
-    syntax: Syntax,
-    sql: String,
-    // Whether the last thing written was a value, which the next value follows after a comma.
-    after_value: bool,
+enum Part<'a> {
+    Sql(&'static str),
+    Value(Value<'a>),
 }
 
-impl Literals {
+/// One SQL statement: text of this crate's own and typed values. Consecutive values are
+/// separated by commas, as in a `VALUES (…)` list or a call's arguments.
+#[derive(Debug)]
+pub(crate) struct Statement<'a> {
+    syntax: Syntax,
+    parts: Vec<Part<'a>>,
+}
+
+impl<'a> Statement<'a> {
     pub(crate) fn new(syntax: Syntax) -> Self {
         Self {
             syntax,
-            sql: String::with_capacity(512),
-            after_value: false,
+            parts: Vec::with_capacity(24),
         }
     }
 
     /// Statement text of this crate's own, written as it is.
     pub(crate) fn sql(&mut self, text: &'static str) -> &mut Self {
-        self.sql.push_str(text);
-        self.after_value = false;
+        self.parts.push(Part::Sql(text));
         self
     }
 
-    fn separate(&mut self) {
-        if self.after_value {
-            self.sql.push_str(", ");
-        }
-        self.after_value = true;
-    }
-
-    fn hex(&mut self, value: &[u8]) {
-        const DIGITS: &[u8; 16] = b"0123456789abcdef";
-        self.sql.reserve(value.len() * 2);
-        for byte in value {
-            self.sql.push(char::from(DIGITS[usize::from(byte >> 4)]));
-            self.sql.push(char::from(DIGITS[usize::from(byte & 0x0f)]));
-        }
+    fn value(&mut self, value: Value<'a>) -> &mut Self {
+        self.parts.push(Part::Value(value));
+        self
     }
 
     /// A byte string.
-    pub(crate) fn bytes(&mut self, value: &[u8]) -> &mut Self {
-        self.separate();
-        match self.syntax {
-            #[cfg(feature = "postgres")]
-            Syntax::Postgres => {
-                self.sql.push_str("decode('");
-                self.hex(value);
-                self.sql.push_str("', 'hex')");
-            }
-            #[cfg(feature = "mysql")]
-            Syntax::MySql => {
-                self.sql.push_str("X'");
-                self.hex(value);
-                self.sql.push('\'');
-            }
-        }
-        self
-    }
-
-    /// A text, in UTF-8.
-    pub(crate) fn text(&mut self, value: &str) -> &mut Self {
-        self.separate();
-        match self.syntax {
-            #[cfg(feature = "postgres")]
-            Syntax::Postgres => {
-                self.sql.push_str("convert_from(decode('");
-                self.hex(value.as_bytes());
-                self.sql.push_str("', 'hex'), 'UTF8')");
-            }
-            // The introducer makes the bytes text in utf8mb4, whatever the connection's
-            // character set.
-            #[cfg(feature = "mysql")]
-            Syntax::MySql => {
-                self.sql.push_str("_utf8mb4 X'");
-                self.hex(value.as_bytes());
-                self.sql.push('\'');
-            }
-        }
-        self
-    }
-
-    /// An integer.
-    pub(crate) fn int(&mut self, value: i64) -> &mut Self {
-        self.separate();
-        // Writing into a String cannot fail.
-        let _ = write!(self.sql, "{value}");
-        self
-    }
-
-    /// `NULL`.
-    pub(crate) fn null(&mut self) -> &mut Self {
-        self.separate();
-        self.sql.push_str("NULL");
-        self
+    pub(crate) fn bytes(&mut self, value: impl Into<Cow<'a, [u8]>>) -> &mut Self {
+        self.value(Value::Bytes(Some(value.into())))
     }
 
     /// A byte string, or `NULL`.
-    pub(crate) fn opt_bytes(&mut self, value: Option<&[u8]>) -> &mut Self {
-        match value {
-            Some(value) => self.bytes(value),
-            None => self.null(),
-        }
+    pub(crate) fn opt_bytes(&mut self, value: Option<impl Into<Cow<'a, [u8]>>>) -> &mut Self {
+        self.value(Value::Bytes(value.map(Into::into)))
+    }
+
+    /// A text, in UTF-8.
+    pub(crate) fn text(&mut self, value: impl Into<Cow<'a, str>>) -> &mut Self {
+        self.value(Value::Text(Some(value.into())))
     }
 
     /// A text, or `NULL`.
-    pub(crate) fn opt_text(&mut self, value: Option<&str>) -> &mut Self {
-        match value {
-            Some(value) => self.text(value),
-            None => self.null(),
+    pub(crate) fn opt_text(&mut self, value: Option<impl Into<Cow<'a, str>>>) -> &mut Self {
+        self.value(Value::Text(value.map(Into::into)))
+    }
+
+    /// A 32-bit integer, or `NULL`.
+    pub(crate) fn opt_int4(&mut self, value: Option<i32>) -> &mut Self {
+        self.value(Value::Int4(value))
+    }
+
+    /// A 64-bit integer.
+    pub(crate) fn int8(&mut self, value: i64) -> &mut Self {
+        self.value(Value::Int8(Some(value)))
+    }
+
+    /// A 64-bit integer, or `NULL`.
+    pub(crate) fn opt_int8(&mut self, value: Option<i64>) -> &mut Self {
+        self.value(Value::Int8(value))
+    }
+
+    /// The statement with its values written in, after `before` and followed by `after`:
+    /// statements of this crate's own sent in the same exchange.
+    pub(crate) fn inline(
+        &self,
+        before: &'static str,
+        after: &'static str,
+    ) -> AssertSqlSafe<String> {
+        let mut sql = String::with_capacity(before.len() + after.len() + self.weight() * 2 + 256);
+        sql.push_str(before);
+        self.render(&mut sql, |sql, _, value| self.literal(sql, value));
+        sql.push_str(after);
+        AssertSqlSafe(sql)
+    }
+
+    /// The statement with a placeholder for each value, and the values to bind in order.
+    pub(crate) fn bound(&self) -> (AssertSqlSafe<String>, Vec<&Value<'a>>) {
+        let mut sql = String::with_capacity(256);
+        let mut values = Vec::new();
+        self.render(&mut sql, |sql, number, value| {
+            match self.syntax {
+                #[cfg(feature = "postgres")]
+                Syntax::Postgres => {
+                    let _ = write!(sql, "${number}");
+                }
+                // Unnumbered: MySQL binds its placeholders in order.
+                #[cfg(feature = "mysql")]
+                Syntax::MySql => {
+                    let _ = number;
+                    sql.push('?');
+                }
+                #[cfg(feature = "sqlite")]
+                Syntax::Sqlite => {
+                    let _ = write!(sql, "?{number}");
+                }
+            }
+            values.push(value);
+        });
+        (AssertSqlSafe(sql), values)
+    }
+
+    /// The bytes its byte strings and texts hold.
+    fn weight(&self) -> usize {
+        self.parts
+            .iter()
+            .map(|part| match part {
+                Part::Value(Value::Bytes(Some(bytes))) => bytes.len(),
+                Part::Value(Value::Text(Some(text))) => text.len(),
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// Writes the text, and each value (numbered from 1) through `value`.
+    fn render<'s>(
+        &'s self,
+        sql: &mut String,
+        mut value: impl FnMut(&mut String, usize, &'s Value<'a>),
+    ) {
+        let mut number = 0;
+        let mut after_value = false;
+        for part in &self.parts {
+            match part {
+                Part::Sql(text) => {
+                    sql.push_str(text);
+                    after_value = false;
+                }
+                Part::Value(v) => {
+                    if after_value {
+                        sql.push_str(", ");
+                    }
+                    number += 1;
+                    value(sql, number, v);
+                    after_value = true;
+                }
+            }
         }
     }
 
-    /// An integer, or `NULL`.
-    pub(crate) fn opt_int(&mut self, value: Option<i64>) -> &mut Self {
+    fn literal(&self, sql: &mut String, value: &Value<'_>) {
+        // Writing into a String cannot fail.
         match value {
-            Some(value) => self.int(value),
-            None => self.null(),
+            Value::Bytes(None) | Value::Text(None) | Value::Int4(None) | Value::Int8(None) => {
+                sql.push_str("NULL");
+            }
+            Value::Int4(Some(value)) => {
+                let _ = write!(sql, "{value}");
+            }
+            Value::Int8(Some(value)) => {
+                let _ = write!(sql, "{value}");
+            }
+            Value::Bytes(Some(value)) => match self.syntax {
+                #[cfg(feature = "postgres")]
+                Syntax::Postgres => {
+                    sql.push_str("decode('");
+                    hex(sql, value);
+                    sql.push_str("', 'hex')");
+                }
+                #[cfg(feature = "mysql")]
+                Syntax::MySql => {
+                    sql.push_str("X'");
+                    hex(sql, value);
+                    sql.push('\'');
+                }
+                #[cfg(feature = "sqlite")]
+                Syntax::Sqlite => {
+                    sql.push_str("X'");
+                    hex(sql, value);
+                    sql.push('\'');
+                }
+            },
+            Value::Text(Some(value)) => match self.syntax {
+                #[cfg(feature = "postgres")]
+                Syntax::Postgres => {
+                    sql.push_str("convert_from(decode('");
+                    hex(sql, value.as_bytes());
+                    sql.push_str("', 'hex'), 'UTF8')");
+                }
+                // The introducer makes the bytes text in utf8mb4, whatever the connection's
+                // character set.
+                #[cfg(feature = "mysql")]
+                Syntax::MySql => {
+                    sql.push_str("_utf8mb4 X'");
+                    hex(sql, value.as_bytes());
+                    sql.push('\'');
+                }
+                // SQLite keeps text as UTF-8 bytes, so the blob's bytes are the text's.
+                #[cfg(feature = "sqlite")]
+                Syntax::Sqlite => {
+                    sql.push_str("CAST(X'");
+                    hex(sql, value.as_bytes());
+                    sql.push_str("' AS TEXT)");
+                }
+            },
         }
     }
+}
 
-    /// The text written so far.
-    pub(crate) fn as_str(&self) -> &str {
-        &self.sql
-    }
-
-    /// The text written.
-    pub(crate) fn into_string(self) -> String {
-        self.sql
+fn hex(sql: &mut String, value: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    sql.reserve(value.len() * 2);
+    for byte in value {
+        sql.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        sql.push(char::from(DIGITS[usize::from(byte & 0x0f)]));
     }
 }
 
@@ -158,7 +259,7 @@ impl Literals {
 mod tests {
     use proptest::prelude::*;
 
-    use super::{Literals, Syntax};
+    use super::{Statement, Syntax, Value};
 
     /// What a value may add to a statement: hexadecimal digits inside the literal's own
     /// delimiters, nothing else.
@@ -185,6 +286,8 @@ mod tests {
             (Syntax::Postgres, "decode('", "', 'hex')", 6, 4),
             #[cfg(feature = "mysql")]
             (Syntax::MySql, "X'", "'", 2, 2),
+            #[cfg(feature = "sqlite")]
+            (Syntax::Sqlite, "X'", "'", 2, 2),
         ]
     }
 
@@ -192,10 +295,10 @@ mod tests {
         #[test]
         fn a_text_adds_only_hex_digits_to_the_statement(value in any::<String>()) {
             for (syntax, open, close, quotes, _) in syntaxes() {
-                let mut literals = Literals::new(syntax);
-                literals.text(&value);
-                let sql = literals.as_str();
-                prop_assert!(only_hex_between(sql, open, close), "{sql}");
+                let mut statement = Statement::new(syntax);
+                statement.text(value.as_str());
+                let sql = statement.inline("", "").0;
+                prop_assert!(only_hex_between(&sql, open, close), "{sql}");
                 prop_assert_eq!(sql.matches('\'').count(), quotes);
             }
         }
@@ -203,12 +306,24 @@ mod tests {
         #[test]
         fn bytes_add_only_hex_digits_to_the_statement(value in proptest::collection::vec(any::<u8>(), 0..512)) {
             for (syntax, open, close, _, quotes) in syntaxes() {
-                let mut literals = Literals::new(syntax);
-                literals.bytes(&value).int(-7).null();
-                let sql = literals.as_str();
-                prop_assert!(only_hex_between(sql, open, close), "{sql}");
+                let mut statement = Statement::new(syntax);
+                statement.bytes(value.as_slice()).int8(-7).opt_int4(None);
+                let sql = statement.inline("", "").0;
+                prop_assert!(only_hex_between(&sql, open, close), "{sql}");
                 prop_assert_eq!(sql.matches('\'').count(), quotes);
                 prop_assert!(sql.ends_with(", -7, NULL"));
+            }
+        }
+
+        #[test]
+        fn bound_values_never_reach_the_text(value in any::<String>()) {
+            for (syntax, ..) in syntaxes() {
+                let mut statement = Statement::new(syntax);
+                statement.sql("SELECT f(").text(value.as_str()).bytes(value.as_bytes()).sql(")");
+                let (sql, values) = statement.bound();
+                prop_assert!(!sql.0.contains('\''), "{}", sql.0);
+                prop_assert_eq!(values.len(), 2);
+                prop_assert_eq!(values[0], &Value::Text(Some(value.as_str().into())));
             }
         }
     }
@@ -216,38 +331,40 @@ mod tests {
     #[cfg(feature = "postgres")]
     #[test]
     fn hostile_text_is_written_as_hex_for_postgres() {
-        let mut literals = Literals::new(Syntax::Postgres);
-        literals.text("a'); DROP TABLE t; --\\\0");
+        let mut statement = Statement::new(Syntax::Postgres);
+        statement.text("a'); DROP TABLE t; --\\\0");
         assert_eq!(
-            literals.as_str(),
+            statement.inline("", "").0,
             "convert_from(decode('6127293b2044524f50205441424c4520743b202d2d5c00', 'hex'), 'UTF8')"
         );
-        let mut literals = Literals::new(Syntax::Postgres);
-        literals
+        let mut statement = Statement::new(Syntax::Postgres);
+        statement
             .text("'")
-            .bytes(b"")
-            .opt_int(None)
+            .bytes(&b""[..])
+            .opt_int8(None)
             .sql(" WHERE k = ")
-            .int(1);
+            .int8(1);
         assert_eq!(
-            literals.as_str(),
-            "convert_from(decode('27', 'hex'), 'UTF8'), decode('', 'hex'), NULL WHERE k = 1"
+            statement.inline("BEGIN; ", "; COMMIT").0,
+            "BEGIN; convert_from(decode('27', 'hex'), 'UTF8'), decode('', 'hex'), NULL WHERE k = 1; COMMIT"
         );
+        assert_eq!(statement.bound().0.0, "$1, $2, $3 WHERE k = $4");
     }
 
     #[cfg(feature = "mysql")]
     #[test]
     fn hostile_text_is_written_as_hex_for_mysql() {
-        let mut literals = Literals::new(Syntax::MySql);
-        literals
+        let mut statement = Statement::new(Syntax::MySql);
+        statement
             .text("a'); DROP TABLE t; --\\\0")
-            .bytes(b"")
-            .opt_text(None)
+            .bytes(&b""[..])
+            .opt_text(None::<&str>)
             .sql(" WHERE k = ")
-            .int(1);
+            .int8(1);
         assert_eq!(
-            literals.as_str(),
+            statement.inline("", "").0,
             "_utf8mb4 X'6127293b2044524f50205441424c4520743b202d2d5c00', X'', NULL WHERE k = 1"
         );
+        assert_eq!(statement.bound().0.0, "?, ?, ? WHERE k = ?");
     }
 }

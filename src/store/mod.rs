@@ -20,7 +20,7 @@
 //! How a backend claims a key (statements, lock waits, error codes) is internal to this crate
 //! and may change in any release without a change to these types.
 
-#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod literal;
 mod protocol;
 mod sql;

@@ -1,14 +1,22 @@
 //! MySQL and MariaDB (InnoDB): for teams whose database is already one of them.
+//!
+//! A claim is always a call of the schema's procedure `axum_idempotency_claim_v1` (schema
+//! version 2), the one place its `INSERT … ON DUPLICATE KEY UPDATE` is written. The procedure
+//! begins the transaction, sets the session's `innodb_lock_wait_timeout` to the claim's bound,
+//! claims, restores the setting, and either returns with the key held or rolls back and
+//! signals: nothing is left open when the key is not ours.
 
 use std::time::Duration;
 
 use sqlx::error::DatabaseError;
-use sqlx::mysql::{MySqlDatabaseError, MySqlRow};
-use sqlx::{MySql, Row};
+use sqlx::mysql::{MySqlConnection, MySqlDatabaseError, MySqlRow};
+use sqlx::{MySql, Pool, Row, Transaction};
 
-use super::literal::Syntax;
-use super::protocol::{NewRecord, PurgePace};
-use super::sql::{Dialect, FinishForm, finish_text, record_literals};
+use super::literal::{Statement, Syntax};
+use super::protocol::{BeganClaim, NewRecord, PurgePace};
+use super::sql::{ClaimPath, Dialect, bound, classify, inline_fits, record_values};
+use crate::error::Error;
+use crate::migrate;
 use crate::record::{RecordState, StoredResponse};
 use crate::scope::ScopedKey;
 
@@ -25,79 +33,160 @@ const LOCK_WAIT_TIMEOUT: u16 = 1205;
 const CONFLICT_ERRORS: [u16; 2] = [1213, 1020];
 
 /// The largest `innodb_lock_wait_timeout` the server accepts, in seconds.
-const MAX_LOCK_WAIT_SECS: u64 = 1_073_741_824;
+const MAX_LOCK_WAIT_SECS: i64 = 1_073_741_824;
 
 /// What the claim procedure signals when a live record holds the key.
 const TAKEN: &str = "45I01";
 
 /// `innodb_lock_wait_timeout` for a bound: whole seconds only, and 0 is not accepted, so it is
 /// rounded up and no duplicate gives up early.
-fn lock_wait_secs(lock_wait: Duration) -> u64 {
-    let secs = lock_wait
-        .as_millis()
-        .div_ceil(1000)
-        .clamp(1, u128::from(MAX_LOCK_WAIT_SECS));
-    // Clamped to a u64 just above.
-    u64::try_from(secs).unwrap_or(MAX_LOCK_WAIT_SECS)
+pub(super) fn lock_wait_secs(lock_wait: Duration) -> i64 {
+    let secs = lock_wait.as_millis().div_ceil(1000);
+    i64::try_from(secs).map_or(MAX_LOCK_WAIT_SECS, |secs| secs.clamp(1, MAX_LOCK_WAIT_SECS))
+}
+
+/// Whether the claim failed because a live record holds the key.
+fn taken(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(error) if error.code().as_deref() == Some(TAKEN))
+}
+
+/// The claim: a call of the schema's claim procedure with the record and the lock-wait bound.
+fn claim_call<'a>(record: &'a NewRecord<'a>, lock_wait: Duration) -> Statement<'a> {
+    let mut call = Statement::new(Syntax::MySql);
+    call.sql("CALL axum_idempotency_claim_v1(");
+    record_values(&mut call, record);
+    call.int8(lock_wait_secs(lock_wait)).sql(")");
+    call
+}
+
+/// The finish: the outcome written into the claimed record.
+fn finish_update<'a>(
+    key: &'a ScopedKey,
+    state: RecordState,
+    response: &'a StoredResponse,
+) -> Statement<'a> {
+    let mut update = Statement::new(Syntax::MySql);
+    update
+        .sql("UPDATE idempotency_records SET state = ")
+        .text(state.as_str())
+        .sql(", status = ")
+        .opt_int4(Some(i32::from(response.status.as_u16())))
+        .sql(", headers = ")
+        .bytes(response.encode_headers())
+        .sql(", body = ")
+        .bytes(&response.body[..])
+        .sql(" WHERE key_digest = ")
+        .bytes(&key.digest()[..]);
+    update
+}
+
+impl ClaimPath for MySql {
+    // The claim procedure bounds its own wait, so the transaction begins plainly.
+    async fn begin(
+        pool: &Pool<Self>,
+        _lock_wait: Duration,
+    ) -> Result<Transaction<'static, Self>, Error> {
+        pool.begin().await.map_err(classify::<Self>)
+    }
+
+    // The procedure's call is the statement that begins the transaction. A record too large to
+    // write out is claimed the unfused way.
+    async fn begin_claimed<'a>(
+        pool: &'a Pool<Self>,
+        record: &'a NewRecord<'a>,
+        lock_wait: Duration,
+    ) -> Result<BeganClaim<Self>, Error> {
+        if !inline_fits(record.response) {
+            return Ok(BeganClaim::Unfused);
+        }
+        match pool
+            .begin_with(claim_call(record, lock_wait).inline("", ""))
+            .await
+        {
+            Ok(tx) => Ok(BeganClaim::Ours(tx)),
+            Err(error) if taken(&error) => Ok(BeganClaim::Taken),
+            Err(error) => Err(classify::<Self>(error)),
+        }
+    }
+
+    // A claim is the first statement of its transaction, so the procedure's own
+    // `START TRANSACTION` commits an empty one and goes on in its place. When the key is taken
+    // the procedure has rolled back: the caller reads the winner's record outside a
+    // transaction, and the `ROLLBACK` its dropped `Transaction` sends is silent.
+    async fn claim<'a>(
+        conn: &'a mut MySqlConnection,
+        record: &'a NewRecord<'a>,
+        lock_wait: Duration,
+    ) -> Result<bool, Error> {
+        let call = claim_call(record, lock_wait);
+        let called = if inline_fits(record.response) {
+            sqlx::raw_sql(call.inline("", "")).execute(conn).await
+        } else {
+            bound(&call).execute(conn).await
+        };
+        match called {
+            Ok(_) => Ok(true),
+            Err(error) if taken(&error) => Ok(false),
+            Err(error) => Err(classify::<Self>(error)),
+        }
+    }
+
+    // No `BEGIN` follows the `COMMIT`: a `ROLLBACK` with no transaction open is silent on
+    // MySQL. The one the dropped `Transaction` queues still costs an exchange of its own,
+    // because sqlx's MySQL driver waits for its answer before the pool's release ping; it is
+    // sent after the response is committed, off the request's path.
+    async fn commit_finished<'a>(
+        mut tx: Transaction<'static, Self>,
+        key: &'a ScopedKey,
+        state: RecordState,
+        response: &'a StoredResponse,
+    ) -> Result<(), Error> {
+        let finish = finish_update(key, state, response);
+        if inline_fits(Some(response)) {
+            sqlx::raw_sql(finish.inline("", "; COMMIT"))
+                .execute(&mut *tx)
+                .await
+                .map_err(classify::<Self>)?;
+            drop(tx);
+            return Ok(());
+        }
+        bound(&finish)
+            .execute(&mut *tx)
+            .await
+            .map_err(classify::<Self>)?;
+        tx.commit().await.map_err(classify::<Self>)
+    }
+}
+
+/// Whether the row `GET_LOCK` returned says the migration lock was granted: 1 granted, 0 timed
+/// out, NULL failed.
+fn migration_locked(row: &MySqlRow) -> bool {
+    matches!(row.try_get::<Option<i64>, _>(0), Ok(Some(1)))
 }
 
 impl Dialect for MySql {
-    const MIGRATIONS: &'static [(i64, &'static str)] = &[
-        (1, include_str!("../../migrations/mysql/0001_records.sql")),
-        (2, include_str!("../../migrations/mysql/0002_claim.sql")),
-    ];
-    const MIGRATION_BEGIN: &'static str = "BEGIN";
-    // DDL commits implicitly, so the transaction cannot serialise two instances migrating at
-    // once; a named lock held by the session can. Lock names are server-wide, so the name
-    // carries the database (hashed: names stop at 64 characters), and apps on other databases
-    // of the same server do not queue behind each other. MariaDB has no "wait forever" (a
-    // negative timeout returns NULL at once), so the wait is an hour, after which migrate fails.
-    const MIGRATION_LOCK: Option<&'static str> =
-        Some("SELECT GET_LOCK(CONCAT('axum_idempotency.migrate:', MD5(DATABASE())), 3600)");
-    const MIGRATION_UNLOCK: Option<&'static str> =
-        Some("DO RELEASE_LOCK(CONCAT('axum_idempotency.migrate:', MD5(DATABASE())))");
-    const MIGRATION_RECORD: &'static str =
-        "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES (?, ?)";
-    // ON DUPLICATE KEY UPDATE rather than INSERT IGNORE: it replaces an expired record in the
-    // same statement, under the row's exclusive lock, so duplicates queue behind an in-flight
-    // claim. INSERT IGNORE takes a shared lock, so two duplicates of an expired record that
-    // both go on to replace it deadlock on the upgrade; and IGNORE turns unrelated errors
-    // (a value too long, say) into warnings. Either way, when an in-flight original rolls
-    // back, InnoDB turns its waiters' locks into gap locks and waiters that then insert may
-    // deadlock: `is_busy` makes the victims answer 409, and their retry replays.
-    //
-    // The affected-rows count cannot tell a claim from a live record: sqlx connects with
-    // CLIENT_FOUND_ROWS, so an insert counts 1, a replaced row 2, and a row left as it was 1
-    // as well (it would be 0 without the flag). Leaving a live record alone therefore also
-    // sets LAST_INSERT_ID, which the OK packet reports and which is 0 otherwise on a table
-    // without AUTO_INCREMENT: that is what `claimed` reads.
-    //
-    // Every column tests the old expires_at, so expires_at is assigned last. VALUES() is
-    // deprecated since MySQL 8.0.20 in favour of a row alias, which MariaDB lacks.
-    const CLAIM: &'static str = "INSERT INTO idempotency_records \
-        (key_digest, principal, method, route, fingerprint, state, status, headers, body, created_at, expires_at, lease_owner, lease_expires_at) \
-        VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) \
-        ON DUPLICATE KEY UPDATE \
-        principal = IF(expires_at <= VALUES(created_at), VALUES(principal), principal), \
-        method = IF(expires_at <= VALUES(created_at), VALUES(method), method), \
-        route = IF(expires_at <= VALUES(created_at), VALUES(route), route), \
-        fingerprint = IF(expires_at <= VALUES(created_at), VALUES(fingerprint), fingerprint), \
-        state = IF(expires_at <= VALUES(created_at), VALUES(state), state), \
-        status = IF(expires_at <= VALUES(created_at), VALUES(status), status), \
-        headers = IF(expires_at <= VALUES(created_at), VALUES(headers), headers), \
-        body = IF(expires_at <= VALUES(created_at), VALUES(body), body), \
-        created_at = IF(expires_at <= VALUES(created_at), VALUES(created_at), created_at), \
-        lease_owner = IF(expires_at <= VALUES(created_at), VALUES(lease_owner), lease_owner), \
-        lease_expires_at = IF(expires_at <= VALUES(created_at), VALUES(lease_expires_at), lease_expires_at), \
-        expires_at = IF(expires_at <= VALUES(created_at), VALUES(expires_at), LAST_INSERT_ID(expires_at))";
-    // Restores the setting saved by `begin_statement`: a session variable outlives the
-    // transaction, unlike PostgreSQL's transaction-local one.
-    const LIFT_LOCK_WAIT: Option<&'static str> =
-        Some("SET SESSION innodb_lock_wait_timeout = @axum_idempotency_lock_wait");
+    const SCHEMA: migrate::Schema<Self> = migrate::Schema {
+        versions_table: "idempotency_schema_versions",
+        scripts: &[
+            (1, include_str!("../../migrations/mysql/0001_records.sql")),
+            (2, include_str!("../../migrations/mysql/0002_claim.sql")),
+        ],
+        begin: "BEGIN",
+        // DDL commits implicitly, so the transaction cannot serialise two instances migrating
+        // at once; a named lock held by the session can. Lock names are server-wide, so the
+        // name carries the database (hashed: names stop at 64 characters), and apps on other
+        // databases of the same server do not queue behind each other. MariaDB has no "wait
+        // forever" (a negative timeout returns NULL at once), so the wait is an hour, after
+        // which migrate fails.
+        lock: Some("SELECT GET_LOCK(CONCAT('axum_idempotency.migrate:', MD5(DATABASE())), 3600)"),
+        unlock: Some("DO RELEASE_LOCK(CONCAT('axum_idempotency.migrate:', MD5(DATABASE())))"),
+        lock_granted: migration_locked,
+        record: "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES (?, ?)",
+    };
+    const VERSIONS_TABLE_EXISTS: &'static str = "SELECT COUNT(*) FROM information_schema.tables \
+        WHERE table_schema = DATABASE() AND table_name = 'idempotency_schema_versions'";
     const FIND: &'static str = "SELECT state, fingerprint, status, headers, body, created_at, expires_at, lease_expires_at \
         FROM idempotency_records WHERE key_digest = ?";
-    const FINISH: &'static str = "UPDATE idempotency_records \
-        SET state = ?, status = ?, headers = ?, body = ? WHERE key_digest = ?";
     // A claim that replaced an expired record while this waited for the row moved its
     // expires_at index entry out of range, so the replacement survives without a re-check.
     const PURGE: &'static str =
@@ -123,59 +212,8 @@ impl Dialect for MySql {
     const RELEASE_LEASE: &'static str = "DELETE FROM idempotency_records \
         WHERE key_digest = ? AND lease_owner = ? AND state = 'processing'";
 
-    fn begin_statement(lock_wait: Duration) -> Option<String> {
-        let secs = lock_wait_secs(lock_wait);
-        Some(format!(
-            "SET @axum_idempotency_lock_wait = @@SESSION.innodb_lock_wait_timeout; \
-             SET SESSION innodb_lock_wait_timeout = {secs}; BEGIN"
-        ))
-    }
-
-    // The procedure (schema version 2) begins the transaction, claims, and either returns with
-    // the key held or rolls back and signals: nothing is left open when the key is not ours.
-    fn fused_claim(record: &NewRecord<'_>, lock_wait: Duration) -> Option<String> {
-        let values = record_literals(record, Syntax::MySql)?;
-        Some(format!(
-            "CALL axum_idempotency_claim_v1({}, {})",
-            values.as_str(),
-            lock_wait_secs(lock_wait)
-        ))
-    }
-
-    fn fused_taken(error: &dyn DatabaseError) -> bool {
-        error.code().as_deref() == Some(TAKEN)
-    }
-
-    // No `BEGIN` follows: a `ROLLBACK` with no transaction open is silent on MySQL. The one the
-    // dropped `Transaction` queues still costs an exchange of its own, because sqlx's MySQL
-    // driver waits for its answer before the pool's release ping; it is sent after the response
-    // is committed, off the request's path.
-    fn fused_finish(
-        key: &ScopedKey,
-        state: RecordState,
-        response: &StoredResponse,
-    ) -> Option<String> {
-        finish_text(
-            key,
-            state,
-            response,
-            Syntax::MySql,
-            FinishForm::Update,
-            "; COMMIT",
-        )
-    }
-
-    fn migration_locked(row: &MySqlRow) -> bool {
-        // 1 granted, 0 timed out, NULL failed.
-        matches!(row.try_get::<Option<i64>, _>(0), Ok(Some(1)))
-    }
-
     fn rows_affected(result: &Self::QueryResult) -> u64 {
         result.rows_affected()
-    }
-
-    fn claimed(result: &Self::QueryResult) -> bool {
-        result.rows_affected() > 0 && result.last_insert_id() == 0
     }
 
     fn is_busy(error: &dyn DatabaseError) -> bool {

@@ -1,14 +1,23 @@
 //! PostgreSQL: the production backend, for many app instances sharing one database.
+//!
+//! A claim is always a call of the schema's function `axum_idempotency_claim_v1` (schema
+//! version 3), and a finish one of `axum_idempotency_finish_v1`: the statements themselves are
+//! written once, in `migrations/postgres/0003_claim.sql`. The function takes the key's advisory
+//! lock, at once when it is free, else waiting with the wait bounded by `lock_timeout` set for
+//! the claim alone; claims on the unique key; and raises a violation of the primary key, the
+//! "taken" error, when a live record kept it. PL/pgSQL keeps its plans for the session, so the
+//! server parses and plans one call per request, not the claim's statements.
 
 use std::time::Duration;
 
 use sqlx::error::DatabaseError;
-use sqlx::postgres::PgRow;
-use sqlx::{Postgres, Row};
+use sqlx::{PgConnection, Pool, Postgres, Transaction};
 
-use super::literal::Syntax;
-use super::protocol::NewRecord;
-use super::sql::{Dialect, FinishForm, finish_text, record_literals};
+use super::literal::{Statement, Syntax};
+use super::protocol::{BeganClaim, NewRecord};
+use super::sql::{ClaimPath, Dialect, bound, classify, inline_fits, record_values};
+use crate::error::Error;
+use crate::migrate;
 use crate::record::{RecordState, StoredResponse};
 use crate::scope::ScopedKey;
 
@@ -16,82 +25,185 @@ impl super::Records for Postgres {
     type Protocol = super::sql::SqlStore<Postgres>;
 }
 
-/// The records table's columns, in the order every claim writes them.
-macro_rules! record_columns {
-    () => {
-        "(key_digest, principal, method, route, fingerprint, state, status, headers, body, \
-        created_at, expires_at, lease_owner, lease_expires_at)"
-    };
-}
-
-/// A claim's conflict clause: an expired record is replaced in the same statement, under its
-/// row lock; a live one is left alone.
-macro_rules! replace_expired {
-    () => {
-        "ON CONFLICT (key_digest) DO UPDATE SET \
-        principal = EXCLUDED.principal, method = EXCLUDED.method, route = EXCLUDED.route, \
-        fingerprint = EXCLUDED.fingerprint, state = EXCLUDED.state, status = EXCLUDED.status, \
-        headers = EXCLUDED.headers, body = EXCLUDED.body, created_at = EXCLUDED.created_at, \
-        expires_at = EXCLUDED.expires_at, lease_owner = EXCLUDED.lease_owner, \
-        lease_expires_at = EXCLUDED.lease_expires_at \
-        WHERE r.expires_at <= EXCLUDED.created_at"
-    };
-}
-
-/// The primary key's constraint, which a claim sent with `BEGIN` violates on purpose when a
-/// live record holds the key.
+/// The primary key's constraint, which the claim function violates on purpose when a live
+/// record holds the key.
 const PRIMARY_KEY: &str = "idempotency_records_pkey";
 
+/// `$command` on the savepoint a claim inside a begun transaction runs under.
+macro_rules! savepoint {
+    ($command:literal) => {
+        concat!($command, " axum_idempotency_claim")
+    };
+}
+
+/// Whether the claim failed because a live record holds the key.
+fn taken(error: &sqlx::Error) -> bool {
+    // unique_violation, on the records' own primary key
+    matches!(error, sqlx::Error::Database(error)
+        if error.code().as_deref() == Some("23505") && error.constraint() == Some(PRIMARY_KEY))
+}
+
+/// The claim: a call of the schema's claim function with the record, the key's lock and the
+/// bound on waiting for it.
+fn claim_call<'a>(record: &'a NewRecord<'a>, lock_wait: Duration) -> Statement<'a> {
+    let mut call = Statement::new(Syntax::Postgres);
+    call.sql("SELECT axum_idempotency_claim_v1(");
+    record_values(&mut call, record);
+    // `lock_timeout` = 0 would mean "wait forever".
+    let bound = format!("{}ms", lock_wait.as_millis().max(1));
+    call.int8(key_lock(&record.key)).text(bound).sql(")");
+    call
+}
+
+/// The finish: a call of the schema's finish function, the plain `UPDATE` planned once per
+/// session.
+fn finish_call<'a>(
+    key: &'a ScopedKey,
+    state: RecordState,
+    response: &'a StoredResponse,
+) -> Statement<'a> {
+    let mut call = Statement::new(Syntax::Postgres);
+    call.sql("SELECT axum_idempotency_finish_v1(")
+        .bytes(&key.digest()[..])
+        .text(state.as_str())
+        .opt_int4(Some(i32::from(response.status.as_u16())))
+        .bytes(response.encode_headers())
+        .bytes(&response.body[..])
+        .sql(")");
+    call
+}
+
+/// The number of the transaction-scoped advisory lock every claim of `key` takes. The
+/// one-number form: a lock space of its own, apart from the two-number locks apps often use,
+/// and 64 bits of the digest make two in-flight keys sharing a number vanishingly rare (they
+/// would only queue one behind the other).
+fn key_lock(key: &ScopedKey) -> i64 {
+    let [a, b, c, d, e, f, g, h, ..] = *key.digest();
+    i64::from_be_bytes([a, b, c, d, e, f, g, h])
+}
+
+impl ClaimPath for Postgres {
+    // The claim function bounds its own wait, so the transaction begins plainly.
+    async fn begin(
+        pool: &Pool<Self>,
+        _lock_wait: Duration,
+    ) -> Result<Transaction<'static, Self>, Error> {
+        pool.begin().await.map_err(classify::<Self>)
+    }
+
+    // Sent as one simple query, the claim comes *before* `BEGIN`: the call runs in the implicit
+    // transaction of its query, which `BEGIN` turns into the transaction the handler goes on in.
+    // If the call fails, the server rolls the implicit transaction back and skips `BEGIN`, so a
+    // refused claim leaves the connection idle, with nothing to roll back. A record too large
+    // to write out is claimed the unfused way.
+    async fn begin_claimed<'a>(
+        pool: &'a Pool<Self>,
+        record: &'a NewRecord<'a>,
+        lock_wait: Duration,
+    ) -> Result<BeganClaim<Self>, Error> {
+        if !inline_fits(record.response) {
+            return Ok(BeganClaim::Unfused);
+        }
+        let claim = claim_call(record, lock_wait).inline("", "; BEGIN");
+        match pool.begin_with(claim).await {
+            Ok(tx) => Ok(BeganClaim::Ours(tx)),
+            Err(error) if taken(&error) => Ok(BeganClaim::Taken),
+            Err(error) => Err(classify::<Self>(error)),
+        }
+    }
+
+    // Inside a begun transaction the function's "taken" error would abort the transaction the
+    // caller goes on to read the winner's record in, so the call runs under a savepoint, rolled
+    // back to when the key is taken and released at once when it is ours.
+    async fn claim<'a>(
+        conn: &'a mut PgConnection,
+        record: &'a NewRecord<'a>,
+        lock_wait: Duration,
+    ) -> Result<bool, Error> {
+        let call = claim_call(record, lock_wait);
+        let claimed = if inline_fits(record.response) {
+            let sql = call.inline(
+                concat!(savepoint!("SAVEPOINT"), "; "),
+                concat!("; ", savepoint!("RELEASE SAVEPOINT")),
+            );
+            sqlx::raw_sql(sql).execute(&mut *conn).await.map(drop)
+        } else {
+            async {
+                sqlx::raw_sql(savepoint!("SAVEPOINT"))
+                    .execute(&mut *conn)
+                    .await?;
+                bound(&call).execute(&mut *conn).await?;
+                sqlx::raw_sql(savepoint!("RELEASE SAVEPOINT"))
+                    .execute(&mut *conn)
+                    .await
+                    .map(drop)
+            }
+            .await
+        };
+        match claimed {
+            Ok(()) => Ok(true),
+            Err(error) if taken(&error) => {
+                sqlx::raw_sql(savepoint!("ROLLBACK TO SAVEPOINT"))
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(classify::<Self>)?;
+                Ok(false)
+            }
+            Err(error) => Err(classify::<Self>(error)),
+        }
+    }
+
+    // The finish is sent with `COMMIT`. `BEGIN` after `COMMIT` leaves an empty transaction for
+    // the rollback the dropped `Transaction` queues, so that rollback finds a transaction to
+    // end and the server logs no warning; it is sent with the ping the pool tests a returned
+    // connection with.
+    async fn commit_finished<'a>(
+        mut tx: Transaction<'static, Self>,
+        key: &'a ScopedKey,
+        state: RecordState,
+        response: &'a StoredResponse,
+    ) -> Result<(), Error> {
+        let finish = finish_call(key, state, response);
+        if inline_fits(Some(response)) {
+            sqlx::raw_sql(finish.inline("", "; COMMIT; BEGIN"))
+                .execute(&mut *tx)
+                .await
+                .map_err(classify::<Self>)?;
+            drop(tx);
+            return Ok(());
+        }
+        bound(&finish)
+            .execute(&mut *tx)
+            .await
+            .map_err(classify::<Self>)?;
+        tx.commit().await.map_err(classify::<Self>)
+    }
+}
+
 impl Dialect for Postgres {
-    const MIGRATIONS: &'static [(i64, &'static str)] = &[
-        (
-            1,
-            include_str!("../../migrations/postgres/0001_records.sql"),
-        ),
-        (2, include_str!("../../migrations/postgres/0002_leases.sql")),
-        (3, include_str!("../../migrations/postgres/0003_claim.sql")),
-    ];
-    const MIGRATION_BEGIN: &'static str = "BEGIN";
-    // A transaction-scoped advisory lock: two instances starting at once migrate one after the
-    // other, and the second finds nothing left to do. The number is this crate's own.
-    const MIGRATION_LOCK: Option<&'static str> =
-        Some("SELECT pg_advisory_xact_lock(7351906218944770001)");
-    const MIGRATION_RECORD: &'static str =
-        "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES ($1, $2)";
-    // A claim first tries for its key's advisory lock without waiting (TRY_CLAIM): free, it
-    // means no other transaction is claiming the key, so the insert cannot queue behind an
-    // uncommitted row and needs no lock-wait bound. The `lock` CTE runs once, before the insert
-    // reads from it; the row says whether the lock was free and whether the key was taken.
-    const TRY_CLAIM: Option<&'static str> = Some(concat!(
-        "WITH lock AS (SELECT pg_try_advisory_xact_lock($14) AS held), \
-        claimed AS (INSERT INTO idempotency_records AS r ",
-        record_columns!(),
-        " SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13 FROM lock WHERE held ",
-        replace_expired!(),
-        " RETURNING 1) SELECT held, EXISTS (SELECT 1 FROM claimed) FROM lock",
-    ));
-    // Held, the lock belongs to an in-flight claim of the key (or, once in 2^64, of a key with
-    // the same lock number): this statement waits for it, then claims. The statement bounds
-    // its own wait, so the claim transaction begins with a plain `BEGIN` and the bound is part
-    // of a prepared statement: the one-row subquery saves the session's `lock_timeout` (the
-    // nested call runs first), sets the bound, and only then, as that call's argument is
-    // ready, waits for the key's lock. RETURNING gives the handler's own statements the saved
-    // value back once the key is ours. Both settings are transaction-local, so a claim that
-    // returns no row leaves nothing behind past its transaction.
-    const CLAIM: &'static str = concat!(
-        "INSERT INTO idempotency_records AS r ",
-        record_columns!(),
-        " SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13 \
-        FROM (SELECT pg_advisory_xact_lock(CASE WHEN set_config('lock_timeout', \
-            $14 || left(set_config('axum_idempotency.lock_timeout', current_setting('lock_timeout'), true), 0), \
-            true) IS NOT NULL THEN $15 END)) AS bound ",
-        replace_expired!(),
-        " RETURNING set_config('lock_timeout', current_setting('axum_idempotency.lock_timeout'), true)",
-    );
+    const SCHEMA: migrate::Schema<Self> = migrate::Schema {
+        versions_table: "idempotency_schema_versions",
+        scripts: &[
+            (
+                1,
+                include_str!("../../migrations/postgres/0001_records.sql"),
+            ),
+            (2, include_str!("../../migrations/postgres/0002_leases.sql")),
+            (3, include_str!("../../migrations/postgres/0003_claim.sql")),
+        ],
+        begin: "BEGIN",
+        // A transaction-scoped advisory lock: two instances starting at once migrate one after
+        // the other, and the second finds nothing left to do. The number is this crate's own.
+        lock: Some("SELECT pg_advisory_xact_lock(7351906218944770001)"),
+        unlock: None,
+        lock_granted: |_| true,
+        record: "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES ($1, $2)",
+    };
+    // Resolved through the search_path, as every other statement's tables are.
+    const VERSIONS_TABLE_EXISTS: &'static str =
+        "SELECT COUNT(to_regclass('idempotency_schema_versions'))";
     const FIND: &'static str = "SELECT state, fingerprint, status, headers, body, created_at, expires_at, lease_expires_at \
         FROM idempotency_records WHERE key_digest = $1";
-    const FINISH: &'static str = "UPDATE idempotency_records \
-        SET state = $1, status = $2, headers = $3, body = $4 WHERE key_digest = $5";
     // The outer expiry test is repeated on purpose: a claim that replaced an expired record
     // while this DELETE waited for its row lock must survive the re-check.
     const PURGE: &'static str = "DELETE FROM idempotency_records WHERE expires_at <= $1 \
@@ -107,73 +219,6 @@ impl Dialect for Postgres {
     const RELEASE_LEASE: &'static str = "DELETE FROM idempotency_records \
         WHERE key_digest = $1 AND lease_owner = $2 AND state = 'processing'";
     const FORGET: &'static str = "DELETE FROM idempotency_records WHERE key_digest = $1";
-
-    fn begin_statement(_lock_wait: Duration) -> Option<String> {
-        None
-    }
-
-    // Sent as one simple query, the claim comes *before* `BEGIN`: the call runs in the implicit
-    // transaction of its query, which `BEGIN` turns into the transaction the handler goes on in.
-    // If the call fails, the server rolls the implicit transaction back and skips `BEGIN`, so a
-    // refused claim leaves the connection idle, with nothing to roll back. The function (schema
-    // version 3) takes the key's advisory lock as TRY_CLAIM and CLAIM do: at once when it is
-    // free, else waiting, with the wait bounded by `lock_timeout` set for the claim alone; it
-    // claims on the unique key, and raises a violation of the primary key, the "taken" error,
-    // when a live record kept it. Its plans are kept for the session: the
-    // server parses and plans the one call, not the claim's statements, on every request.
-    fn fused_claim(record: &NewRecord<'_>, lock_wait: Duration) -> Option<String> {
-        let values = record_literals(record, Syntax::Postgres)?;
-        let lock = Self::key_lock(&record.key)?;
-        let bound = Self::claim_lock_wait(lock_wait)?;
-        Some(format!(
-            "SELECT axum_idempotency_claim_v1({values}, {lock}, '{bound}'); BEGIN",
-            values = values.as_str(),
-        ))
-    }
-
-    fn fused_taken(error: &dyn DatabaseError) -> bool {
-        // unique_violation, on the records' own primary key
-        error.code().as_deref() == Some("23505") && error.constraint() == Some(PRIMARY_KEY)
-    }
-
-    // The finish function (schema version 3) is the plain `UPDATE`, planned once per session.
-    // `BEGIN` after `COMMIT` leaves an empty transaction for the rollback the dropped
-    // `Transaction` queues, so that rollback finds a transaction to end and the server logs no
-    // warning.
-    fn fused_finish(
-        key: &ScopedKey,
-        state: RecordState,
-        response: &StoredResponse,
-    ) -> Option<String> {
-        finish_text(
-            key,
-            state,
-            response,
-            Syntax::Postgres,
-            FinishForm::Call("SELECT axum_idempotency_finish_v1"),
-            "; COMMIT; BEGIN",
-        )
-    }
-
-    fn claim_lock_wait(lock_wait: Duration) -> Option<String> {
-        // lock_timeout = 0 would mean "wait forever".
-        Some(format!("{}ms", lock_wait.as_millis().max(1)))
-    }
-
-    fn key_lock(key: &ScopedKey) -> Option<i64> {
-        // The one-number form: a lock space of its own, apart from the two-number locks apps
-        // often use, and 64 bits of the digest make two in-flight keys sharing a number
-        // vanishingly rare (they would only queue one behind the other).
-        key.digest()
-            .first_chunk::<8>()
-            .map(|prefix| i64::from_be_bytes(*prefix))
-    }
-
-    fn try_claimed(row: &PgRow) -> Result<Option<bool>, sqlx::Error> {
-        let held: bool = row.try_get(0)?;
-        let claimed: bool = row.try_get(1)?;
-        Ok(held.then_some(claimed))
-    }
 
     fn rows_affected(result: &Self::QueryResult) -> u64 {
         result.rows_affected()

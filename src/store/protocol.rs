@@ -153,7 +153,9 @@ pub trait Protocol: Clone + Send + Sync + 'static {
 
     /// Inserts `record`, or replaces an expired record under the same key, waiting up to
     /// `lock_wait` for a concurrent claimer. Returns `false`, changing nothing, when a live
-    /// record holds the key.
+    /// record holds the key. The claim is the first statement of a transaction from
+    /// [`begin`](Protocol::begin): MySQL's claim procedure begins a transaction of its own,
+    /// which commits whatever came before.
     fn claim<'a>(
         &'a self,
         conn: &'a mut <Self::Database as Database>::Connection,
@@ -167,15 +169,6 @@ pub trait Protocol: Clone + Send + Sync + 'static {
         conn: &'a mut <Self::Database as Database>::Connection,
         key: &'a ScopedKey,
     ) -> impl Future<Output = Result<Option<Record>, Error>> + Send + 'a;
-
-    /// Writes the outcome into the record claimed in this transaction.
-    fn finish<'a>(
-        &'a self,
-        conn: &'a mut <Self::Database as Database>::Connection,
-        key: &'a ScopedKey,
-        state: RecordState,
-        response: &'a StoredResponse,
-    ) -> impl Future<Output = Result<(), Error>> + Send + 'a;
 
     /// Extends a lease held by `lease.owner` to `lease.until`; `false` if it is no longer held.
     fn renew_lease<'a>(

@@ -1,41 +1,128 @@
 //! SQLite: the embedded default, one file, no server.
+//!
+//! SQLite has one writer at a time, so a claim's transaction begins `IMMEDIATE`, taking the
+//! write lock up front and waiting for it within the claim's bound (`busy_timeout`); the claim
+//! itself then never waits. The database runs in-process, so sending the claim with `BEGIN`
+//! would save no round trip: it is sent on its own, with its values bound.
 
 use std::time::Duration;
 
-use sqlx::Sqlite;
 use sqlx::error::DatabaseError;
+use sqlx::sqlite::SqliteConnection;
+use sqlx::{Pool, Sqlite, Transaction};
 
-use super::protocol::PurgePace;
-use super::sql::Dialect;
+use super::literal::{Statement, Syntax};
+use super::protocol::{BeganClaim, NewRecord, PurgePace};
+use super::sql::{ClaimPath, Dialect, bound, classify, record_values};
+use crate::error::Error;
+use crate::migrate;
+use crate::record::{RecordState, StoredResponse};
+use crate::scope::ScopedKey;
 
 impl super::Records for Sqlite {
     type Protocol = super::sql::SqlStore<Sqlite>;
 }
 
+impl ClaimPath for Sqlite {
+    async fn begin(
+        pool: &Pool<Self>,
+        lock_wait: Duration,
+    ) -> Result<Transaction<'static, Self>, Error> {
+        let millis = i64::try_from(lock_wait.as_millis())
+            .unwrap_or(i64::MAX)
+            .clamp(1, i64::from(i32::MAX));
+        let mut begin = Statement::new(Syntax::Sqlite);
+        begin
+            .sql("PRAGMA busy_timeout = ")
+            .int8(millis)
+            .sql("; BEGIN IMMEDIATE");
+        pool.begin_with(begin.inline("", ""))
+            .await
+            .map_err(classify::<Self>)
+    }
+
+    async fn begin_claimed<'a>(
+        _pool: &'a Pool<Self>,
+        _record: &'a NewRecord<'a>,
+        _lock_wait: Duration,
+    ) -> Result<BeganClaim<Self>, Error> {
+        Ok(BeganClaim::Unfused)
+    }
+
+    // The transaction holds the write lock, so the claim runs alone and never waits. An
+    // expired record is replaced in the same statement; a live one is left alone.
+    async fn claim<'a>(
+        conn: &'a mut SqliteConnection,
+        record: &'a NewRecord<'a>,
+        _lock_wait: Duration,
+    ) -> Result<bool, Error> {
+        let mut claim = Statement::new(Syntax::Sqlite);
+        claim.sql(
+            "INSERT INTO idempotency_records (key_digest, principal, method, route, \
+             fingerprint, state, status, headers, body, created_at, expires_at, lease_owner, \
+             lease_expires_at) VALUES (",
+        );
+        record_values(&mut claim, record);
+        claim.sql(
+            ") ON CONFLICT (key_digest) DO UPDATE SET \
+             principal = excluded.principal, method = excluded.method, route = excluded.route, \
+             fingerprint = excluded.fingerprint, state = excluded.state, status = excluded.status, \
+             headers = excluded.headers, body = excluded.body, created_at = excluded.created_at, \
+             expires_at = excluded.expires_at, lease_owner = excluded.lease_owner, \
+             lease_expires_at = excluded.lease_expires_at \
+             WHERE idempotency_records.expires_at <= excluded.created_at",
+        );
+        let result = bound(&claim)
+            .execute(conn)
+            .await
+            .map_err(classify::<Self>)?;
+        Ok(result.rows_affected() == 1)
+    }
+
+    async fn commit_finished<'a>(
+        mut tx: Transaction<'static, Self>,
+        key: &'a ScopedKey,
+        state: RecordState,
+        response: &'a StoredResponse,
+    ) -> Result<(), Error> {
+        let mut finish = Statement::new(Syntax::Sqlite);
+        finish
+            .sql("UPDATE idempotency_records SET state = ")
+            .text(state.as_str())
+            .sql(", status = ")
+            .opt_int4(Some(i32::from(response.status.as_u16())))
+            .sql(", headers = ")
+            .bytes(response.encode_headers())
+            .sql(", body = ")
+            .bytes(&response.body[..])
+            .sql(" WHERE key_digest = ")
+            .bytes(&key.digest()[..]);
+        bound(&finish)
+            .execute(&mut *tx)
+            .await
+            .map_err(classify::<Self>)?;
+        tx.commit().await.map_err(classify::<Self>)
+    }
+}
+
 impl Dialect for Sqlite {
-    const MIGRATIONS: &'static [(i64, &'static str)] = &[
-        (1, include_str!("../../migrations/sqlite/0001_records.sql")),
-        (2, include_str!("../../migrations/sqlite/0002_leases.sql")),
-    ];
-    // The write lock taken up front serialises concurrent migrators.
-    const MIGRATION_BEGIN: &'static str = "BEGIN IMMEDIATE";
-    const MIGRATION_LOCK: Option<&'static str> = None;
-    const MIGRATION_RECORD: &'static str =
-        "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES (?1, ?2)";
-    const CLAIM: &'static str = "INSERT INTO idempotency_records \
-        (key_digest, principal, method, route, fingerprint, state, status, headers, body, created_at, expires_at, lease_owner, lease_expires_at) \
-        VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13) \
-        ON CONFLICT (key_digest) DO UPDATE SET \
-        principal = excluded.principal, method = excluded.method, route = excluded.route, \
-        fingerprint = excluded.fingerprint, state = excluded.state, status = excluded.status, \
-        headers = excluded.headers, body = excluded.body, created_at = excluded.created_at, \
-        expires_at = excluded.expires_at, lease_owner = excluded.lease_owner, \
-        lease_expires_at = excluded.lease_expires_at \
-        WHERE idempotency_records.expires_at <= excluded.created_at";
+    const SCHEMA: migrate::Schema<Self> = migrate::Schema {
+        versions_table: "idempotency_schema_versions",
+        scripts: &[
+            (1, include_str!("../../migrations/sqlite/0001_records.sql")),
+            (2, include_str!("../../migrations/sqlite/0002_leases.sql")),
+        ],
+        // The write lock taken up front serialises concurrent migrators.
+        begin: "BEGIN IMMEDIATE",
+        lock: None,
+        unlock: None,
+        lock_granted: |_| true,
+        record: "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES (?1, ?2)",
+    };
+    const VERSIONS_TABLE_EXISTS: &'static str = "SELECT COUNT(*) FROM sqlite_master \
+        WHERE type = 'table' AND name = 'idempotency_schema_versions'";
     const FIND: &'static str = "SELECT state, fingerprint, status, headers, body, created_at, expires_at, lease_expires_at \
         FROM idempotency_records WHERE key_digest = ?1";
-    const FINISH: &'static str = "UPDATE idempotency_records \
-        SET state = ?1, status = ?2, headers = ?3, body = ?4 WHERE key_digest = ?5";
     const PURGE: &'static str = "DELETE FROM idempotency_records WHERE key_digest IN \
         (SELECT key_digest FROM idempotency_records WHERE expires_at <= ?1 LIMIT ?2)";
     // Every claim waits for the one write lock while a batch holds it: a short batch keeps that
@@ -56,13 +143,6 @@ impl Dialect for Sqlite {
         WHERE key_digest = ?1 AND lease_owner = ?2 AND state = 'processing'";
     const FORGET: &'static str = "DELETE FROM idempotency_records WHERE key_digest = ?1";
 
-    fn begin_statement(lock_wait: Duration) -> Option<String> {
-        Some(format!(
-            "PRAGMA busy_timeout = {}; BEGIN IMMEDIATE",
-            lock_wait.as_millis().clamp(1, i32::MAX as u128)
-        ))
-    }
-
     fn rows_affected(result: &Self::QueryResult) -> u64 {
         result.rows_affected()
     }
@@ -73,5 +153,9 @@ impl Dialect for Sqlite {
             .code()
             .and_then(|code| code.parse::<i32>().ok())
             .is_some_and(|code| matches!(code & 0xff, 5 | 6))
+    }
+
+    fn is_conflict(_error: &dyn DatabaseError) -> bool {
+        false
     }
 }

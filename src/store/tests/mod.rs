@@ -10,21 +10,21 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::record::Millis;
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 use crate::{
     fingerprint::Fingerprinter,
     key::IdempotencyKey,
-    record::{RecordState, StoredResponse},
+    record::{Millis, RecordState, StoredResponse},
     scope::Scope,
     store::{NewRecord, Store},
 };
 
+mod large;
 mod lease;
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
+mod schema;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
@@ -40,7 +40,6 @@ fn unique(prefix: &str) -> String {
 }
 
 /// The protocol the engine drives a public store through.
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 fn protocol_of<DB: crate::Backend>(store: &Store<DB>) -> DB::Protocol {
     store.protocol().clone()
 }
@@ -51,7 +50,6 @@ fn now_ms() -> i64 {
 }
 
 /// Alice's `POST /orders` under `key`.
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 fn scope(key: &str) -> Scope {
     Scope::new(
         "alice",
@@ -62,7 +60,6 @@ fn scope(key: &str) -> Scope {
 }
 
 /// A record of `scope` whose fingerprint stands for `intent`, living `ttl_ms` from `created_at_ms`.
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 fn record<'a>(
     scope: &'a Scope,
     intent: &str,

@@ -158,15 +158,14 @@ async fn claim_takes_a_fresh_key_and_not_a_live_one() {
             .unwrap()
     );
     store
-        .finish(
-            &mut tx,
+        .commit_finished(
+            tx,
             &first.scoped_key(),
             RecordState::Completed,
             &completed("one"),
         )
         .await
         .unwrap();
-    tx.commit().await.unwrap();
 
     let mut tx = store.begin(Duration::from_secs(1)).await.unwrap();
     let duplicate = record(&first, "b", RecordState::Processing, None, now + 1, 60_000);
@@ -264,8 +263,24 @@ async fn claim_replaces_an_expired_record_in_place() {
     db.drop().await;
 }
 
+#[test]
+fn lock_wait_is_rounded_up_to_whole_seconds() {
+    for (wait, secs) in [(0, 1), (10, 1), (1000, 1), (1001, 2), (1500, 2), (5000, 5)] {
+        assert_eq!(
+            crate::store::mysql::lock_wait_secs(Duration::from_millis(wait)),
+            secs,
+            "a wait of {wait} ms"
+        );
+    }
+    assert_eq!(
+        crate::store::mysql::lock_wait_secs(Duration::MAX),
+        1_073_741_824,
+        "the server's largest"
+    );
+}
+
 #[tokio::test]
-async fn lock_wait_is_rounded_up_to_whole_seconds_and_restored_after_the_claim() {
+async fn a_claim_leaves_the_sessions_own_lock_wait_to_the_handler() {
     let db = TestDb::create().await;
     let store = protocol_of(&MySqlStore::new(db.pool(1).await));
     store.migrate().await.unwrap();
@@ -277,28 +292,21 @@ async fn lock_wait_is_rounded_up_to_whole_seconds_and_restored_after_the_claim()
         .unwrap();
     drop(conn);
 
-    for (wait, secs) in [(10, 1), (1000, 1), (1500, 2), (5000, 5)] {
-        let mut tx = store.begin(Duration::from_millis(wait)).await.unwrap();
-        let bound: u64 = sqlx::query_scalar(setting)
-            .fetch_one(&mut *tx)
-            .await
-            .unwrap();
-        assert_eq!(bound, secs, "a wait of {wait} ms");
-        let key = scope(&format!("k-wait-{wait}"));
+    for wait in [10, 1500, 5000] {
+        let wait = Duration::from_millis(wait);
+        let mut tx = store.begin(wait).await.unwrap();
+        let key = scope(&format!("k-wait-{wait:?}"));
         let claim = record(&key, "a", RecordState::Processing, None, now_ms(), 60_000);
-        assert!(
-            store
-                .claim(&mut tx, &claim, Duration::from_millis(wait))
+        assert!(store.claim(&mut tx, &claim, wait).await.unwrap());
+        let (open, bound): (u64, u64) =
+            sqlx::query_as("SELECT @@in_transaction, @@SESSION.innodb_lock_wait_timeout")
+                .fetch_one(&mut *tx)
                 .await
-                .unwrap()
-        );
-        let lifted: u64 = sqlx::query_scalar(setting)
-            .fetch_one(&mut *tx)
-            .await
-            .unwrap();
+                .unwrap();
         assert_eq!(
-            lifted, 37,
-            "the handler's statements get the session's own bound"
+            (open, bound),
+            (1, 37),
+            "the handler's statements run in the claim's transaction with the session's bound"
         );
         tx.commit().await.unwrap();
     }
@@ -307,6 +315,10 @@ async fn lock_wait_is_rounded_up_to_whole_seconds_and_restored_after_the_claim()
         .await
         .unwrap();
     assert_eq!(pooled, 37);
+    assert_eq!(
+        count(store.pool(), "SELECT COUNT(*) FROM idempotency_records").await,
+        3
+    );
     db.drop().await;
 }
 
@@ -341,44 +353,46 @@ async fn duplicate_of_an_in_flight_claim_is_busy_after_the_wait_and_the_bound_is
     db.drop().await;
 }
 
+/// A claim is the first statement of its transaction, so it can only deadlock against another
+/// transaction's later statements (InnoDB's gap locks after an original rolls back under
+/// waiting duplicates): what matters is how the deadlock is reported, pinned here on the
+/// server's own error.
 #[tokio::test]
-async fn deadlocked_claims_are_conflicts_not_errors() {
+async fn deadlocks_are_conflicts_not_errors() {
     let db = TestDb::create().await;
     let store = migrated(&db).await;
-    let (a, b) = (scope("k-dead-a"), scope("k-dead-b"));
-    let now = now_ms();
-    let claim_a = record(&a, "a", RecordState::Processing, None, now, 60_000);
-    let claim_b = record(&b, "b", RecordState::Processing, None, now, 60_000);
-
+    sqlx::raw_sql(
+        "CREATE TABLE cells (id INT PRIMARY KEY, n INT NOT NULL) ENGINE = InnoDB; \
+        INSERT INTO cells VALUES (1, 0), (2, 0)",
+    )
+    .execute(store.pool())
+    .await
+    .unwrap();
     let mut first = store.begin(Duration::from_secs(10)).await.unwrap();
     let mut second = store.begin(Duration::from_secs(10)).await.unwrap();
-    assert!(
-        store
-            .claim(&mut first, &claim_a, Duration::from_secs(10))
-            .await
-            .unwrap()
-    );
-    assert!(
-        store
-            .claim(&mut second, &claim_b, Duration::from_secs(10))
-            .await
-            .unwrap()
-    );
-    // Each now waits for the other's key: InnoDB detects the cycle and aborts one of them.
+    let update = |id: i32| sqlx::query("UPDATE cells SET n = n + 1 WHERE id = ?").bind(id);
+    update(1).execute(&mut *first).await.unwrap();
+    update(2).execute(&mut *second).await.unwrap();
+    // Each now waits for the other's row: InnoDB detects the cycle and aborts one of them.
     let (one, two) = tokio::join!(
-        store.claim(&mut first, &claim_b, Duration::from_secs(10)),
-        store.claim(&mut second, &claim_a, Duration::from_secs(10))
+        update(2).execute(&mut *first),
+        update(1).execute(&mut *second)
     );
-    let victims = [&one, &two]
-        .iter()
-        .filter(|r| matches!(r, Err(Error::Conflict)))
-        .count();
-    assert_eq!(victims, 1, "{one:?} {two:?}");
-    assert!(
-        [&one, &two]
+    let outcomes = [one.map(drop), two.map(drop)]
+        .map(|outcome| outcome.map_err(crate::store::sql::classify::<sqlx::MySql>));
+    assert_eq!(
+        outcomes
             .iter()
-            .all(|r| matches!(r, Ok(_) | Err(Error::Conflict))),
-        "{one:?} {two:?}"
+            .filter(|r| matches!(r, Err(Error::Conflict)))
+            .count(),
+        1,
+        "{outcomes:?}"
+    );
+    assert!(
+        outcomes
+            .iter()
+            .all(|r| matches!(r, Ok(()) | Err(Error::Conflict))),
+        "{outcomes:?}"
     );
     first.rollback().await.unwrap();
     second.rollback().await.unwrap();
@@ -607,5 +621,36 @@ async fn a_claim_sent_with_begin_waits_for_an_in_flight_duplicate_then_is_busy()
         "the waiter's session is back to the server default, with nothing open"
     );
     drop(holder);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn an_unmigrated_store_names_the_fix_until_migrated() {
+    let db = TestDb::create().await;
+    super::schema::an_unmigrated_store_names_the_fix_until_migrated(
+        MySqlStore::new(db.pool(2).await),
+        2,
+    )
+    .await;
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn an_outdated_schema_is_reported_until_it_is_current() {
+    let db = TestDb::create().await;
+    super::schema::an_outdated_schema_is_reported_until_it_is_current(
+        MySqlStore::new(db.pool(2).await),
+        2,
+    )
+    .await;
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_record_too_large_to_write_out_is_claimed_with_bound_values() {
+    let db = TestDb::create().await;
+    let store = MySqlStore::new(db.pool(2).await);
+    store.migrate().await.unwrap();
+    super::large::a_record_too_large_to_write_out_is_claimed_with_bound_values(store).await;
     db.drop().await;
 }

@@ -342,3 +342,34 @@ async fn a_claim_sent_with_begin_waits_for_an_in_flight_duplicate_then_is_busy()
     drop(holder);
     schema.drop(store.pool()).await;
 }
+
+#[tokio::test]
+async fn an_unmigrated_store_names_the_fix_until_migrated() {
+    let schema = PgSchema::create().await;
+    let pool = schema.pool(2).await;
+    super::schema::an_unmigrated_store_names_the_fix_until_migrated(PgStore::new(pool.clone()), 3)
+        .await;
+    schema.drop(&pool).await;
+}
+
+#[tokio::test]
+async fn an_outdated_schema_is_reported_until_it_is_current() {
+    let schema = PgSchema::create().await;
+    let pool = schema.pool(2).await;
+    super::schema::an_outdated_schema_is_reported_until_it_is_current(
+        PgStore::new(pool.clone()),
+        3,
+    )
+    .await;
+    schema.drop(&pool).await;
+}
+
+#[tokio::test]
+async fn a_record_too_large_to_write_out_is_claimed_with_bound_values() {
+    let schema = PgSchema::create().await;
+    let store = PgStore::new(schema.pool(2).await);
+    store.migrate().await.unwrap();
+    let pool = store.pool().clone();
+    super::large::a_record_too_large_to_write_out_is_claimed_with_bound_values(store).await;
+    schema.drop(&pool).await;
+}

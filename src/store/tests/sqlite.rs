@@ -2,7 +2,7 @@
 
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 
-use super::{lease, unique};
+use super::{lease, schema, unique};
 use crate::store::SqliteStore;
 
 /// A pool on a new WAL database file, and the file, removed by [`remove`].
@@ -36,5 +36,30 @@ async fn expired_lease_is_taken_over_only_after_asking_recovery() {
     let store = SqliteStore::new(pool.clone());
     store.migrate().await.unwrap();
     lease::expired_lease_is_taken_over_only_after_asking_recovery(store).await;
+    remove(pool, path).await;
+}
+
+#[tokio::test]
+async fn an_unmigrated_store_names_the_fix_until_migrated() {
+    let (pool, path) = fresh(2).await;
+    schema::an_unmigrated_store_names_the_fix_until_migrated(SqliteStore::new(pool.clone()), 2)
+        .await;
+    remove(pool, path).await;
+}
+
+#[tokio::test]
+async fn an_outdated_schema_is_reported_until_it_is_current() {
+    let (pool, path) = fresh(2).await;
+    schema::an_outdated_schema_is_reported_until_it_is_current(SqliteStore::new(pool.clone()), 2)
+        .await;
+    remove(pool, path).await;
+}
+
+#[tokio::test]
+async fn a_record_too_large_to_write_out_is_claimed_with_bound_values() {
+    let (pool, path) = fresh(2).await;
+    let store = SqliteStore::new(pool.clone());
+    store.migrate().await.unwrap();
+    super::large::a_record_too_large_to_write_out_is_claimed_with_bound_values(store).await;
     remove(pool, path).await;
 }

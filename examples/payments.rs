@@ -57,8 +57,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router, middleware};
 use axum_idempotency::outbox::{
-    Backoff, DispatchWaker, Dispatcher, DownstreamKey, LookupOutcome, Message, MessageId,
-    Outbox, OutboxRecord, SendOutcome, Sender, Status,
+    Backoff, DispatchWaker, Dispatcher, DownstreamKey, LookupOutcome, Message, MessageId, Outbox,
+    OutboxRecord, SendOutcome, Sender, Status,
 };
 use axum_idempotency::{
     Backend, IDEMPOTENCY_KEY, IdempotencyContext, IdempotencyLayer, Principal, Tx,

@@ -339,21 +339,3 @@ impl IntoResponse for Rejection {
         response
     }
 }
-
-/// Whether the database aborted the transaction `error` came from to resolve a conflict with a
-/// concurrent one: a serialization failure or a deadlock (SQLSTATE 40001, 40P01), which is also
-/// how MySQL reports a deadlock and Galera a certification conflict (1213), or MariaDB's "record
-/// has changed since last read" (1020). Such a transaction is gone; running it again is safe.
-pub(crate) fn is_conflict_abort(error: &sqlx::Error) -> bool {
-    let Some(database) = error.as_database_error() else {
-        return false;
-    };
-    if matches!(database.code().as_deref(), Some("40001" | "40P01")) {
-        return true;
-    }
-    #[cfg(feature = "mysql")]
-    if let Some(mysql) = database.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
-        return matches!(mysql.number(), 1213 | 1020);
-    }
-    false
-}

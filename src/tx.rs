@@ -82,7 +82,8 @@ use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 use sqlx::{Database, Pool, Transaction};
 
-use crate::error::{Rejection, is_conflict_abort};
+use crate::error::Rejection;
+use crate::store::is_conflict_abort;
 
 /// A handle on the request's database transaction (see the [module docs](crate::tx)).
 ///

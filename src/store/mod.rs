@@ -201,6 +201,29 @@ impl<DB: Backend> fmt::Debug for Store<DB> {
 
 pub(crate) use sealed::Records;
 
+/// Whether the database aborted the transaction `error` came from to resolve a conflict with a
+/// concurrent one (a serialization failure, a deadlock, a Galera certification conflict), as
+/// the backends in this build recognise it; SQLite, one writer at a time, has no such aborts.
+/// Such a transaction is gone, and running it again is safe.
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql")),
+    allow(unused_variables)
+)]
+pub(crate) fn is_conflict_abort(error: &sqlx::Error) -> bool {
+    let Some(database) = error.as_database_error() else {
+        return false;
+    };
+    #[cfg(feature = "postgres")]
+    if <sqlx::Postgres as sql::Dialect>::is_conflict(database) {
+        return true;
+    }
+    #[cfg(feature = "mysql")]
+    if <sqlx::MySql as sql::Dialect>::is_conflict(database) {
+        return true;
+    }
+    false
+}
+
 mod sealed {
     // `pub` inside a private module is the sealed-trait idiom: `Backend` names it as a
     // supertrait while no one outside the crate can implement or call it.

@@ -88,8 +88,31 @@ async fn storm(app: Router) -> Vec<StatusCode> {
     statuses
 }
 
-fn layer<DB: axum_idempotency::Backend>(store: Store<DB>) -> IdempotencyLayer<DB> {
-    IdempotencyLayer::new(store).allow_anonymous()
+/// Storms `buy` on a migrated store over `pool`, then reads what the storm left through `count`
+/// (one number from an SQL query on the same database).
+async fn storm_and_count<DB, H, T, C, Fut>(pool: &Pool<DB>, buy: H, count: C) -> Storm
+where
+    DB: axum_idempotency::Backend,
+    H: axum::handler::Handler<T, Arc<AtomicUsize>>,
+    T: 'static,
+    C: Fn(&'static str) -> Fut,
+    Fut: std::future::Future<Output = i64>,
+{
+    let store = Store::new(pool.clone());
+    store.migrate().await.expect("migrate");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = Router::new()
+        .route("/buy", post(buy))
+        .route_layer(IdempotencyLayer::new(store).allow_anonymous())
+        .with_state(Arc::clone(&runs));
+    let statuses = storm(app).await;
+    Storm {
+        statuses,
+        runs: runs.load(Ordering::SeqCst),
+        stock_left: count("SELECT stock FROM stock WHERE id = 1").await,
+        bought: count("SELECT COUNT(*) FROM bought").await,
+        records: count("SELECT COUNT(*) FROM idempotency_records").await,
+    }
 }
 
 #[cfg(feature = "postgres")]
@@ -146,16 +169,7 @@ mod postgres {
             .execute(&pool)
             .await
             .expect("stock");
-        let store = Store::new(pool.clone());
-        store.migrate().await.expect("migrate");
-        let runs = Arc::new(AtomicUsize::new(0));
-        let app = Router::new()
-            .route("/buy", post(buy))
-            .route_layer(layer(store))
-            .with_state(Arc::clone(&runs));
-
-        let statuses = storm(app).await;
-        let count = |sql: &'static str| {
+        let result = storm_and_count(&pool, buy, |sql| {
             let pool = pool.clone();
             async move {
                 sqlx::query_scalar::<_, i64>(sql)
@@ -163,14 +177,8 @@ mod postgres {
                     .await
                     .expect(sql)
             }
-        };
-        let result = Storm {
-            statuses,
-            runs: runs.load(Ordering::SeqCst),
-            stock_left: count("SELECT stock FROM stock WHERE id = 1").await,
-            bought: count("SELECT COUNT(*) FROM bought").await,
-            records: count("SELECT COUNT(*) FROM idempotency_records").await,
-        };
+        })
+        .await;
         pool.close().await;
         Postgres::dispose(isolated).await;
         result.check();
@@ -221,16 +229,7 @@ mod mariadb {
             .execute(&pool)
             .await
             .expect("stock");
-        let store = Store::new(pool.clone());
-        store.migrate().await.expect("migrate");
-        let runs = Arc::new(AtomicUsize::new(0));
-        let app = Router::new()
-            .route("/buy", post(buy))
-            .route_layer(layer(store))
-            .with_state(Arc::clone(&runs));
-
-        let statuses = storm(app).await;
-        let count = |sql: &'static str| {
+        let result = storm_and_count(&pool, buy, |sql| {
             let pool = pool.clone();
             async move {
                 sqlx::query_scalar::<_, i64>(sql)
@@ -238,14 +237,8 @@ mod mariadb {
                     .await
                     .expect(sql)
             }
-        };
-        let result = Storm {
-            statuses,
-            runs: runs.load(Ordering::SeqCst),
-            stock_left: count("SELECT stock FROM stock WHERE id = 1").await,
-            bought: count("SELECT COUNT(*) FROM bought").await,
-            records: count("SELECT COUNT(*) FROM idempotency_records").await,
-        };
+        })
+        .await;
         MySql::dispose(isolated).await;
         result.check();
     }

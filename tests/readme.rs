@@ -10,6 +10,7 @@
 mod common;
 
 use bytes::Bytes;
+use common::markdown::fenced_blocks;
 use common::process::{Http, Process};
 use http::{HeaderName, Request};
 use http_body_util::Full;
@@ -33,30 +34,6 @@ struct Expected {
     status: u16,
     headers: Vec<(String, String)>,
     body: String,
-}
-
-/// The fenced blocks of `text` as (info string, content), in order.
-fn fenced_blocks(text: &str) -> Vec<(String, String)> {
-    let mut blocks = Vec::new();
-    let mut open: Option<(String, String)> = None;
-    for line in text.lines() {
-        match open.as_mut() {
-            None => {
-                if let Some(info) = line.strip_prefix("```") {
-                    open = Some((info.trim().to_owned(), String::new()));
-                }
-            }
-            Some((_, content)) => {
-                if line.starts_with("```") {
-                    blocks.extend(open.take());
-                } else {
-                    content.push_str(line);
-                    content.push('\n');
-                }
-            }
-        }
-    }
-    blocks
 }
 
 /// Splits a shell command into words: single and double quotes, backslash-newline

@@ -15,6 +15,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::markdown::fenced_blocks;
 use common::process::{Answer, Http};
 use http::{Request, StatusCode};
 use http_body_util::Full;
@@ -32,26 +33,7 @@ fn use_it_blocks() -> Vec<(String, String)> {
     let section = section[3..]
         .find("\n## ")
         .map_or(section, |end| &section[..end + 3]);
-    let mut blocks = Vec::new();
-    let mut open: Option<(String, String)> = None;
-    for line in section.lines() {
-        match open.as_mut() {
-            None => {
-                if let Some(info) = line.strip_prefix("```") {
-                    open = Some((info.trim().to_owned(), String::new()));
-                }
-            }
-            Some((_, content)) => {
-                if line.starts_with("```") {
-                    blocks.extend(open.take());
-                } else {
-                    content.push_str(line);
-                    content.push('\n');
-                }
-            }
-        }
-    }
-    blocks
+    fenced_blocks(section)
 }
 
 /// The one block whose info string starts with `language`.

@@ -4,6 +4,7 @@
 //! - [`names`]: names for schemas, databases, queues and keys that no other test uses.
 //! - [`backends`]: a fresh database per backend and a test app on it, for the conformance suite.
 //! - [`process`]: the examples run as real processes, and an HTTP client to talk to them.
+//! - [`markdown`]: the fenced code blocks of the README.
 //! - [`lossy`]: an in-memory idempotent server behind a proxy that loses answers, for the client.
 
 #![allow(dead_code, unreachable_pub, unused_imports)]
@@ -11,6 +12,7 @@
 #[cfg(feature = "server")]
 pub(crate) mod backends;
 pub(crate) mod lossy;
+pub(crate) mod markdown;
 pub(crate) mod names;
 pub(crate) mod process;
 

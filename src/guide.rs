@@ -322,7 +322,12 @@ pub mod protocol {}
 /// The store's `migrate()` creates and upgrades the crate's tables (`idempotency_records`,
 /// `idempotency_schema_versions`); a second call is a no-op and concurrent callers serialise.
 /// The SQL it runs is shipped in the package under `migrations/<backend>/`, for teams that
-/// apply migrations with their own tool.
+/// apply migrations with their own tool; such a tool must also record each applied version
+/// in `idempotency_schema_versions` (`version`, `applied_at` in milliseconds since the Unix
+/// epoch), as `migrate()` does. A store checks that table once, on first use: against a
+/// schema that was never migrated, or is older than the crate expects, every keyed request
+/// fails with `Error::SchemaOutdated` (logged at `ERROR` with the versions found and
+/// expected, answered as a retryable `500`) until `migrate()` has run.
 ///
 /// # MySQL and MariaDB
 ///

@@ -109,3 +109,30 @@ async fn look_up_reads_time_from_the_engines_clock() {
         Lookup::Absent
     ));
 }
+
+#[cfg(feature = "test-util")]
+#[tokio::test]
+async fn the_engines_store_purges_by_the_engines_clock() {
+    use std::time::{Duration, SystemTime};
+
+    let clock = axum_idempotency::ManualClock::new(SystemTime::now());
+    let engine = engine()
+        .await
+        .retention(Duration::from_secs(60))
+        .clock(clock.clone());
+    let fingerprint = Fingerprinter::new().fingerprint_value("order", b"{}");
+    engine
+        .run(&scope("alice"), fingerprint, |_tx: Tx<Sqlite>| async {
+            "placed"
+        })
+        .await
+        .expect("runs");
+    assert_eq!(engine.store().purge_expired().await.expect("purge"), 0);
+
+    clock.advance(Duration::from_secs(61));
+    assert_eq!(
+        engine.store().purge_expired().await.expect("purge"),
+        1,
+        "expired by the engine's clock, though not by the wall clock"
+    );
+}

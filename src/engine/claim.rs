@@ -32,7 +32,7 @@ impl<DB: Backend> Engine<DB> {
         fingerprint: Fingerprint,
         state: RecordState,
     ) -> NewRecord<'a> {
-        let now = self.settings.clock.now();
+        let now = self.store.clock().now();
         NewRecord {
             key,
             scope,

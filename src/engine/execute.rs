@@ -45,7 +45,7 @@ impl<DB: Backend> Engine<DB> {
             let opened = self
                 .store
                 .protocol()
-                .open(&key, self.settings.clock.now(), self.settings.wait)
+                .open(&key, self.store.clock().now(), self.settings.wait)
                 .await;
             match opened {
                 Ok(Opened::Live(record)) => {

@@ -120,7 +120,7 @@ impl<DB: Backend> Engine<DB> {
 
         let (lost_tx, lost_rx) = watch::channel(false);
         let store = self.store.protocol().clone();
-        let clock = self.settings.clock.clone();
+        let clock = self.store.clock().clone();
         let _renewer = AbortOnDrop(tokio::spawn(async move {
             let mut tick = tokio::time::interval((lease / 3).max(Duration::from_millis(10)));
             tick.tick().await;
@@ -183,7 +183,7 @@ impl<DB: Backend> Engine<DB> {
         claim_at: impl Fn(Millis) -> LeaseClaim,
     ) -> Result<bool, Answer> {
         let store = self.store.protocol();
-        let now = self.settings.clock.now();
+        let now = self.store.clock().now();
         match store.lookup(&key).await {
             Err(error) => Err(Answer::store_failed(error)),
             Ok(Some(record)) if !record.is_expired(now) => {

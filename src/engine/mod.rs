@@ -68,9 +68,8 @@ use tracing::Instrument;
 use crate::Backend;
 use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Verbatim};
-use crate::record::Clock;
 #[cfg(feature = "test-util")]
-use crate::record::ManualClock;
+use crate::record::{Clock, ManualClock};
 use crate::scope::{IdempotencyContext, Scope, ScopedKey};
 use crate::store::Store;
 use crate::tx::{Tx, TxSlot};
@@ -137,7 +136,6 @@ struct Settings {
     replayed_headers: Vec<HeaderName>,
     cache: Option<ReplayCache>,
     recent: RecentKeys,
-    clock: Clock,
 }
 
 /// Runs intents exactly once per scoped key, on a [`Store`]. Cheap to clone.
@@ -181,7 +179,6 @@ impl<DB: Backend> Engine<DB> {
                 replayed_headers: Vec::new(),
                 cache: None,
                 recent: RecentKeys::new(),
-                clock: Clock::System,
             }),
         }
     }
@@ -267,13 +264,13 @@ impl<DB: Backend> Engine<DB> {
         self
     }
 
-    /// Reads the time from `clock` instead of the wall clock: retention, leases and the replay
-    /// cache then move only when the test moves it. For tests; the store's own purge still
-    /// reads the wall clock.
+    /// Reads the time from `clock` instead of the wall clock: retention, leases, the replay
+    /// cache and the purge of this engine's store (`engine.store().purge_expired()`) then move
+    /// only when the test moves it. For tests.
     #[cfg(feature = "test-util")]
     #[must_use]
     pub fn clock(mut self, clock: ManualClock) -> Self {
-        self.settings_mut().clock = Clock::Manual(clock);
+        self.store.set_clock(Clock::Manual(clock));
         self
     }
 
@@ -377,7 +374,7 @@ impl<DB: Backend> Engine<DB> {
             .settings
             .cache
             .as_ref()
-            .and_then(|cache| cache.get(&key, self.settings.clock.now()));
+            .and_then(|cache| cache.get(&key, self.store.clock().now()));
         let answer = match cached {
             Some(cached) => {
                 let verbatim = cached.request.as_ref().is_some_and(|kept| intent.is(kept));

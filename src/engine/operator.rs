@@ -37,7 +37,7 @@ impl<DB: Backend> Engine<DB> {
         let record = self.store.protocol().lookup(&key).await?;
         let lookup = match record {
             None => Lookup::Absent,
-            Some(record) if record.is_expired(self.settings.clock.now()) => Lookup::Absent,
+            Some(record) if record.is_expired(self.store.clock().now()) => Lookup::Absent,
             Some(record) => match (record.state, record.response) {
                 (RecordState::Completed | RecordState::FailedPermanent, Some(stored)) => {
                     Lookup::Final(stored.to_response())

@@ -63,7 +63,7 @@ impl<DB: Backend> Engine<DB> {
                 key,
                 record,
                 request.filter(|_| same_intent),
-                self.settings.clock.now(),
+                self.store.clock().now(),
             );
         }
         answer
@@ -86,7 +86,7 @@ impl<DB: Backend> Engine<DB> {
                 expires_at: record.expires_at,
                 lease_expires_at: None,
             };
-            cache.insert(record.key, kept, request, self.settings.clock.now());
+            cache.insert(record.key, kept, request, self.store.clock().now());
         }
     }
 

@@ -8,7 +8,9 @@
 //!
 //! Create the tables with `migrate()` at start-up; it is safe to call from several instances
 //! at once. The SQL it runs ships in the repository under `migrations/<backend>/`, for teams
-//! that prefer their own migration tool.
+//! that prefer their own migration tool (which must then record the versions it applied in
+//! `idempotency_schema_versions`: a store checks them on first use and refuses an outdated
+//! schema with `Error::SchemaOutdated`).
 //!
 //! Expired records are purged explicitly, never implicitly: call `purge_expired()` from a job
 //! of your own, or let `spawn_purger(every)` do it on an interval. Both delete in small
@@ -42,6 +44,7 @@ use sqlx::Pool;
 
 use crate::backend::Backend;
 use crate::error::Error;
+use crate::record::Clock;
 
 /// Records in SQLite: the embedded default, one file, no server.
 ///
@@ -117,6 +120,8 @@ pub type MySqlStore = Store<sqlx::MySql>;
 /// Name it by its alias: `SqliteStore`, `PgStore` or `MySqlStore`.
 pub struct Store<DB: Backend> {
     protocol: DB::Protocol,
+    /// What "now" is for retention, leases and the purge: the wall clock, or a test's.
+    clock: Clock,
 }
 
 impl<DB: Backend> Store<DB> {
@@ -124,6 +129,7 @@ impl<DB: Backend> Store<DB> {
     pub fn new(pool: Pool<DB>) -> Self {
         Self {
             protocol: DB::Protocol::on(pool),
+            clock: Clock::System,
         }
     }
 
@@ -153,7 +159,7 @@ impl<DB: Backend> Store<DB> {
     /// `idempotency_records` where `expires_at` (milliseconds since the Unix epoch) is past, in
     /// SQL of your own.
     pub async fn purge_expired(&self) -> Result<u64, Error> {
-        self.protocol.purge_expired().await
+        self.protocol.purge_expired(self.clock.now()).await
     }
 
     /// Spawns a task that purges expired records every `every`, logging what it deleted and any
@@ -183,12 +189,24 @@ impl<DB: Backend> Store<DB> {
     pub(crate) fn protocol(&self) -> &DB::Protocol {
         &self.protocol
     }
+
+    /// The clock this store and the engines on it read.
+    pub(crate) fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    /// Reads the time from `clock` from now on, for this handle and its later clones.
+    #[cfg(feature = "test-util")]
+    pub(crate) fn set_clock(&mut self, clock: Clock) {
+        self.clock = clock;
+    }
 }
 
 impl<DB: Backend> Clone for Store<DB> {
     fn clone(&self) -> Self {
         Self {
             protocol: self.protocol.clone(),
+            clock: self.clock.clone(),
         }
     }
 }

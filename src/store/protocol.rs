@@ -221,12 +221,11 @@ pub trait Protocol: Clone + Send + Sync + 'static {
         PurgePace::DEFAULT
     }
 
-    /// Deletes every record expired by now, paced by [`purge_pace`](Protocol::purge_pace);
+    /// Deletes every record expired at `now`, paced by [`purge_pace`](Protocol::purge_pace);
     /// returns the count.
-    fn purge_expired(&self) -> impl Future<Output = Result<u64, Error>> + Send {
+    fn purge_expired(&self, now: Millis) -> impl Future<Output = Result<u64, Error>> + Send {
         async move {
             let PurgePace { batch: limit, rest } = self.purge_pace();
-            let now = Millis::now();
             let mut total = 0;
             loop {
                 let started = Instant::now();

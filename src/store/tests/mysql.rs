@@ -449,8 +449,8 @@ async fn purge_deletes_expired_records_in_batches_and_keeps_live_ones() {
             .unwrap(),
         1000
     );
-    assert_eq!(store.purge_expired().await.unwrap(), 1_500);
-    assert_eq!(store.purge_expired().await.unwrap(), 0);
+    assert_eq!(store.purge_expired(Millis::now()).await.unwrap(), 1_500);
+    assert_eq!(store.purge_expired(Millis::now()).await.unwrap(), 0);
     assert_eq!(
         count(store.pool(), "SELECT COUNT(*) FROM idempotency_records").await,
         3

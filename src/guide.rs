@@ -822,9 +822,9 @@ pub mod operations {}
 /// lately finds the key taken by its claim, which leaves nothing open, and reads the record:
 /// one round trip more. Either way the claim relies only on the table's unique key.
 ///
-/// The read-then-claim path begins its transaction on the connection it read with, through
-/// `sqlx::Transaction::begin`, which sqlx hides from its documentation: a sqlx release may
-/// change it. The crate depends on sqlx 0.9, and its tests run that path on every backend.
+/// The read-then-claim path reads on one pooled connection, gives it back, and begins the
+/// claim's transaction through sqlx's public `Pool::begin`: one more pool checkout, only for
+/// a retry of a key this instance saw lately that has no live record.
 ///
 /// With `.cache_replays(bytes)` a replay this instance has already seen is answered from
 /// memory, with no database read, and a retry that repeats the kept request byte for byte

@@ -167,6 +167,7 @@ conformance!(
     failing_lookup_never_resends,
     unknown_outcome_without_lookup_resends_with_same_key,
     crashed_dispatcher_lease_expires_then_message_is_looked_up,
+    slow_send_keeps_its_lease_by_renewing_it,
     two_dispatchers_deliver_each_message_exactly_once,
     migrate_is_idempotent_and_safe_when_run_concurrently,
     an_outbox_from_before_versioning_is_adopted_as_version_one,
@@ -187,6 +188,7 @@ struct Inner {
     lookup_default: Mutex<Option<LookupOutcome>>,
     hang: AtomicBool,
     max_delay_ms: AtomicU64,
+    delay_ms: AtomicU64,
     entered: Notify,
 }
 
@@ -226,6 +228,10 @@ impl Sender for Downstream {
         self.0.entered.notify_one();
         if self.0.hang.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
+        }
+        let delay = self.0.delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
         }
         let max_delay = self.0.max_delay_ms.load(Ordering::SeqCst);
         if max_delay > 0 {
@@ -621,6 +627,36 @@ async fn crashed_dispatcher_lease_expires_then_message_is_looked_up<DB: Backend>
         "found by lookup, so never resent"
     );
     assert_eq!(survivor.lookups(), vec![key("c").to_string()]);
+}
+
+async fn slow_send_keeps_its_lease_by_renewing_it<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    enqueue_committed(&pool, &outbox, charge("slow", "3.00")).await;
+
+    // The send takes more than twice the lease: only renewals keep the message with its
+    // dispatcher.
+    let slow = Downstream::default();
+    slow.0.delay_ms.store(3_000, Ordering::SeqCst);
+    let sending = dispatcher(&outbox, &slow)
+        .send_timeout(Duration::from_secs(10))
+        .lease(Duration::from_millis(1200));
+    let task = tokio::spawn(async move { sending.run_once().await });
+    slow.0.entered.notified().await;
+
+    let other = Downstream::default().always_looking_up(LookupOutcome::NotFound);
+    let rival = dispatcher(&outbox, &other).lease(Duration::from_millis(1200));
+    while !task.is_finished() {
+        assert_eq!(
+            rival.run_once().await.unwrap(),
+            0,
+            "the live dispatcher's lease is renewed while it sends"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(task.await.unwrap().unwrap(), 1);
+    assert_eq!(record(&outbox, "slow").await.status, Status::Delivered);
+    assert_eq!(slow.sends().len(), 1);
+    assert!(other.sends().is_empty() && other.lookups().is_empty());
 }
 
 async fn two_dispatchers_deliver_each_message_exactly_once<DB: Backend>(pool: Pool<DB>) {

@@ -1,5 +1,6 @@
 //! The background task that delivers committed messages and records every outcome.
 
+use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
@@ -11,7 +12,7 @@ use tokio::sync::Notify;
 
 use super::backend::{Claim, Settlement};
 use super::status::{duration_millis, now_millis, to_millis};
-use super::{Error, LookupOutcome, Outbox, OutboxRecord, SendOutcome, Sender, Status};
+use super::{Error, LookupOutcome, MessageId, Outbox, OutboxRecord, SendOutcome, Sender, Status};
 use crate::Backend;
 use crate::backoff::{Backoff, random_u64};
 
@@ -19,9 +20,9 @@ use crate::backoff::{Backoff, random_u64};
 /// sender, and records delivered, retry-later or failed.
 ///
 /// Run as many dispatchers as you like, in one process or many: a message is leased by one
-/// claim at a time, and a dispatcher that dies mid-send loses its lease after
-/// [`lease`](Self::lease), after which another one looks the message up (or resends it with
-/// the same downstream key).
+/// claim at a time, renewed while its send runs, and a dispatcher that dies mid-send loses
+/// its lease within [`lease`](Self::lease) (15 s by default), after which another one looks
+/// the message up (or resends it with the same downstream key).
 ///
 /// ```no_run
 /// # use axum_idempotency::outbox::{Dispatcher, Outbox, OutboxRecord, SendOutcome, Sender};
@@ -69,7 +70,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
             max_attempts: 10,
             backoff: Backoff::exponential(Duration::from_secs(1), Duration::from_secs(300)),
             send_timeout: Duration::from_secs(30),
-            lease: Duration::from_secs(90),
+            lease: Duration::from_secs(15),
             lookup_grace: Duration::from_secs(60),
         }
     }
@@ -114,12 +115,13 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         self
     }
 
-    /// How long a claim holds a message before another dispatcher may take it over; default
-    /// 90 s. A lookup and a send each run up to the send timeout, so a lease shorter than twice
-    /// the send timeout is raised to that, keeping a live dispatcher from being overtaken.
+    /// How long a claim holds a message unless renewed; default 15 s, at least 1 s. A live
+    /// dispatcher renews it every third of that while it looks a message up or sends it, so a
+    /// slow downstream never lets another dispatcher overtake it; one that dies frees its
+    /// messages within this long, and the next claim looks each up before any resend.
     #[must_use]
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+        self.lease = lease.max(MIN_LEASE);
         self
     }
 
@@ -174,10 +176,9 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// returns how many were claimed. For jobs and tests that drive delivery themselves.
     pub async fn run_once(&self) -> Result<usize, Error> {
         let now = now_millis();
-        let lease = self.lease.max(self.send_timeout.saturating_mul(2));
         let claim = Claim {
             now,
-            lease_until: now.saturating_add(duration_millis(lease)),
+            lease_until: now.saturating_add(duration_millis(self.lease)),
             // Any bit pattern is a token: all 64 random bits are kept, the sign included.
             token: i64::from_ne_bytes(random_u64().to_ne_bytes()),
             limit: i64::from(self.batch_size),
@@ -186,7 +187,8 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         let count = claimed.len();
         join_all(claimed.into_iter().map(|record| async move {
             let id = record.id;
-            if let Err(error) = self.deliver(record, claim.token).await {
+            let delivered = self.renewing(id, claim.token, self.deliver(record, claim.token));
+            if let Err(error) = delivered.await {
                 // The lease runs out and another claim picks the message up again; the attempt
                 // was recorded as outcome-unknown first, so that claim looks before resending.
                 tracing::warn!(message = %id, %error, "recording an outbox outcome failed");
@@ -285,6 +287,36 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         self.settle(&record, token, settlement).await
     }
 
+    /// Runs `work` on a leased message while renewing the lease every third of its length, so
+    /// a lookup or a send that takes long keeps the message, and only a dispatcher that died
+    /// loses it.
+    async fn renewing<T>(&self, id: MessageId, token: i64, work: impl Future<Output = T>) -> T {
+        let every = self.lease / 3;
+        let renew = async {
+            let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            loop {
+                ticks.tick().await;
+                let until = now_millis().saturating_add(duration_millis(self.lease));
+                match DB::renew_lease(self.outbox.pool(), id, token, until).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        // Taken over: the outcome this attempt records will be refused, and the
+                        // new holder looks the message up before any resend.
+                        tracing::warn!(message = %id, "outbox lease lost while delivering");
+                        return std::future::pending::<Infallible>().await;
+                    }
+                    Err(error) => {
+                        tracing::warn!(message = %id, %error, "renewing an outbox lease failed");
+                    }
+                }
+            }
+        };
+        tokio::select! {
+            output = work => output,
+            never = renew => match never {},
+        }
+    }
+
     async fn settle(
         &self,
         record: &OutboxRecord,
@@ -365,3 +397,6 @@ impl DispatchWaker {
         self.0.notify_one();
     }
 }
+
+/// The shortest lease: renewals every third of it must fit a database round trip with room.
+const MIN_LEASE: Duration = Duration::from_secs(1);

@@ -105,6 +105,8 @@ mod private {
         const CLAIM: ClaimSql;
         /// Parameters: last_attempt_at, id, lease_token.
         const BEGIN_ATTEMPT: &'static str;
+        /// Extends a held lease. Parameters: lease_until, id, lease_token.
+        const RENEW_LEASE: &'static str;
         /// Parameters: status, receipt, last_error, outcome_unknown, next_attempt_at,
         /// finished_at, id, lease_token. Releases the lease.
         const SETTLE: &'static str;
@@ -181,6 +183,14 @@ mod private {
             id: MessageId,
             token: i64,
             now: i64,
+        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+        /// Extends the lease `token` holds on a message to `until`; `false` when it was lost.
+        fn renew_lease(
+            pool: &Pool<Self>,
+            id: MessageId,
+            token: i64,
+            until: i64,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
         /// Deletes up to `limit` delivered messages finished before `before`.

@@ -38,6 +38,10 @@ impl Dialect for MySql {
         ),
         lease: "UPDATE idempotency_outbox SET lease_expires_at = ?, lease_token = ? WHERE id = ?",
     };
+    // A renewal moves the expiry later every time, so the row always changes and MySQL's
+    // "changed rows" count is 1 while the lease is held.
+    const RENEW_LEASE: &'static str =
+        "UPDATE idempotency_outbox SET lease_expires_at = ? WHERE id = ? AND lease_token = ?";
     const BEGIN_ATTEMPT: &'static str = "UPDATE idempotency_outbox
         SET attempts = attempts + 1, last_attempt_at = ?, outcome_unknown = TRUE
         WHERE id = ? AND lease_token = ?";

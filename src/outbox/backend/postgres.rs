@@ -41,6 +41,8 @@ impl Dialect for Postgres {
             record_columns!()
         ),
     };
+    const RENEW_LEASE: &'static str =
+        "UPDATE idempotency_outbox SET lease_expires_at = $1 WHERE id = $2 AND lease_token = $3";
     const BEGIN_ATTEMPT: &'static str = "UPDATE idempotency_outbox
         SET attempts = attempts + 1, last_attempt_at = $1, outcome_unknown = TRUE
         WHERE id = $2 AND lease_token = $3";

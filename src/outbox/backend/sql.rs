@@ -158,6 +158,21 @@ where
         Ok(DB::rows_affected(&done) == 1)
     }
 
+    async fn renew_lease(
+        pool: &Pool<Self>,
+        id: MessageId,
+        token: i64,
+        until: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(DB::RENEW_LEASE)
+            .bind(until)
+            .bind(id.get())
+            .bind(token)
+            .execute(pool)
+            .await?;
+        Ok(DB::rows_affected(&done) == 1)
+    }
+
     async fn purge_delivered(
         pool: &Pool<Self>,
         before: i64,

@@ -5,6 +5,8 @@
 //! - [`backends`]: a fresh database per backend and a test app on it, for the conformance suite.
 //! - [`process`]: the examples run as real processes, and an HTTP client to talk to them.
 //! - [`lossy`]: an in-memory idempotent server behind a proxy that loses answers, for the client.
+//! - [`pg_cluster`]: a private PostgreSQL primary and hot standby, to kill and promote.
+//! - [`vip`]: a TCP forwarder standing in for a virtual IP that moves between servers.
 
 #![allow(dead_code, unreachable_pub, unused_imports)]
 
@@ -12,7 +14,10 @@
 pub(crate) mod backends;
 pub(crate) mod lossy;
 pub(crate) mod names;
+#[cfg(feature = "postgres")]
+pub(crate) mod pg_cluster;
 pub(crate) mod process;
+pub(crate) mod vip;
 
 #[cfg(feature = "server")]
 pub(crate) use backends::*;

@@ -6,6 +6,8 @@
 //! - Synchronous replication: every acknowledged order is still there, every key made exactly
 //!   one order and one record, and every answer during the switch was retryable and came within
 //!   15 s.
+//! - Asynchronous replication: acknowledged orders may be lost; the test counts them, and checks
+//!   that each order and its record survive or vanish together.
 //!
 //! Each test prints what it measured (see it with `--nocapture`).
 
@@ -459,4 +461,12 @@ async fn synchronous_standby_promoted_under_load_keeps_every_acknowledged_order(
             "{key}: the acknowledged order and its record"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn asynchronous_standby_promoted_under_load_loses_orders_only_with_their_records() {
+    let run = failover(Replication::Asynchronous, "async").await;
+    run.report("asynchronous");
+    run.assert_answers_retryable_and_bounded();
+    run.assert_orders_and_records_together();
 }

@@ -1,6 +1,7 @@
-//! A PostgreSQL primary and a hot standby of the test's own, streaming replication between them,
-//! on free loopback ports in a temporary directory: the setup a failover test kills and
-//! promotes. The machine's shared PostgreSQL is never touched.
+//! A PostgreSQL primary and a hot standby of the test's own, streaming replication between them
+//! over a link with a few milliseconds of lag (two zones, say), on free loopback ports in a
+//! temporary directory: the setup a failover test kills and promotes. The machine's shared
+//! PostgreSQL is never touched.
 //!
 //! Needs the server binaries under `/usr/lib/postgresql/<version>/bin`. Run as root, the tools
 //! run as the `postgres` user (the server refuses to run as root).
@@ -10,6 +11,12 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use sqlx::Connection;
+
+use super::link::Link;
+
+/// The one-way lag between primary and standby: what an asynchronous standby can miss when the
+/// primary dies. On one machine with no lag it would almost never miss anything.
+const LAG: Duration = Duration::from_millis(5);
 
 /// The name the standby streams under, which the primary's `synchronous_standby_names` waits for.
 const STANDBY_NAME: &str = "standby";
@@ -89,6 +96,7 @@ fn children(parent: u32) -> Vec<u32> {
 pub(crate) struct PgCluster {
     pub(crate) primary: Node,
     pub(crate) standby: Node,
+    link: Link,
     // Declared last: dropped after the servers are dead.
     dir: tempfile::TempDir,
 }
@@ -109,10 +117,12 @@ impl PgCluster {
                 "chown the cluster's directory to postgres"
             );
         }
+        let primary_port = free_port();
         let cluster = Self {
+            link: Link::start(SocketAddr::from(([127, 0, 0, 1], primary_port)), LAG).await,
             primary: Node {
                 data: dir.path().join("primary"),
-                port: free_port(),
+                port: primary_port,
             },
             standby: Node {
                 data: dir.path().join("standby"),
@@ -165,11 +175,11 @@ impl PgCluster {
             ],
         )
         .await;
-        // `-R` wrote a primary_conninfo and standby.signal; this later line wins, and names the
-        // standby as synchronous_standby_names expects it.
+        // `-R` wrote a primary_conninfo and standby.signal; this later line wins: it streams
+        // over the link, and names the standby as synchronous_standby_names expects it.
         let conninfo = format!(
             "\nprimary_conninfo = 'host=127.0.0.1 port={} user=postgres application_name={STANDBY_NAME}'\n",
-            cluster.primary.port
+            cluster.link.addr.port()
         );
         let auto_conf = cluster.standby.data.join("postgresql.auto.conf");
         let mut settings = std::fs::read_to_string(&auto_conf).expect("standby settings");
@@ -241,8 +251,11 @@ impl PgCluster {
         }
     }
 
-    /// Kills every process of the primary with SIGKILL, and returns once its port refuses.
+    /// Cuts the link to the standby, losing the WAL it still carried, kills every process of
+    /// the primary with SIGKILL, and returns once the primary's port refuses. The standby
+    /// misses the primary's last few milliseconds, as when a machine dies with its network.
     pub(crate) async fn kill_primary(&self) {
+        self.link.cut();
         self.primary.kill();
         let started = Instant::now();
         while tokio::net::TcpStream::connect(self.primary.addr())

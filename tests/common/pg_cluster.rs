@@ -8,6 +8,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use sqlx::Connection;
@@ -35,9 +36,20 @@ pub(crate) enum Replication {
 pub(crate) struct Node {
     data: PathBuf,
     port: u16,
+    /// Set once the node was killed: its pid file then names a process id the system may have
+    /// given to someone else's process since.
+    killed: AtomicBool,
 }
 
 impl Node {
+    fn new(data: PathBuf, port: u16) -> Self {
+        Self {
+            data,
+            port,
+            killed: AtomicBool::new(false),
+        }
+    }
+
     pub(crate) fn addr(&self) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], self.port))
     }
@@ -53,23 +65,46 @@ impl Node {
     }
 
     /// SIGKILL to the postmaster and every process it started (backends, walsender, helpers),
-    /// as on a machine that lost power. The postmaster's children each lead a process group of
-    /// their own, so they are named one by one; and all are stopped first, so that none of them
-    /// acts on another's death (a backend that sees the postmaster gone tells its client so).
+    /// as on a machine that lost power, once; returns when they are gone. The postmaster's
+    /// children each lead a process group of their own, so they are named one by one; and all
+    /// are stopped first, so that none of them acts on another's death (a backend that sees
+    /// the postmaster gone tells its client so).
     fn kill(&self) {
+        if self.killed.swap(true, Ordering::SeqCst) {
+            return;
+        }
         let Some(postmaster) = self.postmaster() else {
             return;
         };
-        let mut pids = vec![postmaster.to_string()];
-        pids.extend(children(postmaster).iter().map(u32::to_string));
-        for signal in ["STOP", "KILL"] {
-            let _ = std::process::Command::new("kill")
-                .args(["-s", signal, "--"])
-                .args(&pids)
-                .stderr(std::process::Stdio::null())
-                .status();
+        // The postmaster is stopped before its children are listed, so it forks no more.
+        signal("STOP", &[postmaster]);
+        let mut pids = vec![postmaster];
+        pids.extend(children(postmaster));
+        signal("STOP", &pids);
+        signal("KILL", &pids);
+        // Until they are gone they may still hold files the cluster's directory removal needs.
+        let started = Instant::now();
+        while pids.iter().any(|&pid| running(pid)) && started.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
+}
+
+fn signal(signal: &str, pids: &[u32]) {
+    let _ = std::process::Command::new("kill")
+        .args(["-s", signal, "--"])
+        .args(pids.iter().map(u32::to_string))
+        .stderr(std::process::Stdio::null())
+        .status();
+}
+
+/// Whether `pid` is a process that has not exited (a zombie has).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X")
+    })
 }
 
 /// The processes whose parent is `parent`, from `/proc`.
@@ -120,14 +155,8 @@ impl PgCluster {
         let primary_port = free_port();
         let cluster = Self {
             link: Link::start(SocketAddr::from(([127, 0, 0, 1], primary_port)), LAG).await,
-            primary: Node {
-                data: dir.path().join("primary"),
-                port: primary_port,
-            },
-            standby: Node {
-                data: dir.path().join("standby"),
-                port: free_port(),
-            },
+            primary: Node::new(dir.path().join("primary"), primary_port),
+            standby: Node::new(dir.path().join("standby"), free_port()),
             dir,
         };
         pg_tool(

@@ -1,7 +1,9 @@
-//! A PostgreSQL failover under keyed load: a primary and a hot standby of the test's own, the
-//! app reaching them through a forwarder standing in for a virtual IP. Clients place orders,
-//! each retrying its key until a final answer; the primary is killed with SIGKILL, the standby
-//! promoted and the address moved to it. Afterwards the promoted server is asked what it holds.
+//! A PostgreSQL failover under keyed load: a primary and a hot standby of the test's own (the
+//! standby streaming over a link with a few milliseconds of lag), the app reaching them through
+//! a forwarder standing in for a virtual IP. Clients place orders, each retrying its key until a
+//! final answer; the link is cut and the primary killed with SIGKILL, the standby promoted a
+//! second later and the address moved to it. Afterwards the promoted server is asked what it
+//! holds.
 //!
 //! - Synchronous replication: every acknowledged order is still there, every key made exactly
 //!   one order and one record, and every answer during the switch was retryable and came within
@@ -14,7 +16,7 @@
 mod common;
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -325,8 +327,7 @@ impl Failover {
             .values()
             .filter(|held| held.orders == held.records)
             .count();
-        let ids: std::collections::HashSet<i64> =
-            self.holdings.values().filter_map(|held| held.id).collect();
+        let ids: HashSet<i64> = self.holdings.values().filter_map(|held| held.id).collect();
         let reused = self
             .lost()
             .iter()
@@ -387,8 +388,7 @@ impl Failover {
             assert!(held.orders <= 1, "{digest}: {held:?}");
             assert_eq!(held.orders, held.records, "{digest}: {held:?}");
         }
-        let asked: std::collections::HashSet<String> =
-            self.finals.keys().map(|key| digest(key)).collect();
+        let asked: HashSet<String> = self.finals.keys().map(|key| digest(key)).collect();
         let strays: Vec<_> = self
             .holdings
             .keys()

@@ -52,6 +52,8 @@
 //! - [`operations`]: purging, metrics and what to alert on, logs, support cases, letting a
 //!   record go.
 //! - [`performance`]: what a new key and a replay cost, and how to make replays cheaper.
+//! - [`failover`]: what a PostgreSQL failover (a standby promoted) means for the contract, with
+//!   synchronous and with asynchronous replication.
 
 /// # Putting the layer on a router
 ///
@@ -846,3 +848,67 @@ pub mod operations {}
 /// plain transaction and a hand-written claim; its `BENCHMARKS.md` holds the last results and
 /// the round trips counted per request.
 pub mod performance {}
+
+/// # PostgreSQL failover
+///
+/// The primary dies, a standby is promoted, and the database's address (a virtual IP, a DNS name, a
+/// proxy) moves to it. What clients see depends on how the standby was fed.
+///
+/// **Orders and records move together.** The claim, the handler's writes and the stored response
+/// commit as one transaction, so they reach a standby as one: a promoted standby holds a request's
+/// business rows and its record, or neither. A retry after the failover either replays the stored
+/// answer (the transaction reached the standby) or runs the request afresh (it did not). It never
+/// finds a record without its order, which would replay an answer naming nothing, nor an order
+/// without its record, which would run the order twice. This holds whatever the replication mode.
+///
+/// **Synchronous replication keeps every acknowledged order.** With the standby named in the
+/// primary's `synchronous_standby_names` and `synchronous_commit = on` (or `remote_apply`), a
+/// commit returns only once the standby has it, and the layer answers only after the commit. Every
+/// 201 a client received names an order the promoted standby holds, and a retry of it replays. A
+/// request whose commit was waiting for the standby when the primary died was never acknowledged:
+/// its client got a retryable error, and its retry runs on the new primary. One execution per key,
+/// acknowledged orders kept: the contract holds through the failover. With a single synchronous
+/// standby, that standby's loss stops every commit on the primary (requests then get `503
+/// idempotency_timeout` at the deadline, retryable); name two standbys (`ANY 1 (a, b)`) to ride out
+/// the loss of one.
+///
+/// **Asynchronous replication can lose acknowledged orders.** A commit returns before the standby
+/// has it. Orders acknowledged in the last moments before the crash may be missing on the promoted
+/// standby, and their records with them. A client then holds a 201 for an order that no longer
+/// exists; if it sends the key again (its answer was lost, say), the request runs afresh and makes
+/// a new order, with a new id. The id a lost acknowledgement named can be handed out again, since
+/// the sequence's progress replicates like any other write. Where that is unacceptable, use
+/// synchronous replication; otherwise reconcile after an asynchronous failover (the old primary's
+/// WAL, or the clients' acknowledgements, against the new primary). Never bring the old primary
+/// back as it was: it may hold commits the new one lacks. Rebuild it from the new primary
+/// (`pg_rewind` or a new base backup).
+///
+/// **During the switch every answer is retryable and bounded.** Connections to the dead primary
+/// break; a request whose transaction was on one is rolled back and answered `500
+/// idempotency_internal_error` with `Retry-After`. While the address leads nowhere, new connections
+/// fail and requests get the same answer, or `503 idempotency_timeout` at the layer's
+/// [`deadline`](crate::IdempotencyLayer::deadline) (10 s unless set) when the address is silent
+/// rather than refusing. Set the pool's `acquire_timeout` below that deadline so a request waiting
+/// for a connection is answered in time. The client retries with the same key (the crate's client
+/// layer, feature `client`, does). Nothing needs restarting once the address moved: sqlx drops the
+/// broken connections and opens new ones through the address, and `test_before_acquire` (on by
+/// default) finds the broken idle ones before a request does.
+///
+/// **Replays kept in memory.** With [`cache_replays`](crate::IdempotencyLayer::cache_replays), an
+/// instance answers retries it has seen from memory. After an asynchronous failover it may replay
+/// an answer whose order the promoted database lost: restart the app instances (or
+/// [`forget`](crate::Engine::forget) the affected keys) as part of such a failover.
+///
+/// **Measured.** The repository's `tests/failover.rs` runs a primary and a hot standby of its own,
+/// the standby streaming over a link with 5 ms of one-way lag, and the app reaching the primary
+/// through a forwarder standing in for the virtual IP. Eight clients place orders, each retrying
+/// its key until a final answer. The test cuts the link, kills every process of the primary with
+/// SIGKILL, waits a second, promotes the standby and moves the address, then compares the clients'
+/// acknowledgements with what the promoted server holds. With synchronous replication, in seven
+/// runs: no acknowledged order lost, one order and one record per key, every answer during the
+/// switch other than a 201 a retryable 500 with `Retry-After`, the slowest within 0.35 s (earlier
+/// runs by hand, with a slower switch, within 3.3 s). With asynchronous replication, in seven runs:
+/// 3 to 42 of 1 100 to 1 550 acknowledged orders lost per run, each together with its record, never
+/// one without the other; in two runs most of the lost ids (20 of 23, 31 of 42) had been given to
+/// later orders.
+pub mod failover {}

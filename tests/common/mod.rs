@@ -6,15 +6,23 @@
 //! - [`process`]: the examples run as real processes, and an HTTP client to talk to them.
 //! - [`markdown`]: the fenced code blocks of the README.
 //! - [`lossy`]: an in-memory idempotent server behind a proxy that loses answers, for the client.
+//! - [`pg_cluster`]: a private PostgreSQL primary and hot standby, to kill and promote.
+//! - [`link`]: a TCP link with a fixed lag between the two, cut when the primary dies.
+//! - [`vip`]: a TCP forwarder standing in for a virtual IP that moves between servers.
 
 #![allow(dead_code, unreachable_pub, unused_imports)]
 
 #[cfg(feature = "server")]
 pub(crate) mod backends;
+#[cfg(feature = "postgres")]
+pub(crate) mod link;
 pub(crate) mod lossy;
 pub(crate) mod markdown;
 pub(crate) mod names;
+#[cfg(feature = "postgres")]
+pub(crate) mod pg_cluster;
 pub(crate) mod process;
+pub(crate) mod vip;
 
 #[cfg(feature = "server")]
 pub(crate) use backends::*;

@@ -1,0 +1,102 @@
+//! A loopback TCP link with a fixed one-way lag, standing in for the network between two
+//! machines (two zones, say), which can be cut as when one end loses power: whatever the link
+//! still holds is lost, and every connection is closed.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+pub(crate) struct Link {
+    pub(crate) addr: SocketAddr,
+    cut: watch::Sender<bool>,
+    accept: JoinHandle<()>,
+}
+
+impl Link {
+    /// Listens on a free loopback port; each connection reaches `target`, every byte `lag` late
+    /// in either direction.
+    pub(crate) async fn start(target: SocketAddr, lag: Duration) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (cut, watching) = watch::channel(false);
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                tokio::spawn(carry(client, target, lag, watching.clone()));
+            }
+        });
+        Self { addr, cut, accept }
+    }
+
+    /// Drops what the link holds and closes every connection; new ones are refused.
+    pub(crate) fn cut(&self) {
+        self.accept.abort();
+        self.cut.send_replace(true);
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.cut();
+    }
+}
+
+async fn carry(
+    client: TcpStream,
+    target: SocketAddr,
+    lag: Duration,
+    mut cut: watch::Receiver<bool>,
+) {
+    let Ok(server) = TcpStream::connect(target).await else {
+        return;
+    };
+    let _ = (client.set_nodelay(true), server.set_nodelay(true));
+    let (client_read, client_write) = client.into_split();
+    let (server_read, server_write) = server.into_split();
+    tokio::select! {
+        _ = async {
+            tokio::join!(
+                lagging(client_read, server_write, lag),
+                lagging(server_read, client_write, lag),
+            )
+        } => {}
+        // Dropping the halves here loses whatever is still queued in the lag.
+        _ = cut.wait_for(|cut| *cut) => {}
+    }
+}
+
+/// Copies one direction, each chunk delivered `lag` after it was read.
+async fn lagging(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, lag: Duration) {
+    let (queue, mut queued) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let read = async move {
+        let mut buffer = vec![0; 64 * 1024];
+        loop {
+            match from.read(&mut buffer).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if queue
+                        .send((Instant::now() + lag, buffer[..n].to_vec()))
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+            }
+        }
+    };
+    let write = async move {
+        while let Some((due, chunk)) = queued.recv().await {
+            tokio::time::sleep_until(due).await;
+            if to.write_all(&chunk).await.is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown().await;
+    };
+    tokio::join!(read, write);
+}

@@ -22,6 +22,8 @@
 //!   it in production (timeouts, shutdown).
 //! - [`protocol`]: what is final and what is retryable, replay, and the guarantees' limits.
 //! - [`backends`]: SQLite, PostgreSQL, MySQL and MariaDB; migrations; how each one waits.
+//! - [`distributed`]: CockroachDB, YugabyteDB, TiDB and Vitess, on paper: what the crate needs
+//!   from an engine, and where each one stands.
 //! - [`jobs`]: background jobs and manual replays on the same claim as HTTP requests.
 #![cfg_attr(
     feature = "outbox",
@@ -398,6 +400,145 @@ pub mod protocol {}
 ///   collation.
 /// - MySQL 9 has not been tried.
 pub mod backends {}
+
+/// # Distributed SQL, on paper
+///
+/// Nothing in this chapter has been run. CockroachDB, YugabyteDB, TiDB and Vitess could not be
+/// installed where the crate is built and tested, and it ships no store for them. What follows is
+/// the crate's own SQL read against what each project's documentation and issue tracker say, with
+/// the version each fact was stated for. Check your version, and test, before you rely on any of
+/// it.
+///
+/// ## What the crate needs from an engine
+///
+/// Two things are essential:
+///
+/// - **A unique key enforced inside the handler's transaction.** A claim inserts the key's row
+///   under the primary key of `idempotency_records`, in the transaction the handler writes through
+///   and the response is stored by. That primary key, not a lock, decides which request owns an
+///   idempotency key, and the claim, the business rows and the record commit together or not at
+///   all. An engine, or a sharding layer, that enforces the key only within a shard, or can commit
+///   part of a transaction without the rest, breaks exactly this.
+/// - **Conflicts reported as aborts the crate knows.** The layer runs a transaction again (up to
+///   twelve attempts, jittered pauses) when the database aborted it with SQLSTATE `40001` or
+///   `40P01` over the PostgreSQL protocol, or error `1213` or `1020` over MySQL's: in the claim, in
+///   a handler statement returned as [`TxError`](crate::TxError), or at `COMMIT`. Any other code
+///   for the same event is answered `500 idempotency_internal_error`: safe to retry with the same
+///   key, but the client sees it.
+///
+/// One thing is an optimisation. On PostgreSQL each claim first takes the key's transaction-scoped
+/// advisory lock (`pg_try_advisory_xact_lock`, else `pg_advisory_xact_lock`), so a duplicate of an
+/// in-flight request queues behind the original for at most `wait_for_in_flight`; `migrate()` takes
+/// an advisory lock (PostgreSQL) or `GET_LOCK` (MySQL) so that two instances migrate one after the
+/// other. Without them duplicates still resolve on the key, by waiting on its row or by being
+/// aborted and run again. Where an engine lacks the functions, the calls fail, so a port leaves
+/// them out.
+///
+/// The rest is how the stores happen to be written, and a port would replace it:
+///
+/// - PostgreSQL: the claim is the PL/pgSQL function `axum_idempotency_claim_v1` (`PERFORM`,
+///   `FOUND`, `set_config` on `lock_timeout`, `INSERT … ON CONFLICT … DO UPDATE … WHERE`, and
+///   `RAISE unique_violation` naming the primary key's constraint). It is sent as
+///   `SELECT …; BEGIN` in one simple query, so `BEGIN` turns the call's implicit transaction into
+///   the handler's; inside an open transaction it runs under a `SAVEPOINT`. A wait that runs out is
+///   `55P03`.
+/// - MySQL: the claim is the stored procedure `axum_idempotency_claim_v1`, which begins the
+///   transaction itself, sets `innodb_lock_wait_timeout` for the claim, runs
+///   `INSERT … ON DUPLICATE KEY UPDATE` with `LAST_INSERT_ID(expr)`, and on a taken key rolls back
+///   and `SIGNAL`s. `migrate()` creates it with `CREATE PROCEDURE`.
+/// - The outbox and inbox pick rows with `FOR UPDATE SKIP LOCKED`, which was not checked against
+///   these engines.
+///
+/// ## Where each engine stands
+///
+/// **CockroachDB** speaks the PostgreSQL protocol and runs `SERIALIZABLE` unless a transaction asks
+/// for `READ COMMITTED` ([isolation][crdb-rc]). Contention reaches the client as `40001` "restart
+/// transaction" errors ([retry errors][crdb-retry]), which the layer runs again; a commit whose
+/// outcome the cluster cannot tell fails with `40003` ([ambiguous][crdb-40003]), answered 500, and
+/// the retry then replays or runs afresh. Statements sent in one simple query share an implicit
+/// transaction that `BEGIN` upgrades ([batches][crdb-batch]), the default since v22.2
+/// ([release note][crdb-batch-222]), as the claim expects. PL/pgSQL arrived in v23.2
+/// ([limitations][crdb-limits]), but `PERFORM` and `FOUND`, both in the claim function, were still
+/// unimplemented when read ([statements][crdb-perform], [`FOUND`][crdb-found]), so the function
+/// would not be created as written. The advisory-lock functions were for years missing or stubs
+/// that lock nothing ([stubs][crdb-stubs]); transaction-scoped ones were merged in 2026
+/// ([change][crdb-xact]) and are tracked on the 26.3 release branch, where a lock taken under a
+/// savepoint outlives `ROLLBACK TO SAVEPOINT` ([report][crdb-savepoint]): a duplicate would wait a
+/// little longer, no worse. **Works with changes**: the claim function ported, and the lock calls
+/// left out before 26.3.
+///
+/// **YugabyteDB** (YSQL) reuses PostgreSQL's query layer, PL/pgSQL ([PL/pgSQL][yb-plpgsql]) and
+/// savepoints ([transactions][yb-txn]) included. Its effective default isolation is Snapshot
+/// (`REPEATABLE READ`); `READ COMMITTED` takes a flag, on by default only for new universes of
+/// v2025.2 or later deployed with its own tools ([isolation][yb-iso]). Conflicts abort with
+/// `40001`, deadlocks with `40P01` ([errors][yb-errors]). Advisory locks, transaction-scoped ones
+/// included, exist from v2.25.1 behind `ysql_yb_enable_advisory_locks` ([locks][yb-locks]), which
+/// the current reference lists as on by default ([flag][yb-flag]); third-party notes disagree on
+/// the release that turned it on, and where it is off the calls fail, and every claim with them.
+/// `lock_timeout`, which bounds a duplicate's wait, applies to advisory locks from v2.25.2
+/// ([change][yb-lock-timeout]); row-lock waits ignore it and honour only `statement_timeout`
+/// ([report][yb-row-timeout]). **Should work as it is** on a release with advisory locks on, and
+/// v2.25.2 or later for a bounded wait.
+///
+/// **TiDB** speaks the MySQL protocol; its isolation is Snapshot Isolation, reported as
+/// `REPEATABLE READ` ([isolation][tidb-iso]). It has no stored procedures in any version
+/// ([compatibility][tidb-compat]), so `migrate()` fails at `CREATE PROCEDURE` and no claim can run.
+/// In pessimistic mode, the default since v3.0.8, a deadlock is `1213` and a lock wait that runs
+/// out is `1205` under `innodb_lock_wait_timeout` ([pessimistic][tidb-pess]), the codes the MySQL
+/// store handles; optimistic transactions report write conflicts at `COMMIT` under TiDB's own
+/// codes such as `9007` ([errors][tidb-errors]), which the layer answers 500. `GET_LOCK` holds
+/// cluster-wide, with timeouts from 1 s to 1 h ([locks][tidb-locks]); savepoints exist from v6.2
+/// ([savepoints][tidb-savepoint]). **Does not work today**; it would take a claim written as plain
+/// statements after `BEGIN`, run in pessimistic mode.
+///
+/// **Vitess** shards MySQL, and a unique key is enforced within each shard. A single-shard
+/// transaction is InnoDB's (`REPEATABLE READ`), a multi-shard one `READ COMMITTED`; `CALL` works
+/// only on an unsharded keyspace or a targeted shard, and the procedure may not change the
+/// transaction's state; `CREATE PROCEDURE` must go to MySQL directly
+/// ([compatibility][vitess-compat]). The claim procedure begins and rolls back transactions, so it
+/// cannot run there. The default transaction mode, `MULTI`, commits across shards best-effort,
+/// without atomicity; `TWOPC` makes the commit atomic but not isolated, and needs semi-sync
+/// replication ([transactions][vitess-2pc]). `GET_LOCK` goes to one shard on a reserved connection
+/// ([locks][vitess-locks]). No source found says whether InnoDB's `1213` reaches the client
+/// unchanged. **Does not work today**; a port could, if the records and every request's business
+/// rows live in one unsharded keyspace, or under `TWOPC`.
+///
+/// | engine | default isolation | conflict aborts | advisory / named locks | the shipped claim | standing |
+/// |---|---|---|---|---|---|
+/// | CockroachDB | `SERIALIZABLE` | `40001`, run again; `40003` answered 500 | transaction-scoped on the 26.3 branch, stubs before | no: `PERFORM`, `FOUND` | works with a ported claim function |
+/// | YugabyteDB (YSQL) | Snapshot | `40001`, `40P01`, run again | from v2.25.1, behind a flag | yes | should work with advisory locks on |
+/// | TiDB | `REPEATABLE READ` (snapshot), pessimistic | `1213`, `1205` handled; optimistic codes not | `GET_LOCK`, 1 s to 1 h | no: no procedures | needs a claim without a procedure |
+/// | Vitess | `REPEATABLE READ` per shard | InnoDB's; passing through unconfirmed | `GET_LOCK`, one shard | no: `CALL` may not begin or end transactions | needs a port, and one shard or `TWOPC` |
+///
+/// [crdb-rc]: https://www.cockroachlabs.com/docs/stable/read-committed
+/// [crdb-retry]: https://www.cockroachlabs.com/docs/stable/transaction-retry-error-reference
+/// [crdb-40003]: https://github.com/cockroachdb/cockroach/commit/4550dac6c4afced94e484d9da6ba03cfbab9873c
+/// [crdb-batch]: https://github.com/cockroachdb/cockroach/pull/76834
+/// [crdb-batch-222]: https://github.com/cockroachdb/docs/pull/15836
+/// [crdb-limits]: https://www.cockroachlabs.com/docs/v23.2/known-limitations
+/// [crdb-perform]: https://github.com/cockroachdb/cockroach/issues/117744
+/// [crdb-found]: https://github.com/cockroachdb/cockroach/issues/122306
+/// [crdb-stubs]: https://github.com/cockroachdb/cockroach/issues/13546
+/// [crdb-xact]: https://github.com/cockroachdb/cockroach/pull/168353
+/// [crdb-savepoint]: https://github.com/cockroachdb/cockroach/issues/173479
+/// [yb-plpgsql]: https://docs.yugabyte.com/stable/api/ysql/user-defined-subprograms-and-anon-blocks/language-plpgsql-subprograms/
+/// [yb-txn]: https://docs.yugabyte.com/stable/develop/learn/transactions/acid-transactions-ysql/
+/// [yb-iso]: https://docs.yugabyte.com/stable/explore/transactions/isolation-levels/
+/// [yb-errors]: https://docs.yugabyte.com/stable/develop/learn/transactions/transactions-errorcodes-ysql/
+/// [yb-locks]: https://docs.yugabyte.com/stable/explore/transactions/explicit-locking/
+/// [yb-flag]: https://docs.yugabyte.com/stable/reference/configuration/yb-master/
+/// [yb-lock-timeout]: https://github.com/yugabyte/yugabyte-db/releases/tag/2.25.2.0-b321
+/// [yb-row-timeout]: https://github.com/yugabyte/yugabyte-db/issues/29549
+/// [tidb-iso]: https://docs.pingcap.com/tidb/stable/transaction-isolation-levels
+/// [tidb-compat]: https://docs.pingcap.com/tidb/stable/mysql-compatibility
+/// [tidb-pess]: https://docs.pingcap.com/tidb/stable/pessimistic-transaction
+/// [tidb-errors]: https://docs.pingcap.com/tidb/stable/error-codes
+/// [tidb-locks]: https://docs.pingcap.com/tidb/stable/locking-functions
+/// [tidb-savepoint]: https://docs.pingcap.com/tidb/stable/sql-statement-savepoint
+/// [vitess-compat]: https://vitess.io/docs/22.0/reference/compatibility/mysql-compatibility/
+/// [vitess-2pc]: https://vitess.io/docs/22.0/reference/features/distributed-transaction/
+/// [vitess-locks]: https://github.com/vitessio/vitess/issues/6367
+pub mod distributed {}
 
 /// # Jobs and manual replays use the same path
 ///

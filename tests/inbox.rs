@@ -864,3 +864,56 @@ async fn rabbitmq_a_dead_letter_reason_is_logged_and_kept_in_its_header() {
 async fn nats_a_dead_letter_reason_is_logged_and_kept_in_its_header() {
     a_dead_letter_reason_is_logged_and_kept_in_its_header(Kind::Nats).await;
 }
+
+/// A handler that runs three times the ack wait: progress acks keep JetStream from
+/// delivering its message again meanwhile, so it is applied once and never seen as a
+/// duplicate or a retry.
+#[tokio::test]
+async fn nats_a_slow_handler_keeps_its_message_with_progress_acks() {
+    let (db, store) = setup::<sqlx::Sqlite>().await;
+    let ns = unique("slow").replace('-', "_");
+    let stream = ns.to_uppercase();
+    let js = jetstream::new(
+        async_nats::connect(NATS)
+            .await
+            .expect("NATS must be reachable at 127.0.0.1:4222"),
+    );
+    let inbox = Inbox::new("orders", store).key_by(by_payload);
+    let consumer = NatsConsumer::new(inbox.clone(), js.clone(), &stream, "orders")
+        .stream_subjects([format!("{ns}.payments.>")])
+        .dead_letters(format!("{stream}_DEAD"), format!("{ns}.orders.dead"))
+        .ack_wait(Duration::from_secs(1));
+    consumer.declare().await.unwrap();
+    let slow = |mut tx: Tx<sqlx::Sqlite>, delivery: Delivery| async move {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        sqlx::query("INSERT INTO effects (payment_id) VALUES ($1)")
+            .bind(String::from_utf8_lossy(delivery.payload()).into_owned())
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| Failure::retryable(e.to_string()))?;
+        Ok(())
+    };
+    let running = tokio::spawn(consumer.run(slow));
+    js.publish(
+        format!("{ns}.payments.succeeded"),
+        Bytes::from_static(b"p-slow"),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    eventually(|| async { inbox.stats().processed == 1 }).await;
+    // A redelivery made while the handler ran would wait on its claim and end as a duplicate.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let stats = inbox.stats();
+    running.abort();
+    let _ = js.delete_stream(&stream).await;
+    let _ = js.delete_stream(format!("{stream}_DEAD")).await;
+    assert_eq!(
+        (stats.processed, stats.duplicates, stats.retried),
+        (1, 0, 0),
+        "never delivered again while its handler ran: {stats:?}"
+    );
+    assert_eq!(count(&db.pool, "SELECT COUNT(*) FROM effects").await, 1);
+    sqlx::Sqlite::dispose(db).await;
+}

@@ -4,8 +4,10 @@
 //! [`Inbox`], and acknowledges only after the inbox's transaction has ended. On
 //! [`declare`](NatsConsumer::declare) it uses the stream as it is if it exists (a publisher
 //! may have created it with server defaults) and creates it otherwise; it creates the durable
-//! consumer (explicit acks, the [ack wait](NatsConsumer::ack_wait), 30 s by default, after which
-//! a message whose consumer died is redelivered) and the dead-letter stream.
+//! consumer (explicit acks, the [ack wait](NatsConsumer::ack_wait), 10 s by default, after which
+//! a message whose consumer died is redelivered) and the dead-letter stream. While a handler
+//! runs, its message is kept from redelivery by progress acks every third of the ack wait, so
+//! a slow handler is never run twice at once and a dead consumer's message comes back soon.
 //!
 //! - Retry: `Nak` with the inbox's backoff as delay; the attempt count is JetStream's own
 //!   delivery count.
@@ -100,7 +102,7 @@ impl<DB: Backend> NatsConsumer<DB> {
             dead_prefix: format!("{durable}.dead"),
             durable,
             filter: None,
-            ack_wait: Duration::from_secs(30),
+            ack_wait: Duration::from_secs(10),
             concurrency: 4,
         }
     }
@@ -134,8 +136,10 @@ impl<DB: Backend> NatsConsumer<DB> {
         self
     }
 
-    /// How long JetStream waits for an ack before redelivering (default 30 s) when the
-    /// consumer is created.
+    /// How long JetStream waits for an ack before redelivering (default 10 s) when the
+    /// consumer is created: about how long a message whose consumer died waits to be delivered
+    /// again. A live handler keeps its message with progress acks every third of it, however
+    /// long it runs. An existing durable consumer keeps the ack wait it was created with.
     #[must_use]
     pub fn ack_wait(mut self, wait: Duration) -> Self {
         self.ack_wait = wait;
@@ -255,7 +259,10 @@ impl<DB: Backend> NatsConsumer<DB> {
             .map(|info| u32::try_from(info.delivered.max(1)).unwrap_or(u32::MAX))
             .unwrap_or(1);
         let delivery = delivery_of(message.headers.as_ref(), message.payload.clone(), attempt);
-        match self.inbox.handle(delivery, handler).await {
+        let verdict = self
+            .keeping_alive(&message, self.inbox.handle(delivery, handler))
+            .await;
+        match verdict {
             Verdict::Applied | Verdict::Duplicate => message.ack().await?,
             Verdict::Retry { after } => message.ack_with(AckKind::Nak(Some(after))).await?,
             Verdict::Dead { reason } => {
@@ -264,6 +271,31 @@ impl<DB: Backend> NatsConsumer<DB> {
             }
         }
         Ok(())
+    }
+
+    /// Runs `work` on `message` while telling JetStream every third of the ack wait that it is
+    /// in progress, so the message is not delivered again while its handler still runs.
+    async fn keeping_alive<T>(
+        &self,
+        message: &async_nats::jetstream::Message,
+        work: impl Future<Output = T>,
+    ) -> T {
+        let every = (self.ack_wait / 3).max(Duration::from_millis(100));
+        let progress = async {
+            let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            loop {
+                ticks.tick().await;
+                if let Err(error) = message.ack_with(AckKind::Progress).await {
+                    // The next tick tries again; past the ack wait the message is redelivered
+                    // and its duplicate waits on the claim this handler holds.
+                    tracing::warn!(consumer = %self.inbox.name(), %error, "progress ack failed");
+                }
+            }
+        };
+        tokio::select! {
+            output = work => output,
+            never = progress => match never {},
+        }
     }
 
     /// Stores a copy in the dead-letter stream and waits for the stream's ack.

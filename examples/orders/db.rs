@@ -83,7 +83,8 @@ type OrderRow = (
     Option<i64>,
 );
 
-pub(crate) trait Backend: sqlx::Database {
+/// The crate's backends, each also running the example's own statements.
+pub(crate) trait Backend: axum_idempotency::Backend {
     /// Adds the like (user_id, article_id) unless it exists.
     const ADD_LIKE: Sql;
     /// Runs a statement; answers how many rows it matched.

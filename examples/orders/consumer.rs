@@ -8,6 +8,10 @@
 //! stream `ORDERS_DEAD` (subjects `orders.dead.>`). `orders replay-dead` replays the dead
 //! letters once and exits.
 //!
+//! Should the consumer stop (its queue or durable consumer deleted from outside, its
+//! connection lost), the process logs why and exits 1, for its supervisor to restart it; the
+//! restart declares what is missing again.
+//!
 //! Tuning: `ORDERS_CONSUMER_CONCURRENCY` (default 4), `ORDERS_CONSUMER_MAX_ATTEMPTS` (5),
 //! `ORDERS_CONSUMER_BACKOFF_MS` (1000), `ORDERS_CONSUMER_ACK_WAIT_SECS` (NATS, 30).
 //! For tests: `BROKER_NAMESPACE` prefixes every broker name (`t1.payments`, `T1_PAYMENTS`),
@@ -20,6 +24,7 @@ use std::time::Duration;
 
 use axum_idempotency::inbox::{Delivery, Failure, Inbox, ReplayReport, Stats, Verdict};
 use axum_idempotency::{Store, Tx, TxError};
+use serde::Deserialize;
 use serde_json::Value;
 
 use crate::db::{Arg, Backend, Cents};
@@ -181,23 +186,24 @@ impl Event {
     /// A malformed event, or one the tables cannot hold, is a permanent failure: dead-lettered
     /// at once rather than retried.
     fn parse(payload: &[u8]) -> Result<Self, Failure> {
-        let event: Value = serde_json::from_slice(payload)
-            .map_err(|e| Failure::permanent(format!("malformed JSON: {e}")))?;
-        let payment_id = match &event["payment_id"] {
-            Value::String(id)
-                if !id.is_empty()
-                    && id.chars().count() <= 255
-                    && !id.contains(char::is_control) =>
-            {
-                id.clone()
-            }
-            _ => {
-                return Err(Failure::permanent(
-                    "payment_id must be 1 to 255 printable characters",
-                ));
-            }
-        };
-        let order_id = match &event["order_id"] {
+        #[derive(Deserialize)]
+        struct Sent {
+            payment_id: String,
+            /// An integer or a string of digits.
+            order_id: Value,
+            amount: serde_json::Number,
+            /// Required, though orders keep the currency they were placed in.
+            #[serde(rename = "currency")]
+            _currency: String,
+        }
+        let sent: Sent = serde_json::from_slice(payload)
+            .map_err(|e| Failure::permanent(format!("malformed event: {e}")))?;
+        let id = &sent.payment_id;
+        if id.is_empty() || id.chars().count() > 255 || id.contains(char::is_control) {
+            let reason = "payment_id must be 1 to 255 printable characters";
+            return Err(Failure::permanent(reason));
+        }
+        let order_id = match &sent.order_id {
             Value::Number(n) => n.as_i64(),
             Value::String(s) if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) => {
                 s.parse().ok()
@@ -207,11 +213,9 @@ impl Event {
         let order_id = order_id.ok_or(Failure::permanent(
             "order_id must be an integer or a string of digits",
         ))?;
-        let amount = event["amount"].as_number().and_then(Cents::parse);
+        let amount = Cents::parse(&sent.amount);
         let amount = amount.ok_or(Failure::permanent("amount must be a number of whole cents"))?;
-        if !event["currency"].is_string() {
-            return Err(Failure::permanent("currency must be a string"));
-        }
+        let payment_id = sent.payment_id;
         Ok(Self {
             payment_id,
             order_id,

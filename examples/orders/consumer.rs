@@ -142,8 +142,13 @@ fn print_stats<DB: Backend>(every: Duration, inbox: Inbox<DB>) {
 fn run<E: Display>(consumer: impl Future<Output = Result<(), E>> + Send + 'static) {
     tokio::spawn(async move {
         match consumer.await {
-            Ok(()) => tracing::error!("the payment consumer stopped: its deliveries ended"),
-            Err(error) => tracing::error!(%error, "the payment consumer stopped"),
+            Ok(()) => tracing::error!(
+                "the payment consumer stopped: the broker ended its deliveries (was the queue or \
+                 the durable consumer deleted?); exiting, a restart declares them again"
+            ),
+            Err(error) => {
+                tracing::error!(%error, "the payment consumer stopped; exiting for a restart");
+            }
         }
         std::process::exit(1);
     });

@@ -37,7 +37,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -181,7 +181,11 @@ async fn serve(listener: TcpListener, router: Router) -> Result<(), Box<dyn std:
                     }
                 }
             }));
+            // A timer, so that hyper's header read timeout applies: a client that never
+            // finishes its request head does not hold its connection for ever.
             let connection = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(5))
                 .serve_connection(TokioIo::new(stream), service);
             tokio::select! {
                 _ = connection => {}

@@ -44,6 +44,9 @@
 //! subject `payments.succeeded`. `BROKER_NAMESPACE` prefixes those names (for tests).
 //!
 //! Users: `Authorization: Bearer alice-token` (alice) or `bob-token` (bob); anything else is 401.
+//!
+//! It stops on SIGTERM as on Ctrl-C: it answers every request in flight, stops the dispatchers
+//! and exits 0. A connection whose request head takes over 5 s is closed.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -57,22 +60,26 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router, middleware};
 use axum_idempotency::outbox::{
-    Backoff, DispatchWaker, Dispatcher, DownstreamKey, LookupOutcome, Message, MessageId, Outbox,
-    OutboxRecord, SendOutcome, Sender, Status,
+    self, Backoff, DispatchWaker, Dispatcher, DownstreamKey, LookupOutcome, Message, MessageId,
+    Outbox, OutboxRecord, SendOutcome, Sender, Status,
 };
 use axum_idempotency::{
-    Backend, IDEMPOTENCY_KEY, IdempotencyContext, IdempotencyLayer, Principal, Tx,
+    IDEMPOTENCY_KEY, IdempotencyContext, IdempotencyLayer, Principal, Rejection, Store, Tx, TxError,
 };
 use bytes::Bytes;
 use db::Arg::{Int, Text};
 use db::{COLUMNS, Payments};
 use http_body_util::{BodyExt, Full};
+use hyper::server::conn::http1;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sqlx::Pool;
+use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -86,8 +93,7 @@ async fn main() -> Result<(), Error> {
     let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
     tracing_subscriber::fmt().with_env_filter(filter).init();
     let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "sqlite:payments.db".into());
-    // Each backend has its own store type, so the idempotency layer is built here, per arm;
-    // everything else is `serve`'s.
+    // Each arm connects its backend and creates the payments table; the rest is generic.
     match url.split(':').next().unwrap_or_default() {
         #[cfg(feature = "sqlite")]
         "sqlite" => {
@@ -96,48 +102,32 @@ async fn main() -> Result<(), Error> {
             let options = options.journal_mode(SqliteJournalMode::Wal);
             let pool = SqlitePoolOptions::new().connect_with(options).await?;
             sqlx::raw_sql(db::SQLITE).execute(&pool).await?;
-            let store = axum_idempotency::SqliteStore::new(pool.clone());
-            store.migrate().await?;
-            let layer = IdempotencyLayer::new(store).principal::<AuthUser>();
-            serve(pool, keyed().route_layer(layer)).await
+            serve(pool).await
         }
         #[cfg(feature = "postgres")]
         "postgres" | "postgresql" => {
-            let pool = sqlx::postgres::PgPoolOptions::new()
-                .max_connections(16)
-                .connect(&url)
-                .await?;
+            let pool = sqlx::postgres::PgPoolOptions::new().max_connections(16);
+            let pool = pool.connect(&url).await?;
             sqlx::raw_sql(db::POSTGRES).execute(&pool).await?;
-            let store = axum_idempotency::PgStore::new(pool.clone());
-            store.migrate().await?;
-            let layer = IdempotencyLayer::new(store).principal::<AuthUser>();
-            serve(pool, keyed().route_layer(layer)).await
+            serve(pool).await
         }
         #[cfg(feature = "mysql")]
         "mysql" | "mariadb" => {
-            let pool = sqlx::mysql::MySqlPoolOptions::new()
-                .max_connections(16)
-                .connect(&url)
-                .await?;
+            let pool = sqlx::mysql::MySqlPoolOptions::new().max_connections(16);
+            let pool = pool.connect(&url).await?;
             sqlx::raw_sql(db::MYSQL).execute(&pool).await?;
-            let store = axum_idempotency::MySqlStore::new(pool.clone());
-            store.migrate().await?;
-            let layer = IdempotencyLayer::new(store).principal::<AuthUser>();
-            serve(pool, keyed().route_layer(layer)).await
+            serve(pool).await
         }
         other => Err(format!("DATABASE_URL {other:?} is not built in (see --features)").into()),
     }
 }
 
-/// The routes behind the idempotency layer.
-fn keyed<DB: Payments>() -> Router<AppState<DB>> {
-    Router::new().route("/payments", post(create::<DB>))
-}
-
-/// Starts the dispatchers and serves `keyed` (the routes behind the idempotency layer) with
-/// the rest, until SIGTERM (Kubernetes, systemd) or Ctrl-C: then it stops accepting, answers
-/// every request in flight, stops the dispatchers and returns.
-async fn serve<DB: Payments>(pool: Pool<DB>, keyed: Router<AppState<DB>>) -> Result<(), Error> {
+/// Starts the dispatchers and serves the API until SIGTERM (Kubernetes, systemd) or Ctrl-C:
+/// then it stops accepting, answers every request in flight, stops the dispatchers and
+/// returns.
+async fn serve<DB: Payments>(pool: Pool<DB>) -> Result<(), Error> {
+    let store = Store::new(pool.clone());
+    store.migrate().await?;
     let outbox = Outbox::new(pool.clone());
     outbox.migrate().await?;
     let broker = match std::env::var("BROKER_URL") {
@@ -170,7 +160,9 @@ async fn serve<DB: Payments>(pool: Pool<DB>, keyed: Router<AppState<DB>>) -> Res
         })));
     }
 
-    let app = keyed
+    let app = Router::new()
+        .route("/payments", post(create::<DB>))
+        .route_layer(IdempotencyLayer::new(store).principal::<AuthUser>())
         // Outside the idempotency layer, so it runs after the commit: a dispatcher woken
         // earlier would find nothing to send yet.
         .route_layer(middleware::map_response(move |response: Response| {
@@ -184,23 +176,37 @@ async fn serve<DB: Payments>(pool: Pool<DB>, keyed: Router<AppState<DB>>) -> Res
 
     // Listening for signals before the address is printed: a signal sent as soon as the server
     // is up is never met by the default action (an abrupt exit).
-    use tokio::signal::unix::{SignalKind, signal};
-    let (mut terminate, mut interrupt) = (
-        signal(SignalKind::terminate())?,
-        signal(SignalKind::interrupt())?,
-    );
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3001".into());
     let listener = tokio::net::TcpListener::bind(&bind).await?;
     println!("payments listening on http://{}", listener.local_addr()?);
-    let shutdown = async move {
+    // hyper's server, because `axum::serve` sets no timer and so no header read timeout: a
+    // client that never finishes its request head would hold its connection for ever.
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(5));
+    let connections = GracefulShutdown::new();
+    loop {
         tokio::select! {
-            _ = terminate.recv() => {}
-            _ = interrupt.recv() => {}
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let service = TowerToHyperService::new(app.clone());
+                    let connection = http.serve_connection(TokioIo::new(stream), service);
+                    tokio::spawn(connections.watch(connection));
+                }
+                // Out of file descriptors, say: pause rather than spin, and keep serving.
+                Err(error) => {
+                    tracing::warn!(%error, "could not accept a connection");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            _ = terminate.recv() => break,
+            _ = interrupt.recv() => break,
         }
-    };
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    }
+    drop(listener);
+    connections.shutdown().await;
     let _ = stop.send(true);
     for dispatcher in dispatchers {
         let _ = dispatcher.await;
@@ -215,17 +221,16 @@ fn env_or(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-struct AppState<DB: Backend> {
+struct AppState<DB: Payments> {
     pool: Pool<DB>,
     outbox: Outbox<DB>,
 }
 
-impl<DB: Backend> Clone for AppState<DB> {
+// By hand: a derived `Clone` would ask for `DB: Clone`, which the database types are not.
+impl<DB: Payments> Clone for AppState<DB> {
     fn clone(&self) -> Self {
-        Self {
-            pool: self.pool.clone(),
-            outbox: self.outbox.clone(),
-        }
+        let (pool, outbox) = (self.pool.clone(), self.outbox.clone());
+        Self { pool, outbox }
     }
 }
 
@@ -234,14 +239,14 @@ impl<DB: Backend> Clone for AppState<DB> {
 struct AuthUser(&'static str);
 
 impl<S: Send + Sync> FromRequestParts<S> for AuthUser {
-    type Rejection = Response;
+    type Rejection = Problem;
 
-    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Problem> {
         let header = parts.headers.get(header::AUTHORIZATION);
         match header.and_then(|value| value.to_str().ok()?.strip_prefix("Bearer ")) {
             Some("alice-token") => Ok(Self("alice")),
             Some("bob-token") => Ok(Self("bob")),
-            _ => Err(problem(
+            _ => Err(Problem::Refused(
                 StatusCode::UNAUTHORIZED,
                 "unauthorized",
                 "a valid bearer token is required",
@@ -271,56 +276,53 @@ async fn create<DB: Payments>(
     context: IdempotencyContext,
     mut tx: Tx<DB>,
     payment: Result<Json<NewPayment>, JsonRejection>,
-) -> Response {
+) -> Result<Response, Problem> {
     // Everything is checked before anything is written or charged: what the tables, the
     // provider or the orders example cannot take is a final 400, never a retryable 500.
     let Ok(Json(payment)) = payment else {
-        return invalid(
+        return Err(invalid(
             "the payment needs order_id, amount, currency and payee of the right types",
-        );
+        ));
     };
     // Kept as the exact decimal text it was sent as; a number of cents, so orders can apply it.
     let amount = match &payment.amount {
         Value::Number(n) if cents(&n.to_string()).is_some_and(|cents| cents > 0) => n.to_string(),
         _ => {
-            return invalid(
+            return Err(invalid(
                 "amount must be a positive number with at most two decimals, below 10000000000000",
-            );
+            ));
         }
     };
-    if payment.currency.len() != 3 || !payment.currency.bytes().all(|b| b.is_ascii_uppercase()) {
-        return invalid("currency must be a three-letter ISO 4217 code such as EUR");
+    let currency = &payment.currency;
+    if currency.len() != 3 || !currency.bytes().all(|b| b.is_ascii_uppercase()) {
+        return Err(invalid(
+            "currency must be a three-letter ISO 4217 code such as EUR",
+        ));
     }
     let order_id = match &payment.order_id {
         Value::Number(id) if id.is_i64() => id.to_string(),
         Value::String(id) if id.len() <= 19 && digits(id) && id.parse::<i64>().is_ok() => {
             id.clone()
         }
-        _ => return invalid("order_id must be an integer or a string of digits"),
+        _ => return Err(invalid("order_id must be an integer or a string of digits")),
     };
     let payee = &payment.payee;
     if payee.trim().is_empty() || payee.chars().count() > 255 || payee.contains(char::is_control) {
-        return invalid("payee must be 1 to 255 printable characters");
+        return Err(invalid("payee must be 1 to 255 printable characters"));
     }
 
     // Derived from the request's scoped key, so every retry of this intent carries the same
     // key downstream.
     let downstream_key =
         DownstreamKey::for_request(&context.scoped_key_digest(), CHARGE_TOPIC, "charge");
-    let charge = json!({ "order_id": payment.order_id, "amount": amount, "currency": payment.currency, "payee": payee });
-    let outbox_id = match Message::json(CHARGE_TOPIC, downstream_key, &charge) {
-        Ok(message) => state.outbox.enqueue(&mut tx, message).await,
-        Err(error) => return internal(&error.to_string()),
-    };
-    let outbox_id = match outbox_id {
-        Ok(id) => id.get(),
-        Err(error) => return internal(&error.to_string()),
-    };
+    let charge = json!({ "order_id": payment.order_id, "amount": amount, "currency": currency, "payee": payee });
+    let message = Message::json(CHARGE_TOPIC, downstream_key, &charge)
+        .map_err(|error| Problem::Internal(error.to_string()))?;
+    let outbox_id = state.outbox.enqueue(&mut tx, message).await?.get();
     let insert = format!(
         "INSERT INTO payments (owner, order_id, amount, currency, payee, outbox_id) \
          VALUES (?, ?, ?, ?, ?, ?) RETURNING {COLUMNS}"
     );
-    let currency = &payment.currency;
     let args = [
         Text(user.0),
         Text(&order_id),
@@ -329,18 +331,12 @@ async fn create<DB: Payments>(
         Text(payee),
         Int(outbox_id),
     ];
-    let id = match DB::payment(&mut tx, &insert, &args).await {
-        Ok(Some((id, ..))) => id,
-        Ok(None) => return internal("the insert returned no row"),
-        Err(error) => return internal(&error.to_string()),
-    };
+    let (id, ..) = DB::payment(&mut tx, &insert, &args)
+        .await?
+        .ok_or(sqlx::Error::RowNotFound)?;
     let location = [(header::LOCATION, format!("/payments/{id}"))];
-    (
-        StatusCode::ACCEPTED,
-        location,
-        Json(json!({ "id": id, "status": "pending" })),
-    )
-        .into_response()
+    let body = Json(json!({ "id": id, "status": "pending" }));
+    Ok((StatusCode::ACCEPTED, location, body).into_response())
 }
 
 fn digits(text: &str) -> bool {
@@ -363,36 +359,35 @@ async fn show<DB: Payments>(
     State(state): State<AppState<DB>>,
     user: AuthUser,
     Path(id): Path<i64>,
-) -> Response {
+) -> Result<Response, Problem> {
     let sql = format!("SELECT {COLUMNS} FROM payments WHERE id = ? AND owner = ?");
-    let row = match state.pool.acquire().await {
-        Ok(mut conn) => DB::payment(&mut conn, &sql, &[Int(id), Text(user.0)]).await,
-        Err(error) => Err(error),
-    };
-    let (id, order_id, amount, currency, payee, outbox_id) = match row {
-        Ok(Some(row)) => row,
-        Ok(None) => return problem(StatusCode::NOT_FOUND, "not_found", "no such payment"),
-        Err(error) => return internal(&error.to_string()),
-    };
+    let mut conn = state.pool.acquire().await?;
+    let row = DB::payment(&mut conn, &sql, &[Int(id), Text(user.0)]).await?;
+    drop(conn);
+    let (id, order_id, amount, currency, payee, outbox_id) = row.ok_or(Problem::Refused(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        "no such payment",
+    ))?;
     // The amount was kept as the exact decimal text it was sent as; answered as the number it is.
     let amount = serde_json::from_str::<Value>(&amount).unwrap_or(Value::Null);
     let mut body = json!({ "id": id, "order_id": order_id, "amount": amount, "currency": currency, "payee": payee });
-    match state.outbox.status(MessageId::from(outbox_id)).await {
-        Ok(Some(record)) => match record.status {
-            Status::Pending => body["status"] = "pending".into(),
-            Status::Delivered => {
-                body["status"] = "succeeded".into();
-                body["charge_id"] = record.receipt.into();
-            }
-            Status::Failed => {
-                body["status"] = "failed".into();
-                body["reason"] = record.last_error.into();
-            }
-        },
-        Ok(None) => return internal("the payment's outbox message is missing"),
-        Err(error) => return internal(&error.to_string()),
+    let record = state.outbox.status(MessageId::from(outbox_id)).await?;
+    let record = record.ok_or(Problem::Internal(
+        "the payment's outbox message is missing".into(),
+    ))?;
+    match record.status {
+        Status::Pending => body["status"] = "pending".into(),
+        Status::Delivered => {
+            body["status"] = "succeeded".into();
+            body["charge_id"] = record.receipt.into();
+        }
+        Status::Failed => {
+            body["status"] = "failed".into();
+            body["reason"] = record.last_error.into();
+        }
     }
-    Json(body).into_response()
+    Ok(Json(body).into_response())
 }
 
 fn provider() -> Provider {
@@ -515,7 +510,7 @@ fn charge_id(body: &[u8]) -> Option<String> {
 /// What the dispatcher sends through: charges to the provider, events to the broker. A charge
 /// the provider confirms (sent or found by lookup) enqueues its event in the same outbox, keyed
 /// by the charge's own key, so however often that happens the event is enqueued once.
-struct Routed<DB: Backend> {
+struct Routed<DB: Payments> {
     provider: Provider,
     broker: Option<Arc<Broker>>,
     outbox: Outbox<DB>,
@@ -583,54 +578,35 @@ impl<DB: Payments> Sender for Routed<DB> {
 /// a stream that already exists is used as it is.
 enum Broker {
     #[cfg(feature = "rabbitmq")]
-    RabbitMq(axum_idempotency::outbox::RabbitMqSender),
+    RabbitMq(outbox::RabbitMqSender),
     #[cfg(feature = "nats")]
-    Nats(axum_idempotency::outbox::NatsSender),
+    Nats(outbox::NatsSender),
 }
 
 impl Broker {
     async fn connect(url: &str) -> Result<Self, Error> {
-        let namespace = std::env::var("BROKER_NAMESPACE").unwrap_or_default();
-        let dotted = |name: &str| match namespace.as_str() {
-            "" => name.to_owned(),
-            ns => format!("{ns}.{name}"),
-        };
         match url.split(':').next().unwrap_or_default() {
             #[cfg(feature = "rabbitmq")]
             "amqp" | "amqps" => {
-                use lapin::options::ExchangeDeclareOptions as Options;
-                let connection =
-                    Arc::new(lapin::Connection::connect(url, Default::default()).await?);
-                let (exchange, kind) = (dotted("payments"), lapin::ExchangeKind::Topic);
-                let passive = Options {
-                    passive: true,
-                    ..Options::default()
+                use lapin::options::ExchangeDeclareOptions;
+                let connection = lapin::Connection::connect(url, Default::default()).await?;
+                let (connection, exchange) = (Arc::new(connection), name("payments"));
+                let durable = ExchangeDeclareOptions {
+                    durable: true,
+                    ..ExchangeDeclareOptions::default()
                 };
+                // Refused only when the exchange exists with other settings (made by someone
+                // else): then it is used as it is. A lost connection fails the sender below.
                 let channel = connection.create_channel().await?;
-                let exists = channel.exchange_declare(
+                let kind = lapin::ExchangeKind::Topic;
+                let declared = channel.exchange_declare(
                     exchange.as_str().into(),
-                    kind.clone(),
-                    passive,
+                    kind,
+                    durable,
                     Default::default(),
                 );
-                if exists.await.is_err() {
-                    // The refused passive declare closed that channel: declare on a new one.
-                    let durable = Options {
-                        durable: true,
-                        ..Options::default()
-                    };
-                    let channel = connection.create_channel().await?;
-                    channel
-                        .exchange_declare(
-                            exchange.as_str().into(),
-                            kind,
-                            durable,
-                            Default::default(),
-                        )
-                        .await?;
-                }
-                let sender =
-                    axum_idempotency::outbox::RabbitMqSender::connect(connection, exchange).await?;
+                let _ = declared.await;
+                let sender = outbox::RabbitMqSender::connect(connection, exchange).await?;
                 Ok(Self::RabbitMq(
                     sender.route(EVENT_TOPIC, "payment.succeeded"),
                 ))
@@ -639,32 +615,20 @@ impl Broker {
             "nats" => {
                 use async_nats::jetstream::stream::Config;
                 let jetstream = async_nats::jetstream::new(async_nats::connect(url).await?);
-                let name = match namespace.as_str() {
-                    "" => "PAYMENTS".to_owned(),
-                    ns => format!("{}_PAYMENTS", ns.to_uppercase()),
+                let stream = Config {
+                    name: name("PAYMENTS"),
+                    subjects: vec![name("payments.>")],
+                    ..Config::default()
                 };
-                if jetstream.get_stream(&name).await.is_err() {
-                    let subjects = vec![dotted("payments.>")];
-                    jetstream
-                        .get_or_create_stream(Config {
-                            name,
-                            subjects,
-                            ..Config::default()
-                        })
-                        .await?;
-                }
-                let sender = axum_idempotency::outbox::NatsSender::new(jetstream);
+                jetstream.get_or_create_stream(stream).await?;
+                let sender = outbox::NatsSender::new(jetstream);
                 Ok(Self::Nats(
-                    sender.route(EVENT_TOPIC, dotted("payments.succeeded")),
+                    sender.route(EVENT_TOPIC, name("payments.succeeded")),
                 ))
             }
-            other => {
-                let _ = dotted;
-                Err(
-                    format!("BROKER_URL {other:?} is not built in (features rabbitmq, nats)")
-                        .into(),
-                )
-            }
+            other => Err(
+                format!("BROKER_URL {other:?} is not built in (features rabbitmq, nats)").into(),
+            ),
         }
     }
 
@@ -683,29 +647,64 @@ impl Broker {
     }
 }
 
-fn problem(status: StatusCode, code: &str, detail: &str) -> Response {
-    // `about:blank`: the status says what happened; `code` is this app's stable name for it.
-    let body = json!({ "type": "about:blank", "title": status.canonical_reason(), "status": status.as_u16(), "code": code, "detail": detail });
-    (
-        status,
-        [(header::CONTENT_TYPE, "application/problem+json")],
-        body.to_string(),
-    )
-        .into_response()
+/// A broker name in the test namespace `BROKER_NAMESPACE`, if any: `t1.payments`, and for
+/// NATS streams (upper case) `T1_PAYMENTS`.
+#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
+fn name(name: &str) -> String {
+    match std::env::var("BROKER_NAMESPACE") {
+        Ok(ns) if !ns.is_empty() && name.starts_with(char::is_uppercase) => {
+            format!("{}_{name}", ns.to_uppercase())
+        }
+        Ok(ns) if !ns.is_empty() => format!("{ns}.{name}"),
+        _ => name.to_owned(),
+    }
 }
 
-fn invalid(detail: &str) -> Response {
-    problem(StatusCode::BAD_REQUEST, "invalid_payment", detail)
+/// What a handler answers instead of its result.
+enum Problem {
+    /// A refusal (status, `code`, detail) as problem+json; `about:blank`, as the status says
+    /// what happened and `code` is this app's stable name for it.
+    Refused(StatusCode, &'static str, &'static str),
+    /// A statement failed. The layer runs a conflict abort again; anything else is a retryable
+    /// 500, its details logged, never shown.
+    Database(TxError),
+    /// Anything else that failed: logged, answered as a retryable 500.
+    Internal(String),
 }
 
-fn internal(detail: &str) -> Response {
-    // Details go to the log; the client gets a retryable 500 (the layer keeps no record of it).
-    tracing::error!(detail, "payment request failed");
-    problem(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "internal",
-        "internal error",
-    )
+fn invalid(detail: &'static str) -> Problem {
+    Problem::Refused(StatusCode::BAD_REQUEST, "invalid_payment", detail)
+}
+
+impl From<sqlx::Error> for Problem {
+    fn from(error: sqlx::Error) -> Self {
+        Self::Database(error.into())
+    }
+}
+
+impl From<outbox::Error> for Problem {
+    fn from(error: outbox::Error) -> Self {
+        match error {
+            outbox::Error::Database(error) => Self::Database(error.into()),
+            other => Self::Internal(other.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let (status, code, detail) = match self {
+            Self::Refused(status, code, detail) => (status, code, detail),
+            Self::Database(error) => return error.into_response(),
+            Self::Internal(detail) => {
+                tracing::error!(detail, "payment request failed");
+                return Rejection::Internal.into_response();
+            }
+        };
+        let body = json!({ "type": "about:blank", "title": status.canonical_reason(), "status": status.as_u16(), "code": code, "detail": detail });
+        let content_type = [(header::CONTENT_TYPE, "application/problem+json")];
+        (status, content_type, body.to_string()).into_response()
+    }
 }
 
 /// The payments table, and how each backend runs a statement on it. The handlers write each

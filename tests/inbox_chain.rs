@@ -205,6 +205,25 @@ impl Broker {
         }
     }
 
+    /// Deletes the orders queue or durable consumer from outside, as an operator or a broker
+    /// policy might.
+    async fn delete_consumer(&self) {
+        match self.kind {
+            Kind::RabbitMq => {
+                let channel = self.amqp.as_ref().unwrap().create_channel().await.unwrap();
+                channel
+                    .queue_delete(self.queue().into(), QueueDeleteOptions::default())
+                    .await
+                    .unwrap();
+            }
+            Kind::Nats => {
+                let js = self.js.as_ref().unwrap();
+                let stream = js.get_stream(self.stream("PAYMENTS")).await.unwrap();
+                stream.delete_consumer("orders").await.unwrap();
+            }
+        }
+    }
+
     async fn cleanup(self) {
         match self.kind {
             Kind::RabbitMq => {
@@ -761,6 +780,38 @@ async fn an_event_for_a_missing_order_is_dead_lettered_then_replayed_once(kind: 
     database.cleanup().await;
 }
 
+/// The queue or durable consumer deleted from outside: the process can consume no more, so it
+/// exits non-zero (its supervisor restarts it, and the restart declares them again) rather
+/// than serve orders whose payments would never be applied.
+async fn a_deleted_queue_or_consumer_stops_the_orders_process(kind: Kind) {
+    let broker = Broker::new(kind).await;
+    let database = Database::new(Db::Sqlite).await;
+    let http = Http::new();
+    let orders = orders(&database, &broker, &[]).await;
+    // Consuming for sure: a payment was applied.
+    let id = place_order(&http, &orders, &format!("{}-order", broker.ns), 1.0).await;
+    broker.publish("m-1", &event("p-1", json!(id), 1.0)).await;
+    eventually(Duration::from_secs(20), "the payment applied", || async {
+        order(&http, &orders, id).await["status"] == "paid"
+    })
+    .await;
+
+    broker.delete_consumer().await;
+    let output = orders.output.clone();
+    let status = orders.exit_status(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(1), "{status}");
+    // Its last words say why, for the operator reading the log.
+    eventually(Duration::from_secs(5), "the reason logged", || async {
+        let lines = output.lock().unwrap();
+        lines
+            .iter()
+            .any(|line| line.contains("the payment consumer stopped"))
+    })
+    .await;
+    broker.cleanup().await;
+    database.cleanup().await;
+}
+
 macro_rules! on_each {
     ($scenario:ident: $($name:ident => ($($arg:expr),*);)*) => {
         $(
@@ -789,6 +840,10 @@ on_each! { two_consumers_under_a_redelivery_storm_apply_each_payment_once:
 on_each! { an_event_for_a_missing_order_is_dead_lettered_then_replayed_once:
     rabbitmq_an_event_for_a_missing_order_is_dead_lettered_then_replayed_once => (Kind::RabbitMq);
     nats_an_event_for_a_missing_order_is_dead_lettered_then_replayed_once => (Kind::Nats);
+}
+on_each! { a_deleted_queue_or_consumer_stops_the_orders_process:
+    rabbitmq_a_deleted_queue_stops_the_orders_process => (Kind::RabbitMq);
+    nats_a_deleted_durable_consumer_stops_the_orders_process => (Kind::Nats);
 }
 on_each! { the_chain_charges_once_and_applies_the_payment_once:
     rabbitmq_the_chain_charges_once_and_applies_the_payment_once => (Kind::RabbitMq);

@@ -506,3 +506,33 @@ async fn orders_example_answers_its_own_body_errors_as_problem_json_on_sqlite() 
         assert_eq!(answer.json()["code"], code);
     }
 }
+
+/// A client that never finishes its request head loses its connection after the read timeout
+/// (5 s), rather than holding it for ever; the server goes on answering others.
+#[tokio::test]
+async fn orders_example_drops_a_connection_whose_request_head_never_ends() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let database = Database::sqlite();
+    let orders = Orders::start(&database.url).await;
+    let address = orders.process.url.trim_start_matches("http://");
+    let mut slow = tokio::net::TcpStream::connect(address)
+        .await
+        .expect("connect");
+    slow.write_all(b"GET /orders HTTP/1.1\r\nhost: example\r\n")
+        .await
+        .expect("a partial head");
+    let started = std::time::Instant::now();
+    let mut rest = Vec::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(15),
+        slow.read_to_end(&mut rest),
+    )
+    .await
+    .expect("the server closes the connection within 15 s")
+    .ok();
+    assert!(started.elapsed() >= std::time::Duration::from_secs(4));
+    let listed = orders
+        .send("GET", "/orders", "alice-token", None, None)
+        .await;
+    assert_eq!(listed.status, StatusCode::OK);
+}

@@ -8,6 +8,10 @@
 //! stream `ORDERS_DEAD` (subjects `orders.dead.>`). `orders replay-dead` replays the dead
 //! letters once and exits.
 //!
+//! Should the consumer stop (its queue or durable consumer deleted from outside, its
+//! connection lost), the process logs why and exits 1, for its supervisor to restart it; the
+//! restart declares what is missing again.
+//!
 //! Tuning: `ORDERS_CONSUMER_CONCURRENCY` (default 4), `ORDERS_CONSUMER_MAX_ATTEMPTS` (5),
 //! `ORDERS_CONSUMER_BACKOFF_MS` (1000), `ORDERS_CONSUMER_ACK_WAIT_SECS` (NATS, 30).
 //! For tests: `BROKER_NAMESPACE` prefixes every broker name (`t1.payments`, `T1_PAYMENTS`),
@@ -15,125 +19,95 @@
 //! (retryable), `ORDERS_FAILPOINT=after-commit` freezes the process after the first commit,
 //! before its ack (to be killed), and `ORDERS_CONSUMER_STATS_MS` prints the inbox's counters.
 
-use std::fmt::Debug;
+use std::fmt::Display;
 use std::time::Duration;
 
-use axum_idempotency::Tx;
-use axum_idempotency::inbox::{Delivery, Failure, ReplayReport, Stats, Verdict};
+use axum_idempotency::inbox::{Delivery, Failure, Inbox, ReplayReport, Stats, Verdict};
+use axum_idempotency::{Store, Tx, TxError};
+use serde::Deserialize;
 use serde_json::Value;
 
-use crate::Error;
 use crate::db::{Arg, Backend, Cents};
+use crate::{Error, setting};
 
-/// Starts consuming payment events with an inbox on `$store`, or with `replay-dead` replays
+/// Starts consuming payment events with an inbox on `store`, or with `replay-dead` replays
 /// the dead letters and exits. Fails at once if the broker cannot be reached, so a
-/// misconfigured process does not serve without consuming. A macro for the reason given at
-/// `serve_on!`: the inbox and the broker adapters have a type per backend. All it does besides
-/// is in the functions below.
-macro_rules! spawn {
-    ($store:expr, $broker_url:expr) => {{
-        use std::time::Duration;
-        use $crate::consumer::{self as c, Broker};
-        use $crate::setting;
-        let fail_percent: u32 = setting("ORDERS_CONSUMER_FAIL_PERCENT", 0)?;
-        let handler = move |tx, delivery| c::apply(tx, delivery, fail_percent);
-        let backoff = Duration::from_millis(setting("ORDERS_CONSUMER_BACKOFF_MS", 1000)?);
-        let mut inbox = axum_idempotency::inbox::Inbox::new("orders", $store)
-            .key_by(c::payment_id)
-            .max_attempts(setting("ORDERS_CONSUMER_MAX_ATTEMPTS", 5)?)
-            .backoff(backoff, Duration::from_secs(60));
-        if std::env::var("ORDERS_FAILPOINT").as_deref() == Ok("after-commit") {
-            inbox = inbox.on_verdict(c::freeze_after_commit);
+/// misconfigured process does not serve without consuming.
+pub(crate) async fn spawn<DB: Backend>(store: Store<DB>, broker_url: &str) -> Result<(), Error> {
+    let fail_percent: u32 = setting("ORDERS_CONSUMER_FAIL_PERCENT", 0)?;
+    let handler = move |tx: Tx<DB>, delivery| apply(tx, delivery, fail_percent);
+    let backoff = Duration::from_millis(setting("ORDERS_CONSUMER_BACKOFF_MS", 1000)?);
+    let mut inbox = Inbox::new("orders", store)
+        .key_by(payment_id)
+        .max_attempts(setting("ORDERS_CONSUMER_MAX_ATTEMPTS", 5)?)
+        .backoff(backoff, Duration::from_secs(60));
+    if std::env::var("ORDERS_FAILPOINT").as_deref() == Ok("after-commit") {
+        inbox = inbox.on_verdict(freeze_after_commit);
+    }
+    if let Ok(every) = std::env::var("ORDERS_CONSUMER_STATS_MS") {
+        print_stats(Duration::from_millis(every.parse()?), inbox.clone());
+    }
+    let replay = std::env::args().any(|arg| arg == "replay-dead");
+    let concurrency: u16 = setting("ORDERS_CONSUMER_CONCURRENCY", 4)?;
+    // The URL may carry credentials: only its scheme is printed.
+    let scheme = broker_url.split(':').next().unwrap_or_default();
+    match scheme {
+        #[cfg(feature = "rabbitmq")]
+        "amqp" | "amqps" => {
+            use axum_idempotency::inbox::rabbitmq::RabbitMqConsumer;
+            // A 10 s heartbeat: a consumer host that vanishes without closing its socket is
+            // noticed, and its unacked deliveries redelivered, within 30 s.
+            let url = match (broker_url.contains("heartbeat="), broker_url.contains('?')) {
+                (true, _) => broker_url.to_owned(),
+                (false, true) => format!("{broker_url}&heartbeat=10"),
+                (false, false) => format!("{broker_url}?heartbeat=10"),
+            };
+            let connection = lapin::Connection::connect(&url, Default::default()).await?;
+            let queue = name("orders.payment-succeeded");
+            let consumer = RabbitMqConsumer::new(inbox, connection.into(), queue)
+                .bind(name("payments"), "payment.succeeded")
+                .concurrency(concurrency);
+            consumer.declare().await?;
+            if replay {
+                replayed(consumer.replay_dead(handler, usize::MAX).await?);
+            }
+            run(consumer.run(handler));
         }
-        if let Ok(every) = std::env::var("ORDERS_CONSUMER_STATS_MS") {
-            let (every, inbox) = (Duration::from_millis(every.parse()?), inbox.clone());
-            c::print_stats(every, move || inbox.stats());
+        #[cfg(feature = "nats")]
+        "nats" => {
+            use axum_idempotency::inbox::nats::NatsConsumer;
+            let jetstream = async_nats::jetstream::new(async_nats::connect(broker_url).await?);
+            let ack_wait = Duration::from_secs(setting("ORDERS_CONSUMER_ACK_WAIT_SECS", 30)?);
+            let consumer = NatsConsumer::new(inbox, jetstream, name("PAYMENTS"), "orders")
+                .stream_subjects([name("payments.>")])
+                .filter_subject(name("payments.succeeded"))
+                .dead_letters(name("ORDERS_DEAD"), name("orders.dead"))
+                .ack_wait(ack_wait)
+                .concurrency(usize::from(concurrency));
+            consumer.declare().await?;
+            if replay {
+                replayed(consumer.replay_dead(handler, usize::MAX).await?);
+            }
+            run(consumer.run(handler));
         }
-        let replay = std::env::args().any(|arg| arg == "replay-dead");
-        let concurrency: u16 = setting("ORDERS_CONSUMER_CONCURRENCY", 4)?;
-        match Broker::connect($broker_url).await? {
-            #[cfg(feature = "rabbitmq")]
-            Broker::RabbitMq(connection) => {
-                use axum_idempotency::inbox::rabbitmq::RabbitMqConsumer;
-                let queue = c::name("orders.payment-succeeded");
-                let consumer = RabbitMqConsumer::new(inbox, connection, queue)
-                    .bind(c::name("payments"), "payment.succeeded")
-                    .concurrency(concurrency);
-                consumer.declare().await?;
-                if replay {
-                    c::replayed(consumer.replay_dead(handler, usize::MAX).await?);
-                }
-                c::run(consumer.run(handler));
-            }
-            #[cfg(feature = "nats")]
-            Broker::Nats(jetstream) => {
-                use axum_idempotency::inbox::nats::NatsConsumer;
-                let consumer = NatsConsumer::new(inbox, *jetstream, c::name("PAYMENTS"), "orders")
-                    .stream_subjects([c::name("payments.>")])
-                    .filter_subject(c::name("payments.succeeded"))
-                    .dead_letters(c::name("ORDERS_DEAD"), c::name("orders.dead"))
-                    .ack_wait(Duration::from_secs(setting(
-                        "ORDERS_CONSUMER_ACK_WAIT_SECS",
-                        30,
-                    )?))
-                    .concurrency(usize::from(concurrency));
-                consumer.declare().await?;
-                if replay {
-                    c::replayed(consumer.replay_dead(handler, usize::MAX).await?);
-                }
-                c::run(consumer.run(handler));
-            }
-        }
-        // The URL may carry credentials: only its scheme is printed.
-        let scheme = $broker_url.split(':').next().unwrap_or_default();
-        println!("orders consuming payment events ({scheme})");
-    }};
-}
-pub(crate) use spawn;
-
-/// The connection to the broker `BROKER_URL` names.
-pub(crate) enum Broker {
-    #[cfg(feature = "rabbitmq")]
-    RabbitMq(std::sync::Arc<lapin::Connection>),
-    #[cfg(feature = "nats")]
-    Nats(Box<async_nats::jetstream::Context>),
-}
-
-impl Broker {
-    pub(crate) async fn connect(url: &str) -> Result<Self, Error> {
-        match url.split(':').next().unwrap_or_default() {
-            #[cfg(feature = "rabbitmq")]
-            "amqp" | "amqps" => {
-                // A 10 s heartbeat: a consumer host that vanishes without closing its socket is
-                // noticed, and its unacked deliveries redelivered, within 30 s.
-                let url = match (url.contains("heartbeat="), url.contains('?')) {
-                    (true, _) => url.to_owned(),
-                    (false, true) => format!("{url}&heartbeat=10"),
-                    (false, false) => format!("{url}?heartbeat=10"),
-                };
-                let connection = lapin::Connection::connect(&url, Default::default()).await?;
-                Ok(Self::RabbitMq(std::sync::Arc::new(connection)))
-            }
-            #[cfg(feature = "nats")]
-            "nats" => {
-                let jetstream = async_nats::jetstream::new(async_nats::connect(url).await?);
-                Ok(Self::Nats(Box::new(jetstream)))
-            }
-            other => Err(
+        other => {
+            return Err(
                 format!("BROKER_URL {other:?} is not built in (features rabbitmq, nats)").into(),
-            ),
+            );
         }
     }
+    println!("orders consuming payment events ({scheme})");
+    Ok(())
 }
 
 /// The inbox's key: the payment id, so a payment applies once whatever its message ids.
-pub(crate) fn payment_id(delivery: &Delivery) -> Result<String, Failure> {
+fn payment_id(delivery: &Delivery) -> Result<String, Failure> {
     Ok(Event::parse(delivery.payload())?.payment_id)
 }
 
 /// `ORDERS_FAILPOINT=after-commit`: committed, not acked; frozen here until the test kills the
 /// process.
-pub(crate) fn freeze_after_commit(_: &Delivery, verdict: &Verdict) {
+fn freeze_after_commit(_: &Delivery, verdict: &Verdict) {
     if *verdict == Verdict::Applied {
         println!("failpoint after-commit reached");
         loop {
@@ -143,7 +117,7 @@ pub(crate) fn freeze_after_commit(_: &Delivery, verdict: &Verdict) {
 }
 
 /// `ORDERS_CONSUMER_STATS_MS`: prints the inbox's counters that often.
-pub(crate) fn print_stats(every: Duration, stats: impl Fn() -> Stats + Send + 'static) {
+fn print_stats<DB: Backend>(every: Duration, inbox: Inbox<DB>) {
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(every).await;
@@ -153,7 +127,7 @@ pub(crate) fn print_stats(every: Duration, stats: impl Fn() -> Stats + Send + 's
                 retried,
                 dead,
                 ..
-            } = stats();
+            } = inbox.stats();
             println!(
                 "consumer stats processed={processed} duplicates={duplicates} retried={retried} dead={dead}"
             );
@@ -161,18 +135,27 @@ pub(crate) fn print_stats(every: Duration, stats: impl Fn() -> Stats + Send + 's
     });
 }
 
-/// Runs the consumer in the background. It only ends when its channel or connection closed:
-/// then the process exits, for a supervisor to restart it.
-pub(crate) fn run<E: Debug>(consumer: impl Future<Output = Result<(), E>> + Send + 'static) {
+/// Runs the consumer in the background. It only ends when it can consume no more: its
+/// channel or connection closed, or its queue or durable consumer was deleted. Then the process
+/// exits non-zero, for a supervisor to restart it, rather than serve orders without applying
+/// their payments.
+fn run<E: Display>(consumer: impl Future<Output = Result<(), E>> + Send + 'static) {
     tokio::spawn(async move {
-        let ended = consumer.await;
-        tracing::error!(?ended, "the payment consumer stopped");
+        match consumer.await {
+            Ok(()) => tracing::error!(
+                "the payment consumer stopped: the broker ended its deliveries (was the queue or \
+                 the durable consumer deleted?); exiting, a restart declares them again"
+            ),
+            Err(error) => {
+                tracing::error!(%error, "the payment consumer stopped; exiting for a restart");
+            }
+        }
         std::process::exit(1);
     });
 }
 
 /// Reports an operator's replay and ends the process: `replay-dead` is a one-off command.
-pub(crate) fn replayed(report: ReplayReport) -> ! {
+fn replayed(report: ReplayReport) -> ! {
     let ReplayReport {
         applied,
         duplicates,
@@ -187,7 +170,7 @@ pub(crate) fn replayed(report: ReplayReport) -> ! {
 
 /// A broker name in the test namespace `BROKER_NAMESPACE`, if any: `t1.payments`, and for
 /// NATS streams (upper case) `T1_PAYMENTS`.
-pub(crate) fn name(name: &str) -> String {
+fn name(name: &str) -> String {
     match std::env::var("BROKER_NAMESPACE") {
         Ok(ns) if !ns.is_empty() && name.starts_with(char::is_uppercase) => {
             format!("{}_{name}", ns.to_uppercase())
@@ -198,8 +181,8 @@ pub(crate) fn name(name: &str) -> String {
 }
 
 /// A payment event as the payments example publishes it.
-pub(crate) struct Event {
-    pub(crate) payment_id: String,
+struct Event {
+    payment_id: String,
     order_id: i64,
     amount: Cents,
 }
@@ -207,24 +190,25 @@ pub(crate) struct Event {
 impl Event {
     /// A malformed event, or one the tables cannot hold, is a permanent failure: dead-lettered
     /// at once rather than retried.
-    pub(crate) fn parse(payload: &[u8]) -> Result<Self, Failure> {
-        let event: Value = serde_json::from_slice(payload)
-            .map_err(|e| Failure::permanent(format!("malformed JSON: {e}")))?;
-        let payment_id = match &event["payment_id"] {
-            Value::String(id)
-                if !id.is_empty()
-                    && id.chars().count() <= 255
-                    && !id.contains(char::is_control) =>
-            {
-                id.clone()
-            }
-            _ => {
-                return Err(Failure::permanent(
-                    "payment_id must be 1 to 255 printable characters",
-                ));
-            }
-        };
-        let order_id = match &event["order_id"] {
+    fn parse(payload: &[u8]) -> Result<Self, Failure> {
+        #[derive(Deserialize)]
+        struct Sent {
+            payment_id: String,
+            /// An integer or a string of digits.
+            order_id: Value,
+            amount: serde_json::Number,
+            /// Required, though orders keep the currency they were placed in.
+            #[serde(rename = "currency")]
+            _currency: String,
+        }
+        let sent: Sent = serde_json::from_slice(payload)
+            .map_err(|e| Failure::permanent(format!("malformed event: {e}")))?;
+        let id = &sent.payment_id;
+        if id.is_empty() || id.chars().count() > 255 || id.contains(char::is_control) {
+            let reason = "payment_id must be 1 to 255 printable characters";
+            return Err(Failure::permanent(reason));
+        }
+        let order_id = match &sent.order_id {
             Value::Number(n) => n.as_i64(),
             Value::String(s) if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) => {
                 s.parse().ok()
@@ -234,11 +218,9 @@ impl Event {
         let order_id = order_id.ok_or(Failure::permanent(
             "order_id must be an integer or a string of digits",
         ))?;
-        let amount = event["amount"].as_number().and_then(Cents::parse);
+        let amount = Cents::parse(&sent.amount);
         let amount = amount.ok_or(Failure::permanent("amount must be a number of whole cents"))?;
-        if !event["currency"].is_string() {
-            return Err(Failure::permanent("currency must be a string"));
-        }
+        let payment_id = sent.payment_id;
         Ok(Self {
             payment_id,
             order_id,
@@ -253,19 +235,18 @@ impl Event {
 /// The order is paid once its payments cover its amount, shipped or not. `status` is set
 /// before `paid_total`: MySQL reads a column already assigned in the same UPDATE, the others
 /// read the old row; in this order all three compare with the old total.
-pub(crate) async fn apply<DB: Backend>(
+async fn apply<DB: Backend>(
     mut tx: Tx<DB>,
     delivery: Delivery,
     fail_percent: u32,
 ) -> Result<(), Failure> {
     let event = Event::parse(delivery.payload())?;
-    let retryable = |e: sqlx::Error| Failure::retryable(e.to_string());
     let (order, amount) = (Arg::Int(event.order_id), Arg::Int(event.amount.0));
     let pay = "UPDATE orders SET status = CASE WHEN paid_total + ? >= amount THEN 'paid' ELSE status END, \
         paid_total = paid_total + ? WHERE id = ?";
     if DB::execute(&mut tx, pay, &[amount, amount, order])
         .await
-        .map_err(retryable)?
+        .map_err(retry)?
         == 0
     {
         return Err(Failure::permanent(format!(
@@ -275,12 +256,16 @@ pub(crate) async fn apply<DB: Backend>(
     }
     let insert = "INSERT INTO order_payments (order_id, payment_id, amount) VALUES (?, ?, ?)";
     let args = [order, Arg::Text(&event.payment_id), amount];
-    DB::execute(&mut tx, insert, &args)
-        .await
-        .map_err(retryable)?;
+    DB::execute(&mut tx, insert, &args).await.map_err(retry)?;
     if fail_percent > 0 && fastrand::u32(0..100) < fail_percent {
         // Written, then failed: the rollback must leave neither the row nor the claim.
         return Err(Failure::retryable("injected failure"));
     }
     Ok(())
+}
+
+/// A statement failed: the inbox rolls back and the broker redelivers later. The inbox's
+/// handler answers a `Failure`, not a response, so a conflict abort is retried this way too.
+fn retry(error: sqlx::Error) -> Failure {
+    Failure::retryable(TxError::from(error).to_string())
 }

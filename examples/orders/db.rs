@@ -43,15 +43,15 @@ impl Serialize for Cents {
 
 #[derive(Serialize)]
 pub(crate) struct Order {
-    pub(crate) id: i64,
-    pub(crate) status: String,
-    pub(crate) sku: String,
-    pub(crate) quantity: i64,
-    pub(crate) amount: Cents,
-    pub(crate) currency: String,
+    id: i64,
+    status: String,
+    sku: String,
+    quantity: i64,
+    amount: Cents,
+    currency: String,
     /// Payment events the consumer applied, in the order applied.
-    pub(crate) payments: Vec<Payment>,
-    pub(crate) paid_total: Cents,
+    payments: Vec<Payment>,
+    paid_total: Cents,
 }
 
 #[derive(Serialize)]
@@ -83,7 +83,8 @@ type OrderRow = (
     Option<i64>,
 );
 
-pub(crate) trait Backend: sqlx::Database {
+/// The crate's backends, each also running the example's own statements.
+pub(crate) trait Backend: axum_idempotency::Backend {
     /// Adds the like (user_id, article_id) unless it exists.
     const ADD_LIKE: Sql;
     /// Runs a statement; answers how many rows it matched.

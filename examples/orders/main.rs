@@ -8,7 +8,8 @@
 //! consumes payment events and applies each payment once (see `consumer.rs`).
 //!
 //! It stops on SIGTERM (what Kubernetes and systemd send) as on Ctrl-C: it stops accepting,
-//! answers every request already in flight, then exits 0.
+//! answers every request already in flight, then exits 0. A connection whose request head
+//! takes over 5 s is closed.
 //!
 //! ```text
 //! curl -i -X POST localhost:3000/orders -H 'authorization: Bearer alice-token' \
@@ -29,51 +30,20 @@ use axum::http::{Method, StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Extension, Json, Router};
-use axum_idempotency::{IdempotencyLayer, Principal, SqliteStore, Tx};
+use axum_idempotency::{IdempotencyLayer, Principal, Store, Tx, TxError};
 use db::Arg::{Int, Text};
-use db::{Backend, Cents, Order};
+use db::{Backend, Cents};
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::Pool;
 use sqlx::pool::PoolOptions;
+use tokio::signal::unix::{SignalKind, signal};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
-
-/// Everything built on the backend's store: the tables, the purger, the payment consumer and
-/// the idempotency layer around the routes. A macro rather than a function because the store,
-/// the layer and the inbox have a type per backend; each arm of `main` pastes the same lines.
-macro_rules! serve_on {
-    ($pool:ident, $store:expr, $schema:expr, $pool_size:ident) => {{
-        sqlx::raw_sql($schema).execute(&$pool).await?;
-        let store = $store;
-        store.migrate().await?;
-        store.spawn_purger(Duration::from_secs(60));
-        if let Ok(broker) = std::env::var("BROKER_URL").as_deref()
-            && !broker.is_empty()
-        {
-            // The consumer claims payment ids in the same store as the HTTP keys: one claim path.
-            #[cfg(any(feature = "rabbitmq", feature = "nats"))]
-            consumer::spawn!(store.clone(), broker);
-            #[cfg(not(any(feature = "rabbitmq", feature = "nats")))]
-            return Err("BROKER_URL needs --features rabbitmq or nats".into());
-        }
-        // Keys are scoped to the user the bearer token proves, never to a header the client
-        // asserts. The layer hands that user to keyed handlers (`Extension<AuthUser>`), so they
-        // never look it up again on a second connection while the claim holds one. Claims leave
-        // two connections free for authentication and reads during a burst.
-        let idempotency = IdempotencyLayer::new(store)
-            .principal_with_state::<AuthUser, _>($pool.clone())
-            .max_concurrent_claims($pool_size.saturating_sub(2).max(1) as usize)
-            .deadline(Duration::from_secs(10))
-            .retention(Duration::from_secs(setting(
-                "IDEMPOTENCY_TTL_SECS",
-                24 * 3600,
-            )?))
-            .wait_for_in_flight(Duration::from_secs(5))
-            .ignore_json_fields(["/request_time", "/trace_id"]);
-        routes().route_layer(idempotency).with_state($pool)
-    }};
-}
 
 #[tokio::main]
 async fn main() -> Result<(), Error> {
@@ -83,55 +53,114 @@ async fn main() -> Result<(), Error> {
         .init();
     let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "sqlite://orders.db".into());
     let pool_size = setting("DATABASE_MAX_CONNECTIONS", 10)?;
+    // Each arm connects its backend and creates the example's tables; the rest is generic.
     let app = match url.split(':').next().unwrap_or_default() {
         "sqlite" => {
             use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
             let options = url.parse::<SqliteConnectOptions>()?.create_if_missing(true);
             let options = options.journal_mode(SqliteJournalMode::Wal);
-            let pool = pool_options(pool_size).connect_with(options).await?;
-            let store = SqliteStore::new(pool.clone());
-            serve_on!(pool, store, db::sqlite::SCHEMA, pool_size)
+            let pool = pool_options::<sqlx::Sqlite>(pool_size)
+                .connect_with(options)
+                .await?;
+            sqlx::raw_sql(db::sqlite::SCHEMA).execute(&pool).await?;
+            app(pool, pool_size).await?
         }
         #[cfg(feature = "postgres")]
         "postgres" | "postgresql" => {
-            let pool = pool_options(pool_size).connect(&url).await?;
-            let store = axum_idempotency::PgStore::new(pool.clone());
-            serve_on!(pool, store, db::postgres::SCHEMA, pool_size)
+            let pool = pool_options::<sqlx::Postgres>(pool_size)
+                .connect(&url)
+                .await?;
+            sqlx::raw_sql(db::postgres::SCHEMA).execute(&pool).await?;
+            app(pool, pool_size).await?
         }
         #[cfg(feature = "mysql")]
         "mysql" | "mariadb" => {
-            let pool = pool_options(pool_size).connect(&url).await?;
-            let store = axum_idempotency::MySqlStore::new(pool.clone());
-            serve_on!(pool, store, db::mysql::SCHEMA, pool_size)
+            let pool = pool_options::<sqlx::MySql>(pool_size).connect(&url).await?;
+            sqlx::raw_sql(db::mysql::SCHEMA).execute(&pool).await?;
+            app(pool, pool_size).await?
         }
         other => {
             return Err(format!("DATABASE_URL {other:?} is not built in (see --features)").into());
         }
     };
+    serve(app).await
+}
 
+/// The routes behind the idempotency layer, on the backend's store; with `BROKER_URL` set it
+/// also starts the payment consumer.
+async fn app<DB: Backend>(pool: Pool<DB>, pool_size: u32) -> Result<Router, Error> {
+    let store = Store::new(pool.clone());
+    store.migrate().await?;
+    store.spawn_purger(Duration::from_secs(60));
+    if let Ok(broker) = std::env::var("BROKER_URL")
+        && !broker.is_empty()
+    {
+        // The consumer claims payment ids in the same store as the HTTP keys: one claim path.
+        #[cfg(any(feature = "rabbitmq", feature = "nats"))]
+        consumer::spawn(store.clone(), &broker).await?;
+        #[cfg(not(any(feature = "rabbitmq", feature = "nats")))]
+        return Err("BROKER_URL needs --features rabbitmq or nats".into());
+    }
+    // Keys are scoped to the user the bearer token proves, never to a header the client
+    // asserts. The layer hands that user to keyed handlers (`Extension<AuthUser>`), so they
+    // never look it up again on a second connection while the claim holds one. Claims leave
+    // two connections free for authentication and reads during a burst.
+    let retention = Duration::from_secs(setting("IDEMPOTENCY_TTL_SECS", 24 * 3600)?);
+    let idempotency = IdempotencyLayer::new(store)
+        .principal_with_state::<AuthUser, _>(pool.clone())
+        .max_concurrent_claims(pool_size.saturating_sub(2).max(1) as usize)
+        .deadline(Duration::from_secs(10))
+        .retention(retention)
+        .wait_for_in_flight(Duration::from_secs(5))
+        .ignore_json_fields(["/request_time", "/trace_id"]);
+    let routes = Router::new()
+        .route("/orders", post(create_order::<DB>).get(list_orders::<DB>))
+        .route("/orders/{id}", get(get_order::<DB>))
+        .route("/orders/{id}/ship", post(ship_order::<DB>))
+        // Likes need no key: the unique (user, article) pair is the natural idempotency key.
+        .route("/articles/{id}/like", put(like::<DB>).delete(like::<DB>));
+    Ok(routes.route_layer(idempotency).with_state(pool))
+}
+
+/// Serves `app` on `BIND` until SIGTERM (what Kubernetes and systemd send) or Ctrl-C, then
+/// answers the requests in flight and returns.
+async fn serve(app: Router) -> Result<(), Error> {
     // Listening for signals from now on, before the address is printed: a signal sent as soon
     // as the server is up is never met by the default action (an abrupt exit).
-    use tokio::signal::unix::{SignalKind, signal};
-    let (mut terminate, mut interrupt) = (
-        signal(SignalKind::terminate())?,
-        signal(SignalKind::interrupt())?,
-    );
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
     let listener = tokio::net::TcpListener::bind(&bind).await?;
     println!(
         "orders example listening on http://{}",
         listener.local_addr()?
     );
-    // Requests in flight when the signal comes are answered before the process exits.
-    let shutdown = async move {
+    // hyper's server, because `axum::serve` sets no timer and so no header read timeout: a
+    // client that never finishes its request head would hold its connection for ever.
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(5));
+    let connections = GracefulShutdown::new();
+    loop {
         tokio::select! {
-            _ = terminate.recv() => {}
-            _ = interrupt.recv() => {}
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let service = TowerToHyperService::new(app.clone());
+                    let connection = http.serve_connection(TokioIo::new(stream), service);
+                    tokio::spawn(connections.watch(connection));
+                }
+                // Out of file descriptors, say: pause rather than spin, and keep serving.
+                Err(error) => {
+                    tracing::warn!(%error, "could not accept a connection");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            _ = terminate.recv() => break,
+            _ = interrupt.recv() => break,
         }
-    };
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    }
+    drop(listener);
+    connections.shutdown().await;
     Ok(())
 }
 
@@ -150,15 +179,6 @@ fn pool_options<DB: sqlx::Database>(size: u32) -> PoolOptions<DB> {
     PoolOptions::new()
         .max_connections(size)
         .acquire_timeout(Duration::from_secs(3))
-}
-
-fn routes<DB: Backend>() -> Router<Pool<DB>> {
-    Router::new()
-        .route("/orders", post(create_order::<DB>).get(list_orders::<DB>))
-        .route("/orders/{id}", get(get_order::<DB>))
-        .route("/orders/{id}/ship", post(ship_order::<DB>))
-        // Likes need no key: the unique (user, article) pair is the natural idempotency key.
-        .route("/articles/{id}/like", put(like::<DB>).delete(like::<DB>))
 }
 
 /// A caller proven by `Authorization: Bearer <token>` against the users table.
@@ -242,17 +262,9 @@ async fn create_order<DB: Backend>(
     let id = DB::int(&mut tx, insert, &args)
         .await?
         .ok_or(sqlx::Error::RowNotFound)?;
-    let (status, payments, paid_total) = ("created".into(), Vec::new(), Cents(0));
-    let order = Order {
-        id,
-        status,
-        sku,
-        quantity,
-        amount,
-        currency,
-        payments,
-        paid_total,
-    };
+    // Read back as `GET /orders/{id}` shows it: one shape for both answers.
+    let order = db::orders::<DB>(&mut tx, user.id, (id, id)).await?.pop();
+    let order = order.ok_or(sqlx::Error::RowNotFound)?;
     let location = [(header::LOCATION, format!("/orders/{id}"))];
     Ok((StatusCode::CREATED, location, Json(order)).into_response())
 }
@@ -303,25 +315,31 @@ async fn like<DB: Backend>(
     Ok(Json(json!({ "article_id": article_id, "liked": liked, "likes": likes })).into_response())
 }
 
-/// The example's own refusals (status, `code`, detail), as problem+json like the crate's. Their
-/// `code`s never start with `idempotency_` and their `type` is `about:blank`, so a client tells
-/// them from the crate's answers without reading the status alone.
-struct Problem(StatusCode, &'static str, &'static str);
+/// What a handler answers instead of its result.
+enum Problem {
+    /// The example's own refusals (status, `code`, detail), as problem+json like the crate's.
+    /// Their `code`s never start with `idempotency_` and their `type` is `about:blank`, so a
+    /// client tells them from the crate's answers without reading the status alone.
+    Refused(StatusCode, &'static str, &'static str),
+    /// A statement failed. The layer runs a conflict abort again; anything else is a retryable
+    /// 500, its details logged, never shown.
+    Database(TxError),
+}
 
-const UNAUTHORIZED: Problem = Problem(
+const UNAUTHORIZED: Problem = Problem::Refused(
     StatusCode::UNAUTHORIZED,
     "unauthorized",
     "a valid bearer token is required",
 );
-const OUT_OF_STOCK: Problem = Problem(
+const OUT_OF_STOCK: Problem = Problem::Refused(
     StatusCode::CONFLICT,
     "out_of_stock",
     "not enough stock left for this order",
 );
-const NOT_FOUND: Problem = Problem(StatusCode::NOT_FOUND, "not_found", "no such order");
+const NOT_FOUND: Problem = Problem::Refused(StatusCode::NOT_FOUND, "not_found", "no such order");
 
 fn invalid(detail: &'static str) -> Problem {
-    Problem(StatusCode::BAD_REQUEST, "invalid_order", detail)
+    Problem::Refused(StatusCode::BAD_REQUEST, "invalid_order", detail)
 }
 
 impl From<JsonRejection> for Problem {
@@ -329,7 +347,7 @@ impl From<JsonRejection> for Problem {
     /// 422, which a client reading only the status would take for a reused key.
     fn from(rejection: JsonRejection) -> Self {
         match rejection {
-            JsonRejection::MissingJsonContentType(_) => Problem(
+            JsonRejection::MissingJsonContentType(_) => Problem::Refused(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "unsupported_media_type",
                 "send the order as application/json",
@@ -337,7 +355,7 @@ impl From<JsonRejection> for Problem {
             JsonRejection::JsonDataError(_) => {
                 invalid("the order needs sku, quantity, amount and currency of the right types")
             }
-            _ => Problem(
+            _ => Problem::Refused(
                 StatusCode::BAD_REQUEST,
                 "malformed_json",
                 "the body is not valid JSON",
@@ -348,28 +366,18 @@ impl From<JsonRejection> for Problem {
 
 impl From<sqlx::Error> for Problem {
     fn from(error: sqlx::Error) -> Self {
-        // Logged for operators; the client learns only that it may retry.
-        tracing::error!(%error, "database error");
-        Problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal_error",
-            "try again later",
-        )
+        Problem::Database(error.into())
     }
 }
 
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
-        let Problem(status, code, detail) = self;
+        let (status, code, detail) = match self {
+            Problem::Refused(status, code, detail) => (status, code, detail),
+            Problem::Database(error) => return error.into_response(),
+        };
         let body = json!({ "type": "about:blank", "title": code, "status": status.as_u16(), "code": code, "detail": detail });
         let content_type = (header::CONTENT_TYPE, "application/problem+json");
-        let mut response = (status, [content_type], body.to_string()).into_response();
-        if status.is_server_error() {
-            // Nothing was committed (the idempotency layer rolls a 5xx back): the client may
-            // retry with the same key, after a short pause while the database recovers.
-            let pause = header::HeaderValue::from_static("1");
-            response.headers_mut().insert(header::RETRY_AFTER, pause);
-        }
-        response
+        (status, [content_type], body.to_string()).into_response()
     }
 }

@@ -33,7 +33,8 @@
 //! `--features mysql` switches), `PROVIDER_URL` (default `http://127.0.0.1:4000`),
 //! `DISPATCHERS` (dispatcher tasks, default 1; 0 only accepts payments), `PROVIDER_LOOKUP=off`
 //! (resend on an unknown outcome without looking the charge up first), and `OUTBOX_POLL_MS`,
-//! `OUTBOX_SEND_TIMEOUT_MS`, `OUTBOX_LOOKUP_GRACE_MS`, `OUTBOX_MAX_ATTEMPTS`,
+//! `OUTBOX_SEND_TIMEOUT_MS`, `OUTBOX_LEASE_MS` (15 000: how soon a dead dispatcher's message is
+//! taken over), `OUTBOX_LOOKUP_GRACE_MS`, `OUTBOX_MAX_ATTEMPTS`,
 //! `OUTBOX_BACKOFF_MS` to tune the dispatcher.
 //!
 //! With `BROKER_URL=amqp://…` (`--features rabbitmq`) or `nats://…` (`--features nats`), each
@@ -147,6 +148,7 @@ async fn serve<DB: Payments>(pool: Pool<DB>) -> Result<(), Error> {
         let dispatcher = Dispatcher::new(outbox.clone(), routed)
             .poll_interval(millis("OUTBOX_POLL_MS", 500))
             .send_timeout(millis("OUTBOX_SEND_TIMEOUT_MS", 5_000))
+            .lease(millis("OUTBOX_LEASE_MS", 15_000))
             .lookup_grace(millis("OUTBOX_LOOKUP_GRACE_MS", 10_000))
             .max_attempts(env_or("OUTBOX_MAX_ATTEMPTS", 10) as u32)
             .backoff(Backoff::exponential(

@@ -221,11 +221,7 @@ impl IntoResponse for TxError {
     fn into_response(self) -> Response {
         if self.is_conflict() {
             tracing::debug!(error = %self.0, "the transaction was aborted on a conflict");
-            // Marked so the engine runs the request again; should the response reach a client
-            // anyway (a route without the layer), it says what happened.
-            let mut response = Rejection::Conflict.into_response();
-            response.extensions_mut().insert(ConflictAborted);
-            response
+            conflict_aborted()
         } else {
             tracing::error!(error = %self.0, "a statement of the request's transaction failed");
             Rejection::Internal.into_response()
@@ -236,6 +232,15 @@ impl IntoResponse for TxError {
 /// Marks a response whose transaction the database aborted on a conflict.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ConflictAborted;
+
+/// The answer of work whose transaction the database aborted on a conflict: marked so the
+/// engine runs it again; should it reach a client anyway (a route without the layer), it says
+/// what happened.
+pub(crate) fn conflict_aborted() -> Response {
+    let mut response = Rejection::Conflict.into_response();
+    response.extensions_mut().insert(ConflictAborted);
+    response
+}
 
 /// The request extension a [`Tx`] is taken from and handed back to.
 pub(crate) struct TxSlot<DB: Database>(Arc<Mutex<SlotState<DB>>>);

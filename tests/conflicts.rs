@@ -140,11 +140,9 @@ mod postgres {
         Ok((StatusCode::CREATED, "bought").into_response())
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn serializable_storm_on_one_stock_row_is_never_oversold_and_never_5xx() {
-        let isolated = Postgres::fresh(2).await;
-        // Every transaction of this pool, the claims' included, runs at SERIALIZABLE, as on a
-        // server configured with `default_transaction_isolation = serializable`.
+    /// A pool on `isolated` whose every transaction, the claims' included, runs at
+    /// SERIALIZABLE, as on a server with `default_transaction_isolation = serializable`.
+    async fn serializable(isolated: &common::Isolated<Postgres>) -> Pool<Postgres> {
         let options = common::postgres_url()
             .parse::<sqlx::postgres::PgConnectOptions>()
             .expect("url")
@@ -152,11 +150,83 @@ mod postgres {
                 ("search_path", isolated.url.as_str()),
                 ("default_transaction_isolation", "serializable"),
             ]);
-        let pool: Pool<Postgres> = sqlx::pool::PoolOptions::new()
+        sqlx::pool::PoolOptions::new()
             .max_connections(16)
             .connect_with(options)
             .await
-            .expect("connect");
+            .expect("connect")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_consumer_whose_statements_conflict_is_run_again_not_retried_later() {
+        use axum_idempotency::inbox::{Delivery, Inbox, Verdict};
+
+        let isolated = Postgres::fresh(2).await;
+        let pool = serializable(&isolated).await;
+        sqlx::raw_sql(
+            "CREATE TABLE counter (id INT PRIMARY KEY, n BIGINT NOT NULL);
+             INSERT INTO counter VALUES (1, 0);",
+        )
+        .execute(&pool)
+        .await
+        .expect("table");
+        let store = Store::new(pool.clone());
+        store.migrate().await.expect("migrate");
+        let inbox = Inbox::new("counter", store)
+            .key_by(|delivery| Ok(String::from_utf8_lossy(delivery.payload()).into_owned()));
+        let runs = Arc::new(AtomicUsize::new(0));
+        // A read-then-write of one row: concurrent deliveries abort each other at SERIALIZABLE,
+        // and `?` turns the abort into `Failure::Conflict`.
+        let handler = {
+            let runs = Arc::clone(&runs);
+            move |mut tx: Tx<Postgres>, _delivery: Delivery| {
+                let runs = Arc::clone(&runs);
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    let n: i64 = sqlx::query_scalar("SELECT n FROM counter WHERE id = 1")
+                        .fetch_one(&mut *tx)
+                        .await?;
+                    sqlx::query("UPDATE counter SET n = $1 WHERE id = 1")
+                        .bind(n + 1)
+                        .execute(&mut *tx)
+                        .await?;
+                    Ok(())
+                }
+            }
+        };
+        let start = Arc::new(tokio::sync::Barrier::new(BUYERS));
+        let verdicts = futures_util::future::join_all((0..BUYERS).map(|i| {
+            let (inbox, handler, start) = (inbox.clone(), handler.clone(), Arc::clone(&start));
+            async move {
+                start.wait().await;
+                inbox
+                    .handle(Delivery::new(format!("event-{i}")), handler)
+                    .await
+            }
+        }))
+        .await;
+        let counted: i64 = sqlx::query_scalar("SELECT n FROM counter WHERE id = 1")
+            .fetch_one(&pool)
+            .await
+            .expect("counter");
+        let runs = runs.load(Ordering::SeqCst);
+        pool.close().await;
+        Postgres::dispose(isolated).await;
+        assert!(
+            verdicts.iter().all(|v| *v == Verdict::Applied),
+            "every delivery applied on its first delivery: {verdicts:?}"
+        );
+        assert_eq!(counted, BUYERS as i64, "each delivery applied once");
+        assert!(
+            runs > BUYERS,
+            "aborted deliveries were run again ({runs} runs)"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn serializable_storm_on_one_stock_row_is_never_oversold_and_never_5xx() {
+        let isolated = Postgres::fresh(2).await;
+        let pool = serializable(&isolated).await;
         sqlx::raw_sql(
             "CREATE TABLE stock (id INT PRIMARY KEY, stock BIGINT NOT NULL);
              CREATE TABLE bought (n INT NOT NULL);",

@@ -13,7 +13,8 @@
 //! restart declares what is missing again.
 //!
 //! Tuning: `ORDERS_CONSUMER_CONCURRENCY` (default 4), `ORDERS_CONSUMER_MAX_ATTEMPTS` (5),
-//! `ORDERS_CONSUMER_BACKOFF_MS` (1000), `ORDERS_CONSUMER_ACK_WAIT_SECS` (NATS, 30).
+//! `ORDERS_CONSUMER_BACKOFF_MS` (1000), `ORDERS_CONSUMER_ACK_WAIT_SECS` (NATS, 10; progress
+//! acks keep a running handler's message meanwhile).
 //! For tests: `BROKER_NAMESPACE` prefixes every broker name (`t1.payments`, `T1_PAYMENTS`),
 //! `ORDERS_CONSUMER_FAIL_PERCENT` makes that share of attempts write and then fail
 //! (retryable), `ORDERS_FAILPOINT=after-commit` freezes the process after the first commit,
@@ -23,7 +24,7 @@ use std::fmt::Display;
 use std::time::Duration;
 
 use axum_idempotency::inbox::{Delivery, Failure, Inbox, ReplayReport, Stats, Verdict};
-use axum_idempotency::{Store, Tx, TxError};
+use axum_idempotency::{Store, Tx};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -77,7 +78,7 @@ pub(crate) async fn spawn<DB: Backend>(store: Store<DB>, broker_url: &str) -> Re
         "nats" => {
             use axum_idempotency::inbox::nats::NatsConsumer;
             let jetstream = async_nats::jetstream::new(async_nats::connect(broker_url).await?);
-            let ack_wait = Duration::from_secs(setting("ORDERS_CONSUMER_ACK_WAIT_SECS", 30)?);
+            let ack_wait = Duration::from_secs(setting("ORDERS_CONSUMER_ACK_WAIT_SECS", 10)?);
             let consumer = NatsConsumer::new(inbox, jetstream, name("PAYMENTS"), "orders")
                 .stream_subjects([name("payments.>")])
                 .filter_subject(name("payments.succeeded"))
@@ -244,11 +245,9 @@ async fn apply<DB: Backend>(
     let (order, amount) = (Arg::Int(event.order_id), Arg::Int(event.amount.0));
     let pay = "UPDATE orders SET status = CASE WHEN paid_total + ? >= amount THEN 'paid' ELSE status END, \
         paid_total = paid_total + ? WHERE id = ?";
-    if DB::execute(&mut tx, pay, &[amount, amount, order])
-        .await
-        .map_err(retry)?
-        == 0
-    {
+    // `?` makes a conflict abort `Failure::Conflict`, run again at once, and any other
+    // database error a retryable failure the broker redelivers later.
+    if DB::execute(&mut tx, pay, &[amount, amount, order]).await? == 0 {
         return Err(Failure::permanent(format!(
             "order {} does not exist",
             event.order_id
@@ -256,16 +255,10 @@ async fn apply<DB: Backend>(
     }
     let insert = "INSERT INTO order_payments (order_id, payment_id, amount) VALUES (?, ?, ?)";
     let args = [order, Arg::Text(&event.payment_id), amount];
-    DB::execute(&mut tx, insert, &args).await.map_err(retry)?;
+    DB::execute(&mut tx, insert, &args).await?;
     if fail_percent > 0 && fastrand::u32(0..100) < fail_percent {
         // Written, then failed: the rollback must leave neither the row nor the claim.
         return Err(Failure::retryable("injected failure"));
     }
     Ok(())
-}
-
-/// A statement failed: the inbox rolls back and the broker redelivers later. The inbox's
-/// handler answers a `Failure`, not a response, so a conflict abort is retried this way too.
-fn retry(error: sqlx::Error) -> Failure {
-    Failure::retryable(TxError::from(error).to_string())
 }

@@ -96,6 +96,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use axum::response::IntoResponse;
 use bytes::Bytes;
 use http::StatusCode;
 use sha2::{Digest, Sha256};
@@ -108,7 +109,7 @@ use crate::fingerprint::{Fingerprint, Fingerprinter};
 use crate::key::IdempotencyKey;
 use crate::scope::Scope;
 use crate::store::Store;
-use crate::tx::Tx;
+use crate::tx::{Tx, TxError, conflict_aborted};
 
 #[cfg(feature = "nats")]
 pub mod nats;
@@ -175,12 +176,37 @@ impl fmt::Debug for Delivery {
 }
 
 /// Why a handler (or a key function) did not apply a delivery.
+///
+/// `?` converts a statement's `sqlx::Error` (or a [`TxError`](crate::TxError)): a conflict
+/// abort becomes [`Failure::Conflict`], run again at once like a request under the layer;
+/// any other database error is [`Failure::Retryable`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Failure {
     /// Worth another attempt later (a lock timeout, a downstream that is down).
     Retryable(String),
     /// Will never succeed as it is (malformed, refers to nothing): dead-letter it.
     Permanent(String),
+    /// The database aborted the transaction to resolve a conflict with a concurrent one (a
+    /// serialization failure, a deadlock, a certification conflict): nothing of it stands and
+    /// the delivery is run again at once, a bounded number of times, before it counts as a
+    /// retryable failure.
+    Conflict(String),
+}
+
+impl From<TxError> for Failure {
+    fn from(error: TxError) -> Self {
+        if error.is_conflict() {
+            Self::Conflict(error.to_string())
+        } else {
+            Self::Retryable(error.to_string())
+        }
+    }
+}
+
+impl From<sqlx::Error> for Failure {
+    fn from(error: sqlx::Error) -> Self {
+        TxError::from(error).into()
+    }
 }
 
 impl Failure {
@@ -510,12 +536,19 @@ impl<DB: Backend> Inbox<DB> {
                 let report = Arc::clone(&report);
                 async move {
                     match applied.await {
-                        Ok(()) => COMMIT,
+                        Ok(()) => COMMIT.into_response(),
                         Err(failure) => {
+                            // A conflict abort: the engine runs the handler again, as it does
+                            // for a request under the layer.
+                            let rerun = matches!(failure, Failure::Conflict(_));
                             // No one reads it if the caller went away meanwhile: the rollback
                             // stands either way, and the broker redelivers.
                             *report.lock().unwrap_or_else(PoisonError::into_inner) = Some(failure);
-                            ROLL_BACK
+                            if rerun {
+                                conflict_aborted()
+                            } else {
+                                ROLL_BACK.into_response()
+                            }
                         }
                     }
                 }
@@ -560,11 +593,13 @@ impl<DB: Backend> Inbox<DB> {
         let attempt = delivery.attempts();
         match failure {
             Failure::Permanent(reason) => self.dead(delivery, key, reason).await,
-            Failure::Retryable(reason) if replay || attempt >= self.max_attempts => {
+            Failure::Retryable(reason) | Failure::Conflict(reason)
+                if replay || attempt >= self.max_attempts =>
+            {
                 let reason = format!("{reason} (attempt {attempt})");
                 self.dead(delivery, key, reason).await
             }
-            Failure::Retryable(_) => Verdict::Retry {
+            Failure::Retryable(_) | Failure::Conflict(_) => Verdict::Retry {
                 after: self.backoff.delay(attempt),
             },
         }

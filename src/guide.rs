@@ -805,11 +805,10 @@ pub mod operations {}
 /// functions schema version 3 creates, `axum_idempotency_claim_v1` and
 /// `axum_idempotency_finish_v1`, whose plans the server keeps for the session, so it parses
 /// and plans one call per message rather than the claim's statements. On MySQL and MariaDB
-/// the claim is a stored procedure called in place of `BEGIN` and the record travels with
-/// `COMMIT`, so the request waits on no extra exchange; sqlx then still sends a `ROLLBACK` for
-/// the transaction it counts open, after the response, when the pool takes the connection
-/// back. sqlx has no way to commit a transaction with a statement of the caller's (the
-/// counterpart of `begin_with`), which is what would save that exchange. Values written into
+/// the claim is a stored procedure called in place of `BEGIN`, so the claim costs no exchange
+/// of its own; the record's `UPDATE` is one exchange before `COMMIT`. It is not sent in one
+/// query with `COMMIT`: on a Galera cluster that `COMMIT` was sometimes answered OK for a
+/// transaction the cluster had rolled back (see [`clusters`]). Values written into
 /// these statements are hexadecimal literals only, so no principal, route or body can change
 /// them; responses over 64 KiB are stored with bound parameters, one exchange more.
 ///
@@ -904,10 +903,16 @@ pub mod performance {}
 /// `GET /orders/{id}` sent to node B right after node A answered the `POST` finds nothing
 /// until B has applied A's commit. Set it for those reads only, on the connection that makes
 /// them (`SET SESSION wsrep_sync_wait = 1`, or a separate read pool with `after_connect`).
-/// Setting it on every session of the layer's pool measured only fewer handler runs per
-/// duplicate (36 instead of 40–55 for 240 requests on 30 keys), and in one of ten test runs
-/// with it a buy was answered `201` though its transaction did not commit; until that is
-/// understood, leave it at 0 on the pool the layer and its handlers use.
+/// Setting it on every session of the layer's pool is not wrong, but buys little: measured,
+/// fewer handler runs per duplicate (36–37 instead of 40–55 for 240 requests on 30 keys),
+/// and every read waits for its node to catch up.
+///
+/// **The record and `COMMIT` are two commands.** On MariaDB 10.11 with galera-4, a `COMMIT`
+/// sent in one multi-statement query with the statement before it was sometimes answered OK
+/// for a transaction the cluster had aborted (about one contended storm in a hundred): the
+/// client got a `201` whose writes were gone. The store therefore sends `COMMIT` on its own,
+/// where the abort is reported (1213) and the layer runs the request again. Do the same in
+/// your own code on Galera: never end a transaction with `…; COMMIT` in one query.
 ///
 /// # `migrate` on a cluster
 ///

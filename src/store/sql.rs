@@ -55,7 +55,9 @@ const MIGRATE_BACKOFF: Backoff =
 /// Whether a migration failed because another migrator did the same work at the same time.
 fn raced_migrator<DB: Dialect>(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Database(db)
-        if DB::is_conflict(db.as_ref()) || db.is_unique_violation())
+        if DB::is_conflict(db.as_ref())
+            || db.is_unique_violation()
+            || DB::is_created_meanwhile(db.as_ref()))
 }
 
 /// The table `migrate` records applied versions in.
@@ -92,6 +94,12 @@ pub trait Dialect: Database {
     /// Whether the error means the database rolled the transaction back to resolve a deadlock
     /// or a serialization conflict.
     fn is_conflict(error: &dyn DatabaseError) -> bool;
+
+    /// Whether the error means a migration script's object was created by another migrator
+    /// between the script's `DROP … IF EXISTS` and its `CREATE`.
+    fn is_created_meanwhile(_error: &dyn DatabaseError) -> bool {
+        false
+    }
 
     /// How many rows a statement affected.
     fn rows_affected(result: &Self::QueryResult) -> u64;
@@ -314,9 +322,10 @@ where
     async fn migrate(&self) -> Result<(), Error> {
         // Where the migration lock is not shared by every server that takes writes (a Galera
         // cluster: `GET_LOCK` holds on one node only), instances migrating at once through
-        // different nodes can race: one's version row or table collides with another's, as a
-        // conflict abort or a duplicate key. The scripts are safe to run twice, so the loser
-        // runs the migration again and finds the versions the winner recorded.
+        // different nodes can race: one's version row or procedure collides with another's, as
+        // a conflict abort, a duplicate key or an object created meanwhile. The scripts are
+        // safe to run twice, so the loser runs the migration again and finds the versions the
+        // winner recorded.
         let mut attempt = 1;
         let applied = loop {
             let applied = migrate::apply(&self.pool, &DB::SCHEMA).await;

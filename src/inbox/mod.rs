@@ -177,7 +177,7 @@ impl fmt::Debug for Delivery {
 
 /// Why a handler (or a key function) did not apply a delivery.
 ///
-/// `?` converts a statement's `sqlx::Error` (or a [`TxError`](crate::TxError)): a conflict
+/// `?` converts a statement's `sqlx::Error` (or a [`TxError`]): a conflict
 /// abort becomes [`Failure::Conflict`], run again at once like a request under the layer;
 /// any other database error is [`Failure::Retryable`].
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -32,6 +32,10 @@ const LOCK_WAIT_TIMEOUT: u16 = 1205;
 /// rolled back.
 const CONFLICT_ERRORS: [u16; 2] = [1213, 1020];
 
+/// "PROCEDURE … already exists": another migrator created the claim procedure between this
+/// one's `DROP PROCEDURE IF EXISTS` and its `CREATE PROCEDURE`.
+const PROCEDURE_EXISTS: u16 = 1304;
+
 /// The largest `innodb_lock_wait_timeout` the server accepts, in seconds.
 const MAX_LOCK_WAIT_SECS: i64 = 1_073_741_824;
 
@@ -131,10 +135,12 @@ impl ClaimPath for MySql {
         }
     }
 
-    // No `BEGIN` follows the `COMMIT`: a `ROLLBACK` with no transaction open is silent on
-    // MySQL. The one the dropped `Transaction` queues still costs an exchange of its own,
-    // because sqlx's MySQL driver waits for its answer before the pool's release ping; it is
-    // sent after the response is committed, off the request's path.
+    // The record and the `COMMIT` go as two commands, never as one multi-statement query. On
+    // a Galera cluster a transaction aborted for a replicated one must fail its `COMMIT`;
+    // sent in one query with the record's `UPDATE`, that `COMMIT` was sometimes answered OK
+    // for a transaction the cluster had rolled back (MariaDB 10.11, galera-4: about one
+    // contended storm in a hundred), and the client got an answer whose writes were gone.
+    // Sent apart, the abort is reported (1213) and the request runs again.
     async fn commit_finished<'a>(
         mut tx: Transaction<'static, Self>,
         key: &'a ScopedKey,
@@ -143,17 +149,16 @@ impl ClaimPath for MySql {
     ) -> Result<(), Error> {
         let finish = finish_update(key, state, response);
         if inline_fits(Some(response)) {
-            sqlx::raw_sql(finish.inline("", "; COMMIT"))
+            sqlx::raw_sql(finish.inline("", ""))
                 .execute(&mut *tx)
                 .await
                 .map_err(classify::<Self>)?;
-            drop(tx);
-            return Ok(());
+        } else {
+            bound(&finish)
+                .execute(&mut *tx)
+                .await
+                .map_err(classify::<Self>)?;
         }
-        bound(&finish)
-            .execute(&mut *tx)
-            .await
-            .map_err(classify::<Self>)?;
         tx.commit().await.map_err(classify::<Self>)
     }
 }
@@ -220,6 +225,12 @@ impl Dialect for MySql {
         error
             .try_downcast_ref::<MySqlDatabaseError>()
             .is_some_and(|error| error.number() == LOCK_WAIT_TIMEOUT)
+    }
+
+    fn is_created_meanwhile(error: &dyn DatabaseError) -> bool {
+        error
+            .try_downcast_ref::<MySqlDatabaseError>()
+            .is_some_and(|error| error.number() == PROCEDURE_EXISTS)
     }
 
     fn is_conflict(error: &dyn DatabaseError) -> bool {

@@ -20,6 +20,7 @@ use tokio::sync::OnceCell;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 use super::literal::{Statement, Value};
 use super::protocol::{BeganClaim, LeaseClaim, NewRecord, Opened, Protocol, PurgePace};
+use crate::backoff::Backoff;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::migrate;
@@ -42,6 +43,21 @@ impl<DB: Database> Clone for SqlStore<DB> {
             schema_current: self.schema_current.clone(),
         }
     }
+}
+
+/// How many times `migrate` runs in all when concurrent migrators collide.
+const MIGRATE_ATTEMPTS: u32 = 6;
+
+/// The pause before migrating again after a collision, jittered so the migrators part.
+const MIGRATE_BACKOFF: Backoff =
+    Backoff::exponential(Duration::from_millis(50), Duration::from_secs(2));
+
+/// Whether a migration failed because another migrator did the same work at the same time.
+fn raced_migrator<DB: Dialect>(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db)
+        if DB::is_conflict(db.as_ref())
+            || db.is_unique_violation()
+            || DB::is_created_meanwhile(db.as_ref()))
 }
 
 /// The table `migrate` records applied versions in.
@@ -78,6 +94,12 @@ pub trait Dialect: Database {
     /// Whether the error means the database rolled the transaction back to resolve a deadlock
     /// or a serialization conflict.
     fn is_conflict(error: &dyn DatabaseError) -> bool;
+
+    /// Whether the error means a migration script's object was created by another migrator
+    /// between the script's `DROP … IF EXISTS` and its `CREATE`.
+    fn is_created_meanwhile(_error: &dyn DatabaseError) -> bool {
+        false
+    }
 
     /// How many rows a statement affected.
     fn rows_affected(result: &Self::QueryResult) -> u64;
@@ -298,17 +320,40 @@ where
     }
 
     async fn migrate(&self) -> Result<(), Error> {
-        migrate::apply(&self.pool, &DB::SCHEMA)
-            .await
-            .map_err(|failure| match failure {
-                migrate::Failure::Sql(error) => Error::Database(error),
-                migrate::Failure::Script { version, source } => {
-                    Error::Migration(format!("version {version}: {source}"))
-                }
-                migrate::Failure::LockRefused => {
-                    Error::Migration("the lock that serialises migrators was not granted".into())
-                }
-            })?;
+        // Where the migration lock is not shared by every server that takes writes (a Galera
+        // cluster: `GET_LOCK` holds on one node only), instances migrating at once through
+        // different nodes can race: one's version row or procedure collides with another's, as
+        // a conflict abort, a duplicate key or an object created meanwhile. The scripts are
+        // safe to run twice, so the loser runs the migration again and finds the versions the
+        // winner recorded.
+        let mut attempt = 1;
+        let applied = loop {
+            let applied = migrate::apply(&self.pool, &DB::SCHEMA).await;
+            let raced = match &applied {
+                Err(
+                    migrate::Failure::Sql(error) | migrate::Failure::Script { source: error, .. },
+                ) => raced_migrator::<DB>(error),
+                _ => false,
+            };
+            if !raced || attempt == MIGRATE_ATTEMPTS {
+                break applied;
+            }
+            tracing::debug!(
+                attempt,
+                "a concurrent migration won a race; migrating again"
+            );
+            tokio::time::sleep(MIGRATE_BACKOFF.delay(attempt)).await;
+            attempt += 1;
+        };
+        applied.map_err(|failure| match failure {
+            migrate::Failure::Sql(error) => Error::Database(error),
+            migrate::Failure::Script { version, source } => {
+                Error::Migration(format!("version {version}: {source}"))
+            }
+            migrate::Failure::LockRefused => {
+                Error::Migration("the lock that serialises migrators was not granted".into())
+            }
+        })?;
         // Already set by a check that passed, or being set by one now: either way it is true.
         let _ = self.schema_current.set(());
         Ok(())

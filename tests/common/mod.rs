@@ -5,6 +5,7 @@
 //! - [`backends`]: a fresh database per backend and a test app on it, for the conformance suite.
 //! - [`process`]: the examples run as real processes, and an HTTP client to talk to them.
 //! - [`markdown`]: the fenced code blocks of the README.
+//! - [`galera`]: a private three-node MariaDB Galera cluster, for the cluster suite.
 //! - [`lossy`]: an in-memory idempotent server behind a proxy that loses answers, for the client.
 //! - [`pg_cluster`]: a private PostgreSQL primary and hot standby, to kill and promote.
 //! - [`link`]: a TCP link with a fixed lag between the two, cut when the primary dies.
@@ -14,6 +15,8 @@
 
 #[cfg(feature = "server")]
 pub(crate) mod backends;
+#[cfg(feature = "mysql")]
+pub(crate) mod galera;
 #[cfg(feature = "postgres")]
 pub(crate) mod link;
 pub(crate) mod lossy;

@@ -255,7 +255,14 @@
 /// http.timer(TokioTimer::new()) // without a timer, hyper applies no timeout at all
 ///     .header_read_timeout(Duration::from_secs(5));
 /// loop {
-///     let (stream, _) = listener.accept().await?;
+///     let stream = match listener.accept().await {
+///         Ok((stream, _)) => stream,
+///         // Out of file descriptors, say: pause and go on accepting.
+///         Err(_) => {
+///             tokio::time::sleep(Duration::from_millis(100)).await;
+///             continue;
+///         }
+///     };
 ///     let service = TowerToHyperService::new(app.clone());
 ///     tokio::spawn(http.serve_connection(TokioIo::new(stream), service));
 /// }
@@ -762,6 +769,10 @@ pub mod outbox {}
 /// BROKER_URL=amqp://guest:guest@127.0.0.1:5672/%2f cargo run --example orders --features rabbitmq -- replay-dead
 /// curl -s localhost:3000/orders/2 -H 'authorization: Bearer alice-token'
 /// ```
+///
+/// If its consumer stops (the queue or the durable consumer deleted from outside, the broker
+/// connection lost for good), `orders` logs why and exits with status 1, so a supervisor
+/// restarts it and the restart declares what it consumes again.
 #[cfg(feature = "inbox")]
 pub mod inbox {}
 

@@ -90,6 +90,18 @@ impl StoredResponse {
         out
     }
 
+    /// The bytes a record keeps of this response, its encoded headers and its body, counted
+    /// without encoding them.
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    pub(crate) fn stored_len(&self) -> usize {
+        let headers: usize = self
+            .headers
+            .iter()
+            .map(|(name, value)| 2 * FIELD_PREFIX + name.as_str().len() + value.len())
+            .sum();
+        headers + self.body.len()
+    }
+
     pub(crate) fn decode_headers(mut bytes: &[u8]) -> Result<HeaderMap, Error> {
         let mut headers = HeaderMap::new();
         while !bytes.is_empty() {
@@ -105,6 +117,9 @@ impl StoredResponse {
     }
 }
 
+/// Every stored header field starts with its length, big-endian.
+const FIELD_PREFIX: usize = 4;
+
 fn put_field(out: &mut Vec<u8>, bytes: &[u8]) {
     out.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
     out.extend_from_slice(bytes);
@@ -112,7 +127,9 @@ fn put_field(out: &mut Vec<u8>, bytes: &[u8]) {
 
 fn take_field<'a>(bytes: &mut &'a [u8]) -> Result<&'a [u8], Error> {
     let corrupt = || Error::CorruptRecord("truncated stored headers".into());
-    let (len, rest) = bytes.split_first_chunk::<4>().ok_or_else(corrupt)?;
+    let (len, rest) = bytes
+        .split_first_chunk::<FIELD_PREFIX>()
+        .ok_or_else(corrupt)?;
     let len = u32::from_be_bytes(*len) as usize;
     if rest.len() < len {
         return Err(corrupt());
@@ -268,6 +285,24 @@ mod tests {
         assert_eq!(decoded, headers);
         let links: Vec<_> = decoded.get_all("link").iter().collect();
         assert_eq!(links, ["</a>; rel=a", "</b>; rel=b"]);
+    }
+
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    #[test]
+    fn stored_length_is_what_encoding_gives() {
+        let mut headers = HeaderMap::new();
+        headers.append("location", HeaderValue::from_static("/orders/7"));
+        headers.append("link", HeaderValue::from_static("</a>; rel=a"));
+        headers.append("link", HeaderValue::from_static("</b>; rel=b"));
+        let stored = StoredResponse {
+            status: StatusCode::CREATED,
+            headers,
+            body: Bytes::from_static(b"{\"id\":7}"),
+        };
+        assert_eq!(
+            stored.stored_len(),
+            stored.encode_headers().len() + stored.body.len()
+        );
     }
 
     #[test]

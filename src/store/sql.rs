@@ -146,9 +146,7 @@ const INLINE_RESPONSE_LIMIT: usize = 64 * 1024;
 /// Whether a statement carrying `response` is written with its values in its text.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(super) fn inline_fits(response: Option<&StoredResponse>) -> bool {
-    response.is_none_or(|response| {
-        response.encode_headers().len() + response.body.len() <= INLINE_RESPONSE_LIMIT
-    })
+    response.is_none_or(|response| response.stored_len() <= INLINE_RESPONSE_LIMIT)
 }
 
 /// Writes the record's columns as consecutive values: key_digest, principal, method, route,

@@ -326,7 +326,7 @@ pub mod protocol {}
 /// | feature | store | notes |
 /// |---|---|---|
 /// | `sqlite` (default) | `SqliteStore` | embedded; claims begin `IMMEDIATE` with `busy_timeout` set from the wait; use WAL. A wait that runs out cannot tell the original from another writer: 409 either way. |
-/// | `postgres` | `PgStore` | many app instances on one database; a claim is sent with `BEGIN` as a call of the schema's function `axum_idempotency_claim_v1`; a duplicate of an in-flight claim waits on the key's advisory lock, bounded by `lock_timeout`, set for that claim only and restored for the handler in the same message |
+/// | `postgres` | `PgStore` | many app instances on one database; a claim is sent with `BEGIN` as a call of the schema's function `axum_idempotency_lock_v1`, which takes the key's advisory lock and writes nothing; a duplicate of an in-flight claim waits on that lock, bounded by `lock_timeout`, set for the wait only and restored for the handler in the same message; the record is written once, with `COMMIT` |
 /// | `mysql` | `MySqlStore` | MySQL 8 and MariaDB; see below |
 ///
 /// Your own sqlx must be the same major version as this crate's (0.9), since the handler's
@@ -445,12 +445,14 @@ pub mod backends {}
 ///
 /// The rest is how the stores happen to be written, and a port would replace it:
 ///
-/// - PostgreSQL: the claim is the PL/pgSQL function `axum_idempotency_claim_v1` (`PERFORM`,
-///   `FOUND`, `set_config` on `lock_timeout`, `INSERT … ON CONFLICT … DO UPDATE … WHERE`, and
-///   `RAISE unique_violation` naming the primary key's constraint). It is sent as
-///   `SELECT …; BEGIN` in one simple query, so `BEGIN` turns the call's implicit transaction into
-///   the handler's; inside an open transaction it runs under a `SAVEPOINT`. A wait that runs out is
-///   `55P03`.
+/// - PostgreSQL: the claim is the PL/pgSQL function `axum_idempotency_lock_v1` (`PERFORM`,
+///   `set_config` on `lock_timeout`, `current_setting('transaction_isolation')`, and
+///   `RAISE unique_violation` naming the primary key's constraint), the record
+///   `axum_idempotency_record_v1` (`INSERT … ON CONFLICT … DO UPDATE … WHERE`, `FOUND`). The
+///   claim is sent as `SELECT …; BEGIN` in one simple query, so `BEGIN` turns the call's implicit
+///   transaction into the handler's; inside an open transaction it runs under a `SAVEPOINT`. A
+///   wait that runs out is `55P03`. An engine whose advisory locks are missing or not shared by
+///   every node must keep a row as the key's lock instead, as the MySQL store does.
 /// - MySQL: the claim is the stored procedure `axum_idempotency_claim_v1`, which begins the
 ///   transaction itself, sets `innodb_lock_wait_timeout` for the claim, runs
 ///   `INSERT … ON DUPLICATE KEY UPDATE` with `LAST_INSERT_ID(expr)`, and on a taken key rolls back
@@ -958,14 +960,21 @@ pub mod operations {}
 /// # Performance
 ///
 /// A new key costs the claim and the response record inside the handler's own transaction,
-/// and no read before the claim. On PostgreSQL the claim is sent in the same message as
-/// `BEGIN` and the record in the same message as `COMMIT`, so a request exchanges with the
-/// database exactly as often as the handler's transaction alone would. Both are calls of two
-/// functions schema version 3 creates, `axum_idempotency_claim_v1` and
-/// `axum_idempotency_finish_v1`, whose plans the server keeps for the session, so it parses
-/// and plans one call per message rather than the claim's statements. On MySQL and MariaDB
-/// the claim is a stored procedure called in place of `BEGIN`, so the claim costs no exchange
-/// of its own; the record's `UPDATE` is one exchange before `COMMIT`. It is not sent in one
+/// and no read before the claim. On PostgreSQL and SQLite the record is written once, complete,
+/// as the transaction commits: the claim itself only takes the key's lock (an advisory lock on
+/// PostgreSQL, SQLite's write lock) and checks that no live record holds the key. On
+/// PostgreSQL the claim is sent in the same message as `BEGIN` and the record in the same
+/// message as `COMMIT`, so a request exchanges with the database exactly as often as the
+/// handler's transaction alone would. Both are calls of two functions schema version 4
+/// creates, `axum_idempotency_lock_v1` and `axum_idempotency_record_v1`, whose plans the server
+/// keeps for the session, so it parses and plans one call per message rather than the
+/// statements. sqlx ends a transaction only by a statement of its own, so the record's message
+/// ends `COMMIT; BEGIN` and the pool's `ROLLBACK` of that empty transaction travels with the
+/// ping sqlx sends when the connection goes back to the pool: two trivial statements for the
+/// server, no wait for the client. On MySQL and MariaDB the claim's row stays the key's lock
+/// (a session lock such as `GET_LOCK` holds on one Galera node only), written by a stored
+/// procedure called in place of `BEGIN`, so the claim costs no exchange of its own; the
+/// record's `UPDATE` is one exchange before `COMMIT`. It is not sent in one
 /// query with `COMMIT`: on a Galera cluster that `COMMIT` was sometimes answered OK for a
 /// transaction the cluster had rolled back (see [`clusters`]). Values written into
 /// these statements are hexadecimal literals only, so no principal, route or body can change

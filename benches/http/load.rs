@@ -56,6 +56,8 @@ pub(crate) struct Sample {
     pub(crate) elapsed: Duration,
     latencies_us: Vec<u32>,
     pub(crate) peak_mib: f64,
+    /// CPU time the database server spent on the sample's requests, where it was measured.
+    pub(crate) server_cpu: Option<Duration>,
 }
 
 impl Sample {
@@ -65,6 +67,16 @@ impl Sample {
         self.elapsed += other.elapsed;
         self.latencies_us.extend(other.latencies_us);
         self.peak_mib = self.peak_mib.max(other.peak_mib);
+        self.server_cpu = match (self.server_cpu, other.server_cpu) {
+            (Some(a), Some(b)) => Some(a + b),
+            (a, b) => a.or(b),
+        };
+    }
+
+    /// The database server's CPU time per request, in milliseconds, where it was measured.
+    pub(crate) fn server_cpu_ms(&self) -> Option<f64> {
+        self.server_cpu
+            .map(|cpu| cpu.as_secs_f64() * 1000.0 / self.requests.max(1) as f64)
     }
 
     pub(crate) fn rps(&self) -> f64 {

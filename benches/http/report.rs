@@ -127,16 +127,20 @@ impl Report {
         }
         println!("\n## {title}\n");
         println!(
-            "| backend | scenario | conns | requests | req/s | p50 ms | p99 ms | peak RSS MiB | non-2xx | note |"
+            "| backend | scenario | conns | requests | req/s | p50 ms | p99 ms | peak RSS MiB | server CPU ms/req | non-2xx | note |"
         );
-        println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---|");
+        println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|");
         for row in rows {
             let (p50, p99) = (
                 row.sample.percentile_ms(0.50),
                 row.sample.percentile_ms(0.99),
             );
+            let server_cpu = row
+                .sample
+                .server_cpu_ms()
+                .map_or_else(|| "–".to_owned(), |ms| format!("{ms:.3}"));
             println!(
-                "| {} | {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.1} | {} | {} |",
+                "| {} | {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.1} | {server_cpu} | {} | {} |",
                 row.group,
                 row.scenario,
                 row.conns,

@@ -152,7 +152,7 @@ pub(crate) fn run_scale(
             ..base.clone()
         };
         let plans = order_plans(&base, layer);
-        let samples = measure_rounds(settings, client, peak, &plans, |_| true)?;
+        let samples = measure_rounds(settings, client, peak, &plans, |_| true, None)?;
         Ok(plans
             .iter()
             .zip(samples)

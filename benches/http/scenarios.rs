@@ -14,6 +14,7 @@ use crate::apps::ORDER_BODY;
 #[cfg(feature = "sqlite")]
 use crate::apps::noop_app;
 use crate::backends::Backend;
+use crate::cpu::ServerCpu;
 #[cfg(feature = "sqlite")]
 use crate::load::json_body;
 use crate::load::{Keys, Plan, STORM, Sample, count_per_request, drive, storm};
@@ -82,6 +83,7 @@ pub(crate) fn measure_rounds(
     peak: &PeakRss,
     plans: &[(&str, Plan)],
     include: fn(&str) -> bool,
+    server: Option<ServerCpu>,
 ) -> Result<Vec<Option<Sample>>, BoxError> {
     let mut samples: Vec<Sample> = plans.iter().map(|_| Sample::default()).collect();
     for round in 0..settings.rounds {
@@ -109,7 +111,11 @@ pub(crate) fn measure_rounds(
             }
             client.block_on(drive(&warm, None))?;
             peak.reset();
+            let cpu_before = server.map(ServerCpu::used);
             let mut sample = client.block_on(drive(&plan, None))?;
+            sample.server_cpu = server
+                .zip(cpu_before)
+                .map(|(server, before)| server.used().saturating_sub(before));
             sample.peak_mib = peak.peak_mib();
             total.merge(sample);
         }
@@ -202,7 +208,7 @@ pub(crate) fn run_backend(
             ["peer-bare", "peer-fresh", "peer-replay"],
         ));
     }
-    let samples = measure_rounds(settings, client, peak, &plans, wanted)?;
+    let samples = measure_rounds(settings, client, peak, &plans, wanted, ServerCpu::of(name))?;
     for ((scenario, _), sample) in plans.iter().zip(samples) {
         let Some(sample) = sample else { continue };
         let note = match *scenario {
@@ -341,7 +347,7 @@ pub(crate) fn run_latency(
         eprintln!("[{name}] {section}…");
         let base = order_load(settings, addr, format!("{run}-{name}-{section}"), 1);
         let plans = order_plans(&base, |_| true);
-        let samples = measure_rounds(settings, client, peak, &plans, |_| true)?;
+        let samples = measure_rounds(settings, client, peak, &plans, |_| true, None)?;
         for ((scenario, _), sample) in plans.iter().zip(samples) {
             let Some(sample) = sample else { continue };
             report.latency.push(Row {
@@ -443,7 +449,7 @@ pub(crate) fn run_noop(
             ["noop-peer-bare", "noop-peer-fresh", "noop-peer-replay"],
         ));
     }
-    let samples = measure_rounds(settings, client, peak, &plans, wanted)?;
+    let samples = measure_rounds(settings, client, peak, &plans, wanted, None)?;
     let notes = [
         "no layer",
         "layer, no key (allow_missing_key): pass-through",

@@ -1,5 +1,6 @@
-//! Claiming a key: an insert against the table's unique key, in the transaction the work then
-//! runs in. Never check-then-insert; a claim that finds the key taken reads the record instead.
+//! Claiming a key for the transaction the work then runs in: the key is held by that
+//! transaction alone, and a claim that finds it taken reads the record instead. The record is
+//! written when the transaction commits, where the table's unique key has the last word.
 
 use std::time::Instant;
 

@@ -163,13 +163,12 @@ impl<DB: Backend> Engine<DB> {
         match self.classification(response.status()) {
             Classification::Completed => {
                 let stored = self.storable(&response);
-                let committed = self.store.protocol().commit_finished(
-                    tx,
-                    &key,
-                    RecordState::Completed,
-                    &stored,
-                );
-                match committed.await {
+                let completed = NewRecord {
+                    state: RecordState::Completed,
+                    response: Some(&stored),
+                    ..record
+                };
+                match self.store.protocol().commit_record(tx, &completed).await {
                     Ok(()) => {}
                     Err(Error::Conflict) => return Attempted::Conflicted,
                     Err(error) => return Attempted::Answered(Answer::store_failed(error)),
@@ -196,8 +195,10 @@ impl<DB: Backend> Engine<DB> {
                 };
                 let answer = match self.claim(&record, None).await {
                     Ok(Claim::Ours(tx)) => {
-                        if let Err(error) = tx.commit().await {
-                            return Attempted::Answered(Answer::store_failed(error));
+                        match self.store.protocol().commit_record(tx, &record).await {
+                            Ok(()) => {}
+                            Err(Error::Conflict) => return Attempted::Conflicted,
+                            Err(error) => return Attempted::Answered(Answer::store_failed(error)),
                         }
                         self.remember(
                             &record,

@@ -15,7 +15,7 @@ use super::Engine;
 use super::claim::Claim;
 use super::outcome::{Answer, Classification, Execution, Logged, Outcome};
 use crate::Backend;
-use crate::error::Rejection;
+use crate::error::{Error, Rejection};
 use crate::fingerprint::Fingerprint;
 use crate::record::{Millis, RecordState};
 use crate::scope::{Scope, ScopedKey};
@@ -205,8 +205,10 @@ impl<DB: Backend> Engine<DB> {
                     ..self.new_record(key, scope, fingerprint, RecordState::Processing)
                 };
                 match self.claim(&record, None).await {
-                    Ok(Claim::Ours(tx)) => match tx.commit().await {
+                    Ok(Claim::Ours(tx)) => match store.commit_record(tx, &record).await {
                         Ok(()) => Ok(false),
+                        // Another caller's claim committed first: it holds the lease now.
+                        Err(Error::Conflict) => Err(Answer::in_flight()),
                         Err(error) => Err(Answer::store_failed(error)),
                     },
                     Ok(Claim::Theirs(record)) => {

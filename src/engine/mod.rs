@@ -37,16 +37,18 @@
 //! 1. A committed, unexpired record under the scoped key answers with the stored outcome: a
 //!    replay if the fingerprint matches, [`Rejection::KeyReused`] if it does not. For a key this
 //!    engine has handled lately (a likely retry) it is one indexed read, before any transaction.
-//! 2. Otherwise a transaction begins and claims the key with an insert against the table's
-//!    unique key (never check-then-insert). A key the engine has not seen lately is claimed
-//!    without that read first, since it is most likely new; if it turns out taken, the record
-//!    is read in the claim's transaction and answers as in step 1. A concurrent duplicate's
-//!    claim blocks on the key until the first transaction ends, bounded by
-//!    [`Engine::wait_for_in_flight`]; it then replays, claims (the first rolled back), or gives
-//!    up with [`Rejection::InProgress`].
+//! 2. Otherwise a transaction begins and claims the key: it takes the key for itself alone
+//!    (a lock on PostgreSQL and SQLite, the record's row on MySQL) and checks that no live
+//!    record holds it. A key the engine has not seen lately is claimed without a read first,
+//!    since it is most likely new; if it turns out taken, the record is read and answers as in
+//!    step 1. A concurrent duplicate's claim blocks on the key until the first transaction
+//!    ends, bounded by [`Engine::wait_for_in_flight`]; it then replays, claims (the first
+//!    rolled back), or gives up with [`Rejection::InProgress`].
 //! 3. The work runs with that same transaction (the [`Tx`] handed to it). Its response is
 //!    buffered and classified ([`Classification`]):
-//!    - completed (2xx/3xx): the response is stored and committed together with the work's writes;
+//!    - completed (2xx/3xx): the record, response and all, is written once and committed
+//!      together with the work's writes; the table's unique key has the last word there, and a
+//!      record that got under the key meanwhile rolls the attempt back and replays instead;
 //!    - failed permanently (most 4xx): the writes are rolled back, the response is stored and
 //!      replayed from then on, so the client stops;
 //!    - retryable (5xx, 408, 429, a panic, a response too large to store): everything is rolled

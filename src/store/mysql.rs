@@ -17,8 +17,7 @@ use super::protocol::{BeganClaim, NewRecord, PurgePace};
 use super::sql::{ClaimPath, Dialect, bound, classify, inline_fits, record_values};
 use crate::error::Error;
 use crate::migrate;
-use crate::record::{RecordState, StoredResponse};
-use crate::scope::ScopedKey;
+use crate::record::StoredResponse;
 
 impl super::Records for MySql {
     type Protocol = super::sql::SqlStore<MySql>;
@@ -63,24 +62,21 @@ fn claim_call<'a>(record: &'a NewRecord<'a>, lock_wait: Duration) -> Statement<'
     call
 }
 
-/// The finish: the outcome written into the claimed record.
-fn finish_update<'a>(
-    key: &'a ScopedKey,
-    state: RecordState,
-    response: &'a StoredResponse,
-) -> Statement<'a> {
+/// The record's outcome written into the row its claim inserted.
+fn record_update<'a>(record: &'a NewRecord<'a>) -> Statement<'a> {
+    let response = record.response;
     let mut update = Statement::new(Syntax::MySql);
     update
         .sql("UPDATE idempotency_records SET state = ")
-        .text(state.as_str())
+        .text(record.state.as_str())
         .sql(", status = ")
-        .opt_int4(Some(i32::from(response.status.as_u16())))
+        .opt_int4(response.map(|response| i32::from(response.status.as_u16())))
         .sql(", headers = ")
-        .bytes(response.encode_headers())
+        .opt_bytes(response.map(StoredResponse::encode_headers))
         .sql(", body = ")
-        .bytes(&response.body[..])
+        .opt_bytes(response.map(|response| &response.body[..]))
         .sql(" WHERE key_digest = ")
-        .bytes(&key.digest()[..]);
+        .bytes(&record.key.digest()[..]);
     update
 }
 
@@ -135,26 +131,29 @@ impl ClaimPath for MySql {
         }
     }
 
+    // Here the claim's row is the key's lock: a session lock such as `GET_LOCK` holds on one
+    // node of a Galera cluster only, and a locking read of an absent row takes a gap lock that
+    // concurrent claimers all get, then deadlock on. So the row is written twice, as the claim
+    // and with the outcome.
+    //
     // The record and the `COMMIT` go as two commands, never as one multi-statement query. On
     // a Galera cluster a transaction aborted for a replicated one must fail its `COMMIT`;
     // sent in one query with the record's `UPDATE`, that `COMMIT` was sometimes answered OK
     // for a transaction the cluster had rolled back (MariaDB 10.11, galera-4: about one
     // contended storm in a hundred), and the client got an answer whose writes were gone.
     // Sent apart, the abort is reported (1213) and the request runs again.
-    async fn commit_finished<'a>(
+    async fn commit_record<'a>(
         mut tx: Transaction<'static, Self>,
-        key: &'a ScopedKey,
-        state: RecordState,
-        response: &'a StoredResponse,
+        record: &'a NewRecord<'a>,
     ) -> Result<(), Error> {
-        let finish = finish_update(key, state, response);
-        if inline_fits(Some(response)) {
-            sqlx::raw_sql(finish.inline("", ""))
+        let update = record_update(record);
+        if inline_fits(record.response) {
+            sqlx::raw_sql(update.inline("", ""))
                 .execute(&mut *tx)
                 .await
                 .map_err(classify::<Self>)?;
         } else {
-            bound(&finish)
+            bound(&update)
                 .execute(&mut *tx)
                 .await
                 .map_err(classify::<Self>)?;

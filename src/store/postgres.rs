@@ -1,12 +1,13 @@
 //! PostgreSQL: the production backend, for many app instances sharing one database.
 //!
-//! A claim is always a call of the schema's function `axum_idempotency_claim_v1` (schema
-//! version 3), and a finish one of `axum_idempotency_finish_v1`: the statements themselves are
-//! written once, in `migrations/postgres/0003_claim.sql`. The function takes the key's advisory
-//! lock, at once when it is free, else waiting with the wait bounded by `lock_timeout` set for
-//! the claim alone; claims on the unique key; and raises a violation of the primary key, the
-//! "taken" error, when a live record kept it. PL/pgSQL keeps its plans for the session, so the
-//! server parses and plans one call per request, not the claim's statements.
+//! A claim is a call of the schema's function `axum_idempotency_lock_v1` (schema version 4): it
+//! takes the key's transaction-scoped advisory lock, at once when it is free, else waiting with
+//! the wait bounded by `lock_timeout` set for the wait alone, and raises a violation of the
+//! primary key, the "taken" error, when a live record holds the key. It writes nothing: the
+//! record is written once, complete, by `axum_idempotency_record_v1` in the exchange that
+//! commits, where the primary key has the last word. The statements themselves are written
+//! once, in `migrations/postgres/0004_one_write.sql`; PL/pgSQL keeps their plans for the
+//! session, so the server parses and plans one call per step, not the statements.
 
 use std::time::Duration;
 
@@ -18,7 +19,6 @@ use super::protocol::{BeganClaim, NewRecord};
 use super::sql::{ClaimPath, Dialect, bound, classify, inline_fits, record_values};
 use crate::error::Error;
 use crate::migrate;
-use crate::record::{RecordState, StoredResponse};
 use crate::scope::ScopedKey;
 
 impl super::Records for Postgres {
@@ -43,33 +43,28 @@ fn taken(error: &sqlx::Error) -> bool {
         if error.code().as_deref() == Some("23505") && error.constraint() == Some(PRIMARY_KEY))
 }
 
-/// The claim: a call of the schema's claim function with the record, the key's lock and the
-/// bound on waiting for it.
+/// The claim: a call of the schema's lock function with the key, the time a live record must
+/// outlast, the key's lock and the bound on waiting for it.
 fn claim_call<'a>(record: &'a NewRecord<'a>, lock_wait: Duration) -> Statement<'a> {
     let mut call = Statement::new(Syntax::Postgres);
-    call.sql("SELECT axum_idempotency_claim_v1(");
-    record_values(&mut call, record);
     // `lock_timeout` = 0 would mean "wait forever".
     let bound = format!("{}ms", lock_wait.as_millis().max(1));
-    call.int8(key_lock(&record.key)).text(bound).sql(")");
+    call.sql("SELECT axum_idempotency_lock_v1(")
+        .bytes(&record.key.digest()[..])
+        .int8(record.created_at.column())
+        .int8(key_lock(&record.key))
+        .text(bound)
+        .sql(")");
     call
 }
 
-/// The finish: a call of the schema's finish function, the plain `UPDATE` planned once per
+/// The record: a call of the schema's record function, the plain upsert planned once per
 /// session.
-fn finish_call<'a>(
-    key: &'a ScopedKey,
-    state: RecordState,
-    response: &'a StoredResponse,
-) -> Statement<'a> {
+fn record_call<'a>(record: &'a NewRecord<'a>) -> Statement<'a> {
     let mut call = Statement::new(Syntax::Postgres);
-    call.sql("SELECT axum_idempotency_finish_v1(")
-        .bytes(&key.digest()[..])
-        .text(state.as_str())
-        .opt_int4(Some(i32::from(response.status.as_u16())))
-        .bytes(response.encode_headers())
-        .bytes(&response.body[..])
-        .sql(")");
+    call.sql("SELECT axum_idempotency_record_v1(");
+    record_values(&mut call, record);
+    call.sql(")");
     call
 }
 
@@ -92,18 +87,15 @@ impl ClaimPath for Postgres {
     }
 
     // Sent as one simple query, the claim comes *before* `BEGIN`: the call runs in the implicit
-    // transaction of its query, which `BEGIN` turns into the transaction the handler goes on in.
-    // If the call fails, the server rolls the implicit transaction back and skips `BEGIN`, so a
-    // refused claim leaves the connection idle, with nothing to roll back. A record too large
-    // to write out is claimed the unfused way.
+    // transaction of its query, which `BEGIN` turns into the transaction the handler goes on in,
+    // the advisory lock with it. If the call fails, the server rolls the implicit transaction
+    // back and skips `BEGIN`, so a refused claim leaves the connection idle, with nothing to
+    // roll back.
     async fn begin_claimed<'a>(
         pool: &'a Pool<Self>,
         record: &'a NewRecord<'a>,
         lock_wait: Duration,
     ) -> Result<BeganClaim<Self>, Error> {
-        if !inline_fits(record.response) {
-            return Ok(BeganClaim::Unfused);
-        }
         let claim = claim_call(record, lock_wait).inline("", "; BEGIN");
         match pool.begin_with(claim).await {
             Ok(tx) => Ok(BeganClaim::Ours(tx)),
@@ -120,28 +112,12 @@ impl ClaimPath for Postgres {
         record: &'a NewRecord<'a>,
         lock_wait: Duration,
     ) -> Result<bool, Error> {
-        let call = claim_call(record, lock_wait);
-        let claimed = if inline_fits(record.response) {
-            let sql = call.inline(
-                concat!(savepoint!("SAVEPOINT"), "; "),
-                concat!("; ", savepoint!("RELEASE SAVEPOINT")),
-            );
-            sqlx::raw_sql(sql).execute(&mut *conn).await.map(drop)
-        } else {
-            async {
-                sqlx::raw_sql(savepoint!("SAVEPOINT"))
-                    .execute(&mut *conn)
-                    .await?;
-                bound(&call).execute(&mut *conn).await?;
-                sqlx::raw_sql(savepoint!("RELEASE SAVEPOINT"))
-                    .execute(&mut *conn)
-                    .await
-                    .map(drop)
-            }
-            .await
-        };
-        match claimed {
-            Ok(()) => Ok(true),
+        let sql = claim_call(record, lock_wait).inline(
+            concat!(savepoint!("SAVEPOINT"), "; "),
+            concat!("; ", savepoint!("RELEASE SAVEPOINT")),
+        );
+        match sqlx::raw_sql(sql).execute(&mut *conn).await {
+            Ok(_) => Ok(true),
             Err(error) if taken(&error) => {
                 sqlx::raw_sql(savepoint!("ROLLBACK TO SAVEPOINT"))
                     .execute(&mut *conn)
@@ -153,30 +129,35 @@ impl ClaimPath for Postgres {
         }
     }
 
-    // The finish is sent with `COMMIT`. `BEGIN` after `COMMIT` leaves an empty transaction for
-    // the rollback the dropped `Transaction` queues, so that rollback finds a transaction to
-    // end and the server logs no warning; it is sent with the ping the pool tests a returned
-    // connection with.
-    async fn commit_finished<'a>(
+    // The record is sent with `COMMIT`, in one exchange. sqlx ends a `Transaction` only by a
+    // statement of its own: dropped, it queues a `ROLLBACK`, which would find no transaction
+    // and make the server log a warning. `BEGIN` after `COMMIT` opens an empty transaction for
+    // that `ROLLBACK` to end; it travels with the ping the pool tests a returned connection
+    // with, so it costs the server two trivial statements and the client no wait. A record too
+    // large to write out is sent with its values bound, and committed by sqlx.
+    async fn commit_record<'a>(
         mut tx: Transaction<'static, Self>,
-        key: &'a ScopedKey,
-        state: RecordState,
-        response: &'a StoredResponse,
+        record: &'a NewRecord<'a>,
     ) -> Result<(), Error> {
-        let finish = finish_call(key, state, response);
-        if inline_fits(Some(response)) {
-            sqlx::raw_sql(finish.inline("", "; COMMIT; BEGIN"))
+        let call = record_call(record);
+        let written = if inline_fits(record.response) {
+            sqlx::raw_sql(call.inline("", "; COMMIT; BEGIN"))
                 .execute(&mut *tx)
                 .await
-                .map_err(classify::<Self>)?;
-            drop(tx);
-            return Ok(());
+                .map(drop)
+        } else {
+            match bound(&call).execute(&mut *tx).await {
+                Ok(_) => tx.commit().await,
+                Err(error) => Err(error),
+            }
+        };
+        match written {
+            Ok(()) => Ok(()),
+            // Only a claim that bypassed the key's lock, or a snapshot older than the lock's
+            // previous holder's commit, gets here: running the transaction again replays.
+            Err(error) if taken(&error) => Err(Error::Conflict),
+            Err(error) => Err(classify::<Self>(error)),
         }
-        bound(&finish)
-            .execute(&mut *tx)
-            .await
-            .map_err(classify::<Self>)?;
-        tx.commit().await.map_err(classify::<Self>)
     }
 }
 
@@ -190,6 +171,10 @@ impl Dialect for Postgres {
             ),
             (2, include_str!("../../migrations/postgres/0002_leases.sql")),
             (3, include_str!("../../migrations/postgres/0003_claim.sql")),
+            (
+                4,
+                include_str!("../../migrations/postgres/0004_one_write.sql"),
+            ),
         ],
         begin: "BEGIN",
         // A transaction-scoped advisory lock: two instances starting at once migrate one after

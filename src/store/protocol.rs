@@ -89,10 +89,15 @@ pub enum BeganClaim<DB: Database> {
 /// Storage for idempotency records, inside the handler's own database.
 ///
 /// A backend implements these steps so that:
-/// - [`claim`](Protocol::claim) relies on the table's unique key alone (never
-///   check-then-insert), waits for a concurrent claimer's transaction no longer than its
-///   `lock_wait` (bounded by the claim statement itself, or for the whole transaction by
-///   [`begin`](Protocol::begin), as the backend can), and replaces an expired record atomically;
+/// - a [`claim`](Protocol::claim) gives its transaction the key alone: a concurrent claimer of
+///   the same key waits for that transaction to end, no longer than its `lock_wait` (bounded by
+///   the claim statement itself, or for the whole transaction by [`begin`](Protocol::begin), as
+///   the backend can), and a live record refuses the claim. Whether the claim writes a row or
+///   only takes a lock is the backend's choice;
+/// - [`commit_record`](Protocol::commit_record) writes the record and commits, where the table's
+///   unique key has the last word: a live record under the key, however it got there, fails the
+///   commit as [`Error::Conflict`] and nothing of the transaction stands. An expired record is
+///   replaced atomically;
 /// - a wait that runs out surfaces as [`Error::Busy`], a deadlock or serialization failure as
 ///   [`Error::Conflict`].
 pub trait Protocol: Clone + Send + Sync + 'static {
@@ -141,19 +146,18 @@ pub trait Protocol: Clone + Send + Sync + 'static {
         lock_wait: Duration,
     ) -> impl Future<Output = Result<BeganClaim<Self::Database>, Error>> + Send + 'a;
 
-    /// Writes the outcome into the record claimed in `tx` and commits, in one exchange with
-    /// the database where the backend can.
-    fn commit_finished<'a>(
+    /// Writes `record` under the key claimed in `tx` and commits, in one exchange with the
+    /// database where the backend can. [`Error::Conflict`] when a live record holds the key:
+    /// the transaction is then rolled back, the work's writes with it.
+    fn commit_record<'a>(
         &'a self,
         tx: Transaction<'static, Self::Database>,
-        key: &'a ScopedKey,
-        state: RecordState,
-        response: &'a StoredResponse,
+        record: &'a NewRecord<'a>,
     ) -> impl Future<Output = Result<(), Error>> + Send + 'a;
 
-    /// Inserts `record`, or replaces an expired record under the same key, waiting up to
-    /// `lock_wait` for a concurrent claimer. Returns `false`, changing nothing, when a live
-    /// record holds the key. The claim is the first statement of a transaction from
+    /// Claims `record`'s key in the transaction `conn` is in (see the trait's docs), waiting
+    /// up to `lock_wait` for a concurrent claimer. Returns `false`, holding nothing, when a
+    /// live record holds the key. The claim is the first statement of a transaction from
     /// [`begin`](Protocol::begin): MySQL's claim procedure begins a transaction of its own,
     /// which commits whatever came before.
     fn claim<'a>(

@@ -105,7 +105,7 @@ pub trait Dialect: Database {
     fn rows_affected(result: &Self::QueryResult) -> u64;
 }
 
-/// How one backend claims a key, begins a claim's transaction and writes its outcome: the
+/// How one backend claims a key, begins a claim's transaction and commits its record: the
 /// steps of [`Protocol`] with the same names, each backend's own algorithm.
 pub trait ClaimPath: Dialect {
     /// See [`Protocol::begin`].
@@ -128,12 +128,10 @@ pub trait ClaimPath: Dialect {
         lock_wait: Duration,
     ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
 
-    /// See [`Protocol::commit_finished`].
-    fn commit_finished<'a>(
+    /// See [`Protocol::commit_record`].
+    fn commit_record<'a>(
         tx: Transaction<'static, Self>,
-        key: &'a ScopedKey,
-        state: RecordState,
-        response: &'a StoredResponse,
+        record: &'a NewRecord<'a>,
     ) -> impl Future<Output = Result<(), Error>> + Send + 'a;
 }
 
@@ -397,14 +395,12 @@ where
         DB::begin_claimed(&self.pool, record, lock_wait).await
     }
 
-    async fn commit_finished<'a>(
+    async fn commit_record<'a>(
         &'a self,
         tx: Transaction<'static, DB>,
-        key: &'a ScopedKey,
-        state: RecordState,
-        response: &'a StoredResponse,
+        record: &'a NewRecord<'a>,
     ) -> Result<(), Error> {
-        DB::commit_finished(tx, key, state, response).await
+        DB::commit_record(tx, record).await
     }
 
     async fn claim<'a>(

@@ -1,9 +1,10 @@
 //! SQLite: the embedded default, one file, no server.
 //!
 //! SQLite has one writer at a time, so a claim's transaction begins `IMMEDIATE`, taking the
-//! write lock up front and waiting for it within the claim's bound (`busy_timeout`); the claim
-//! itself then never waits. The database runs in-process, so sending the claim with `BEGIN`
-//! would save no round trip: it is sent on its own, with its values bound.
+//! write lock up front and waiting for it within the claim's bound (`busy_timeout`). That lock
+//! is the claim: holding it, the transaction reads whether a live record holds the key, and
+//! writes the record once, complete, just before it commits. The database runs in-process, so
+//! sending the claim with `BEGIN` would save no round trip: it is a statement of its own.
 
 use std::time::Duration;
 
@@ -16,8 +17,6 @@ use super::protocol::{BeganClaim, NewRecord, PurgePace};
 use super::sql::{ClaimPath, Dialect, bound, classify, record_values};
 use crate::error::Error;
 use crate::migrate;
-use crate::record::{RecordState, StoredResponse};
-use crate::scope::ScopedKey;
 
 impl super::Records for Sqlite {
     type Protocol = super::sql::SqlStore<Sqlite>;
@@ -49,21 +48,37 @@ impl ClaimPath for Sqlite {
         Ok(BeganClaim::Unfused)
     }
 
-    // The transaction holds the write lock, so the claim runs alone and never waits. An
-    // expired record is replaced in the same statement; a live one is left alone.
+    // The transaction holds the write lock, so nothing can change under the read.
     async fn claim<'a>(
         conn: &'a mut SqliteConnection,
         record: &'a NewRecord<'a>,
         _lock_wait: Duration,
     ) -> Result<bool, Error> {
-        let mut claim = Statement::new(Syntax::Sqlite);
-        claim.sql(
+        let live: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM idempotency_records WHERE key_digest = ?1 AND expires_at > ?2",
+        )
+        .bind(&record.key.digest()[..])
+        .bind(record.created_at.column())
+        .fetch_one(conn)
+        .await
+        .map_err(classify::<Self>)?;
+        Ok(live == 0)
+    }
+
+    // An expired record is replaced in the same statement; a live one is left alone, and then
+    // nothing is committed.
+    async fn commit_record<'a>(
+        mut tx: Transaction<'static, Self>,
+        record: &'a NewRecord<'a>,
+    ) -> Result<(), Error> {
+        let mut insert = Statement::new(Syntax::Sqlite);
+        insert.sql(
             "INSERT INTO idempotency_records (key_digest, principal, method, route, \
              fingerprint, state, status, headers, body, created_at, expires_at, lease_owner, \
              lease_expires_at) VALUES (",
         );
-        record_values(&mut claim, record);
-        claim.sql(
+        record_values(&mut insert, record);
+        insert.sql(
             ") ON CONFLICT (key_digest) DO UPDATE SET \
              principal = excluded.principal, method = excluded.method, route = excluded.route, \
              fingerprint = excluded.fingerprint, state = excluded.state, status = excluded.status, \
@@ -72,35 +87,13 @@ impl ClaimPath for Sqlite {
              lease_expires_at = excluded.lease_expires_at \
              WHERE idempotency_records.expires_at <= excluded.created_at",
         );
-        let result = bound(&claim)
-            .execute(conn)
-            .await
-            .map_err(classify::<Self>)?;
-        Ok(result.rows_affected() == 1)
-    }
-
-    async fn commit_finished<'a>(
-        mut tx: Transaction<'static, Self>,
-        key: &'a ScopedKey,
-        state: RecordState,
-        response: &'a StoredResponse,
-    ) -> Result<(), Error> {
-        let mut finish = Statement::new(Syntax::Sqlite);
-        finish
-            .sql("UPDATE idempotency_records SET state = ")
-            .text(state.as_str())
-            .sql(", status = ")
-            .opt_int4(Some(i32::from(response.status.as_u16())))
-            .sql(", headers = ")
-            .bytes(response.encode_headers())
-            .sql(", body = ")
-            .bytes(&response.body[..])
-            .sql(" WHERE key_digest = ")
-            .bytes(&key.digest()[..]);
-        bound(&finish)
+        let written = bound(&insert)
             .execute(&mut *tx)
             .await
             .map_err(classify::<Self>)?;
+        if written.rows_affected() == 0 {
+            return Err(Error::Conflict);
+        }
         tx.commit().await.map_err(classify::<Self>)
     }
 }

@@ -70,7 +70,7 @@ async fn abandoned_claim<DB: Backend>(
             .await
             .expect("claim")
     );
-    tx.commit().await.expect("commit");
+    store.commit_record(tx, &record).await.expect("commit");
 }
 
 /// Run on a migrated `store`, by an engine with the defaults (those of a layer's engine).

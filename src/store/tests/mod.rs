@@ -80,6 +80,16 @@ fn record<'a>(
     }
 }
 
+/// `claim` completed with `response`, as the engine commits it.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+fn finished<'a>(claim: &NewRecord<'a>, response: &'a StoredResponse) -> NewRecord<'a> {
+    NewRecord {
+        state: RecordState::Completed,
+        response: Some(response),
+        ..*claim
+    }
+}
+
 /// A final response with `body`, as a handler's 201 is stored.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 fn completed(body: &'static str) -> StoredResponse {

@@ -6,7 +6,7 @@ use std::time::Duration;
 use sqlx::Connection;
 use sqlx::mysql::MySqlPool;
 
-use super::{MySqlDatabase as TestDb, completed, now_ms, protocol_of, record, scope};
+use super::{MySqlDatabase as TestDb, completed, finished, now_ms, protocol_of, record, scope};
 use crate::error::Error;
 use crate::key::IdempotencyKey;
 use crate::record::{Millis, RecordState};
@@ -158,12 +158,7 @@ async fn claim_takes_a_fresh_key_and_not_a_live_one() {
             .unwrap()
     );
     store
-        .commit_finished(
-            tx,
-            &first.scoped_key(),
-            RecordState::Completed,
-            &completed("one"),
-        )
+        .commit_record(tx, &finished(&claim, &completed("one")))
         .await
         .unwrap();
 
@@ -514,12 +509,7 @@ async fn a_claim_sent_with_begin_takes_a_fresh_key_and_leaves_a_refused_session_
         "the handler runs in the claim's transaction with the session's own bound"
     );
     store
-        .commit_finished(
-            tx,
-            &first.scoped_key(),
-            RecordState::Completed,
-            &completed("one"),
-        )
+        .commit_record(tx, &finished(&claim, &completed("one")))
         .await
         .unwrap();
     assert_eq!(session_state(store.pool()).await, (0, 37));

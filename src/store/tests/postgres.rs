@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use sqlx::PgConnection;
 
-use super::{PgSchema, completed, now_ms, protocol_of, record, scope};
+use super::{PgSchema, completed, finished, now_ms, protocol_of, record, scope};
 use crate::error::Error;
 use crate::key::IdempotencyKey;
 use crate::record::RecordState;
@@ -48,7 +48,7 @@ async fn uncontended_claim_leaves_the_sessions_lock_timeout_to_the_handler() {
     let mut tx = store.begin(wait).await.unwrap();
     assert!(store.claim(&mut tx, &claim, wait).await.unwrap());
     assert_eq!(lock_timeout(&mut tx).await, "37s");
-    tx.commit().await.unwrap();
+    store.commit_record(tx, &claim).await.unwrap();
 
     let mut again = store.begin(wait).await.unwrap();
     assert!(
@@ -122,7 +122,7 @@ async fn duplicate_queued_behind_an_original_that_rolls_back_claims_with_the_ses
         started.elapsed()
     );
     assert_eq!(lock_timeout(&mut waiter).await, "37s");
-    waiter.commit().await.unwrap();
+    store.commit_record(waiter, &claim).await.unwrap();
     original.await.unwrap();
 
     let records: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_records")
@@ -138,7 +138,8 @@ async fn duplicate_queued_behind_an_original_that_commits_finds_its_record() {
     let schema = PgSchema::create().await;
     let store = store(&schema, 2).await;
     let key = scope("k-committed");
-    let claim = record(&key, "a", RecordState::Processing, None, now_ms(), 60_000);
+    let now = now_ms();
+    let claim = record(&key, "a", RecordState::Processing, None, now, 60_000);
     let mut holder = store.begin(Duration::from_secs(1)).await.unwrap();
     assert!(
         store
@@ -146,9 +147,13 @@ async fn duplicate_queued_behind_an_original_that_commits_finds_its_record() {
             .await
             .unwrap()
     );
-    let original = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        holder.commit().await.unwrap();
+    let original = tokio::spawn({
+        let (store, key) = (store.clone(), key.clone());
+        async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let claim = record(&key, "a", RecordState::Processing, None, now, 60_000);
+            store.commit_record(holder, &claim).await.unwrap();
+        }
     });
 
     let wait = Duration::from_secs(10);
@@ -213,12 +218,7 @@ async fn a_claim_sent_with_begin_takes_a_fresh_key_and_leaves_a_refused_session_
     };
     assert_eq!(lock_timeout(&mut tx).await, "37s");
     store
-        .commit_finished(
-            tx,
-            &key.scoped_key(),
-            RecordState::Completed,
-            &completed("one"),
-        )
+        .commit_record(tx, &finished(&claim, &completed("one")))
         .await
         .unwrap();
     assert_eq!(session_state(&store).await, (false, "37s".to_owned()));
@@ -262,12 +262,12 @@ async fn a_claim_sent_with_begin_replaces_an_expired_record_through_the_schemas_
     let (version, functions): (i64, i64) = sqlx::query_as(
         "SELECT (SELECT MAX(version) FROM idempotency_schema_versions), \
          (SELECT COUNT(*) FROM pg_proc WHERE pronamespace = current_schema()::regnamespace \
-          AND proname IN ('axum_idempotency_claim_v1', 'axum_idempotency_finish_v1'))",
+          AND proname IN ('axum_idempotency_lock_v1', 'axum_idempotency_record_v1'))",
     )
     .fetch_one(store.pool())
     .await
     .unwrap();
-    assert_eq!((version, functions), (3, 2));
+    assert_eq!((version, functions), (4, 2));
 
     let now = now_ms();
     let old = scope("k-fused-expired");
@@ -287,7 +287,7 @@ async fn a_claim_sent_with_begin_replaces_an_expired_record_through_the_schemas_
     else {
         panic!("a fresh key is claimed");
     };
-    tx.commit().await.unwrap();
+    store.commit_record(tx, &expired).await.unwrap();
     let fresh = record(&old, "new", RecordState::Processing, None, now, 60_000);
     let BeganClaim::Ours(tx) = store
         .begin_claimed(&fresh, Duration::from_secs(1))
@@ -297,12 +297,7 @@ async fn a_claim_sent_with_begin_replaces_an_expired_record_through_the_schemas_
         panic!("an expired record is replaced");
     };
     store
-        .commit_finished(
-            tx,
-            &old.scoped_key(),
-            RecordState::Completed,
-            &completed("new"),
-        )
+        .commit_record(tx, &finished(&fresh, &completed("new")))
         .await
         .unwrap();
     let found = store.lookup(&old.scoped_key()).await.unwrap().unwrap();
@@ -347,7 +342,7 @@ async fn a_claim_sent_with_begin_waits_for_an_in_flight_duplicate_then_is_busy()
 async fn an_unmigrated_store_names_the_fix_until_migrated() {
     let schema = PgSchema::create().await;
     let pool = schema.pool(2).await;
-    super::schema::an_unmigrated_store_names_the_fix_until_migrated(PgStore::new(pool.clone()), 3)
+    super::schema::an_unmigrated_store_names_the_fix_until_migrated(PgStore::new(pool.clone()), 4)
         .await;
     schema.drop(&pool).await;
 }
@@ -358,7 +353,7 @@ async fn an_outdated_schema_is_reported_until_it_is_current() {
     let pool = schema.pool(2).await;
     super::schema::an_outdated_schema_is_reported_until_it_is_current(
         PgStore::new(pool.clone()),
-        3,
+        4,
     )
     .await;
     schema.drop(&pool).await;
@@ -372,4 +367,141 @@ async fn a_record_too_large_to_write_out_is_claimed_with_bound_values() {
     let pool = store.pool().clone();
     super::large::a_record_too_large_to_write_out_is_claimed_with_bound_values(store).await;
     schema.drop(&pool).await;
+}
+
+#[tokio::test]
+async fn a_new_keys_record_is_written_once_when_it_commits() {
+    let schema = PgSchema::create().await;
+    let store = store(&schema, 1).await;
+    let key = scope("k-one-write");
+    let claim = record(&key, "a", RecordState::Processing, None, now_ms(), 60_000);
+    let BeganClaim::Ours(mut tx) = store
+        .begin_claimed(&claim, Duration::from_secs(1))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is claimed");
+    };
+    let in_flight: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_records")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(in_flight, 0, "the claim writes no row of its own");
+    store
+        .commit_record(tx, &finished(&claim, &completed("one")))
+        .await
+        .unwrap();
+    // In a fresh table a row written once sits in the first slot of the first page; an insert
+    // followed by an update leaves the live version in the second.
+    let (slot, state): (String, String) =
+        sqlx::query_as("SELECT ctid::text, state FROM idempotency_records")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+    assert_eq!((slot.as_str(), state.as_str()), ("(0,1)", "completed"));
+    assert_eq!(
+        session_state(&store).await,
+        (false, "37s".to_owned()),
+        "the session is left idle, with its own bound"
+    );
+    schema.drop(store.pool()).await;
+}
+
+#[tokio::test]
+async fn a_record_that_appeared_under_the_key_fails_the_commit_and_undoes_the_work() {
+    let schema = PgSchema::create().await;
+    let store = store(&schema, 2).await;
+    sqlx::raw_sql("CREATE TABLE work (id INTEGER)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let key = scope("k-appeared");
+    let now = now_ms();
+    let claim = record(&key, "a", RecordState::Processing, None, now, 60_000);
+    let BeganClaim::Ours(mut tx) = store
+        .begin_claimed(&claim, Duration::from_secs(1))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is claimed");
+    };
+    sqlx::query("INSERT INTO work VALUES (1)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    // Written without the key's lock, as nothing of this crate does: only the primary key is
+    // left to decide.
+    let intruder = record(&key, "b", RecordState::Processing, None, now, 60_000);
+    let other = store.pool().begin().await.unwrap();
+    store
+        .commit_record(other, &finished(&intruder, &completed("theirs")))
+        .await
+        .unwrap();
+
+    let outcome = store
+        .commit_record(tx, &finished(&claim, &completed("ours")))
+        .await;
+    assert!(matches!(outcome, Err(Error::Conflict)), "{outcome:?}");
+    let work: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM work")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(work, 0, "the work's writes are rolled back with the record");
+    let found = store.lookup(&key.scoped_key()).await.unwrap().unwrap();
+    assert_eq!(found.response.unwrap().body.as_ref(), b"theirs");
+    schema.drop(store.pool()).await;
+}
+
+#[tokio::test]
+async fn under_repeatable_read_a_claim_that_waited_is_run_again_and_then_sees_the_record() {
+    let schema = PgSchema::create().await;
+    let store = store(&schema, 2).await;
+    // Every connection of the pool, as a server with that default would give.
+    let mut opened = Vec::new();
+    for _ in 0..2 {
+        let mut conn = store.pool().acquire().await.unwrap();
+        sqlx::raw_sql("SET default_transaction_isolation = 'repeatable read'")
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        opened.push(conn);
+    }
+    drop(opened);
+    let key = scope("k-repeatable");
+    let now = now_ms();
+    let claim = record(&key, "a", RecordState::Processing, None, now, 60_000);
+    let BeganClaim::Ours(holder) = store
+        .begin_claimed(&claim, Duration::from_secs(1))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is claimed");
+    };
+    let original = tokio::spawn({
+        let (store, key) = (store.clone(), key.clone());
+        async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let claim = record(&key, "a", RecordState::Processing, None, now, 60_000);
+            store
+                .commit_record(holder, &finished(&claim, &completed("one")))
+                .await
+                .unwrap();
+        }
+    });
+
+    let duplicate = record(&key, "a", RecordState::Processing, None, now + 1, 60_000);
+    let waited = store
+        .begin_claimed(&duplicate, Duration::from_secs(10))
+        .await;
+    assert!(
+        matches!(waited, Err(Error::Conflict)),
+        "its snapshot predates the original's commit: {waited:?}"
+    );
+    original.await.unwrap();
+    let again = store
+        .begin_claimed(&duplicate, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(matches!(again, BeganClaim::Taken), "{again:?}");
+    schema.drop(store.pool()).await;
 }

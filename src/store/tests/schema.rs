@@ -57,7 +57,7 @@ pub(super) async fn an_unmigrated_store_names_the_fix_until_migrated<DB: Backend
         }
         BeganClaim::Taken => panic!("a fresh key is taken"),
     };
-    tx.commit().await.expect("commit");
+    protocol.commit_record(tx, &claim).await.expect("commit");
     assert!(protocol.lookup(&key).await.expect("lookup").is_some());
 }
 

@@ -36,18 +36,32 @@ impl ServerCpu {
         Duration::from_millis(ticks * 1000 / TICKS_PER_SECOND)
     }
 
-    /// utime + stime from one `/proc/<pid>/stat` line, if the process is the server's. The
-    /// name sits in parentheses and may hold spaces; the fields after it are plain.
+    /// utime + stime from one `/proc/<pid>/stat` line, if the process is the server's.
     fn ticks(self, stat: &str) -> Option<u64> {
         let open = stat.find('(')?;
         let close = stat.rfind(')')?;
-        if stat.get(open + 1..close)? != self.comm {
-            return None;
-        }
-        // After the name: state is field 3, utime field 14, stime field 15.
-        let mut fields = stat.get(close + 2..)?.split(' ').skip(11);
-        let utime: u64 = fields.next()?.parse().ok()?;
-        let stime: u64 = fields.next()?.parse().ok()?;
-        Some(utime + stime)
+        (stat.get(open + 1..close)? == self.comm)
+            .then(|| process_ticks(stat))
+            .flatten()
     }
+}
+
+/// User and system time of this process so far: the servers under test and the load generator,
+/// alike for every scenario but for the work the scenario's own route does.
+pub(crate) fn own_process() -> Duration {
+    let ticks = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|stat| process_ticks(&stat))
+        .unwrap_or(0);
+    Duration::from_millis(ticks * 1000 / TICKS_PER_SECOND)
+}
+
+/// utime + stime from a `/proc/<pid>/stat` line. The process's name sits in parentheses and
+/// may hold spaces; the fields after it are plain: state is field 3, utime 14, stime 15.
+fn process_ticks(stat: &str) -> Option<u64> {
+    let close = stat.rfind(')')?;
+    let mut fields = stat.get(close + 2..)?.split(' ').skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some(utime + stime)
 }

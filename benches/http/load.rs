@@ -58,6 +58,8 @@ pub(crate) struct Sample {
     pub(crate) peak_mib: f64,
     /// CPU time the database server spent on the sample's requests, where it was measured.
     pub(crate) server_cpu: Option<Duration>,
+    /// CPU time this process (app servers and load generator) spent on them.
+    pub(crate) app_cpu: Duration,
 }
 
 impl Sample {
@@ -67,10 +69,16 @@ impl Sample {
         self.elapsed += other.elapsed;
         self.latencies_us.extend(other.latencies_us);
         self.peak_mib = self.peak_mib.max(other.peak_mib);
+        self.app_cpu += other.app_cpu;
         self.server_cpu = match (self.server_cpu, other.server_cpu) {
             (Some(a), Some(b)) => Some(a + b),
             (a, b) => a.or(b),
         };
+    }
+
+    /// This process's CPU time per request, in milliseconds.
+    pub(crate) fn app_cpu_ms(&self) -> f64 {
+        self.app_cpu.as_secs_f64() * 1000.0 / self.requests.max(1) as f64
     }
 
     /// The database server's CPU time per request, in milliseconds, where it was measured.

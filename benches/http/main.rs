@@ -3,9 +3,10 @@
 //! Real axum servers on loopback, driven by a hyper client load generator in the same process
 //! (separate runtimes). Every scenario is measured in the same run as its baseline, interleaved
 //! round by round (each round starting one scenario later), because the machine is shared and
-//! noisy: the ratios are the result, the absolute numbers drift. On PostgreSQL and MariaDB the
-//! throughput table also gives the server's CPU time per request, summed over the server's
-//! processes from `/proc`: run nothing else against the server meanwhile.
+//! noisy: the ratios are the result, the absolute numbers drift. The throughput table also
+//! gives the CPU time per request of this process (servers and load generator) and, on
+//! PostgreSQL and MariaDB, of the database server, summed over its processes from `/proc`:
+//! run nothing else against the server meanwhile.
 //!
 //! Sections besides throughput: `round-trips` counts statements, wire round trips and pool pings
 //! per request through a TCP proxy; `latency` sends sequential requests on one connection (what

@@ -127,9 +127,9 @@ impl Report {
         }
         println!("\n## {title}\n");
         println!(
-            "| backend | scenario | conns | requests | req/s | p50 ms | p99 ms | peak RSS MiB | server CPU ms/req | non-2xx | note |"
+            "| backend | scenario | conns | requests | req/s | p50 ms | p99 ms | peak RSS MiB | app CPU ms/req | server CPU ms/req | non-2xx | note |"
         );
-        println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+        println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
         for row in rows {
             let (p50, p99) = (
                 row.sample.percentile_ms(0.50),
@@ -140,7 +140,7 @@ impl Report {
                 .server_cpu_ms()
                 .map_or_else(|| "–".to_owned(), |ms| format!("{ms:.3}"));
             println!(
-                "| {} | {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.1} | {server_cpu} | {} | {} |",
+                "| {} | {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.1} | {:.3} | {server_cpu} | {} | {} |",
                 row.group,
                 row.scenario,
                 row.conns,
@@ -149,6 +149,7 @@ impl Report {
                 p50,
                 p99,
                 row.sample.peak_mib,
+                row.sample.app_cpu_ms(),
                 row.sample.unexpected,
                 row.note
             );

@@ -14,7 +14,7 @@ use crate::apps::ORDER_BODY;
 #[cfg(feature = "sqlite")]
 use crate::apps::noop_app;
 use crate::backends::Backend;
-use crate::cpu::ServerCpu;
+use crate::cpu::{self, ServerCpu};
 #[cfg(feature = "sqlite")]
 use crate::load::json_body;
 use crate::load::{Keys, Plan, STORM, Sample, count_per_request, drive, storm};
@@ -112,7 +112,9 @@ pub(crate) fn measure_rounds(
             client.block_on(drive(&warm, None))?;
             peak.reset();
             let cpu_before = server.map(ServerCpu::used);
+            let app_before = cpu::own_process();
             let mut sample = client.block_on(drive(&plan, None))?;
+            sample.app_cpu = cpu::own_process().saturating_sub(app_before);
             sample.server_cpu = server
                 .zip(cpu_before)
                 .map(|(server, before)| server.used().saturating_sub(before));

@@ -2,9 +2,14 @@
 //!
 //! SQLite has one writer at a time, so a claim's transaction begins `IMMEDIATE`, taking the
 //! write lock up front and waiting for it within the claim's bound (`busy_timeout`). That lock
-//! is the claim: holding it, the transaction reads whether a live record holds the key, and
-//! writes the record once, complete, just before it commits. The database runs in-process, so
-//! sending the claim with `BEGIN` would save no round trip: it is a statement of its own.
+//! is the key's lock: holding it, the claim checks that no live record holds the key, and the
+//! record is written once, complete, just before the transaction commits. A new key's claim is
+//! an insert into the schema's view `axum_idempotency_claim_v1`, sent in the same call as
+//! `BEGIN IMMEDIATE`: the view stores nothing, and its trigger rolls the transaction back when
+//! a live record holds the key (SQLite raises errors only from triggers). Every call into the
+//! database is a hop to the connection's worker thread, and each hop made while the write lock
+//! is held keeps every other writer waiting, so the claim travels with `BEGIN` and the record
+//! with `COMMIT`.
 
 use std::time::Duration;
 
@@ -14,7 +19,7 @@ use sqlx::{Pool, Sqlite, Transaction};
 
 use super::literal::{Statement, Syntax};
 use super::protocol::{BeganClaim, NewRecord, PurgePace};
-use super::sql::{ClaimPath, Dialect, bound, classify, record_values};
+use super::sql::{ClaimPath, Dialect, bound, classify, inline_fits, record_values};
 use crate::error::Error;
 use crate::migrate;
 
@@ -22,33 +27,93 @@ impl super::Records for Sqlite {
     type Protocol = super::sql::SqlStore<Sqlite>;
 }
 
+/// What the claim view's trigger raises when a live record holds the key.
+const TAKEN: &str = "axum_idempotency: a live record holds the key";
+
+/// SQLite's extended code for an error raised by a trigger, SQLITE_CONSTRAINT_TRIGGER.
+const CONSTRAINT_TRIGGER: &str = "1811";
+
+/// SQLite's extended code for a violated primary key, SQLITE_CONSTRAINT_PRIMARYKEY.
+const CONSTRAINT_PRIMARY_KEY: &str = "1555";
+
+/// Whether the claim failed because a live record holds the key.
+fn taken(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(error)
+        if error.code().as_deref() == Some(CONSTRAINT_TRIGGER) && error.message() == TAKEN)
+}
+
+/// Whether the record's insert failed because a record holds the key.
+fn record_exists(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(error)
+        if error.code().as_deref() == Some(CONSTRAINT_PRIMARY_KEY))
+}
+
+/// `PRAGMA busy_timeout` for `lock_wait`, then `BEGIN IMMEDIATE`: the wait for the write lock,
+/// which is the wait for a concurrent claimer, is bounded by `lock_wait`.
+fn begin_immediate(lock_wait: Duration) -> Statement<'static> {
+    let millis = i64::try_from(lock_wait.as_millis())
+        .unwrap_or(i64::MAX)
+        .clamp(1, i64::from(i32::MAX));
+    let mut begin = Statement::new(Syntax::Sqlite);
+    begin
+        .sql("PRAGMA busy_timeout = ")
+        .int8(millis)
+        .sql("; BEGIN IMMEDIATE");
+    begin
+}
+
+/// Removes an expired record under the key, then inserts the record. The plain insert fails on
+/// a live record, leaving the transaction open for the caller to roll back.
+fn record_insert<'a>(record: &'a NewRecord<'a>) -> Statement<'a> {
+    let mut write = Statement::new(Syntax::Sqlite);
+    write
+        .sql("DELETE FROM idempotency_records WHERE key_digest = ")
+        .bytes(&record.key.digest()[..])
+        .sql(" AND expires_at <= ")
+        .int8(record.created_at.column())
+        .sql(
+            "; INSERT INTO idempotency_records (key_digest, principal, method, route, \
+             fingerprint, state, status, headers, body, created_at, expires_at, lease_owner, \
+             lease_expires_at) VALUES (",
+        );
+    record_values(&mut write, record);
+    write.sql(")");
+    write
+}
+
 impl ClaimPath for Sqlite {
     async fn begin(
         pool: &Pool<Self>,
         lock_wait: Duration,
     ) -> Result<Transaction<'static, Self>, Error> {
-        let millis = i64::try_from(lock_wait.as_millis())
-            .unwrap_or(i64::MAX)
-            .clamp(1, i64::from(i32::MAX));
-        let mut begin = Statement::new(Syntax::Sqlite);
-        begin
-            .sql("PRAGMA busy_timeout = ")
-            .int8(millis)
-            .sql("; BEGIN IMMEDIATE");
-        pool.begin_with(begin.inline("", ""))
+        pool.begin_with(begin_immediate(lock_wait).inline("", ""))
             .await
             .map_err(classify::<Self>)
     }
 
+    // The trigger's `RAISE(ROLLBACK, …)` ends the transaction `BEGIN IMMEDIATE` opened, so a
+    // refused claim leaves the connection with nothing to roll back, as sqlx expects of a
+    // failed begin.
     async fn begin_claimed<'a>(
-        _pool: &'a Pool<Self>,
-        _record: &'a NewRecord<'a>,
-        _lock_wait: Duration,
+        pool: &'a Pool<Self>,
+        record: &'a NewRecord<'a>,
+        lock_wait: Duration,
     ) -> Result<BeganClaim<Self>, Error> {
-        Ok(BeganClaim::Unfused)
+        let mut claim = begin_immediate(lock_wait);
+        claim
+            .sql("; INSERT INTO axum_idempotency_claim_v1 (key_digest, now_millis) VALUES (")
+            .bytes(&record.key.digest()[..])
+            .int8(record.created_at.column())
+            .sql(")");
+        match pool.begin_with(claim.inline("", "")).await {
+            Ok(tx) => Ok(BeganClaim::Ours(tx)),
+            Err(error) if taken(&error) => Ok(BeganClaim::Taken),
+            Err(error) => Err(classify::<Self>(error)),
+        }
     }
 
-    // The transaction holds the write lock, so nothing can change under the read.
+    // Inside a begun transaction a refusal must leave the transaction open for the caller to
+    // read the winner's record in, so this claim is a plain read.
     async fn claim<'a>(
         conn: &'a mut SqliteConnection,
         record: &'a NewRecord<'a>,
@@ -65,36 +130,35 @@ impl ClaimPath for Sqlite {
         Ok(live == 0)
     }
 
-    // An expired record is replaced in the same statement; a live one is left alone, and then
-    // nothing is committed.
+    // The record is sent with `COMMIT`, in one call. sqlx ends a `Transaction` only by a
+    // statement of its own: dropped, it has its worker roll back, which must find a transaction
+    // or the connection's count of open transactions goes wrong. `BEGIN` after `COMMIT` opens an
+    // empty, deferred transaction for that rollback; it takes no lock, and the rollback runs
+    // after the answer, when no writer waits on this connection. A record too large to write
+    // out is sent with its values bound, and committed by sqlx.
     async fn commit_record<'a>(
         mut tx: Transaction<'static, Self>,
         record: &'a NewRecord<'a>,
     ) -> Result<(), Error> {
-        let mut insert = Statement::new(Syntax::Sqlite);
-        insert.sql(
-            "INSERT INTO idempotency_records (key_digest, principal, method, route, \
-             fingerprint, state, status, headers, body, created_at, expires_at, lease_owner, \
-             lease_expires_at) VALUES (",
-        );
-        record_values(&mut insert, record);
-        insert.sql(
-            ") ON CONFLICT (key_digest) DO UPDATE SET \
-             principal = excluded.principal, method = excluded.method, route = excluded.route, \
-             fingerprint = excluded.fingerprint, state = excluded.state, status = excluded.status, \
-             headers = excluded.headers, body = excluded.body, created_at = excluded.created_at, \
-             expires_at = excluded.expires_at, lease_owner = excluded.lease_owner, \
-             lease_expires_at = excluded.lease_expires_at \
-             WHERE idempotency_records.expires_at <= excluded.created_at",
-        );
-        let written = bound(&insert)
-            .execute(&mut *tx)
-            .await
-            .map_err(classify::<Self>)?;
-        if written.rows_affected() == 0 {
-            return Err(Error::Conflict);
+        let write = record_insert(record);
+        let written = if inline_fits(record.response) {
+            sqlx::raw_sql(write.inline("", "; COMMIT; BEGIN"))
+                .execute(&mut *tx)
+                .await
+                .map(drop)
+        } else {
+            match bound(&write).execute(&mut *tx).await {
+                Ok(_) => tx.commit().await,
+                Err(error) => Err(error),
+            }
+        };
+        match written {
+            Ok(()) => Ok(()),
+            // Only a write to the key by the work itself gets here: the write lock kept every
+            // other claimer out since the claim.
+            Err(error) if record_exists(&error) => Err(Error::Conflict),
+            Err(error) => Err(classify::<Self>(error)),
         }
-        tx.commit().await.map_err(classify::<Self>)
     }
 }
 
@@ -104,6 +168,7 @@ impl Dialect for Sqlite {
         scripts: &[
             (1, include_str!("../../migrations/sqlite/0001_records.sql")),
             (2, include_str!("../../migrations/sqlite/0002_leases.sql")),
+            (3, include_str!("../../migrations/sqlite/0003_claim.sql")),
         ],
         // The write lock taken up front serialises concurrent migrators.
         begin: "BEGIN IMMEDIATE",

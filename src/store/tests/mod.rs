@@ -81,7 +81,6 @@ fn record<'a>(
 }
 
 /// `claim` completed with `response`, as the engine commits it.
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 fn finished<'a>(claim: &NewRecord<'a>, response: &'a StoredResponse) -> NewRecord<'a> {
     NewRecord {
         state: RecordState::Completed,
@@ -91,7 +90,6 @@ fn finished<'a>(claim: &NewRecord<'a>, response: &'a StoredResponse) -> NewRecor
 }
 
 /// A final response with `body`, as a handler's 201 is stored.
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 fn completed(body: &'static str) -> StoredResponse {
     StoredResponse {
         status: http::StatusCode::CREATED,

@@ -42,7 +42,7 @@ async fn expired_lease_is_taken_over_only_after_asking_recovery() {
 #[tokio::test]
 async fn an_unmigrated_store_names_the_fix_until_migrated() {
     let (pool, path) = fresh(2).await;
-    schema::an_unmigrated_store_names_the_fix_until_migrated(SqliteStore::new(pool.clone()), 2)
+    schema::an_unmigrated_store_names_the_fix_until_migrated(SqliteStore::new(pool.clone()), 3)
         .await;
     remove(pool, path).await;
 }
@@ -50,7 +50,7 @@ async fn an_unmigrated_store_names_the_fix_until_migrated() {
 #[tokio::test]
 async fn an_outdated_schema_is_reported_until_it_is_current() {
     let (pool, path) = fresh(2).await;
-    schema::an_outdated_schema_is_reported_until_it_is_current(SqliteStore::new(pool.clone()), 2)
+    schema::an_outdated_schema_is_reported_until_it_is_current(SqliteStore::new(pool.clone()), 3)
         .await;
     remove(pool, path).await;
 }
@@ -61,5 +61,66 @@ async fn a_record_too_large_to_write_out_is_claimed_with_bound_values() {
     let store = SqliteStore::new(pool.clone());
     store.migrate().await.unwrap();
     super::large::a_record_too_large_to_write_out_is_claimed_with_bound_values(store).await;
+    remove(pool, path).await;
+}
+
+/// The rows the pool's one connection has written since it opened.
+async fn changes(pool: &SqlitePool) -> i64 {
+    sqlx::query_scalar("SELECT total_changes()")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_claim_sent_with_begin_writes_the_record_once_and_leaves_a_refused_connection_idle() {
+    use std::time::Duration;
+
+    use super::{completed, finished, now_ms, protocol_of, record, scope};
+    use crate::record::RecordState;
+    use crate::store::{BeganClaim, Protocol};
+
+    let (pool, path) = fresh(1).await;
+    let store = SqliteStore::new(pool.clone());
+    store.migrate().await.unwrap();
+    let protocol = protocol_of(&store);
+    let wait = Duration::from_secs(1);
+    let key = scope("k-sqlite-fused");
+    let now = now_ms();
+    let claim = record(&key, "a", RecordState::Processing, None, now, 60_000);
+
+    let before = changes(&pool).await;
+    let BeganClaim::Ours(tx) = protocol.begin_claimed(&claim, wait).await.unwrap() else {
+        panic!("a fresh key is claimed");
+    };
+    protocol
+        .commit_record(tx, &finished(&claim, &completed("one")))
+        .await
+        .unwrap();
+    assert_eq!(changes(&pool).await - before, 1, "one row written, once");
+
+    let duplicate = record(&key, "b", RecordState::Processing, None, now + 1, 60_000);
+    let refused = protocol.begin_claimed(&duplicate, wait).await.unwrap();
+    assert!(matches!(refused, BeganClaim::Taken), "{refused:?}");
+    let found = protocol.lookup(&key.scoped_key()).await.unwrap().unwrap();
+    assert_eq!(found.response.unwrap().body.as_ref(), b"one");
+
+    // Neither the refusal nor the commit left sqlx counting a transaction the connection is
+    // not in: a write in a transaction rolled back is gone.
+    sqlx::raw_sql("CREATE TABLE work (id INTEGER)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO work VALUES (1)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    let work: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM work")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(work, 0);
     remove(pool, path).await;
 }

@@ -1,29 +1,23 @@
 //! The orders side of the chain: payment events from the broker, applied once per payment id.
 //!
 //! `BROKER_URL=amqp://…` (feature `rabbitmq`) consumes the durable queue
-//! `orders.payment-succeeded`, bound to the topic exchange `payments` with routing key
-//! `payment.succeeded`; dead letters go to `orders.payment-succeeded.dead`.
-//! `BROKER_URL=nats://…` (feature `nats`) consumes the durable consumer `orders` on the stream
-//! `PAYMENTS` (subjects `payments.>`), filter `payments.succeeded`; dead letters go to the
-//! stream `ORDERS_DEAD` (subjects `orders.dead.>`). `orders replay-dead` replays the dead
-//! letters once and exits.
-//!
-//! Should the consumer stop (its queue or durable consumer deleted from outside, its
-//! connection lost), the process logs why and exits 1, for its supervisor to restart it; the
-//! restart declares what is missing again.
+//! `orders.payment-succeeded` bound to the topic exchange `payments` (routing key
+//! `payment.succeeded`); `nats://…` (feature `nats`) the durable consumer `orders` on the stream
+//! `PAYMENTS`. Dead letters go to `orders.payment-succeeded.dead` or the stream `ORDERS_DEAD`;
+//! `orders replay-dead` replays them once and exits. Should the consumer stop, the process
+//! exits 1 for its supervisor to restart it.
 //!
 //! Tuning: `ORDERS_CONSUMER_CONCURRENCY` (default 4), `ORDERS_CONSUMER_MAX_ATTEMPTS` (5),
-//! `ORDERS_CONSUMER_BACKOFF_MS` (1000), `ORDERS_CONSUMER_ACK_WAIT_SECS` (NATS, 10; progress
-//! acks keep a running handler's message meanwhile).
-//! For tests: `BROKER_NAMESPACE` prefixes every broker name (`t1.payments`, `T1_PAYMENTS`),
-//! `ORDERS_CONSUMER_FAIL_PERCENT` makes that share of attempts write and then fail
-//! (retryable), `ORDERS_FAILPOINT=after-commit` freezes the process after the first commit,
-//! before its ack (to be killed), and `ORDERS_CONSUMER_STATS_MS` prints the inbox's counters.
+//! `ORDERS_CONSUMER_BACKOFF_MS` (1000), `ORDERS_CONSUMER_ACK_WAIT_SECS` (NATS, 10).
+//! For tests: `BROKER_NAMESPACE` prefixes every broker name, `ORDERS_CONSUMER_FAIL_PERCENT`
+//! makes that share of attempts write and then fail, `ORDERS_FAILPOINT=after-commit` freezes
+//! the process after its first commit, before the ack, and `ORDERS_CONSUMER_STATS_MS` prints
+//! the inbox's counters.
 
 use std::fmt::Display;
 use std::time::Duration;
 
-use axum_idempotency::inbox::{Delivery, Failure, Inbox, ReplayReport, Stats, Verdict};
+use axum_idempotency::inbox::{Delivery, Failure, Inbox, ReplayReport, Verdict};
 use axum_idempotency::{Store, Tx};
 use serde::Deserialize;
 use serde_json::Value;
@@ -122,15 +116,10 @@ fn print_stats<DB: Backend>(every: Duration, inbox: Inbox<DB>) {
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(every).await;
-            let Stats {
-                processed,
-                duplicates,
-                retried,
-                dead,
-                ..
-            } = inbox.stats();
+            let stats = inbox.stats();
             println!(
-                "consumer stats processed={processed} duplicates={duplicates} retried={retried} dead={dead}"
+                "consumer stats processed={} duplicates={} retried={} dead={}",
+                stats.processed, stats.duplicates, stats.retried, stats.dead
             );
         }
     });
@@ -157,14 +146,9 @@ fn run<E: Display>(consumer: impl Future<Output = Result<(), E>> + Send + 'stati
 
 /// Reports an operator's replay and ends the process: `replay-dead` is a one-off command.
 fn replayed(report: ReplayReport) -> ! {
-    let ReplayReport {
-        applied,
-        duplicates,
-        still_dead,
-        ..
-    } = report;
     println!(
-        "replayed dead letters: applied={applied} duplicates={duplicates} still_dead={still_dead}"
+        "replayed dead letters: applied={} duplicates={} still_dead={}",
+        report.applied, report.duplicates, report.still_dead
     );
     std::process::exit(0)
 }

@@ -62,7 +62,7 @@ async fn main() -> Result<(), Error> {
             let pool = pool_options::<sqlx::Sqlite>(pool_size)
                 .connect_with(options)
                 .await?;
-            sqlx::raw_sql(db::sqlite::SCHEMA).execute(&pool).await?;
+            sqlx::raw_sql(sqlx::Sqlite::SCHEMA).execute(&pool).await?;
             app(pool, pool_size).await?
         }
         #[cfg(feature = "postgres")]
@@ -70,13 +70,13 @@ async fn main() -> Result<(), Error> {
             let pool = pool_options::<sqlx::Postgres>(pool_size)
                 .connect(&url)
                 .await?;
-            sqlx::raw_sql(db::postgres::SCHEMA).execute(&pool).await?;
+            sqlx::raw_sql(sqlx::Postgres::SCHEMA).execute(&pool).await?;
             app(pool, pool_size).await?
         }
         #[cfg(feature = "mysql")]
         "mysql" | "mariadb" => {
             let pool = pool_options::<sqlx::MySql>(pool_size).connect(&url).await?;
-            sqlx::raw_sql(db::mysql::SCHEMA).execute(&pool).await?;
+            sqlx::raw_sql(sqlx::MySql::SCHEMA).execute(&pool).await?;
             app(pool, pool_size).await?
         }
         other => {

@@ -75,7 +75,8 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use serde::Deserialize;
 use serde_json::{Value, json};
-use sqlx::Pool;
+use sqlx::pool::PoolOptions;
+use sqlx::{Connection, Pool};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 
@@ -90,31 +91,17 @@ async fn main() -> Result<(), Error> {
     let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
     tracing_subscriber::fmt().with_env_filter(filter).init();
     let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "sqlite:payments.db".into());
-    // Each arm connects its backend and creates the payments table; the rest is generic.
     match url.split(':').next().unwrap_or_default() {
         #[cfg(feature = "sqlite")]
         "sqlite" => {
-            use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+            use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
             let options = url.parse::<SqliteConnectOptions>()?.create_if_missing(true);
-            let options = options.journal_mode(SqliteJournalMode::Wal);
-            let pool = SqlitePoolOptions::new().connect_with(options).await?;
-            sqlx::raw_sql(sqlx::Sqlite::SCHEMA).execute(&pool).await?;
-            serve(pool).await
+            serve::<sqlx::Sqlite>(options.journal_mode(SqliteJournalMode::Wal), 10).await
         }
         #[cfg(feature = "postgres")]
-        "postgres" | "postgresql" => {
-            let pool = sqlx::postgres::PgPoolOptions::new().max_connections(16);
-            let pool = pool.connect(&url).await?;
-            sqlx::raw_sql(sqlx::Postgres::SCHEMA).execute(&pool).await?;
-            serve(pool).await
-        }
+        "postgres" | "postgresql" => serve::<sqlx::Postgres>(url.parse()?, 16).await,
         #[cfg(feature = "mysql")]
-        "mysql" | "mariadb" => {
-            let pool = sqlx::mysql::MySqlPoolOptions::new().max_connections(16);
-            let pool = pool.connect(&url).await?;
-            sqlx::raw_sql(sqlx::MySql::SCHEMA).execute(&pool).await?;
-            serve(pool).await
-        }
+        "mysql" | "mariadb" => serve::<sqlx::MySql>(url.parse()?, 16).await,
         other => Err(format!("DATABASE_URL {other:?} is not built in (see --features)").into()),
     }
 }
@@ -122,10 +109,18 @@ async fn main() -> Result<(), Error> {
 /// The handlers' state: the pool and the outbox on it.
 type AppState<DB> = (Pool<DB>, Outbox<DB>);
 
-/// Starts the dispatchers and serves the API until SIGTERM (Kubernetes, systemd) or Ctrl-C:
-/// then it stops accepting, answers every request in flight, stops the dispatchers and
-/// returns.
-async fn serve<DB: Payments>(pool: Pool<DB>) -> Result<(), Error> {
+/// Connects to the database and creates the tables, starts the dispatchers and serves the API
+/// until SIGTERM (Kubernetes, systemd) or Ctrl-C: then it stops accepting, answers every request
+/// in flight, stops the dispatchers and returns.
+async fn serve<DB: Payments>(
+    database: <DB::Connection as Connection>::Options,
+    pool_size: u32,
+) -> Result<(), Error> {
+    let pool = PoolOptions::<DB>::new()
+        .max_connections(pool_size)
+        .connect_with(database)
+        .await?;
+    DB::create_table(&pool).await?;
     let store = Store::new(pool.clone());
     store.migrate().await?;
     let outbox = Outbox::new(pool.clone());
@@ -699,7 +694,13 @@ impl IntoResponse for Problem {
 /// The payments table, and how each backend runs a statement on it: written once with `?` for
 /// its arguments, bound in each database's placeholder syntax.
 mod db {
-    use sqlx::{Database, Encode, QueryBuilder, Type};
+    #[cfg(feature = "mysql")]
+    use sqlx::MySqlConnection;
+    #[cfg(feature = "postgres")]
+    use sqlx::PgConnection;
+    #[cfg(feature = "sqlite")]
+    use sqlx::SqliteConnection;
+    use sqlx::{Database, Encode, Pool, QueryBuilder, Type};
 
     #[derive(Clone, Copy)]
     pub(crate) enum Arg<'a> {
@@ -709,18 +710,25 @@ mod db {
 
     /// id, order_id, amount (its exact decimal text), currency, payee, outbox_id.
     pub(crate) type Row = (i64, String, String, String, String, i64);
+    /// The payment a statement selected or inserted, if any.
+    type Found = sqlx::Result<Option<Row>>;
     pub(crate) const COLUMNS: &str = "id, order_id, amount, currency, payee, outbox_id";
 
     /// A database the example runs on: one of the crate's backends, with the payments table.
+    ///
+    /// Each backend implements it on its own connection type, in a few lines that only differ
+    /// by that type: sqlx implements its traits per database, and one generic implementation
+    /// would need higher-ranked bounds.
     pub(crate) trait Payments: axum_idempotency::Backend {
-        const SCHEMA: &str;
+        /// Creates the payments table unless it exists.
+        fn create_table(pool: &Pool<Self>) -> impl Future<Output = sqlx::Result<()>> + Send;
 
         /// The payment a statement selects (or inserts, `RETURNING` its [`COLUMNS`]), if any.
         fn payment(
             c: &mut Self::Connection,
             sql: &str,
             args: &[Arg],
-        ) -> impl Future<Output = sqlx::Result<Option<Row>>> + Send;
+        ) -> impl Future<Output = Found> + Send;
     }
 
     /// `sql` with each `?` bound to the next of `args`, in the placeholder syntax of `DB` (`$1`,
@@ -742,47 +750,48 @@ mod db {
         query
     }
 
-    /// The same method on each database: sqlx implements its traits per database, and one
-    /// generic implementation would need higher-ranked bounds.
-    macro_rules! payments {
-        ($db:ty, $schema:expr) => {
-            impl Payments for $db {
-                const SCHEMA: &str = $schema;
+    #[cfg(feature = "sqlite")]
+    impl Payments for sqlx::Sqlite {
+        async fn create_table(pool: &Pool<Self>) -> sqlx::Result<()> {
+            let table = "CREATE TABLE IF NOT EXISTS payments (id INTEGER PRIMARY KEY AUTOINCREMENT,
+                owner TEXT NOT NULL, order_id TEXT NOT NULL, amount TEXT NOT NULL,
+                currency TEXT NOT NULL, payee TEXT NOT NULL, outbox_id BIGINT NOT NULL)";
+            sqlx::raw_sql(table).execute(pool).await.map(drop)
+        }
 
-                async fn payment(
-                    c: &mut Self::Connection,
-                    sql: &str,
-                    args: &[Arg<'_>],
-                ) -> sqlx::Result<Option<Row>> {
-                    let mut query = query::<Self>(sql, args);
-                    query.build_query_as().fetch_optional(c).await
-                }
-            }
-        };
+        async fn payment(c: &mut SqliteConnection, sql: &str, args: &[Arg<'_>]) -> Found {
+            query(sql, args).build_query_as().fetch_optional(c).await
+        }
     }
 
-    #[cfg(feature = "sqlite")]
-    payments!(
-        sqlx::Sqlite,
-        "CREATE TABLE IF NOT EXISTS payments (id INTEGER PRIMARY KEY AUTOINCREMENT,
-        owner TEXT NOT NULL, order_id TEXT NOT NULL, amount TEXT NOT NULL, currency TEXT NOT NULL,
-        payee TEXT NOT NULL, outbox_id BIGINT NOT NULL)"
-    );
-
     #[cfg(feature = "postgres")]
-    payments!(
-        sqlx::Postgres,
-        "CREATE TABLE IF NOT EXISTS payments (
-        id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, owner TEXT NOT NULL, order_id TEXT NOT NULL,
-        amount TEXT NOT NULL, currency TEXT NOT NULL, payee TEXT NOT NULL, outbox_id BIGINT NOT NULL)"
-    );
+    impl Payments for sqlx::Postgres {
+        async fn create_table(pool: &Pool<Self>) -> sqlx::Result<()> {
+            let table = "CREATE TABLE IF NOT EXISTS payments (
+                id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, owner TEXT NOT NULL,
+                order_id TEXT NOT NULL, amount TEXT NOT NULL, currency TEXT NOT NULL,
+                payee TEXT NOT NULL, outbox_id BIGINT NOT NULL)";
+            sqlx::raw_sql(table).execute(pool).await.map(drop)
+        }
 
-    // utf8mb4, so any payee the app accepts fits. INSERT … RETURNING is MariaDB's (10.5+).
+        async fn payment(c: &mut PgConnection, sql: &str, args: &[Arg<'_>]) -> Found {
+            query(sql, args).build_query_as().fetch_optional(c).await
+        }
+    }
+
     #[cfg(feature = "mysql")]
-    payments!(
-        sqlx::MySql,
-        "CREATE TABLE IF NOT EXISTS payments (id BIGINT AUTO_INCREMENT PRIMARY KEY,
-        owner VARCHAR(32) NOT NULL, order_id VARCHAR(32) NOT NULL, amount VARCHAR(32) NOT NULL,
-        currency CHAR(3) NOT NULL, payee VARCHAR(255) NOT NULL, outbox_id BIGINT NOT NULL) DEFAULT CHARSET = utf8mb4"
-    );
+    impl Payments for sqlx::MySql {
+        /// utf8mb4, so any payee the app accepts fits. INSERT … RETURNING is MariaDB's (10.5+).
+        async fn create_table(pool: &Pool<Self>) -> sqlx::Result<()> {
+            let table = "CREATE TABLE IF NOT EXISTS payments (id BIGINT AUTO_INCREMENT PRIMARY KEY,
+                owner VARCHAR(32) NOT NULL, order_id VARCHAR(32) NOT NULL, amount VARCHAR(32) NOT NULL,
+                currency CHAR(3) NOT NULL, payee VARCHAR(255) NOT NULL, outbox_id BIGINT NOT NULL)
+                DEFAULT CHARSET = utf8mb4";
+            sqlx::raw_sql(table).execute(pool).await.map(drop)
+        }
+
+        async fn payment(c: &mut MySqlConnection, sql: &str, args: &[Arg<'_>]) -> Found {
+            query(sql, args).build_query_as().fetch_optional(c).await
+        }
+    }
 }

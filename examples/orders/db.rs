@@ -1,10 +1,16 @@
 //! The example's tables, and how each backend runs its SQL.
 //!
-//! Every statement is written once, with `?` for its arguments in order. [`Backend`] runs it on
-//! each database's own connection type; only the schema and one insert differ per backend.
+//! Every statement is written once, with `?` for its arguments in order, and run on each
+//! database through [`Backend`]; only the schema and one insert differ per backend.
 
 use serde::{Serialize, Serializer};
-use sqlx::{Database, Encode, QueryBuilder, Result, Type};
+#[cfg(feature = "mysql")]
+use sqlx::MySqlConnection;
+#[cfg(feature = "postgres")]
+use sqlx::PgConnection;
+#[cfg(feature = "sqlite")]
+use sqlx::SqliteConnection;
+use sqlx::{Database, Encode, Pool, QueryBuilder, Result, Type};
 
 /// An amount of money in cents: sums and comparisons are exact.
 #[derive(Clone, Copy)]
@@ -100,6 +106,9 @@ pub(crate) enum Arg<'a> {
     Text(&'a str),
 }
 
+/// A statement's text: a constant, so arguments are only ever bound.
+pub(crate) type Sql = &'static str;
+
 /// An order joined with one of its payments (or with `NULL`s), as [`orders`] selects it.
 type OrderRow = (
     i64,
@@ -113,37 +122,42 @@ type OrderRow = (
     Option<i64>,
 );
 
-/// A database the example runs on: one of the crate's backends, with the example's schema.
+/// A database the example runs on: one of the crate's backends, running the example's SQL.
+///
+/// Each backend implements it on its own connection type, in a few lines that only differ by
+/// that type: sqlx implements its traits per database, and one generic implementation would
+/// need higher-ranked bounds.
 pub(crate) trait Backend: axum_idempotency::Backend {
-    /// The example's tables and seed rows.
-    const SCHEMA: &str;
     /// Adds the like (user_id, article_id) unless it exists.
-    const ADD_LIKE: &str;
+    const ADD_LIKE: Sql;
+
+    /// Creates the example's tables and seed rows, unless they exist.
+    fn create_tables(pool: &Pool<Self>) -> impl Future<Output = Result<()>> + Send;
 
     /// Runs a statement; answers how many rows it matched.
     fn execute(
         c: &mut Self::Connection,
-        sql: &'static str,
+        sql: Sql,
         args: &[Arg],
     ) -> impl Future<Output = Result<u64>> + Send;
 
     /// The first column of the first row, if there is a row.
     fn int(
         c: &mut Self::Connection,
-        sql: &'static str,
+        sql: Sql,
         args: &[Arg],
     ) -> impl Future<Output = Result<Option<i64>>> + Send;
 
     fn rows(
         c: &mut Self::Connection,
-        sql: &'static str,
+        sql: Sql,
         args: &[Arg],
     ) -> impl Future<Output = Result<Vec<OrderRow>>> + Send;
 }
 
 /// `sql` with each `?` bound to the next of `args`, in the placeholder syntax of `DB` (`$1`,
-/// `$2`, … on PostgreSQL). The text is always a constant: arguments are only ever bound.
-fn query<'a, DB: Database>(sql: &'static str, args: &[Arg<'a>]) -> QueryBuilder<DB>
+/// `$2`, … on PostgreSQL).
+fn query<'a, DB: Database>(sql: Sql, args: &[Arg<'a>]) -> QueryBuilder<DB>
 where
     i64: Encode<'a, DB> + Type<DB>,
     &'a str: Encode<'a, DB> + Type<DB>,
@@ -160,47 +174,9 @@ where
     query
 }
 
-/// The same three methods on each database: sqlx implements its traits per database, and one
-/// generic implementation would need higher-ranked bounds.
-macro_rules! backend {
-    ($db:ty, $schema:expr, $add_like:expr) => {
-        impl Backend for $db {
-            const SCHEMA: &str = $schema;
-            const ADD_LIKE: &str = $add_like;
-
-            async fn execute(
-                c: &mut Self::Connection,
-                sql: &'static str,
-                args: &[Arg<'_>],
-            ) -> Result<u64> {
-                let done = query::<Self>(sql, args).build().execute(c).await?;
-                Ok(done.rows_affected())
-            }
-
-            async fn int(
-                c: &mut Self::Connection,
-                sql: &'static str,
-                args: &[Arg<'_>],
-            ) -> Result<Option<i64>> {
-                let mut query = query::<Self>(sql, args);
-                query.build_query_scalar().fetch_optional(c).await
-            }
-
-            async fn rows(
-                c: &mut Self::Connection,
-                sql: &'static str,
-                args: &[Arg<'_>],
-            ) -> Result<Vec<OrderRow>> {
-                query::<Self>(sql, args).build_query_as().fetch_all(c).await
-            }
-        }
-    };
-}
-
 #[cfg(feature = "sqlite")]
-backend!(
-    sqlx::Sqlite,
-    "CREATE TABLE IF NOT EXISTS users (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, token TEXT NOT NULL UNIQUE);
+const SQLITE_SCHEMA: &str = "
+    CREATE TABLE IF NOT EXISTS users (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, token TEXT NOT NULL UNIQUE);
     CREATE TABLE IF NOT EXISTS products (sku TEXT PRIMARY KEY, stock INTEGER NOT NULL);
     CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY AUTOINCREMENT, user_id INTEGER NOT NULL,
         status TEXT NOT NULL, sku TEXT NOT NULL, quantity INTEGER NOT NULL, amount INTEGER NOT NULL,
@@ -209,14 +185,36 @@ backend!(
     CREATE TABLE IF NOT EXISTS order_payments (seq INTEGER PRIMARY KEY AUTOINCREMENT, order_id INTEGER NOT NULL,
         payment_id TEXT NOT NULL, amount INTEGER NOT NULL);
     INSERT INTO users (id, name, token) VALUES (1, 'alice', 'alice-token'), (2, 'bob', 'bob-token') ON CONFLICT DO NOTHING;
-    INSERT INTO products (sku, stock) VALUES ('widget', 1000000000), ('gadget', 1) ON CONFLICT DO NOTHING;",
-    "INSERT INTO likes (user_id, article_id) VALUES (?, ?) ON CONFLICT DO NOTHING"
-);
+    INSERT INTO products (sku, stock) VALUES ('widget', 1000000000), ('gadget', 1) ON CONFLICT DO NOTHING;";
+
+#[cfg(feature = "sqlite")]
+impl Backend for sqlx::Sqlite {
+    const ADD_LIKE: Sql =
+        "INSERT INTO likes (user_id, article_id) VALUES (?, ?) ON CONFLICT DO NOTHING";
+
+    async fn create_tables(pool: &Pool<Self>) -> Result<()> {
+        sqlx::raw_sql(SQLITE_SCHEMA).execute(pool).await.map(drop)
+    }
+
+    async fn execute(c: &mut SqliteConnection, sql: Sql, args: &[Arg<'_>]) -> Result<u64> {
+        Ok(query(sql, args).build().execute(c).await?.rows_affected())
+    }
+
+    async fn int(c: &mut SqliteConnection, sql: Sql, args: &[Arg<'_>]) -> Result<Option<i64>> {
+        query(sql, args)
+            .build_query_scalar()
+            .fetch_optional(c)
+            .await
+    }
+
+    async fn rows(c: &mut SqliteConnection, sql: Sql, args: &[Arg<'_>]) -> Result<Vec<OrderRow>> {
+        query(sql, args).build_query_as().fetch_all(c).await
+    }
+}
 
 #[cfg(feature = "postgres")]
-backend!(
-    sqlx::Postgres,
-    "CREATE TABLE IF NOT EXISTS users (id BIGINT PRIMARY KEY, name TEXT NOT NULL UNIQUE, token TEXT NOT NULL UNIQUE);
+const POSTGRES_SCHEMA: &str = "
+    CREATE TABLE IF NOT EXISTS users (id BIGINT PRIMARY KEY, name TEXT NOT NULL UNIQUE, token TEXT NOT NULL UNIQUE);
     CREATE TABLE IF NOT EXISTS products (sku TEXT PRIMARY KEY, stock BIGINT NOT NULL);
     CREATE TABLE IF NOT EXISTS orders (id BIGSERIAL PRIMARY KEY, user_id BIGINT NOT NULL,
         status TEXT NOT NULL, sku TEXT NOT NULL, quantity BIGINT NOT NULL, amount BIGINT NOT NULL,
@@ -225,18 +223,39 @@ backend!(
     CREATE TABLE IF NOT EXISTS order_payments (seq BIGSERIAL PRIMARY KEY, order_id BIGINT NOT NULL,
         payment_id TEXT NOT NULL, amount BIGINT NOT NULL);
     INSERT INTO users (id, name, token) VALUES (1, 'alice', 'alice-token'), (2, 'bob', 'bob-token') ON CONFLICT DO NOTHING;
-    INSERT INTO products (sku, stock) VALUES ('widget', 1000000000), ('gadget', 1) ON CONFLICT DO NOTHING;",
-    "INSERT INTO likes (user_id, article_id) VALUES (?, ?) ON CONFLICT DO NOTHING"
-);
+    INSERT INTO products (sku, stock) VALUES ('widget', 1000000000), ('gadget', 1) ON CONFLICT DO NOTHING;";
 
-// utf8mb4, so any text the app accepts fits. Tokens are VARBINARY: the default collation would
-// take `ALICE-TOKEN` for alice's. INSERT … RETURNING is MariaDB's (10.5+): on MySQL 8 this
-// example needs MariaDB. Likes use a no-op update rather than INSERT IGNORE, which would also
-// silence unrelated errors.
+#[cfg(feature = "postgres")]
+impl Backend for sqlx::Postgres {
+    const ADD_LIKE: Sql =
+        "INSERT INTO likes (user_id, article_id) VALUES (?, ?) ON CONFLICT DO NOTHING";
+
+    async fn create_tables(pool: &Pool<Self>) -> Result<()> {
+        sqlx::raw_sql(POSTGRES_SCHEMA).execute(pool).await.map(drop)
+    }
+
+    async fn execute(c: &mut PgConnection, sql: Sql, args: &[Arg<'_>]) -> Result<u64> {
+        Ok(query(sql, args).build().execute(c).await?.rows_affected())
+    }
+
+    async fn int(c: &mut PgConnection, sql: Sql, args: &[Arg<'_>]) -> Result<Option<i64>> {
+        query(sql, args)
+            .build_query_scalar()
+            .fetch_optional(c)
+            .await
+    }
+
+    async fn rows(c: &mut PgConnection, sql: Sql, args: &[Arg<'_>]) -> Result<Vec<OrderRow>> {
+        query(sql, args).build_query_as().fetch_all(c).await
+    }
+}
+
+/// utf8mb4, so any text the app accepts fits. Tokens are VARBINARY: the default collation
+/// would take `ALICE-TOKEN` for alice's. INSERT … RETURNING is MariaDB's (10.5+): on MySQL 8
+/// this example needs MariaDB.
 #[cfg(feature = "mysql")]
-backend!(
-    sqlx::MySql,
-    "CREATE TABLE IF NOT EXISTS users (id BIGINT PRIMARY KEY, name VARCHAR(255) NOT NULL UNIQUE,
+const MYSQL_SCHEMA: &str = "
+    CREATE TABLE IF NOT EXISTS users (id BIGINT PRIMARY KEY, name VARCHAR(255) NOT NULL UNIQUE,
         token VARBINARY(255) NOT NULL UNIQUE) DEFAULT CHARSET = utf8mb4;
     CREATE TABLE IF NOT EXISTS products (sku VARCHAR(64) PRIMARY KEY, stock BIGINT NOT NULL) DEFAULT CHARSET = utf8mb4;
     CREATE TABLE IF NOT EXISTS orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, user_id BIGINT NOT NULL,
@@ -247,6 +266,30 @@ backend!(
     CREATE TABLE IF NOT EXISTS order_payments (seq BIGINT AUTO_INCREMENT PRIMARY KEY, order_id BIGINT NOT NULL,
         payment_id VARCHAR(255) NOT NULL, amount BIGINT NOT NULL) DEFAULT CHARSET = utf8mb4;
     INSERT IGNORE INTO users (id, name, token) VALUES (1, 'alice', 'alice-token'), (2, 'bob', 'bob-token');
-    INSERT IGNORE INTO products (sku, stock) VALUES ('widget', 1000000000), ('gadget', 1);",
-    "INSERT INTO likes (user_id, article_id) VALUES (?, ?) ON DUPLICATE KEY UPDATE user_id = user_id"
-);
+    INSERT IGNORE INTO products (sku, stock) VALUES ('widget', 1000000000), ('gadget', 1);";
+
+#[cfg(feature = "mysql")]
+impl Backend for sqlx::MySql {
+    // A no-op update rather than INSERT IGNORE, which would also silence unrelated errors.
+    const ADD_LIKE: Sql = "INSERT INTO likes (user_id, article_id) VALUES (?, ?) \
+        ON DUPLICATE KEY UPDATE user_id = user_id";
+
+    async fn create_tables(pool: &Pool<Self>) -> Result<()> {
+        sqlx::raw_sql(MYSQL_SCHEMA).execute(pool).await.map(drop)
+    }
+
+    async fn execute(c: &mut MySqlConnection, sql: Sql, args: &[Arg<'_>]) -> Result<u64> {
+        Ok(query(sql, args).build().execute(c).await?.rows_affected())
+    }
+
+    async fn int(c: &mut MySqlConnection, sql: Sql, args: &[Arg<'_>]) -> Result<Option<i64>> {
+        query(sql, args)
+            .build_query_scalar()
+            .fetch_optional(c)
+            .await
+    }
+
+    async fn rows(c: &mut MySqlConnection, sql: Sql, args: &[Arg<'_>]) -> Result<Vec<OrderRow>> {
+        query(sql, args).build_query_as().fetch_all(c).await
+    }
+}

@@ -732,7 +732,7 @@ mod db {
     }
 
     /// `sql` with each `?` bound to the next of `args`, in the placeholder syntax of `DB` (`$1`,
-    /// `$2`, … on PostgreSQL).
+    /// `$2`, … on PostgreSQL). The statements here hold no `?` of their own, in a literal say.
     fn query<'a, DB: Database>(sql: &str, args: &[Arg<'a>]) -> QueryBuilder<DB>
     where
         i64: Encode<'a, DB> + Type<DB>,

@@ -148,6 +148,7 @@ pub(crate) trait Backend: axum_idempotency::Backend {
         args: &[Arg],
     ) -> impl Future<Output = Result<Option<i64>>> + Send;
 
+    /// Every row, as [`orders`] selects them.
     fn rows(
         c: &mut Self::Connection,
         sql: Sql,
@@ -156,7 +157,7 @@ pub(crate) trait Backend: axum_idempotency::Backend {
 }
 
 /// `sql` with each `?` bound to the next of `args`, in the placeholder syntax of `DB` (`$1`,
-/// `$2`, … on PostgreSQL).
+/// `$2`, … on PostgreSQL). The statements here hold no `?` of their own, in a literal say.
 fn query<'a, DB: Database>(sql: Sql, args: &[Arg<'a>]) -> QueryBuilder<DB>
 where
     i64: Encode<'a, DB> + Type<DB>,

@@ -16,38 +16,34 @@
 //! curl -i http://127.0.0.1:3001/payments/1 -H 'Authorization: Bearer alice-token'
 //! ```
 //!
-//! `POST /payments` never calls the provider. It writes the payment and an outbox message in
-//! the request's transaction — the one that also holds the idempotency claim — and answers
-//! `202 Accepted` with `{ id, status: "pending" }`. A dispatcher task sends the charge after the
-//! commit with a downstream key derived from the request's scoped key, so retries, resends and
-//! crashes all reach the provider as one charge. `GET /payments/{id}` shows `pending`,
-//! `succeeded` (with the provider's charge id) or `failed` (with the reason).
+//! `POST /payments` never calls the provider: it writes the payment and an outbox message in
+//! the request's transaction, the one that holds the idempotency claim, and answers `202` with
+//! `{ id, status: "pending" }`. A dispatcher sends the charge after the commit, with a
+//! downstream key derived from the request's scoped key, so retries, resends and crashes reach
+//! the provider as one charge. `GET /payments/{id}` shows `pending`, `succeeded` (with the
+//! provider's `charge_id`) or `failed` (with the `reason`).
 //!
-//! A payment is refused with a final `400` (`invalid_payment`) unless its `order_id` is an
-//! integer or a string of digits (what the orders example can apply), its `amount` a positive
-//! number of at most two decimals below 10^13, its `currency` three capital letters and its
-//! `payee` 1 to 255 printable characters: the provider is never charged for it.
+//! A payment is a final `400 invalid_payment`, never charged, unless its `order_id` is an integer
+//! or a string of digits (what the orders example can apply), its `amount` a positive number of
+//! at most two decimals below 10^13, its `currency` three capital letters and its `payee` 1 to
+//! 255 printable characters.
 //!
-//! Environment: `BIND` (default `127.0.0.1:3001`), `DATABASE_URL` (default
-//! `sqlite:payments.db`; `postgres://…` with `--features postgres` or `mysql://…` with
-//! `--features mysql` switches), `PROVIDER_URL` (default `http://127.0.0.1:4000`),
-//! `DISPATCHERS` (dispatcher tasks, default 1; 0 only accepts payments), `PROVIDER_LOOKUP=off`
-//! (resend on an unknown outcome without looking the charge up first), and `OUTBOX_POLL_MS`,
-//! `OUTBOX_SEND_TIMEOUT_MS`, `OUTBOX_LEASE_MS` (15 000: how soon a dead dispatcher's message is
-//! taken over), `OUTBOX_LOOKUP_GRACE_MS`, `OUTBOX_MAX_ATTEMPTS`,
-//! `OUTBOX_BACKOFF_MS` to tune the dispatcher.
+//! Environment: `BIND` (default `127.0.0.1:3001`), `DATABASE_URL` (default `sqlite:payments.db`;
+//! `postgres://…` with `--features postgres`, `mysql://…` with `--features mysql`),
+//! `PROVIDER_URL` (default `http://127.0.0.1:4000`), `PROVIDER_LOOKUP=off` (resend on an unknown
+//! outcome without looking the charge up first), `DISPATCHERS` (default 1; 0 only accepts
+//! payments), and `OUTBOX_POLL_MS`, `OUTBOX_SEND_TIMEOUT_MS`, `OUTBOX_LEASE_MS` (15 000: how
+//! soon a dead dispatcher's message is taken over), `OUTBOX_LOOKUP_GRACE_MS`,
+//! `OUTBOX_MAX_ATTEMPTS`, `OUTBOX_BACKOFF_MS` for the dispatcher.
 //!
 //! With `BROKER_URL=amqp://…` (`--features rabbitmq`) or `nats://…` (`--features nats`), each
-//! succeeded payment also publishes, through the same outbox, the event
-//! `{"payment_id", "order_id", "amount", "currency"}` (order id as given when the payment was
-//! created) with a downstream key of its own as the message id: RabbitMQ topic exchange
-//! `payments`, routing key `payment.succeeded`; NATS stream `PAYMENTS` (subjects `payments.>`),
-//! subject `payments.succeeded`. `BROKER_NAMESPACE` prefixes those names (for tests).
+//! succeeded payment also publishes, through the same outbox, the event `{"payment_id",
+//! "order_id", "amount", "currency"}` that the orders example consumes: RabbitMQ topic exchange
+//! `payments`, routing key `payment.succeeded`; NATS stream `PAYMENTS`, subject
+//! `payments.succeeded`. `BROKER_NAMESPACE` prefixes those names (for tests).
 //!
-//! Users: `Authorization: Bearer alice-token` (alice) or `bob-token` (bob); anything else is 401.
-//!
-//! It stops on SIGTERM as on Ctrl-C: it answers every request in flight, stops the dispatchers
-//! and exits 0. A connection whose request head takes over 5 s is closed.
+//! Users: `Authorization: Bearer alice-token` or `bob-token`; anything else is 401. It stops on
+//! SIGTERM as on Ctrl-C, after answering the requests in flight and stopping the dispatchers.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -79,7 +75,8 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use serde::Deserialize;
 use serde_json::{Value, json};
-use sqlx::Pool;
+use sqlx::pool::PoolOptions;
+use sqlx::{Connection, Pool};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 
@@ -94,39 +91,36 @@ async fn main() -> Result<(), Error> {
     let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
     tracing_subscriber::fmt().with_env_filter(filter).init();
     let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "sqlite:payments.db".into());
-    // Each arm connects its backend and creates the payments table; the rest is generic.
     match url.split(':').next().unwrap_or_default() {
         #[cfg(feature = "sqlite")]
         "sqlite" => {
-            use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+            use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
             let options = url.parse::<SqliteConnectOptions>()?.create_if_missing(true);
-            let options = options.journal_mode(SqliteJournalMode::Wal);
-            let pool = SqlitePoolOptions::new().connect_with(options).await?;
-            sqlx::raw_sql(db::SQLITE).execute(&pool).await?;
-            serve(pool).await
+            serve::<sqlx::Sqlite>(options.journal_mode(SqliteJournalMode::Wal), 10).await
         }
         #[cfg(feature = "postgres")]
-        "postgres" | "postgresql" => {
-            let pool = sqlx::postgres::PgPoolOptions::new().max_connections(16);
-            let pool = pool.connect(&url).await?;
-            sqlx::raw_sql(db::POSTGRES).execute(&pool).await?;
-            serve(pool).await
-        }
+        "postgres" | "postgresql" => serve::<sqlx::Postgres>(url.parse()?, 16).await,
         #[cfg(feature = "mysql")]
-        "mysql" | "mariadb" => {
-            let pool = sqlx::mysql::MySqlPoolOptions::new().max_connections(16);
-            let pool = pool.connect(&url).await?;
-            sqlx::raw_sql(db::MYSQL).execute(&pool).await?;
-            serve(pool).await
-        }
+        "mysql" | "mariadb" => serve::<sqlx::MySql>(url.parse()?, 16).await,
         other => Err(format!("DATABASE_URL {other:?} is not built in (see --features)").into()),
     }
 }
 
-/// Starts the dispatchers and serves the API until SIGTERM (Kubernetes, systemd) or Ctrl-C:
-/// then it stops accepting, answers every request in flight, stops the dispatchers and
-/// returns.
-async fn serve<DB: Payments>(pool: Pool<DB>) -> Result<(), Error> {
+/// The handlers' state: the pool and the outbox on it.
+type AppState<DB> = (Pool<DB>, Outbox<DB>);
+
+/// Connects to the database and creates the tables, starts the dispatchers and serves the API
+/// until SIGTERM (Kubernetes, systemd) or Ctrl-C: then it stops accepting, answers every request
+/// in flight, stops the dispatchers and returns.
+async fn serve<DB: Payments>(
+    database: <DB::Connection as Connection>::Options,
+    pool_size: u32,
+) -> Result<(), Error> {
+    let pool = PoolOptions::<DB>::new()
+        .max_connections(pool_size)
+        .connect_with(database)
+        .await?;
+    DB::create_table(&pool).await?;
     let store = Store::new(pool.clone());
     store.migrate().await?;
     let outbox = Outbox::new(pool.clone());
@@ -140,7 +134,7 @@ async fn serve<DB: Payments>(pool: Pool<DB>) -> Result<(), Error> {
     let (mut dispatchers, mut wakers) = (Vec::new(), Vec::new());
     for _ in 0..env_or("DISPATCHERS", 1) {
         let routed = Routed {
-            provider: provider(),
+            provider: Provider::from_env(),
             broker: broker.clone(),
             outbox: outbox.clone(),
             pool: pool.clone(),
@@ -174,7 +168,7 @@ async fn serve<DB: Payments>(pool: Pool<DB>) -> Result<(), Error> {
             std::future::ready(response)
         }))
         .route("/payments/{id}", get(show::<DB>))
-        .with_state(AppState { pool, outbox });
+        .with_state((pool, outbox));
 
     // Listening for signals before the address is printed: a signal sent as soon as the server
     // is up is never met by the default action (an abrupt exit).
@@ -223,19 +217,6 @@ fn env_or(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-struct AppState<DB: Payments> {
-    pool: Pool<DB>,
-    outbox: Outbox<DB>,
-}
-
-// By hand: a derived `Clone` would ask for `DB: Clone`, which the database types are not.
-impl<DB: Payments> Clone for AppState<DB> {
-    fn clone(&self) -> Self {
-        let (pool, outbox) = (self.pool.clone(), self.outbox.clone());
-        Self { pool, outbox }
-    }
-}
-
 /// The authenticated caller; the idempotency layer scopes keys to it.
 #[derive(Clone, Debug)]
 struct AuthUser(&'static str);
@@ -273,7 +254,7 @@ struct NewPayment {
 }
 
 async fn create<DB: Payments>(
-    State(state): State<AppState<DB>>,
+    State((_, outbox)): State<AppState<DB>>,
     user: AuthUser,
     context: IdempotencyContext,
     mut tx: Tx<DB>,
@@ -320,7 +301,7 @@ async fn create<DB: Payments>(
     let charge = json!({ "order_id": payment.order_id, "amount": amount, "currency": currency, "payee": payee });
     let message = Message::json(CHARGE_TOPIC, downstream_key, &charge)
         .map_err(|error| Problem::Internal(error.to_string()))?;
-    let outbox_id = state.outbox.enqueue(&mut tx, message).await?.get();
+    let outbox_id = outbox.enqueue(&mut tx, message).await?.get();
     let insert = format!(
         "INSERT INTO payments (owner, order_id, amount, currency, payee, outbox_id) \
          VALUES (?, ?, ?, ?, ?, ?) RETURNING {COLUMNS}"
@@ -358,12 +339,12 @@ fn cents(number: &str) -> Option<i64> {
 }
 
 async fn show<DB: Payments>(
-    State(state): State<AppState<DB>>,
+    State((pool, outbox)): State<AppState<DB>>,
     user: AuthUser,
     Path(id): Path<i64>,
 ) -> Result<Response, Problem> {
     let sql = format!("SELECT {COLUMNS} FROM payments WHERE id = ? AND owner = ?");
-    let mut conn = state.pool.acquire().await?;
+    let mut conn = pool.acquire().await?;
     let row = DB::payment(&mut conn, &sql, &[Int(id), Text(user.0)]).await?;
     drop(conn);
     let (id, order_id, amount, currency, payee, outbox_id) = row.ok_or(Problem::Refused(
@@ -374,7 +355,7 @@ async fn show<DB: Payments>(
     // The amount was kept as the exact decimal text it was sent as; answered as the number it is.
     let amount = serde_json::from_str::<Value>(&amount).unwrap_or(Value::Null);
     let mut body = json!({ "id": id, "order_id": order_id, "amount": amount, "currency": currency, "payee": payee });
-    let record = state.outbox.status(MessageId::from(outbox_id)).await?;
+    let record = outbox.status(MessageId::from(outbox_id)).await?;
     let record = record.ok_or(Problem::Internal(
         "the payment's outbox message is missing".into(),
     ))?;
@@ -392,14 +373,6 @@ async fn show<DB: Payments>(
     Ok(Json(body).into_response())
 }
 
-fn provider() -> Provider {
-    Provider {
-        client: Client::builder(TokioExecutor::new()).build_http(),
-        base: std::env::var("PROVIDER_URL").unwrap_or_else(|_| "http://127.0.0.1:4000".into()),
-        lookup: std::env::var("PROVIDER_LOOKUP").as_deref() != Ok("off"),
-    }
-}
-
 /// Charges through the provider's HTTP API, with the downstream key as `Idempotency-Key`.
 struct Provider {
     client: Client<HttpConnector, Full<Bytes>>,
@@ -411,6 +384,14 @@ struct Provider {
 type Answer = (StatusCode, Option<Duration>, Bytes);
 
 impl Provider {
+    fn from_env() -> Self {
+        Self {
+            client: Client::builder(TokioExecutor::new()).build_http(),
+            base: std::env::var("PROVIDER_URL").unwrap_or_else(|_| "http://127.0.0.1:4000".into()),
+            lookup: std::env::var("PROVIDER_LOOKUP").as_deref() != Ok("off"),
+        }
+    }
+
     /// `Err((sent, reason))`: `sent` is false when the request certainly never left.
     async fn call(&self, request: http::Request<Full<Bytes>>) -> Result<Answer, (bool, String)> {
         let response = match self.client.request(request).await {
@@ -591,8 +572,9 @@ impl Broker {
             #[cfg(feature = "rabbitmq")]
             "amqp" | "amqps" => {
                 use lapin::options::ExchangeDeclareOptions;
-                let connection = lapin::Connection::connect(url, Default::default()).await?;
-                let (connection, exchange) = (Arc::new(connection), name("payments"));
+                let connection =
+                    Arc::new(lapin::Connection::connect(url, Default::default()).await?);
+                let exchange = name("payments");
                 let durable = ExchangeDeclareOptions {
                     durable: true,
                     ..ExchangeDeclareOptions::default()
@@ -709,11 +691,16 @@ impl IntoResponse for Problem {
     }
 }
 
-/// The payments table, and how each backend runs a statement on it. The handlers write each
-/// statement once with `?` for its arguments; each backend implements [`Payments`] on its own
-/// connection type, so nothing is generic over sqlx's encoding traits.
+/// The payments table, and how each backend runs a statement on it: written once with `?` for
+/// its arguments, bound in each database's placeholder syntax.
 mod db {
-    use std::future::Future;
+    #[cfg(feature = "mysql")]
+    use sqlx::MySqlConnection;
+    #[cfg(feature = "postgres")]
+    use sqlx::PgConnection;
+    #[cfg(feature = "sqlite")]
+    use sqlx::SqliteConnection;
+    use sqlx::{Database, Encode, Pool, QueryBuilder, Type};
 
     #[derive(Clone, Copy)]
     pub(crate) enum Arg<'a> {
@@ -721,90 +708,90 @@ mod db {
         Text(&'a str),
     }
 
-    type Conn<DB> = <DB as sqlx::Database>::Connection;
     /// id, order_id, amount (its exact decimal text), currency, payee, outbox_id.
     pub(crate) type Row = (i64, String, String, String, String, i64);
+    /// The payment a statement selected or inserted, if any.
+    type Found = sqlx::Result<Option<Row>>;
     pub(crate) const COLUMNS: &str = "id, order_id, amount, currency, payee, outbox_id";
 
+    /// A database the example runs on: one of the crate's backends, with the payments table.
+    ///
+    /// Each backend implements it on its own connection type, in a few lines that only differ
+    /// by that type: sqlx implements its traits per database, and one generic implementation
+    /// would need higher-ranked bounds.
     pub(crate) trait Payments: axum_idempotency::Backend {
+        /// Creates the payments table unless it exists.
+        fn create_table(pool: &Pool<Self>) -> impl Future<Output = sqlx::Result<()>> + Send;
+
         /// The payment a statement selects (or inserts, `RETURNING` its [`COLUMNS`]), if any.
         fn payment(
-            c: &mut Conn<Self>,
+            c: &mut Self::Connection,
             sql: &str,
             args: &[Arg],
-        ) -> impl Future<Output = sqlx::Result<Option<Row>>> + Send;
+        ) -> impl Future<Output = Found> + Send;
     }
 
-    #[cfg(feature = "sqlite")]
-    pub(crate) const SQLITE: &str =
-        "CREATE TABLE IF NOT EXISTS payments (id INTEGER PRIMARY KEY AUTOINCREMENT,
-        owner TEXT NOT NULL, order_id TEXT NOT NULL, amount TEXT NOT NULL, currency TEXT NOT NULL,
-        payee TEXT NOT NULL, outbox_id BIGINT NOT NULL)";
+    /// `sql` with each `?` bound to the next of `args`, in the placeholder syntax of `DB` (`$1`,
+    /// `$2`, … on PostgreSQL). The statements here hold no `?` of their own, in a literal say.
+    fn query<'a, DB: Database>(sql: &str, args: &[Arg<'a>]) -> QueryBuilder<DB>
+    where
+        i64: Encode<'a, DB> + Type<DB>,
+        &'a str: Encode<'a, DB> + Type<DB>,
+    {
+        let mut parts = sql.split('?');
+        let mut query = QueryBuilder::new(parts.next().unwrap_or_default());
+        for (arg, part) in args.iter().zip(parts) {
+            match *arg {
+                Arg::Int(value) => query.push_bind(value),
+                Arg::Text(value) => query.push_bind(value),
+            };
+            query.push(part);
+        }
+        query
+    }
 
     #[cfg(feature = "sqlite")]
     impl Payments for sqlx::Sqlite {
-        async fn payment(
-            c: &mut Conn<Self>,
-            sql: &str,
-            args: &[Arg<'_>],
-        ) -> sqlx::Result<Option<Row>> {
-            let query = sqlx::query_as(sqlx::AssertSqlSafe(sql.to_owned()));
-            let query = args.iter().fold(query, |query, arg| match *arg {
-                Arg::Int(value) => query.bind(value),
-                Arg::Text(value) => query.bind(value),
-            });
-            query.fetch_optional(c).await
+        async fn create_table(pool: &Pool<Self>) -> sqlx::Result<()> {
+            let table = "CREATE TABLE IF NOT EXISTS payments (id INTEGER PRIMARY KEY AUTOINCREMENT,
+                owner TEXT NOT NULL, order_id TEXT NOT NULL, amount TEXT NOT NULL,
+                currency TEXT NOT NULL, payee TEXT NOT NULL, outbox_id BIGINT NOT NULL)";
+            sqlx::raw_sql(table).execute(pool).await.map(drop)
+        }
+
+        async fn payment(c: &mut SqliteConnection, sql: &str, args: &[Arg<'_>]) -> Found {
+            query(sql, args).build_query_as().fetch_optional(c).await
         }
     }
-
-    #[cfg(feature = "postgres")]
-    pub(crate) const POSTGRES: &str = "CREATE TABLE IF NOT EXISTS payments (
-        id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, owner TEXT NOT NULL, order_id TEXT NOT NULL,
-        amount TEXT NOT NULL, currency TEXT NOT NULL, payee TEXT NOT NULL, outbox_id BIGINT NOT NULL)";
 
     #[cfg(feature = "postgres")]
     impl Payments for sqlx::Postgres {
-        async fn payment(
-            c: &mut Conn<Self>,
-            sql: &str,
-            args: &[Arg<'_>],
-        ) -> sqlx::Result<Option<Row>> {
-            // PostgreSQL numbers its parameters: each `?` becomes `$1`, `$2`, … in order.
-            let mut numbered = String::with_capacity(sql.len() + 16);
-            for (n, part) in sql.split('?').enumerate() {
-                if n > 0 {
-                    numbered.push_str(&format!("${n}"));
-                }
-                numbered.push_str(part);
-            }
-            let query = sqlx::query_as(sqlx::AssertSqlSafe(numbered));
-            let query = args.iter().fold(query, |query, arg| match *arg {
-                Arg::Int(value) => query.bind(value),
-                Arg::Text(value) => query.bind(value),
-            });
-            query.fetch_optional(c).await
+        async fn create_table(pool: &Pool<Self>) -> sqlx::Result<()> {
+            let table = "CREATE TABLE IF NOT EXISTS payments (
+                id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, owner TEXT NOT NULL,
+                order_id TEXT NOT NULL, amount TEXT NOT NULL, currency TEXT NOT NULL,
+                payee TEXT NOT NULL, outbox_id BIGINT NOT NULL)";
+            sqlx::raw_sql(table).execute(pool).await.map(drop)
+        }
+
+        async fn payment(c: &mut PgConnection, sql: &str, args: &[Arg<'_>]) -> Found {
+            query(sql, args).build_query_as().fetch_optional(c).await
         }
     }
 
-    /// utf8mb4, so any payee the app accepts fits. INSERT … RETURNING is MariaDB's (10.5+).
-    #[cfg(feature = "mysql")]
-    pub(crate) const MYSQL: &str = "CREATE TABLE IF NOT EXISTS payments (id BIGINT AUTO_INCREMENT PRIMARY KEY,
-        owner VARCHAR(32) NOT NULL, order_id VARCHAR(32) NOT NULL, amount VARCHAR(32) NOT NULL,
-        currency CHAR(3) NOT NULL, payee VARCHAR(255) NOT NULL, outbox_id BIGINT NOT NULL) DEFAULT CHARSET = utf8mb4";
-
     #[cfg(feature = "mysql")]
     impl Payments for sqlx::MySql {
-        async fn payment(
-            c: &mut Conn<Self>,
-            sql: &str,
-            args: &[Arg<'_>],
-        ) -> sqlx::Result<Option<Row>> {
-            let query = sqlx::query_as(sqlx::AssertSqlSafe(sql.to_owned()));
-            let query = args.iter().fold(query, |query, arg| match *arg {
-                Arg::Int(value) => query.bind(value),
-                Arg::Text(value) => query.bind(value),
-            });
-            query.fetch_optional(c).await
+        /// utf8mb4, so any payee the app accepts fits. INSERT … RETURNING is MariaDB's (10.5+).
+        async fn create_table(pool: &Pool<Self>) -> sqlx::Result<()> {
+            let table = "CREATE TABLE IF NOT EXISTS payments (id BIGINT AUTO_INCREMENT PRIMARY KEY,
+                owner VARCHAR(32) NOT NULL, order_id VARCHAR(32) NOT NULL, amount VARCHAR(32) NOT NULL,
+                currency CHAR(3) NOT NULL, payee VARCHAR(255) NOT NULL, outbox_id BIGINT NOT NULL)
+                DEFAULT CHARSET = utf8mb4";
+            sqlx::raw_sql(table).execute(pool).await.map(drop)
+        }
+
+        async fn payment(c: &mut MySqlConnection, sql: &str, args: &[Arg<'_>]) -> Found {
+            query(sql, args).build_query_as().fetch_optional(c).await
         }
     }
 }

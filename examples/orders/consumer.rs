@@ -1,29 +1,23 @@
 //! The orders side of the chain: payment events from the broker, applied once per payment id.
 //!
 //! `BROKER_URL=amqp://…` (feature `rabbitmq`) consumes the durable queue
-//! `orders.payment-succeeded`, bound to the topic exchange `payments` with routing key
-//! `payment.succeeded`; dead letters go to `orders.payment-succeeded.dead`.
-//! `BROKER_URL=nats://…` (feature `nats`) consumes the durable consumer `orders` on the stream
-//! `PAYMENTS` (subjects `payments.>`), filter `payments.succeeded`; dead letters go to the
-//! stream `ORDERS_DEAD` (subjects `orders.dead.>`). `orders replay-dead` replays the dead
-//! letters once and exits.
-//!
-//! Should the consumer stop (its queue or durable consumer deleted from outside, its
-//! connection lost), the process logs why and exits 1, for its supervisor to restart it; the
-//! restart declares what is missing again.
+//! `orders.payment-succeeded` bound to the topic exchange `payments` (routing key
+//! `payment.succeeded`); `nats://…` (feature `nats`) the durable consumer `orders` on the stream
+//! `PAYMENTS`. Dead letters go to `orders.payment-succeeded.dead` or the stream `ORDERS_DEAD`;
+//! `orders replay-dead` replays them once and exits. Should the consumer stop, the process
+//! exits 1 for its supervisor to restart it.
 //!
 //! Tuning: `ORDERS_CONSUMER_CONCURRENCY` (default 4), `ORDERS_CONSUMER_MAX_ATTEMPTS` (5),
-//! `ORDERS_CONSUMER_BACKOFF_MS` (1000), `ORDERS_CONSUMER_ACK_WAIT_SECS` (NATS, 10; progress
-//! acks keep a running handler's message meanwhile).
-//! For tests: `BROKER_NAMESPACE` prefixes every broker name (`t1.payments`, `T1_PAYMENTS`),
-//! `ORDERS_CONSUMER_FAIL_PERCENT` makes that share of attempts write and then fail
-//! (retryable), `ORDERS_FAILPOINT=after-commit` freezes the process after the first commit,
-//! before its ack (to be killed), and `ORDERS_CONSUMER_STATS_MS` prints the inbox's counters.
+//! `ORDERS_CONSUMER_BACKOFF_MS` (1000), `ORDERS_CONSUMER_ACK_WAIT_SECS` (NATS, 10).
+//! For tests: `BROKER_NAMESPACE` prefixes every broker name, `ORDERS_CONSUMER_FAIL_PERCENT`
+//! makes that share of attempts write and then fail, `ORDERS_FAILPOINT=after-commit` freezes
+//! the process after its first commit, before the ack, and `ORDERS_CONSUMER_STATS_MS` prints
+//! the inbox's counters.
 
 use std::fmt::Display;
 use std::time::Duration;
 
-use axum_idempotency::inbox::{Delivery, Failure, Inbox, ReplayReport, Stats, Verdict};
+use axum_idempotency::inbox::{Delivery, Failure, Inbox, ReplayReport, Verdict};
 use axum_idempotency::{Store, Tx};
 use serde::Deserialize;
 use serde_json::Value;
@@ -103,7 +97,7 @@ pub(crate) async fn spawn<DB: Backend>(store: Store<DB>, broker_url: &str) -> Re
 
 /// The inbox's key: the payment id, so a payment applies once whatever its message ids.
 fn payment_id(delivery: &Delivery) -> Result<String, Failure> {
-    Ok(Event::parse(delivery.payload())?.payment_id)
+    Ok(parse(delivery.payload())?.0)
 }
 
 /// `ORDERS_FAILPOINT=after-commit`: committed, not acked; frozen here until the test kills the
@@ -122,15 +116,10 @@ fn print_stats<DB: Backend>(every: Duration, inbox: Inbox<DB>) {
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(every).await;
-            let Stats {
-                processed,
-                duplicates,
-                retried,
-                dead,
-                ..
-            } = inbox.stats();
+            let stats = inbox.stats();
             println!(
-                "consumer stats processed={processed} duplicates={duplicates} retried={retried} dead={dead}"
+                "consumer stats processed={} duplicates={} retried={} dead={}",
+                stats.processed, stats.duplicates, stats.retried, stats.dead
             );
         }
     });
@@ -157,14 +146,9 @@ fn run<E: Display>(consumer: impl Future<Output = Result<(), E>> + Send + 'stati
 
 /// Reports an operator's replay and ends the process: `replay-dead` is a one-off command.
 fn replayed(report: ReplayReport) -> ! {
-    let ReplayReport {
-        applied,
-        duplicates,
-        still_dead,
-        ..
-    } = report;
     println!(
-        "replayed dead letters: applied={applied} duplicates={duplicates} still_dead={still_dead}"
+        "replayed dead letters: applied={} duplicates={} still_dead={}",
+        report.applied, report.duplicates, report.still_dead
     );
     std::process::exit(0)
 }
@@ -182,52 +166,40 @@ fn name(name: &str) -> String {
 }
 
 /// A payment event as the payments example publishes it.
+#[derive(Deserialize)]
 struct Event {
     payment_id: String,
-    order_id: i64,
-    amount: Cents,
+    /// An integer or a string of digits.
+    order_id: Value,
+    amount: serde_json::Number,
+    /// Required, though orders keep the currency they were placed in.
+    #[serde(rename = "currency")]
+    _currency: String,
 }
 
-impl Event {
-    /// A malformed event, or one the tables cannot hold, is a permanent failure: dead-lettered
-    /// at once rather than retried.
-    fn parse(payload: &[u8]) -> Result<Self, Failure> {
-        #[derive(Deserialize)]
-        struct Sent {
-            payment_id: String,
-            /// An integer or a string of digits.
-            order_id: Value,
-            amount: serde_json::Number,
-            /// Required, though orders keep the currency they were placed in.
-            #[serde(rename = "currency")]
-            _currency: String,
-        }
-        let sent: Sent = serde_json::from_slice(payload)
-            .map_err(|e| Failure::permanent(format!("malformed event: {e}")))?;
-        let id = &sent.payment_id;
-        if id.is_empty() || id.chars().count() > 255 || id.contains(char::is_control) {
-            let reason = "payment_id must be 1 to 255 printable characters";
-            return Err(Failure::permanent(reason));
-        }
-        let order_id = match &sent.order_id {
-            Value::Number(n) => n.as_i64(),
-            Value::String(s) if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) => {
-                s.parse().ok()
-            }
-            _ => None,
-        };
-        let order_id = order_id.ok_or(Failure::permanent(
-            "order_id must be an integer or a string of digits",
-        ))?;
-        let amount = Cents::parse(&sent.amount);
-        let amount = amount.ok_or(Failure::permanent("amount must be a number of whole cents"))?;
-        let payment_id = sent.payment_id;
-        Ok(Self {
-            payment_id,
-            order_id,
-            amount,
-        })
+/// An event's payment id, order id and amount. A malformed event, or one the tables cannot
+/// hold, is a permanent failure: dead-lettered at once rather than retried.
+fn parse(payload: &[u8]) -> Result<(String, i64, Cents), Failure> {
+    let event: Event = serde_json::from_slice(payload)
+        .map_err(|e| Failure::permanent(format!("malformed event: {e}")))?;
+    let id = &event.payment_id;
+    if id.is_empty() || id.chars().count() > 255 || id.contains(char::is_control) {
+        let reason = "payment_id must be 1 to 255 printable characters";
+        return Err(Failure::permanent(reason));
     }
+    let order_id = match &event.order_id {
+        Value::Number(n) => n.as_i64(),
+        Value::String(s) if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) => {
+            s.parse().ok()
+        }
+        _ => None,
+    };
+    let order_id = order_id.ok_or(Failure::permanent(
+        "order_id must be an integer or a string of digits",
+    ))?;
+    let amount = Cents::parse(&event.amount);
+    let amount = amount.ok_or(Failure::permanent("amount must be a number of whole cents"))?;
+    Ok((event.payment_id, order_id, amount))
 }
 
 /// Applies one event in the inbox's transaction, the one that holds the claim on its payment
@@ -241,20 +213,19 @@ async fn apply<DB: Backend>(
     delivery: Delivery,
     fail_percent: u32,
 ) -> Result<(), Failure> {
-    let event = Event::parse(delivery.payload())?;
-    let (order, amount) = (Arg::Int(event.order_id), Arg::Int(event.amount.0));
+    let (payment_id, order_id, amount) = parse(delivery.payload())?;
+    let (order, amount) = (Arg::Int(order_id), Arg::Int(amount.0));
     let pay = "UPDATE orders SET status = CASE WHEN paid_total + ? >= amount THEN 'paid' ELSE status END, \
         paid_total = paid_total + ? WHERE id = ?";
     // `?` makes a conflict abort `Failure::Conflict`, run again at once, and any other
     // database error a retryable failure the broker redelivers later.
     if DB::execute(&mut tx, pay, &[amount, amount, order]).await? == 0 {
         return Err(Failure::permanent(format!(
-            "order {} does not exist",
-            event.order_id
+            "order {order_id} does not exist"
         )));
     }
     let insert = "INSERT INTO order_payments (order_id, payment_id, amount) VALUES (?, ?, ?)";
-    let args = [order, Arg::Text(&event.payment_id), amount];
+    let args = [order, Arg::Text(&payment_id), amount];
     DB::execute(&mut tx, insert, &args).await?;
     if fail_percent > 0 && fastrand::u32(0..100) < fail_percent {
         // Written, then failed: the rollback must leave neither the row nor the claim.

@@ -1,14 +1,16 @@
-//! How each backend runs the example's SQL.
+//! The example's tables, and how each backend runs its SQL.
 //!
-//! The handlers write each statement once, with `?` for its arguments in order, and run it
-//! through [`Backend`]. Each backend implements it on its own connection type, so nothing here
-//! is generic over sqlx's encoding traits. What differs per backend is kept as constants: the
-//! schema and the one insert that ignores a duplicate.
-
-use std::future::Future;
+//! Every statement is written once, with `?` for its arguments in order, and run on each
+//! database through [`Backend`]; only the schema and one insert differ per backend.
 
 use serde::{Serialize, Serializer};
-use sqlx::Result;
+#[cfg(feature = "mysql")]
+use sqlx::MySqlConnection;
+#[cfg(feature = "postgres")]
+use sqlx::PgConnection;
+#[cfg(feature = "sqlite")]
+use sqlx::SqliteConnection;
+use sqlx::{Database, Encode, Pool, QueryBuilder, Result, Type};
 
 /// An amount of money in cents: sums and comparisons are exact.
 #[derive(Clone, Copy)]
@@ -55,9 +57,46 @@ pub(crate) struct Order {
 }
 
 #[derive(Serialize)]
-pub(crate) struct Payment {
+struct Payment {
     payment_id: String,
     amount: Cents,
+}
+
+/// The user's orders with ids in `first..=last`, by id, each with its payments.
+pub(crate) async fn orders<DB: Backend>(
+    c: &mut DB::Connection,
+    user_id: i64,
+    (first, last): (i64, i64),
+) -> Result<Vec<Order>> {
+    let sql = "SELECT o.id, o.status, o.sku, o.quantity, o.amount, o.currency, o.paid_total, \
+        p.payment_id, p.amount FROM orders o LEFT JOIN order_payments p ON p.order_id = o.id \
+        WHERE o.user_id = ? AND o.id BETWEEN ? AND ? ORDER BY o.id, p.seq";
+    let args = [Arg::Int(user_id), Arg::Int(first), Arg::Int(last)];
+    let mut orders: Vec<Order> = Vec::new();
+    for (id, status, sku, quantity, amount, currency, paid, payment_id, paid_amount) in
+        DB::rows(c, sql, &args).await?
+    {
+        if orders.last().is_none_or(|order| order.id != id) {
+            orders.push(Order {
+                id,
+                status,
+                sku,
+                quantity,
+                amount: Cents(amount),
+                currency,
+                payments: Vec::new(),
+                paid_total: Cents(paid),
+            });
+        }
+        // A `LEFT JOIN` row of an order no payment has reached carries `NULL`s.
+        if let (Some(order), Some(payment_id), Some(amount)) =
+            (orders.last_mut(), payment_id, paid_amount)
+        {
+            let amount = Cents(amount);
+            order.payments.push(Payment { payment_id, amount });
+        }
+    }
+    Ok(orders)
 }
 
 /// An argument of a statement.
@@ -67,9 +106,9 @@ pub(crate) enum Arg<'a> {
     Text(&'a str),
 }
 
-/// A statement's text, constant: arguments are only ever bound.
+/// A statement's text: a constant, so arguments are only ever bound.
 pub(crate) type Sql = &'static str;
-type Conn<DB> = <DB as sqlx::Database>::Connection;
+
 /// An order joined with one of its payments (or with `NULL`s), as [`orders`] selects it.
 type OrderRow = (
     i64,
@@ -83,227 +122,175 @@ type OrderRow = (
     Option<i64>,
 );
 
-/// The crate's backends, each also running the example's own statements.
+/// A database the example runs on: one of the crate's backends, running the example's SQL.
+///
+/// Each backend implements it on its own connection type, in a few lines that only differ by
+/// that type: sqlx implements its traits per database, and one generic implementation would
+/// need higher-ranked bounds.
 pub(crate) trait Backend: axum_idempotency::Backend {
     /// Adds the like (user_id, article_id) unless it exists.
     const ADD_LIKE: Sql;
+
+    /// Creates the example's tables and seed rows, unless they exist.
+    fn create_tables(pool: &Pool<Self>) -> impl Future<Output = Result<()>> + Send;
+
     /// Runs a statement; answers how many rows it matched.
     fn execute(
-        c: &mut Conn<Self>,
+        c: &mut Self::Connection,
         sql: Sql,
         args: &[Arg],
     ) -> impl Future<Output = Result<u64>> + Send;
+
     /// The first column of the first row, if there is a row.
     fn int(
-        c: &mut Conn<Self>,
+        c: &mut Self::Connection,
         sql: Sql,
         args: &[Arg],
     ) -> impl Future<Output = Result<Option<i64>>> + Send;
+
+    /// Every row, as [`orders`] selects them.
     fn rows(
-        c: &mut Conn<Self>,
+        c: &mut Self::Connection,
         sql: Sql,
         args: &[Arg],
     ) -> impl Future<Output = Result<Vec<OrderRow>>> + Send;
 }
 
-/// The user's orders with ids in `first..=last`, by id, each with its payments.
-pub(crate) async fn orders<DB: Backend>(
-    c: &mut Conn<DB>,
-    user_id: i64,
-    (first, last): (i64, i64),
-) -> Result<Vec<Order>> {
-    let sql = "SELECT o.id, o.status, o.sku, o.quantity, o.amount, o.currency, o.paid_total, \
-        p.payment_id, p.amount FROM orders o LEFT JOIN order_payments p ON p.order_id = o.id \
-        WHERE o.user_id = ? AND o.id BETWEEN ? AND ? ORDER BY o.id, p.seq";
-    let mut orders: Vec<Order> = Vec::new();
-    for row in DB::rows(
-        c,
-        sql,
-        &[Arg::Int(user_id), Arg::Int(first), Arg::Int(last)],
-    )
-    .await?
-    {
-        let (id, status, sku, quantity, amount, currency, paid, payment_id, payment) = row;
-        if orders.last().is_none_or(|order| order.id != id) {
-            let (amount, payments, paid_total) = (Cents(amount), Vec::new(), Cents(paid));
-            orders.push(Order {
-                id,
-                status,
-                sku,
-                quantity,
-                amount,
-                currency,
-                payments,
-                paid_total,
-            });
-        }
-        if let (Some(order), Some(payment_id), Some(amount)) =
-            (orders.last_mut(), payment_id, payment)
-        {
-            let amount = Cents(amount);
-            order.payments.push(Payment { payment_id, amount });
-        }
+/// `sql` with each `?` bound to the next of `args`, in the placeholder syntax of `DB` (`$1`,
+/// `$2`, … on PostgreSQL). The statements here hold no `?` of their own, in a literal say.
+fn query<'a, DB: Database>(sql: Sql, args: &[Arg<'a>]) -> QueryBuilder<DB>
+where
+    i64: Encode<'a, DB> + Type<DB>,
+    &'a str: Encode<'a, DB> + Type<DB>,
+{
+    let mut parts = sql.split('?');
+    let mut query = QueryBuilder::new(parts.next().unwrap_or_default());
+    for (arg, part) in args.iter().zip(parts) {
+        match *arg {
+            Arg::Int(value) => query.push_bind(value),
+            Arg::Text(value) => query.push_bind(value),
+        };
+        query.push(part);
     }
-    Ok(orders)
+    query
 }
 
 #[cfg(feature = "sqlite")]
-pub(crate) mod sqlite {
-    use super::{Arg, Backend, OrderRow, Result, Sql};
-    use sqlx::query::Query;
-    use sqlx::{Row as _, Sqlite, SqliteConnection as Conn};
+const SQLITE_SCHEMA: &str = "
+    CREATE TABLE IF NOT EXISTS users (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, token TEXT NOT NULL UNIQUE);
+    CREATE TABLE IF NOT EXISTS products (sku TEXT PRIMARY KEY, stock INTEGER NOT NULL);
+    CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY AUTOINCREMENT, user_id INTEGER NOT NULL,
+        status TEXT NOT NULL, sku TEXT NOT NULL, quantity INTEGER NOT NULL, amount INTEGER NOT NULL,
+        currency TEXT NOT NULL, paid_total INTEGER NOT NULL DEFAULT 0);
+    CREATE TABLE IF NOT EXISTS likes (user_id INTEGER NOT NULL, article_id INTEGER NOT NULL, PRIMARY KEY (user_id, article_id));
+    CREATE TABLE IF NOT EXISTS order_payments (seq INTEGER PRIMARY KEY AUTOINCREMENT, order_id INTEGER NOT NULL,
+        payment_id TEXT NOT NULL, amount INTEGER NOT NULL);
+    INSERT INTO users (id, name, token) VALUES (1, 'alice', 'alice-token'), (2, 'bob', 'bob-token') ON CONFLICT DO NOTHING;
+    INSERT INTO products (sku, stock) VALUES ('widget', 1000000000), ('gadget', 1) ON CONFLICT DO NOTHING;";
 
-    pub(crate) const SCHEMA: &str = "
-        CREATE TABLE IF NOT EXISTS users (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, token TEXT NOT NULL UNIQUE);
-        CREATE TABLE IF NOT EXISTS products (sku TEXT PRIMARY KEY, stock INTEGER NOT NULL);
-        CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY AUTOINCREMENT, user_id INTEGER NOT NULL,
-            status TEXT NOT NULL, sku TEXT NOT NULL, quantity INTEGER NOT NULL, amount INTEGER NOT NULL,
-            currency TEXT NOT NULL, paid_total INTEGER NOT NULL DEFAULT 0);
-        CREATE TABLE IF NOT EXISTS likes (user_id INTEGER NOT NULL, article_id INTEGER NOT NULL, PRIMARY KEY (user_id, article_id));
-        CREATE TABLE IF NOT EXISTS order_payments (seq INTEGER PRIMARY KEY AUTOINCREMENT, order_id INTEGER NOT NULL,
-            payment_id TEXT NOT NULL, amount INTEGER NOT NULL);
-        INSERT INTO users (id, name, token) VALUES (1, 'alice', 'alice-token'), (2, 'bob', 'bob-token') ON CONFLICT DO NOTHING;
-        INSERT INTO products (sku, stock) VALUES ('widget', 1000000000), ('gadget', 1) ON CONFLICT DO NOTHING;";
+#[cfg(feature = "sqlite")]
+impl Backend for sqlx::Sqlite {
+    const ADD_LIKE: Sql =
+        "INSERT INTO likes (user_id, article_id) VALUES (?, ?) ON CONFLICT DO NOTHING";
 
-    fn query(sql: Sql, args: &[Arg<'_>]) -> Query<'static, Sqlite, sqlx::sqlite::SqliteArguments> {
-        args.iter().fold(sqlx::query(sql), |query, arg| match *arg {
-            Arg::Int(value) => query.bind(value),
-            Arg::Text(value) => query.bind(value),
-        })
+    async fn create_tables(pool: &Pool<Self>) -> Result<()> {
+        sqlx::raw_sql(SQLITE_SCHEMA).execute(pool).await.map(drop)
     }
 
-    impl Backend for Sqlite {
-        const ADD_LIKE: Sql =
-            "INSERT INTO likes (user_id, article_id) VALUES (?, ?) ON CONFLICT DO NOTHING";
+    async fn execute(c: &mut SqliteConnection, sql: Sql, args: &[Arg<'_>]) -> Result<u64> {
+        Ok(query(sql, args).build().execute(c).await?.rows_affected())
+    }
 
-        async fn execute(c: &mut Conn, sql: Sql, args: &[Arg<'_>]) -> Result<u64> {
-            Ok(query(sql, args).execute(c).await?.rows_affected())
-        }
+    async fn int(c: &mut SqliteConnection, sql: Sql, args: &[Arg<'_>]) -> Result<Option<i64>> {
+        query(sql, args)
+            .build_query_scalar()
+            .fetch_optional(c)
+            .await
+    }
 
-        async fn int(c: &mut Conn, sql: Sql, args: &[Arg<'_>]) -> Result<Option<i64>> {
-            query(sql, args)
-                .fetch_optional(c)
-                .await?
-                .map(|row| row.try_get(0))
-                .transpose()
-        }
-
-        async fn rows(c: &mut Conn, sql: Sql, args: &[Arg<'_>]) -> Result<Vec<OrderRow>> {
-            let rows = query(sql, args).fetch_all(c).await?;
-            rows.iter().map(sqlx::FromRow::from_row).collect()
-        }
+    async fn rows(c: &mut SqliteConnection, sql: Sql, args: &[Arg<'_>]) -> Result<Vec<OrderRow>> {
+        query(sql, args).build_query_as().fetch_all(c).await
     }
 }
 
 #[cfg(feature = "postgres")]
-pub(crate) mod postgres {
-    use super::{Arg, Backend, OrderRow, Result, Sql};
-    use sqlx::query::Query;
-    use sqlx::{PgConnection as Conn, Postgres, Row as _};
+const POSTGRES_SCHEMA: &str = "
+    CREATE TABLE IF NOT EXISTS users (id BIGINT PRIMARY KEY, name TEXT NOT NULL UNIQUE, token TEXT NOT NULL UNIQUE);
+    CREATE TABLE IF NOT EXISTS products (sku TEXT PRIMARY KEY, stock BIGINT NOT NULL);
+    CREATE TABLE IF NOT EXISTS orders (id BIGSERIAL PRIMARY KEY, user_id BIGINT NOT NULL,
+        status TEXT NOT NULL, sku TEXT NOT NULL, quantity BIGINT NOT NULL, amount BIGINT NOT NULL,
+        currency TEXT NOT NULL, paid_total BIGINT NOT NULL DEFAULT 0);
+    CREATE TABLE IF NOT EXISTS likes (user_id BIGINT NOT NULL, article_id BIGINT NOT NULL, PRIMARY KEY (user_id, article_id));
+    CREATE TABLE IF NOT EXISTS order_payments (seq BIGSERIAL PRIMARY KEY, order_id BIGINT NOT NULL,
+        payment_id TEXT NOT NULL, amount BIGINT NOT NULL);
+    INSERT INTO users (id, name, token) VALUES (1, 'alice', 'alice-token'), (2, 'bob', 'bob-token') ON CONFLICT DO NOTHING;
+    INSERT INTO products (sku, stock) VALUES ('widget', 1000000000), ('gadget', 1) ON CONFLICT DO NOTHING;";
 
-    pub(crate) const SCHEMA: &str = "
-        CREATE TABLE IF NOT EXISTS users (id BIGINT PRIMARY KEY, name TEXT NOT NULL UNIQUE, token TEXT NOT NULL UNIQUE);
-        CREATE TABLE IF NOT EXISTS products (sku TEXT PRIMARY KEY, stock BIGINT NOT NULL);
-        CREATE TABLE IF NOT EXISTS orders (id BIGSERIAL PRIMARY KEY, user_id BIGINT NOT NULL,
-            status TEXT NOT NULL, sku TEXT NOT NULL, quantity BIGINT NOT NULL, amount BIGINT NOT NULL,
-            currency TEXT NOT NULL, paid_total BIGINT NOT NULL DEFAULT 0);
-        CREATE TABLE IF NOT EXISTS likes (user_id BIGINT NOT NULL, article_id BIGINT NOT NULL, PRIMARY KEY (user_id, article_id));
-        CREATE TABLE IF NOT EXISTS order_payments (seq BIGSERIAL PRIMARY KEY, order_id BIGINT NOT NULL,
-            payment_id TEXT NOT NULL, amount BIGINT NOT NULL);
-        INSERT INTO users (id, name, token) VALUES (1, 'alice', 'alice-token'), (2, 'bob', 'bob-token') ON CONFLICT DO NOTHING;
-        INSERT INTO products (sku, stock) VALUES ('widget', 1000000000), ('gadget', 1) ON CONFLICT DO NOTHING;";
+#[cfg(feature = "postgres")]
+impl Backend for sqlx::Postgres {
+    const ADD_LIKE: Sql =
+        "INSERT INTO likes (user_id, article_id) VALUES (?, ?) ON CONFLICT DO NOTHING";
 
-    /// PostgreSQL numbers its parameters: each `?` becomes `$1`, `$2`, … in order.
-    fn query(sql: Sql, args: &[Arg<'_>]) -> Query<'static, Postgres, sqlx::postgres::PgArguments> {
-        let mut numbered = String::with_capacity(sql.len() + 16);
-        for (n, part) in sql.split('?').enumerate() {
-            if n > 0 {
-                numbered.push_str(&format!("${n}"));
-            }
-            numbered.push_str(part);
-        }
-        args.iter().fold(
-            sqlx::query(sqlx::AssertSqlSafe(numbered)),
-            |query, arg| match *arg {
-                Arg::Int(value) => query.bind(value),
-                Arg::Text(value) => query.bind(value),
-            },
-        )
+    async fn create_tables(pool: &Pool<Self>) -> Result<()> {
+        sqlx::raw_sql(POSTGRES_SCHEMA).execute(pool).await.map(drop)
     }
 
-    impl Backend for Postgres {
-        const ADD_LIKE: Sql =
-            "INSERT INTO likes (user_id, article_id) VALUES (?, ?) ON CONFLICT DO NOTHING";
+    async fn execute(c: &mut PgConnection, sql: Sql, args: &[Arg<'_>]) -> Result<u64> {
+        Ok(query(sql, args).build().execute(c).await?.rows_affected())
+    }
 
-        async fn execute(c: &mut Conn, sql: Sql, args: &[Arg<'_>]) -> Result<u64> {
-            Ok(query(sql, args).execute(c).await?.rows_affected())
-        }
+    async fn int(c: &mut PgConnection, sql: Sql, args: &[Arg<'_>]) -> Result<Option<i64>> {
+        query(sql, args)
+            .build_query_scalar()
+            .fetch_optional(c)
+            .await
+    }
 
-        async fn int(c: &mut Conn, sql: Sql, args: &[Arg<'_>]) -> Result<Option<i64>> {
-            query(sql, args)
-                .fetch_optional(c)
-                .await?
-                .map(|row| row.try_get(0))
-                .transpose()
-        }
-
-        async fn rows(c: &mut Conn, sql: Sql, args: &[Arg<'_>]) -> Result<Vec<OrderRow>> {
-            let rows = query(sql, args).fetch_all(c).await?;
-            rows.iter().map(sqlx::FromRow::from_row).collect()
-        }
+    async fn rows(c: &mut PgConnection, sql: Sql, args: &[Arg<'_>]) -> Result<Vec<OrderRow>> {
+        query(sql, args).build_query_as().fetch_all(c).await
     }
 }
 
 /// utf8mb4, so any text the app accepts fits. Tokens are VARBINARY: the default collation
 /// would take `ALICE-TOKEN` for alice's. INSERT … RETURNING is MariaDB's (10.5+): on MySQL 8
-/// this example needs MariaDB. Likes use a no-op update rather than INSERT IGNORE, which would
-/// also silence unrelated errors.
+/// this example needs MariaDB.
 #[cfg(feature = "mysql")]
-pub(crate) mod mysql {
-    use super::{Arg, Backend, OrderRow, Result, Sql};
-    use sqlx::query::Query;
-    use sqlx::{MySql, MySqlConnection as Conn, Row as _};
+const MYSQL_SCHEMA: &str = "
+    CREATE TABLE IF NOT EXISTS users (id BIGINT PRIMARY KEY, name VARCHAR(255) NOT NULL UNIQUE,
+        token VARBINARY(255) NOT NULL UNIQUE) DEFAULT CHARSET = utf8mb4;
+    CREATE TABLE IF NOT EXISTS products (sku VARCHAR(64) PRIMARY KEY, stock BIGINT NOT NULL) DEFAULT CHARSET = utf8mb4;
+    CREATE TABLE IF NOT EXISTS orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, user_id BIGINT NOT NULL,
+        status VARCHAR(16) NOT NULL, sku VARCHAR(64) NOT NULL, quantity BIGINT NOT NULL, amount BIGINT NOT NULL,
+        currency VARCHAR(8) NOT NULL, paid_total BIGINT NOT NULL DEFAULT 0) DEFAULT CHARSET = utf8mb4;
+    CREATE TABLE IF NOT EXISTS likes (user_id BIGINT NOT NULL, article_id BIGINT NOT NULL,
+        PRIMARY KEY (user_id, article_id));
+    CREATE TABLE IF NOT EXISTS order_payments (seq BIGINT AUTO_INCREMENT PRIMARY KEY, order_id BIGINT NOT NULL,
+        payment_id VARCHAR(255) NOT NULL, amount BIGINT NOT NULL) DEFAULT CHARSET = utf8mb4;
+    INSERT IGNORE INTO users (id, name, token) VALUES (1, 'alice', 'alice-token'), (2, 'bob', 'bob-token');
+    INSERT IGNORE INTO products (sku, stock) VALUES ('widget', 1000000000), ('gadget', 1);";
 
-    pub(crate) const SCHEMA: &str = "
-        CREATE TABLE IF NOT EXISTS users (id BIGINT PRIMARY KEY, name VARCHAR(255) NOT NULL UNIQUE,
-            token VARBINARY(255) NOT NULL UNIQUE) DEFAULT CHARSET = utf8mb4;
-        CREATE TABLE IF NOT EXISTS products (sku VARCHAR(64) PRIMARY KEY, stock BIGINT NOT NULL) DEFAULT CHARSET = utf8mb4;
-        CREATE TABLE IF NOT EXISTS orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, user_id BIGINT NOT NULL,
-            status VARCHAR(16) NOT NULL, sku VARCHAR(64) NOT NULL, quantity BIGINT NOT NULL, amount BIGINT NOT NULL,
-            currency VARCHAR(8) NOT NULL, paid_total BIGINT NOT NULL DEFAULT 0) DEFAULT CHARSET = utf8mb4;
-        CREATE TABLE IF NOT EXISTS likes (user_id BIGINT NOT NULL, article_id BIGINT NOT NULL,
-            PRIMARY KEY (user_id, article_id));
-        CREATE TABLE IF NOT EXISTS order_payments (seq BIGINT AUTO_INCREMENT PRIMARY KEY, order_id BIGINT NOT NULL,
-            payment_id VARCHAR(255) NOT NULL, amount BIGINT NOT NULL) DEFAULT CHARSET = utf8mb4;
-        INSERT IGNORE INTO users (id, name, token) VALUES (1, 'alice', 'alice-token'), (2, 'bob', 'bob-token');
-        INSERT IGNORE INTO products (sku, stock) VALUES ('widget', 1000000000), ('gadget', 1);";
+#[cfg(feature = "mysql")]
+impl Backend for sqlx::MySql {
+    // A no-op update rather than INSERT IGNORE, which would also silence unrelated errors.
+    const ADD_LIKE: Sql = "INSERT INTO likes (user_id, article_id) VALUES (?, ?) \
+        ON DUPLICATE KEY UPDATE user_id = user_id";
 
-    fn query(sql: Sql, args: &[Arg<'_>]) -> Query<'static, MySql, sqlx::mysql::MySqlArguments> {
-        args.iter().fold(sqlx::query(sql), |query, arg| match *arg {
-            Arg::Int(value) => query.bind(value),
-            Arg::Text(value) => query.bind(value),
-        })
+    async fn create_tables(pool: &Pool<Self>) -> Result<()> {
+        sqlx::raw_sql(MYSQL_SCHEMA).execute(pool).await.map(drop)
     }
 
-    impl Backend for MySql {
-        const ADD_LIKE: Sql = "INSERT INTO likes (user_id, article_id) VALUES (?, ?) \
-            ON DUPLICATE KEY UPDATE user_id = user_id";
+    async fn execute(c: &mut MySqlConnection, sql: Sql, args: &[Arg<'_>]) -> Result<u64> {
+        Ok(query(sql, args).build().execute(c).await?.rows_affected())
+    }
 
-        async fn execute(c: &mut Conn, sql: Sql, args: &[Arg<'_>]) -> Result<u64> {
-            Ok(query(sql, args).execute(c).await?.rows_affected())
-        }
+    async fn int(c: &mut MySqlConnection, sql: Sql, args: &[Arg<'_>]) -> Result<Option<i64>> {
+        query(sql, args)
+            .build_query_scalar()
+            .fetch_optional(c)
+            .await
+    }
 
-        async fn int(c: &mut Conn, sql: Sql, args: &[Arg<'_>]) -> Result<Option<i64>> {
-            query(sql, args)
-                .fetch_optional(c)
-                .await?
-                .map(|row| row.try_get(0))
-                .transpose()
-        }
-
-        async fn rows(c: &mut Conn, sql: Sql, args: &[Arg<'_>]) -> Result<Vec<OrderRow>> {
-            let rows = query(sql, args).fetch_all(c).await?;
-            rows.iter().map(sqlx::FromRow::from_row).collect()
-        }
+    async fn rows(c: &mut MySqlConnection, sql: Sql, args: &[Arg<'_>]) -> Result<Vec<OrderRow>> {
+        query(sql, args).build_query_as().fetch_all(c).await
     }
 }

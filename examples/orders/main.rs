@@ -39,8 +39,8 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use serde::Deserialize;
 use serde_json::json;
-use sqlx::Pool;
 use sqlx::pool::PoolOptions;
+use sqlx::{Connection, Pool};
 use tokio::signal::unix::{SignalKind, signal};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -52,33 +52,16 @@ async fn main() -> Result<(), Error> {
         .with_env_filter(filter.unwrap_or_else(|_| "info".into()))
         .init();
     let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "sqlite://orders.db".into());
-    let pool_size = setting("DATABASE_MAX_CONNECTIONS", 10)?;
-    // Each arm connects its backend and creates the example's tables; the rest is generic.
     let app = match url.split(':').next().unwrap_or_default() {
         "sqlite" => {
             use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
             let options = url.parse::<SqliteConnectOptions>()?.create_if_missing(true);
-            let options = options.journal_mode(SqliteJournalMode::Wal);
-            let pool = pool_options::<sqlx::Sqlite>(pool_size)
-                .connect_with(options)
-                .await?;
-            sqlx::raw_sql(db::sqlite::SCHEMA).execute(&pool).await?;
-            app(pool, pool_size).await?
+            app::<sqlx::Sqlite>(options.journal_mode(SqliteJournalMode::Wal)).await?
         }
         #[cfg(feature = "postgres")]
-        "postgres" | "postgresql" => {
-            let pool = pool_options::<sqlx::Postgres>(pool_size)
-                .connect(&url)
-                .await?;
-            sqlx::raw_sql(db::postgres::SCHEMA).execute(&pool).await?;
-            app(pool, pool_size).await?
-        }
+        "postgres" | "postgresql" => app::<sqlx::Postgres>(url.parse()?).await?,
         #[cfg(feature = "mysql")]
-        "mysql" | "mariadb" => {
-            let pool = pool_options::<sqlx::MySql>(pool_size).connect(&url).await?;
-            sqlx::raw_sql(db::mysql::SCHEMA).execute(&pool).await?;
-            app(pool, pool_size).await?
-        }
+        "mysql" | "mariadb" => app::<sqlx::MySql>(url.parse()?).await?,
         other => {
             return Err(format!("DATABASE_URL {other:?} is not built in (see --features)").into());
         }
@@ -86,9 +69,20 @@ async fn main() -> Result<(), Error> {
     serve(app).await
 }
 
-/// The routes behind the idempotency layer, on the backend's store; with `BROKER_URL` set it
-/// also starts the payment consumer.
-async fn app<DB: Backend>(pool: Pool<DB>, pool_size: u32) -> Result<Router, Error> {
+/// Connects to the database, creates the example's tables, and returns the routes behind the
+/// idempotency layer; with `BROKER_URL` set it also starts the payment consumer.
+async fn app<DB: Backend>(
+    database: <DB::Connection as Connection>::Options,
+) -> Result<Router, Error> {
+    let pool_size = setting("DATABASE_MAX_CONNECTIONS", 10)?;
+    // A connection is waited for at most three seconds, well within the layer's ten-second
+    // deadline: with the database down or the pool run dry, a request fails fast and retryably.
+    let pool = PoolOptions::<DB>::new()
+        .max_connections(pool_size)
+        .acquire_timeout(Duration::from_secs(3))
+        .connect_with(database)
+        .await?;
+    DB::create_tables(&pool).await?;
     let store = Store::new(pool.clone());
     store.migrate().await?;
     store.spawn_purger(Duration::from_secs(60));
@@ -171,14 +165,6 @@ where
     T::Err: std::error::Error + Send + Sync + 'static,
 {
     std::env::var(name).map_or(Ok(default), |value| Ok(value.parse()?))
-}
-
-/// A connection is waited for at most three seconds, well within the layer's ten-second
-/// deadline: with the database down or the pool run dry, a request fails fast and retryably.
-fn pool_options<DB: sqlx::Database>(size: u32) -> PoolOptions<DB> {
-    PoolOptions::new()
-        .max_connections(size)
-        .acquire_timeout(Duration::from_secs(3))
 }
 
 /// A caller proven by `Authorization: Bearer <token>` against the users table.

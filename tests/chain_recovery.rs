@@ -1,0 +1,422 @@
+//! The payments → broker → orders chain as real processes, recovering from the loss of one
+//! link, with the time it takes measured and bounded by 30 s.
+//!
+//! `payments` killed with SIGKILL while its charges are in flight, behind a proxy that drops
+//! half the provider's answers, then started again: its outbox leases run out (15 s by
+//! default), each charge is looked up before any resend, and every payment is charged once and
+//! applied once (on the machine's brokers, with broker names of the test's own).
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::process::{Http, Process};
+use http::{Request, StatusCode};
+use http_body_util::Full;
+use serde_json::json;
+
+const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+const NATS: &str = "nats://127.0.0.1:4222";
+/// The issue's bound: the chain shows every payment within this long of the restart.
+const CONVERGENCE: Duration = Duration::from_secs(30);
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    RabbitMq,
+    Nats,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Db {
+    Sqlite,
+    #[cfg(feature = "postgres")]
+    Postgres,
+}
+
+/// A database for one example: an SQLite file in `dir`, or a PostgreSQL schema of its own
+/// (named like the suite's others, so CI drops it should the test die before its cleanup).
+struct Database {
+    url: String,
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    schema: Option<(String, String)>,
+}
+
+impl Database {
+    async fn new(db: Db, dir: &std::path::Path, file: &str) -> Self {
+        match db {
+            Db::Sqlite => Self {
+                url: format!("sqlite://{}", dir.join(file).display()),
+                schema: None,
+            },
+            #[cfg(feature = "postgres")]
+            Db::Postgres => {
+                let base = std::env::var("TEST_POSTGRES_URL")
+                    .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+                let schema = common::unique("orders");
+                let pool = sqlx::PgPool::connect(&base)
+                    .await
+                    .expect("PostgreSQL must be reachable");
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+                    .execute(&pool)
+                    .await
+                    .unwrap();
+                Self {
+                    url: format!("{base}?options=-c%20search_path%3D{schema}"),
+                    schema: Some((base, schema)),
+                }
+            }
+        }
+    }
+
+    async fn cleanup(self) {
+        #[cfg(feature = "postgres")]
+        if let Some((base, schema)) = self.schema {
+            let pool = sqlx::PgPool::connect(&base).await.unwrap();
+            let drop = format!("DROP SCHEMA {schema} CASCADE");
+            sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+    }
+}
+
+/// A namespace for the test's broker names (`BROKER_NAMESPACE`), unique on a shared broker.
+fn namespace() -> String {
+    common::unique("t").replace('_', "x")
+}
+
+/// Deletes what the examples declared under `ns` on a shared broker.
+async fn cleanup_broker(kind: Kind, url: &str, ns: &str) {
+    match kind {
+        Kind::RabbitMq => {
+            use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+            let connection = lapin::Connection::connect(url, Default::default())
+                .await
+                .unwrap();
+            let channel = connection.create_channel().await.unwrap();
+            let queue = format!("{ns}.orders.payment-succeeded");
+            for queue in [
+                queue.clone(),
+                format!("{queue}.retry"),
+                format!("{queue}.dead"),
+            ] {
+                let _ = channel
+                    .queue_delete(queue.into(), QueueDeleteOptions::default())
+                    .await;
+            }
+            let exchange = format!("{ns}.payments");
+            let _ = channel
+                .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
+                .await;
+            let _ = connection.close(200, "cleaned up".into()).await;
+        }
+        Kind::Nats => {
+            let js = async_nats::jetstream::new(async_nats::connect(url).await.unwrap());
+            for stream in ["PAYMENTS", "ORDERS_DEAD"] {
+                let _ = js
+                    .delete_stream(format!("{}_{stream}", ns.to_uppercase()))
+                    .await;
+            }
+        }
+    }
+}
+
+/// The three processes of the chain and what they run on.
+struct Chain {
+    dir: tempfile::TempDir,
+    http: Http,
+    broker_url: String,
+    ns: String,
+    provider: Process,
+    /// What payments calls the provider through: the provider itself, or a lossy proxy.
+    provider_url: String,
+    payments_db: Database,
+    orders_db: Database,
+    payments: Option<Process>,
+    orders: Process,
+    order_id: i64,
+}
+
+impl Chain {
+    /// Starts the provider (with `provider_env`), orders and payments, and places the order
+    /// every payment will be for. `lossy` puts a proxy dropping half the provider's answers
+    /// between payments and the provider.
+    async fn start(broker_url: String, db: Db, provider_env: &[(&str, &str)], lossy: bool) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let ns = namespace();
+        let provider_db = dir.path().join("provider.db").display().to_string();
+        let mut env = vec![("PROVIDER_DATABASE", provider_db.as_str())];
+        env.extend_from_slice(provider_env);
+        let provider = Process::start("payment_provider", &env).await;
+        let provider_url = if lossy {
+            let upstream = provider.url.trim_start_matches("http://").parse().unwrap();
+            let (proxy, _) = common::lossy::spawn_lossy_proxy(upstream, 50).await;
+            format!("http://{proxy}")
+        } else {
+            provider.url.clone()
+        };
+        let payments_db = Database::new(db, dir.path(), "payments.db").await;
+        let orders_db = Database::new(db, dir.path(), "orders.db").await;
+        let orders = Process::start(
+            "orders",
+            &[
+                ("DATABASE_URL", &orders_db.url),
+                ("BROKER_URL", &broker_url),
+                ("BROKER_NAMESPACE", &ns),
+                ("ORDERS_CONSUMER_STATS_MS", "200"),
+            ],
+        )
+        .await;
+        let mut chain = Self {
+            dir,
+            http: Http::new(),
+            broker_url,
+            ns,
+            provider,
+            provider_url,
+            payments_db,
+            orders_db,
+            payments: None,
+            orders,
+            order_id: 0,
+        };
+        chain.payments = Some(chain.start_payments().await);
+        chain.order_id = chain.place_order().await;
+        chain
+    }
+
+    /// Starts payments on the chain's database, with the example's default outbox settings
+    /// (a 15 s lease, a 10 s lookup grace) except a shorter poll.
+    async fn start_payments(&self) -> Process {
+        Process::start(
+            "payments",
+            &[
+                ("DATABASE_URL", &self.payments_db.url),
+                ("PROVIDER_URL", &self.provider_url),
+                ("BROKER_URL", &self.broker_url),
+                ("BROKER_NAMESPACE", &self.ns),
+                ("OUTBOX_POLL_MS", "100"),
+            ],
+        )
+        .await
+    }
+
+    fn payments_url(&self) -> String {
+        self.payments.as_ref().expect("payments runs").url.clone()
+    }
+
+    async fn place_order(&self) -> i64 {
+        let body = json!({ "sku": "widget", "quantity": 1, "amount": 1e9, "currency": "EUR" });
+        let request = Request::post(format!("{}/orders", self.orders.url))
+            .header("authorization", "Bearer alice-token")
+            .header("idempotency-key", format!("{}-order", self.ns))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.to_string())))
+            .unwrap();
+        let answer = self.http.call(request).await;
+        assert_eq!(answer.status, StatusCode::CREATED);
+        answer.json()["id"].as_i64().unwrap()
+    }
+
+    /// The payment ids applied to the order, as many times as each was applied.
+    async fn applied(&self) -> Vec<String> {
+        let request = Request::get(format!("{}/orders/{}", self.orders.url, self.order_id))
+            .header("authorization", "Bearer alice-token")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let Ok(answer) = self.http.try_call(request).await else {
+            return Vec::new();
+        };
+        let order = answer.json();
+        order["payments"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p["payment_id"].as_str().map(str::to_owned))
+            .collect()
+    }
+
+    /// A payment as payments shows it (status, and the reason of a failure), for diagnosis.
+    async fn payment(&self, id: &str) -> String {
+        let Some(payments) = &self.payments else {
+            return "payments is not running".into();
+        };
+        let request = Request::get(format!("{}/payments/{id}", payments.url))
+            .header("authorization", "Bearer alice-token")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        match self.http.try_call(request).await {
+            Ok(answer) => String::from_utf8_lossy(&answer.body).into_owned(),
+            Err(error) => error,
+        }
+    }
+
+    /// Charges at the provider, by idempotency key.
+    async fn charges(&self) -> HashMap<String, usize> {
+        let request = Request::get(format!("{}/admin/charges", self.provider.url))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let listed = self.http.call(request).await.json();
+        let mut keys = HashMap::new();
+        for charge in listed["charges"].as_array().unwrap() {
+            let key = charge["idempotency_key"].as_str().unwrap_or_default();
+            *keys.entry(key.to_owned()).or_insert(0) += 1;
+        }
+        assert_eq!(
+            listed["count"].as_u64(),
+            Some(keys.values().sum::<usize>() as u64)
+        );
+        keys
+    }
+
+    /// Waits (at most `CONVERGENCE` plus a margin, to measure a miss) until every payment in
+    /// `created` is applied; returns how long that took from `since`.
+    async fn converged(&self, created: &[String], since: Instant) -> Duration {
+        let deadline = since + CONVERGENCE + Duration::from_secs(15);
+        loop {
+            let applied = self.applied().await;
+            if created.iter().all(|id| applied.contains(id)) {
+                return since.elapsed();
+            }
+            if Instant::now() >= deadline {
+                let mut states = Vec::new();
+                for id in created {
+                    states.push(self.payment(id).await);
+                }
+                panic!(
+                    "not converged: {} of {} payments applied; payments: {states:?}",
+                    applied.len(),
+                    created.len()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Every payment charged once and applied once: nothing lost, nothing twice.
+    async fn assert_exactly_once(&self, created: &[String]) {
+        // Let a late duplicate, if there were one, show up before counting.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let charges = self.charges().await;
+        assert_eq!(charges.len(), created.len(), "charges: {charges:?}");
+        assert!(
+            charges.values().all(|n| *n == 1),
+            "charged twice: {charges:?}"
+        );
+        let mut applied = self.applied().await;
+        applied.sort();
+        let mut expected = created.to_vec();
+        expected.sort();
+        assert_eq!(applied, expected, "each payment applied exactly once");
+    }
+
+    async fn stop(self, kind: Kind, shared_broker: bool) {
+        self.orders.kill().await;
+        if let Some(payments) = self.payments {
+            payments.kill().await;
+        }
+        self.provider.kill().await;
+        if shared_broker {
+            cleanup_broker(kind, &self.broker_url, &self.ns).await;
+        }
+        self.payments_db.cleanup().await;
+        self.orders_db.cleanup().await;
+        drop(self.dir);
+    }
+}
+
+/// Posts one payment of 12.5 for `order_id` under `key`; the status, and the payment's id
+/// when accepted.
+async fn pay(
+    http: &Http,
+    payments: &str,
+    key: &str,
+    order_id: i64,
+) -> Result<(u16, Option<String>), String> {
+    let body = json!({ "order_id": order_id, "amount": 12.5, "currency": "EUR", "payee": "acme" });
+    let request = Request::post(format!("{payments}/payments"))
+        .header("authorization", "Bearer alice-token")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let answer = http.try_call(request).await?;
+    let id = (answer.status == StatusCode::ACCEPTED)
+        .then(|| answer.json()["id"].as_i64().map(|id| id.to_string()))
+        .flatten();
+    Ok((answer.status.as_u16(), id))
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// SIGKILL while charges are in flight (each takes the provider 1.5 s; half the answers are
+/// dropped on the way back), then a restart on the same database: within 30 s of the restart
+/// every payment is charged once at the provider and applied once in orders.
+async fn payments_killed_mid_charge_converges_within_30_s_of_its_restart(kind: Kind, db: Db) {
+    let url = match kind {
+        Kind::RabbitMq => AMQP,
+        Kind::Nats => NATS,
+    };
+    let provider_env = [("FAULT_LATENCY_MS", "1500"), ("FAULT_LATENCY_RATE", "1")];
+    let mut chain = Chain::start(url.to_owned(), db, &provider_env, true).await;
+    let mut created = Vec::new();
+    for n in 0..8 {
+        let key = format!("{}-pay-{n}", chain.ns);
+        let (status, id) = pay(&chain.http, &chain.payments_url(), &key, chain.order_id)
+            .await
+            .expect("payments answers");
+        assert_eq!(status, 202);
+        created.push(id.expect("an accepted payment has an id"));
+    }
+    // Killed once the first charge is made: the others are still at the provider, and that
+    // one's answer may be on its way (or dropped).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while chain.charges().await.is_empty() {
+        assert!(Instant::now() < deadline, "no charge reached the provider");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let charged_before = chain.charges().await.len();
+    chain.payments.take().expect("payments runs").kill().await;
+    let applied_before = chain.applied().await.len();
+
+    chain.payments = Some(chain.start_payments().await);
+    let restarted = Instant::now();
+    let recovery = chain.converged(&created, restarted).await;
+    eprintln!(
+        "payments SIGKILLed mid-charge ({kind:?}, {db:?}): {charged_before} of {} charged and \
+         {applied_before} applied at the kill; the chain converged {recovery:.1?} after the restart",
+        created.len()
+    );
+    chain.assert_exactly_once(&created).await;
+    assert!(
+        recovery <= CONVERGENCE,
+        "converged {recovery:?} after the restart, over {CONVERGENCE:?}"
+    );
+    chain.stop(kind, true).await;
+}
+
+macro_rules! bounded {
+    ($scenario:ident: $($name:ident => ($($arg:expr),*);)*) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                tokio::time::timeout(Duration::from_secs(150), $scenario($($arg),*))
+                    .await
+                    .expect("bounded to 150 s");
+            }
+        )*
+    };
+}
+
+bounded! { payments_killed_mid_charge_converges_within_30_s_of_its_restart:
+    rabbitmq_sqlite_payments_killed_mid_charge_converges_within_30_s => (Kind::RabbitMq, Db::Sqlite);
+    nats_sqlite_payments_killed_mid_charge_converges_within_30_s => (Kind::Nats, Db::Sqlite);
+}
+#[cfg(feature = "postgres")]
+bounded! { payments_killed_mid_charge_converges_within_30_s_of_its_restart:
+    rabbitmq_postgres_payments_killed_mid_charge_converges_within_30_s => (Kind::RabbitMq, Db::Postgres);
+    nats_postgres_payments_killed_mid_charge_converges_within_30_s => (Kind::Nats, Db::Postgres);
+}

@@ -592,7 +592,7 @@ impl Broker {
             "amqp" | "amqps" => {
                 use lapin::options::ExchangeDeclareOptions;
                 let connection = lapin::Connection::connect(url, Default::default()).await?;
-                let (connection, exchange) = (Arc::new(connection), name("payments"));
+                let exchange = name("payments");
                 let durable = ExchangeDeclareOptions {
                     durable: true,
                     ..ExchangeDeclareOptions::default()
@@ -608,7 +608,9 @@ impl Broker {
                     Default::default(),
                 );
                 let _ = declared.await;
-                let sender = outbox::RabbitMqSender::connect(connection, exchange).await?;
+                let _ = connection.close(200, "declared".into()).await;
+                // A connection of its own, opened again whenever the broker comes back.
+                let sender = outbox::RabbitMqSender::connect(url, exchange).await?;
                 Ok(Self::RabbitMq(
                     sender.route(EVENT_TOPIC, "payment.succeeded"),
                 ))

@@ -1,17 +1,24 @@
 //! The payments → broker → orders chain as real processes, recovering from the loss of one
 //! link, with the time it takes measured and bounded by 30 s.
 //!
-//! `payments` killed with SIGKILL while its charges are in flight, behind a proxy that drops
-//! half the provider's answers, then started again: its outbox leases run out (15 s by
-//! default), each charge is looked up before any resend, and every payment is charged once and
-//! applied once (on the machine's brokers, with broker names of the test's own).
+//! - `payments` killed with SIGKILL while its charges are in flight, behind a proxy that drops
+//!   half the provider's answers, then started again: its outbox leases run out (15 s by
+//!   default), each charge is looked up before any resend, and every payment is charged once
+//!   and applied once (on the machine's brokers, with broker names of the test's own).
+//! - A private broker (a `nats-server` with JetStream, a RabbitMQ node of the test's own, never
+//!   the machine's shared ones) stopped and started again on the same port and data while
+//!   payments are posted: orders' consumer and payments' outbox sender reconnect by
+//!   themselves, and every payment is still charged once and applied once.
 
 mod common;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use common::brokers::{PrivateNats, PrivateRabbitMq};
 use common::process::{Http, Process};
 use http::{Request, StatusCode};
 use http_body_util::Full;
@@ -398,6 +405,171 @@ async fn payments_killed_mid_charge_converges_within_30_s_of_its_restart(kind: K
     chain.stop(kind, true).await;
 }
 
+/// A private broker to restart.
+enum Private {
+    Nats(PrivateNats),
+    RabbitMq(PrivateRabbitMq),
+}
+
+impl Private {
+    async fn start(kind: Kind) -> Self {
+        match kind {
+            Kind::Nats => Self::Nats(PrivateNats::start().await),
+            Kind::RabbitMq => Self::RabbitMq(PrivateRabbitMq::start().await),
+        }
+    }
+
+    fn url(&self) -> String {
+        match self {
+            Self::Nats(nats) => nats.url(),
+            Self::RabbitMq(rabbit) => rabbit.url(),
+        }
+    }
+
+    async fn stop(&mut self) {
+        match self {
+            Self::Nats(nats) => nats.stop().await,
+            Self::RabbitMq(rabbit) => rabbit.stop().await,
+        }
+    }
+
+    async fn start_again(&mut self) {
+        match self {
+            Self::Nats(nats) => nats.start_again().await,
+            Self::RabbitMq(rabbit) => rabbit.start_again().await,
+        }
+    }
+}
+
+/// What the load saw: each answer's status (0 for no answer) and the payments accepted.
+#[derive(Default)]
+struct Load {
+    statuses: BTreeMap<u16, usize>,
+    created: Vec<String>,
+}
+
+/// The warnings a process logged, by message (fields left out), with their counts.
+fn warnings(process: &Process) -> BTreeMap<String, usize> {
+    let mut seen = BTreeMap::new();
+    for line in process.output.lock().unwrap().iter() {
+        let line = strip_colours(line);
+        if let Some((_, rest)) = line.split_once(" WARN ") {
+            // `target: message field=…`: the message, up to its first field.
+            let message = rest.split_once(": ").map_or(rest, |(_, m)| m);
+            let words = message.split(' ').take_while(|word| !word.contains('='));
+            let message = words.collect::<Vec<_>>().join(" ");
+            *seen.entry(message).or_insert(0) += 1;
+        }
+    }
+    seen
+}
+
+/// The line without the terminal colour codes tracing's formatter puts around levels.
+fn strip_colours(line: &str) -> String {
+    let mut plain = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // An escape sequence runs to its final letter (`m` for colours).
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            plain.push(c);
+        }
+    }
+    plain
+}
+
+/// Payments posted one after another, every 50 ms, until `stop` is set.
+fn post_payments(chain: &Chain, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<Load> {
+    let (payments, ns, order_id) = (chain.payments_url(), chain.ns.clone(), chain.order_id);
+    tokio::spawn(async move {
+        let http = Http::new();
+        let mut load = Load::default();
+        let mut n = 0;
+        while !stop.load(Ordering::Relaxed) {
+            n += 1;
+            let answer = pay(&http, &payments, &format!("{ns}-load-{n}"), order_id).await;
+            match answer {
+                Ok((status, id)) => {
+                    *load.statuses.entry(status).or_insert(0) += 1;
+                    load.created.extend(id);
+                }
+                Err(_) => *load.statuses.entry(0).or_insert(0) += 1,
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        load
+    })
+}
+
+/// Payments posted throughout; the broker stopped for 3 s, then started again on the same
+/// port and data. Orders and payments keep running (they reconnect by themselves), and
+/// within 30 s of the broker's return every payment is charged once and applied once.
+async fn a_restarted_broker_is_waited_out_and_the_chain_converges_within_30_s(kind: Kind) {
+    let mut broker = Private::start(kind).await;
+    let mut chain = Chain::start(broker.url(), Db::Sqlite, &[], false).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = post_payments(&chain, Arc::clone(&stop));
+    // Flowing before the outage: some payments applied already.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while chain.applied().await.len() < 5 {
+        assert!(
+            Instant::now() < deadline,
+            "the chain did not flow before the restart"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let down = Instant::now();
+    broker.stop().await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    broker.start_again().await;
+    let back = Instant::now();
+    let outage = back - down;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::Relaxed);
+    let load = load.await.unwrap();
+    let convergence = chain.converged(&load.created, back).await;
+
+    eprintln!(
+        "{kind:?} restarted under load: down {outage:.1?} (stop, 3 s, start); POST /payments \
+         answers {:?}; {} payments; converged {convergence:.1?} after the broker's return",
+        load.statuses,
+        load.created.len()
+    );
+    eprintln!(
+        "  warnings: orders {:?}; payments {:?}",
+        warnings(&chain.orders),
+        chain.payments.as_ref().map(warnings)
+    );
+    let payments_alive = chain.payments.as_mut().is_some_and(|p| !p.has_exited());
+    assert!(payments_alive, "payments exited");
+    assert!(
+        !chain.orders.has_exited(),
+        "orders exited instead of reconnecting"
+    );
+    // Accepting a payment needs no broker: every post was accepted, outage or not.
+    assert_eq!(
+        load.statuses.keys().collect::<Vec<_>>(),
+        [&202],
+        "{:?}",
+        load.statuses
+    );
+    chain.assert_exactly_once(&load.created).await;
+    let stats = chain.orders.last_line("consumer stats").unwrap_or_default();
+    eprintln!("  orders' {stats}");
+    assert!(
+        convergence <= CONVERGENCE,
+        "converged {convergence:?} after the broker's return, over {CONVERGENCE:?}"
+    );
+    chain.stop(kind, false).await;
+    broker.stop().await;
+}
+
 macro_rules! bounded {
     ($scenario:ident: $($name:ident => ($($arg:expr),*);)*) => {
         $(
@@ -419,4 +591,8 @@ bounded! { payments_killed_mid_charge_converges_within_30_s_of_its_restart:
 bounded! { payments_killed_mid_charge_converges_within_30_s_of_its_restart:
     rabbitmq_postgres_payments_killed_mid_charge_converges_within_30_s => (Kind::RabbitMq, Db::Postgres);
     nats_postgres_payments_killed_mid_charge_converges_within_30_s => (Kind::Nats, Db::Postgres);
+}
+bounded! { a_restarted_broker_is_waited_out_and_the_chain_converges_within_30_s:
+    a_restarted_nats_server_is_waited_out_and_the_chain_converges_within_30_s => (Kind::Nats);
+    a_restarted_rabbitmq_node_is_waited_out_and_the_chain_converges_within_30_s => (Kind::RabbitMq);
 }

@@ -8,9 +8,10 @@
 //! stream `ORDERS_DEAD` (subjects `orders.dead.>`). `orders replay-dead` replays the dead
 //! letters once and exits.
 //!
-//! Should the consumer stop (its queue or durable consumer deleted from outside, its
-//! connection lost), the process logs why and exits 1, for its supervisor to restart it; the
-//! restart declares what is missing again.
+//! A broker that goes away and comes back is waited out: the consumer reconnects by itself.
+//! Should the consumer stop (its queue or durable consumer deleted from outside), the process
+//! logs why and exits 1, for its supervisor to restart it; the restart declares what is
+//! missing again.
 //!
 //! Tuning: `ORDERS_CONSUMER_CONCURRENCY` (default 4), `ORDERS_CONSUMER_MAX_ATTEMPTS` (5),
 //! `ORDERS_CONSUMER_BACKOFF_MS` (1000), `ORDERS_CONSUMER_ACK_WAIT_SECS` (NATS, 10; progress
@@ -63,9 +64,9 @@ pub(crate) async fn spawn<DB: Backend>(store: Store<DB>, broker_url: &str) -> Re
                 (false, true) => format!("{broker_url}&heartbeat=10"),
                 (false, false) => format!("{broker_url}?heartbeat=10"),
             };
-            let connection = lapin::Connection::connect(&url, Default::default()).await?;
             let queue = name("orders.payment-succeeded");
-            let consumer = RabbitMqConsumer::new(inbox, connection.into(), queue)
+            let consumer = RabbitMqConsumer::connect(inbox, &url, queue)
+                .await?
                 .bind(name("payments"), "payment.succeeded")
                 .concurrency(concurrency);
             consumer.declare().await?;
@@ -136,8 +137,8 @@ fn print_stats<DB: Backend>(every: Duration, inbox: Inbox<DB>) {
     });
 }
 
-/// Runs the consumer in the background. It only ends when it can consume no more: its
-/// channel or connection closed, or its queue or durable consumer was deleted. Then the process
+/// Runs the consumer in the background. It only ends when it can consume no more (its queue
+/// or durable consumer was deleted; a lost connection is reconnected). Then the process
 /// exits non-zero, for a supervisor to restart it, rather than serve orders without applying
 /// their payments.
 fn run<E: Display>(consumer: impl Future<Output = Result<(), E>> + Send + 'static) {

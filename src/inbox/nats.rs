@@ -17,6 +17,17 @@
 //!   `WARN`) and the subject it was published on in `Inbox-Subject`. The dead-letter stream's
 //!   duplicate window absorbs a copy published twice by a consumer that died in between.
 //!
+//! # When the broker goes away
+//!
+//! The async-nats client reconnects by itself (by default for as long as it runs, its waits
+//! doubling from nothing to 4 s; give a large fleet a jittered
+//! `ConnectOptions::reconnect_delay_callback`), and the pull consumer's message stream asks
+//! for messages again once it is back, so [`run`](NatsConsumer::run) goes on by itself
+//! through a server restart. The errors seen meanwhile are logged at `WARN`. Handlers that
+//! were running keep their transactions; an ack lost in the outage lets JetStream deliver the
+//! message again after the ack wait, and the inbox skips it as a duplicate. Only a durable
+//! consumer deleted from outside ends the stream, and `run` with it.
+//!
 //! ```no_run
 //! # #[cfg(feature = "sqlite")]
 //! # async fn run(store: axum_idempotency::SqliteStore) -> Result<(), async_nats::Error> {
@@ -211,7 +222,8 @@ impl<DB: Backend> NatsConsumer<DB> {
         stream.get_consumer(&self.durable).await
     }
 
-    /// Pulls and handles messages until the connection fails for good. Each message is acked
+    /// Pulls and handles messages until the durable consumer is deleted or the client closes
+    /// for good (a lost connection is reconnected by the client). Each message is acked
     /// after the inbox's transaction ended (applied, duplicate, or dead-lettered once its copy
     /// is stored), or `Nak`ed with a delay for a retry.
     pub async fn run<H, Fut>(self, handler: H) -> Result<(), async_nats::Error>

@@ -17,6 +17,10 @@ use crate::outbox::{OutboxRecord, SendOutcome, Sender};
 /// usual resends fall inside it. The subject is the message's topic, or what
 /// [`route`](Self::route) maps it to; a subject no stream captures is retried later.
 ///
+/// A server that restarts is waited out: the async-nats client reconnects by itself, and a
+/// publish whose ack does not come meanwhile (within the JetStream context's timeout, 5 s by
+/// default) is an unknown outcome, sent again later with the same `Nats-Msg-Id`.
+///
 /// ```no_run
 /// # async fn run(outbox: axum_idempotency::outbox::Outbox<sqlx::Sqlite>) -> Result<(), async_nats::Error> {
 /// use axum_idempotency::outbox::{Dispatcher, NatsSender};

@@ -526,17 +526,20 @@ async fn a_restarted_broker_is_waited_out_and_the_chain_converges_within_30_s(ki
 
     let down = Instant::now();
     broker.stop().await;
+    let stopping = down.elapsed();
     tokio::time::sleep(Duration::from_secs(3)).await;
+    let starting = Instant::now();
     broker.start_again().await;
     let back = Instant::now();
-    let outage = back - down;
+    let (outage, starting) = (back - down, back - starting);
     tokio::time::sleep(Duration::from_secs(2)).await;
     stop.store(true, Ordering::Relaxed);
     let load = load.await.unwrap();
     let convergence = chain.converged(&load.created, back).await;
 
     eprintln!(
-        "{kind:?} restarted under load: down {outage:.1?} (stop, 3 s, start); POST /payments \
+        "{kind:?} restarted under load: down {outage:.1?} (stopping {stopping:.1?}, 3 s, \
+         starting {starting:.1?}); POST /payments \
          answers {:?}; {} payments; converged {convergence:.1?} after the broker's return",
         load.statuses,
         load.created.len()

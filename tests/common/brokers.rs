@@ -27,10 +27,21 @@ fn signal(pid: u32, signal: &str) {
         .status();
 }
 
-fn alive(pid: u32) -> bool {
+/// Sends `signal` to every process of the group `group` (the script and the VM it starts).
+fn signal_group(group: u32, signal: &str) {
+    let _ = std::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg("--")
+        .arg(format!("-{group}"))
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// Whether any process of the group `group` is still running.
+fn group_alive(group: u32) -> bool {
     std::process::Command::new("kill")
-        .arg("-0")
-        .arg(pid.to_string())
+        .args(["-0", "--"])
+        .arg(format!("-{group}"))
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|status| status.success())
@@ -133,6 +144,8 @@ pub struct PrivateRabbitMq {
     dist_port: u16,
     dir: tempfile::TempDir,
     child: Option<Child>,
+    /// The process group of the running node: the script, the Erlang VM and its helpers.
+    group: Option<u32>,
 }
 
 /// The server script itself, not the wrapper in /usr/sbin that switches to the `rabbitmq`
@@ -163,6 +176,7 @@ impl PrivateRabbitMq {
             dist_port,
             dir,
             child: None,
+            group: None,
         };
         rabbit.start_again().await;
         rabbit
@@ -205,9 +219,12 @@ impl PrivateRabbitMq {
             )
             .stdout(Stdio::null())
             .stderr(Stdio::null())
+            // A group of its own, so that stopping it reaches the VM the script starts.
+            .process_group(0)
             .kill_on_drop(true)
             .spawn()
             .expect("rabbitmq-server");
+        self.group = child.id();
         self.child = Some(child);
         wait_listening(self.port, Duration::from_secs(60), "RabbitMQ").await;
         // The listener opens last in the boot; an AMQP handshake proves the node serves.
@@ -221,45 +238,32 @@ impl PrivateRabbitMq {
         }
     }
 
-    /// The Erlang VM's pid, from the node's pid file (the child is the shell script).
-    fn vm_pid(&self) -> Option<u32> {
-        std::fs::read_to_string(self.path("pid"))
-            .ok()?
-            .trim()
-            .parse()
-            .ok()
-    }
-
-    /// Stops the node as an operator would (SIGTERM to the VM: a clean shutdown that closes
-    /// its connections), and waits for it to exit.
+    /// Stops the node as an operator would (SIGTERM: the VM shuts down cleanly and closes
+    /// its connections), and waits for all of it to exit.
     pub async fn stop(&mut self) {
         let Some(mut child) = self.child.take() else {
             return;
         };
-        let vm = self.vm_pid();
-        match vm {
-            Some(pid) => signal(pid, "TERM"),
-            None => {
-                let _ = child.start_kill();
+        if let Some(group) = self.group.take() {
+            signal_group(group, "TERM");
+            let deadline = Instant::now() + Duration::from_secs(30);
+            // Reaping the script as it exits: a zombie still counts as a member of its group.
+            while (child.try_wait().is_ok_and(|exited| exited.is_none()) || group_alive(group))
+                && Instant::now() < deadline
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
-        }
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while vm.is_some_and(alive) && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        if let Some(pid) = vm.filter(|pid| alive(*pid)) {
-            signal(pid, "KILL");
+            signal_group(group, "KILL");
         }
         let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
-        let _ = std::fs::remove_file(self.path("pid"));
     }
 }
 
 impl Drop for PrivateRabbitMq {
     fn drop(&mut self) {
         // The VM is the script's child: killing the script alone would leave the node running.
-        if let Some(pid) = self.vm_pid() {
-            signal(pid, "KILL");
+        if let Some(group) = self.group {
+            signal_group(group, "KILL");
         }
     }
 }

@@ -84,6 +84,8 @@ const REASON: &str = "x-inbox-reason";
 /// The wait between attempts to reconnect: short at first, for a broker that restarts in
 /// seconds, and capped so that one back after a long outage is found within 5 s.
 const RECONNECT: Backoff = Backoff::exponential(Duration::from_millis(100), Duration::from_secs(5));
+/// A consumer that ran this long before it failed starts its reconnection backoff over.
+const STEADY: Duration = Duration::from_secs(10);
 /// A connection attempt that has not finished by then is abandoned and tried again (a host
 /// that drops packets would otherwise hold it for the system's TCP timeout).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -263,7 +265,9 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
         let mut connection = Arc::clone(&self.connection);
+        let mut failures = 0;
         loop {
+            let started = tokio::time::Instant::now();
             let error = match self.consume(&connection, handler.clone()).await {
                 Ok(()) => return Ok(()),
                 Err(error) => error,
@@ -276,7 +280,14 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
                 %error,
                 "RabbitMQ consumer lost its channel or connection; reconnecting"
             );
-            connection = self.reconnect(uri, connection).await;
+            // A consumer refused again at once (its consume denied, say) backs off further
+            // each time instead of looping; one that consumed for a while starts over.
+            failures = if started.elapsed() < STEADY {
+                failures + 1
+            } else {
+                1
+            };
+            connection = self.reconnect(uri, connection, failures).await;
             tracing::info!(consumer = %self.inbox.name(), "RabbitMQ consumer reconnected");
         }
     }
@@ -284,10 +295,10 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
     /// A connection to consume on again, after a jittered backoff per attempt: the old one if
     /// only its channel was lost, else a new one; either way with the queues declared again,
     /// since a broker that lost them would otherwise refuse the consumer.
-    async fn reconnect(&self, uri: &str, old: Arc<Connection>) -> Arc<Connection> {
-        let mut attempt = 0;
+    async fn reconnect(&self, uri: &str, old: Arc<Connection>, failures: u32) -> Arc<Connection> {
+        let mut attempt = failures.saturating_sub(1);
         loop {
-            attempt += 1;
+            attempt = attempt.saturating_add(1);
             tokio::time::sleep(RECONNECT.delay(attempt)).await;
             let connection = if old.status().connected() {
                 Arc::clone(&old)

@@ -685,8 +685,8 @@ pub mod outbox {}
 /// senders alike, without a process restart: nothing is lost, nothing is applied twice, and
 /// the chain catches up within seconds of the broker's return. The suite restarts a private
 /// `nats-server` and a private RabbitMQ node under load (`tests/chain_recovery.rs`): every
-/// payment posted meanwhile was applied within 3 s (NATS) and 4 to 7 s (RabbitMQ) of the
-/// broker's return.
+/// payment posted meanwhile was applied within about 3 s (NATS) and 4 to 7 s (RabbitMQ) of
+/// the broker's return.
 ///
 /// - **RabbitMQ.** `RabbitMqConsumer::connect(inbox, uri, queue)` and
 ///   `RabbitMqSender::connect(uri, exchange)` keep the URI and reconnect by themselves, for as

@@ -625,7 +625,7 @@ impl Broker {
                     ..Config::default()
                 };
                 jetstream.get_or_create_stream(stream).await?;
-                let sender = outbox::NatsSender::new(jetstream);
+                let sender = outbox::NatsSender::connect(url).await?;
                 Ok(Self::Nats(
                     sender.route(EVENT_TOPIC, name("payments.succeeded")),
                 ))

@@ -701,10 +701,12 @@ pub mod outbox {}
 ///   `RabbitMqSender::with_connection`) neither reconnects: `run` returns the error, and sends
 ///   are retried while the connection is down. Put `?heartbeat=10` in the URI, so a broker
 ///   host that vanishes without closing its sockets is noticed within about 20 s.
-/// - **NATS.** The async-nats client reconnects by itself (by default for as long as it runs,
-///   its waits doubling from nothing to 4 s, without jitter: for a large fleet pass a jittered
-///   `ConnectOptions::reconnect_delay_callback`), and a JetStream pull consumer asks for
-///   messages again once reconnected, so `NatsConsumer` and `NatsSender` go on as they are. A
+/// - **NATS.** The async-nats client reconnects by itself, for as long as it runs, and a
+///   JetStream pull consumer asks for messages again once reconnected, so `NatsConsumer` and
+///   `NatsSender` go on as they are. Made with `NatsConsumer::connect(inbox, url, stream,
+///   durable)` and `NatsSender::connect(url)`, their client waits the same jittered backoff
+///   between attempts as RabbitMQ's (a client of your own waits async-nats' default: the same
+///   for every client, doubling from nothing to 4 s). A
 ///   publish whose ack is lost in the outage is an unknown outcome, sent again later with the
 ///   same `Nats-Msg-Id`, which the stream's duplicate window drops; a message whose ack was
 ///   lost comes back after the ack wait and is skipped as a duplicate.

@@ -78,9 +78,9 @@ pub(crate) async fn spawn<DB: Backend>(store: Store<DB>, broker_url: &str) -> Re
         #[cfg(feature = "nats")]
         "nats" => {
             use axum_idempotency::inbox::nats::NatsConsumer;
-            let jetstream = async_nats::jetstream::new(async_nats::connect(broker_url).await?);
             let ack_wait = Duration::from_secs(setting("ORDERS_CONSUMER_ACK_WAIT_SECS", 10)?);
-            let consumer = NatsConsumer::new(inbox, jetstream, name("PAYMENTS"), "orders")
+            let consumer = NatsConsumer::connect(inbox, broker_url, name("PAYMENTS"), "orders")
+                .await?
                 .stream_subjects([name("payments.>")])
                 .filter_subject(name("payments.succeeded"))
                 .dead_letters(name("ORDERS_DEAD"), name("orders.dead"))

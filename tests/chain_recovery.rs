@@ -261,6 +261,16 @@ impl Chain {
         }
     }
 
+    /// How many charge requests the provider received, and how many charges it made.
+    async fn provider_counts(&self) -> (u64, u64) {
+        let request = Request::get(format!("{}/admin/charges", self.provider.url))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let listed = self.http.call(request).await.json();
+        let count = |field: &str| listed[field].as_u64().unwrap_or_default();
+        (count("posts"), count("count"))
+    }
+
     /// Charges at the provider, by idempotency key.
     async fn charges(&self) -> HashMap<String, usize> {
         let request = Request::get(format!("{}/admin/charges", self.provider.url))
@@ -378,23 +388,31 @@ async fn payments_killed_mid_charge_converges_within_30_s_of_its_restart(kind: K
         assert_eq!(status, 202);
         created.push(id.expect("an accepted payment has an id"));
     }
-    // Killed once the first charge is made: the others are still at the provider, and that
-    // one's answer may be on its way (or dropped).
+    // Killed while at least three charges are at the provider, received and not yet made
+    // (each takes it 1.5 s): their messages are leased by the process that dies, so the
+    // restart must wait out the leases and look each charge up before any resend.
     let deadline = Instant::now() + Duration::from_secs(20);
-    while chain.charges().await.is_empty() {
-        assert!(Instant::now() < deadline, "no charge reached the provider");
+    let mut in_flight = 0;
+    while in_flight < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the charges did not reach the provider"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
+        let (received, made) = chain.provider_counts().await;
+        in_flight = received.saturating_sub(made);
     }
-    let charged_before = chain.charges().await.len();
     chain.payments.take().expect("payments runs").kill().await;
+    let charged_before = chain.charges().await.len();
     let applied_before = chain.applied().await.len();
 
     chain.payments = Some(chain.start_payments().await);
     let restarted = Instant::now();
     let recovery = chain.converged(&created, restarted).await;
     eprintln!(
-        "payments SIGKILLed mid-charge ({kind:?}, {db:?}): {charged_before} of {} charged and \
-         {applied_before} applied at the kill; the chain converged {recovery:.1?} after the restart",
+        "payments SIGKILLed mid-charge ({kind:?}, {db:?}): {in_flight} charges in flight, \
+         {charged_before} of {} charged and {applied_before} applied at the kill; the chain \
+         converged {recovery:.1?} after the restart",
         created.len()
     );
     chain.assert_exactly_once(&created).await;

@@ -572,8 +572,7 @@ impl Broker {
             #[cfg(feature = "rabbitmq")]
             "amqp" | "amqps" => {
                 use lapin::options::ExchangeDeclareOptions;
-                let connection =
-                    Arc::new(lapin::Connection::connect(url, Default::default()).await?);
+                let connection = lapin::Connection::connect(url, Default::default()).await?;
                 let exchange = name("payments");
                 let durable = ExchangeDeclareOptions {
                     durable: true,
@@ -590,7 +589,9 @@ impl Broker {
                     Default::default(),
                 );
                 let _ = declared.await;
-                let sender = outbox::RabbitMqSender::connect(connection, exchange).await?;
+                let _ = connection.close(200, "declared".into()).await;
+                // A connection of its own, opened again whenever the broker comes back.
+                let sender = outbox::RabbitMqSender::connect(url, exchange).await?;
                 Ok(Self::RabbitMq(
                     sender.route(EVENT_TOPIC, "payment.succeeded"),
                 ))
@@ -605,7 +606,7 @@ impl Broker {
                     ..Config::default()
                 };
                 jetstream.get_or_create_stream(stream).await?;
-                let sender = outbox::NatsSender::new(jetstream);
+                let sender = outbox::NatsSender::connect(url).await?;
                 Ok(Self::Nats(
                     sender.route(EVENT_TOPIC, name("payments.succeeded")),
                 ))

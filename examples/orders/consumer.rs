@@ -4,8 +4,10 @@
 //! `orders.payment-succeeded` bound to the topic exchange `payments` (routing key
 //! `payment.succeeded`); `nats://…` (feature `nats`) the durable consumer `orders` on the stream
 //! `PAYMENTS`. Dead letters go to `orders.payment-succeeded.dead` or the stream `ORDERS_DEAD`;
-//! `orders replay-dead` replays them once and exits. Should the consumer stop, the process
-//! exits 1 for its supervisor to restart it.
+//! `orders replay-dead` replays them once and exits. A broker that goes away and comes back is
+//! waited out: the consumer reconnects by itself. Should the consumer stop (its queue or durable
+//! consumer deleted from outside), the process exits 1 for its supervisor to restart it, and the
+//! restart declares what is missing again.
 //!
 //! Tuning: `ORDERS_CONSUMER_CONCURRENCY` (default 4), `ORDERS_CONSUMER_MAX_ATTEMPTS` (5),
 //! `ORDERS_CONSUMER_BACKOFF_MS` (1000), `ORDERS_CONSUMER_ACK_WAIT_SECS` (NATS, 10).
@@ -57,9 +59,9 @@ pub(crate) async fn spawn<DB: Backend>(store: Store<DB>, broker_url: &str) -> Re
                 (false, true) => format!("{broker_url}&heartbeat=10"),
                 (false, false) => format!("{broker_url}?heartbeat=10"),
             };
-            let connection = lapin::Connection::connect(&url, Default::default()).await?;
             let queue = name("orders.payment-succeeded");
-            let consumer = RabbitMqConsumer::new(inbox, connection.into(), queue)
+            let consumer = RabbitMqConsumer::connect(inbox, &url, queue)
+                .await?
                 .bind(name("payments"), "payment.succeeded")
                 .concurrency(concurrency);
             consumer.declare().await?;
@@ -71,9 +73,9 @@ pub(crate) async fn spawn<DB: Backend>(store: Store<DB>, broker_url: &str) -> Re
         #[cfg(feature = "nats")]
         "nats" => {
             use axum_idempotency::inbox::nats::NatsConsumer;
-            let jetstream = async_nats::jetstream::new(async_nats::connect(broker_url).await?);
             let ack_wait = Duration::from_secs(setting("ORDERS_CONSUMER_ACK_WAIT_SECS", 10)?);
-            let consumer = NatsConsumer::new(inbox, jetstream, name("PAYMENTS"), "orders")
+            let consumer = NatsConsumer::connect(inbox, broker_url, name("PAYMENTS"), "orders")
+                .await?
                 .stream_subjects([name("payments.>")])
                 .filter_subject(name("payments.succeeded"))
                 .dead_letters(name("ORDERS_DEAD"), name("orders.dead"))
@@ -125,8 +127,8 @@ fn print_stats<DB: Backend>(every: Duration, inbox: Inbox<DB>) {
     });
 }
 
-/// Runs the consumer in the background. It only ends when it can consume no more: its
-/// channel or connection closed, or its queue or durable consumer was deleted. Then the process
+/// Runs the consumer in the background. It only ends when it can consume no more (its queue
+/// or durable consumer was deleted; a lost connection is reconnected). Then the process
 /// exits non-zero, for a supervisor to restart it, rather than serve orders without applying
 /// their payments.
 fn run<E: Display>(consumer: impl Future<Output = Result<(), E>> + Send + 'static) {

@@ -17,6 +17,19 @@
 //!   `WARN`) and the subject it was published on in `Inbox-Subject`. The dead-letter stream's
 //!   duplicate window absorbs a copy published twice by a consumer that died in between.
 //!
+//! # When the broker goes away
+//!
+//! The async-nats client reconnects by itself, for as long as it runs, and the pull
+//! consumer's message stream asks for messages again once it is back, so
+//! [`run`](NatsConsumer::run) goes on by itself through a server restart. A consumer made
+//! with [`connect`](NatsConsumer::connect) has a client whose waits between reconnection
+//! attempts are jittered (up to 100 ms, the ceiling doubling to 5 s), so a fleet does not
+//! come back to a restarted server at one instant; async-nats' own default, for a client you
+//! make, waits the same for every client (doubling from nothing to 4 s). The errors seen meanwhile are logged at `WARN`. Handlers that
+//! were running keep their transactions; an ack lost in the outage lets JetStream deliver the
+//! message again after the ack wait, and the inbox skips it as a duplicate. Only a durable
+//! consumer deleted from outside ends the stream, and `run` with it.
+//!
 //! ```no_run
 //! # #[cfg(feature = "sqlite")]
 //! # async fn run(store: axum_idempotency::SqliteStore) -> Result<(), async_nats::Error> {
@@ -24,9 +37,9 @@
 //! use axum_idempotency::inbox::nats::NatsConsumer;
 //! use axum_idempotency::Tx;
 //!
-//! let client = async_nats::connect("nats://127.0.0.1:4222").await?;
-//! let jetstream = async_nats::jetstream::new(client);
-//! let consumer = NatsConsumer::new(Inbox::new("orders", store), jetstream, "PAYMENTS", "orders")
+//! let inbox = Inbox::new("orders", store);
+//! let consumer = NatsConsumer::connect(inbox, "nats://127.0.0.1:4222", "PAYMENTS", "orders")
+//!     .await?
 //!     .stream_subjects(["payments.>"])
 //!     .filter_subject("payments.succeeded");
 //! consumer.declare().await?; // dead letters: stream ORDERS_DEAD, subjects orders.dead.>
@@ -48,12 +61,17 @@ use futures_util::StreamExt;
 
 use super::{Delivery, Failure, Inbox, ReplayReport, Verdict};
 use crate::Backend;
+use crate::backoff::Backoff;
 use crate::tx::Tx;
 
 /// The header a dead letter carries: why it died.
 const REASON: &str = "Inbox-Reason";
 /// The header a dead letter carries: the subject it was first published on.
 const ORIGINAL_SUBJECT: &str = "Inbox-Subject";
+/// The wait between reconnection attempts of a client the consumer makes: jittered, so that
+/// a fleet spreads out, and capped so that a server back after a long outage is found
+/// within 5 s.
+const RECONNECT: Backoff = Backoff::exponential(Duration::from_millis(100), Duration::from_secs(5));
 
 /// Consumes a JetStream durable pull consumer through an [`Inbox`]. See the
 /// [module docs](self).
@@ -105,6 +123,20 @@ impl<DB: Backend> NatsConsumer<DB> {
             ack_wait: Duration::from_secs(10),
             concurrency: 4,
         }
+    }
+
+    /// A consumer of `stream` through the durable consumer `durable`, 4 messages at a time, on
+    /// a client of its own connected to `url` now (an unreachable server fails here). The
+    /// client reconnects by itself with a jittered backoff (see the
+    /// [module docs](self#when-the-broker-goes-away)).
+    pub async fn connect(
+        inbox: Inbox<DB>,
+        url: &str,
+        stream: impl Into<String>,
+        durable: impl Into<String>,
+    ) -> Result<Self, async_nats::ConnectError> {
+        let jetstream = async_nats::jetstream::new(connect(url).await?);
+        Ok(Self::new(inbox, jetstream, stream, durable))
     }
 
     /// The subjects the stream is created with if it does not exist yet (default: the filter
@@ -211,7 +243,8 @@ impl<DB: Backend> NatsConsumer<DB> {
         stream.get_consumer(&self.durable).await
     }
 
-    /// Pulls and handles messages until the connection fails for good. Each message is acked
+    /// Pulls and handles messages until the durable consumer is deleted or the client closes
+    /// for good (a lost connection is reconnected by the client). Each message is acked
     /// after the inbox's transaction ended (applied, duplicate, or dead-lettered once its copy
     /// is stored), or `Nak`ed with a delay for a retry.
     pub async fn run<H, Fut>(self, handler: H) -> Result<(), async_nats::Error>
@@ -353,6 +386,16 @@ impl<DB: Backend> NatsConsumer<DB> {
         }
         Ok(report)
     }
+}
+
+/// A client that reconnects with the jittered [`RECONNECT`] backoff.
+async fn connect(url: &str) -> Result<async_nats::Client, async_nats::ConnectError> {
+    async_nats::ConnectOptions::new()
+        .reconnect_delay_callback(|attempts| {
+            RECONNECT.delay(u32::try_from(attempts).unwrap_or(u32::MAX))
+        })
+        .connect(url)
+        .await
 }
 
 fn delivery_of(headers: Option<&HeaderMap>, payload: bytes::Bytes, attempt: u32) -> Delivery {

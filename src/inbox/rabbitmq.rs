@@ -24,17 +24,31 @@
 //! about two heartbeat intervals when its host vanishes (connect with `?heartbeat=10` in the
 //! URI to keep that under 30 s; the server's default is 60 s).
 //!
+//! # When the broker goes away
+//!
+//! A consumer made with [`connect`](RabbitMqConsumer::connect) keeps its URI and reconnects by
+//! itself when its connection or channel is lost (a broker restarted, a network cut): it waits
+//! a jittered backoff (up to 100 ms, doubling to at most 5 s, so that many consumers do not
+//! come back at the same instant), connects again, declares its queues again (a broker that
+//! lost them gets them back; one that kept them keeps them as they are) and consumes on. It
+//! tries for as long as it runs, logging each failed attempt at `WARN`. Deliveries whose ack
+//! was lost with the connection come back from the broker, and the inbox finds their claim:
+//! nothing is lost, and nothing is applied twice. A consumer made with
+//! [`new`](RabbitMqConsumer::new) on a connection of the caller's returns the error instead.
+//! Either way, a queue deleted from outside (the broker cancels the consumer) ends
+//! [`run`](RabbitMqConsumer::run) with `Ok(())`: that is not an outage to wait out.
+//!
 //! ```no_run
 //! # #[cfg(feature = "sqlite")]
 //! # async fn run(store: axum_idempotency::SqliteStore) -> Result<(), Box<dyn std::error::Error>> {
-//! use std::sync::Arc;
 //! use axum_idempotency::inbox::{Delivery, Failure, Inbox};
 //! use axum_idempotency::inbox::rabbitmq::RabbitMqConsumer;
 //! use axum_idempotency::Tx;
 //!
-//! let connection = lapin::Connection::connect("amqp://127.0.0.1:5672", Default::default()).await?;
 //! let inbox = Inbox::new("orders", store);
-//! let consumer = RabbitMqConsumer::new(inbox, Arc::new(connection), "orders.payment-succeeded")
+//! let uri = "amqp://127.0.0.1:5672/%2f?heartbeat=10";
+//! let consumer = RabbitMqConsumer::connect(inbox, uri, "orders.payment-succeeded")
+//!     .await?
 //!     .bind("payments", "payment.succeeded")
 //!     .concurrency(4);
 //! consumer.declare().await?;
@@ -47,6 +61,7 @@
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::options::{
@@ -55,21 +70,32 @@ use lapin::options::{
     QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Connection, ExchangeKind};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 
 use super::{Delivery, Failure, Inbox, ReplayReport, Verdict};
 use crate::Backend;
+use crate::backoff::Backoff;
 use crate::tx::Tx;
 
 /// The header a retried copy carries: attempts made before it.
 const ATTEMPTS: &str = "x-inbox-attempts";
 /// The header a dead letter carries: why it died.
 const REASON: &str = "x-inbox-reason";
+/// The wait between attempts to reconnect: short at first, for a broker that restarts in
+/// seconds, and capped so that one back after a long outage is found within 5 s.
+const RECONNECT: Backoff = Backoff::exponential(Duration::from_millis(100), Duration::from_secs(5));
+/// A consumer that ran this long before it failed starts its reconnection backoff over.
+const STEADY: Duration = Duration::from_secs(10);
+/// A connection attempt that has not finished by then is abandoned and tried again (a host
+/// that drops packets would otherwise hold it for the system's TCP timeout).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Consumes a RabbitMQ queue through an [`Inbox`]. See the [module docs](self).
 pub struct RabbitMqConsumer<DB: Backend> {
     inbox: Inbox<DB>,
     connection: Arc<Connection>,
+    /// Where to connect again when the connection is lost; `None` for a caller's connection.
+    uri: Option<String>,
     queue: String,
     bindings: Vec<(String, String)>,
     concurrency: u16,
@@ -82,20 +108,40 @@ impl<DB: Backend> fmt::Debug for RabbitMqConsumer<DB> {
             .field("queue", &self.queue)
             .field("bindings", &self.bindings)
             .field("concurrency", &self.concurrency)
+            .field("reconnects", &self.uri.is_some())
             .finish_non_exhaustive()
     }
 }
 
 impl<DB: Backend> RabbitMqConsumer<DB> {
-    /// A consumer of `queue` on `connection`, handling 4 deliveries at a time.
+    /// A consumer of `queue` on the caller's `connection`, handling 4 deliveries at a time.
+    /// When that connection is lost, [`run`](Self::run) returns the error: use
+    /// [`connect`](Self::connect) for a consumer that reconnects by itself.
     pub fn new(inbox: Inbox<DB>, connection: Arc<Connection>, queue: impl Into<String>) -> Self {
         Self {
             inbox,
             connection,
+            uri: None,
             queue: queue.into(),
             bindings: Vec::new(),
             concurrency: 4,
         }
+    }
+
+    /// A consumer of `queue` on a connection of its own to `uri`, handling 4 deliveries at a
+    /// time. It connects now, so a wrong URI or an unreachable broker fails here, and later
+    /// reconnects by itself whenever the connection is lost (see the
+    /// [module docs](self#when-the-broker-goes-away)). Put `?heartbeat=10` in the URI so
+    /// that a vanished broker host is noticed within about 20 s.
+    pub async fn connect(
+        inbox: Inbox<DB>,
+        uri: &str,
+        queue: impl Into<String>,
+    ) -> Result<Self, lapin::Error> {
+        let connection = connect(uri).await?;
+        let mut consumer = Self::new(inbox, Arc::new(connection), queue);
+        consumer.uri = Some(uri.to_owned());
+        Ok(consumer)
     }
 
     /// Binds the queue to the topic exchange `exchange` with `routing_key` on
@@ -125,10 +171,14 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
     /// Declares the exchanges, the queue and its retry and dead-letter queues, and the
     /// bindings. Idempotent; safe to run from every instance at start.
     pub async fn declare(&self) -> Result<(), lapin::Error> {
+        self.declare_on(&self.connection).await
+    }
+
+    async fn declare_on(&self, connection: &Connection) -> Result<(), lapin::Error> {
         for (exchange, _) in &self.bindings {
             // A passive declare accepts the exchange as it is (a publisher may have made it
             // with other settings); its failure closes the channel, hence a fresh one.
-            let probe = self.connection.create_channel().await?;
+            let probe = connection.create_channel().await?;
             let exists = probe
                 .exchange_declare(
                     exchange.as_str().into(),
@@ -142,7 +192,7 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
                 .await
                 .is_ok();
             if !exists {
-                let channel = self.connection.create_channel().await?;
+                let channel = connection.create_channel().await?;
                 channel
                     .exchange_declare(
                         exchange.as_str().into(),
@@ -159,7 +209,7 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
                 let _ = probe.close(200, "declared".into()).await;
             }
         }
-        let channel = self.connection.create_channel().await?;
+        let channel = connection.create_channel().await?;
         let durable = QueueDeclareOptions {
             durable: true,
             ..QueueDeclareOptions::default()
@@ -202,8 +252,11 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
         Ok(())
     }
 
-    /// Consumes until the channel or the connection closes (then returns the error, so the
-    /// caller can reconnect or exit). Each delivery is acknowledged after the inbox's
+    /// Consumes until the broker cancels the consumer (its queue was deleted: `Ok(())`).
+    ///
+    /// A lost channel or connection is waited out and consumed again by a consumer made
+    /// with [`connect`](Self::connect); one made with [`new`](Self::new) returns the error,
+    /// for the caller to reconnect or exit. Each delivery is acknowledged after the inbox's
     /// transaction ended: applied and duplicates at once, retries once their delayed copy is
     /// confirmed by the broker, dead letters once their copy in the dead-letter queue is.
     pub async fn run<H, Fut>(self, handler: H) -> Result<(), lapin::Error>
@@ -211,7 +264,72 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
         H: Fn(Tx<DB>, Delivery) -> Fut + Clone + Send + Sync + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
-        let channel = self.connection.create_channel().await?;
+        let mut connection = Arc::clone(&self.connection);
+        let mut failures = 0;
+        loop {
+            let started = tokio::time::Instant::now();
+            let error = match self.consume(&connection, handler.clone()).await {
+                Ok(()) => return Ok(()),
+                Err(error) => error,
+            };
+            let Some(uri) = &self.uri else {
+                return Err(error);
+            };
+            tracing::warn!(
+                consumer = %self.inbox.name(),
+                %error,
+                "RabbitMQ consumer lost its channel or connection; reconnecting"
+            );
+            // A consumer refused again at once (its consume denied, say) backs off further
+            // each time instead of looping; one that consumed for a while starts over.
+            failures = if started.elapsed() < STEADY {
+                failures + 1
+            } else {
+                1
+            };
+            connection = self.reconnect(uri, connection, failures).await;
+            tracing::info!(consumer = %self.inbox.name(), "RabbitMQ consumer reconnected");
+        }
+    }
+
+    /// A connection to consume on again, after a jittered backoff per attempt: the old one if
+    /// only its channel was lost, else a new one; either way with the queues declared again,
+    /// since a broker that lost them would otherwise refuse the consumer.
+    async fn reconnect(&self, uri: &str, old: Arc<Connection>, failures: u32) -> Arc<Connection> {
+        let mut attempt = failures.saturating_sub(1);
+        loop {
+            attempt = attempt.saturating_add(1);
+            tokio::time::sleep(RECONNECT.delay(attempt)).await;
+            let connection = if old.status().connected() {
+                Arc::clone(&old)
+            } else {
+                match connect(uri).await {
+                    Ok(connection) => Arc::new(connection),
+                    Err(error) => {
+                        tracing::warn!(consumer = %self.inbox.name(), attempt, %error, "RabbitMQ reconnection failed");
+                        continue;
+                    }
+                }
+            };
+            match self.declare_on(&connection).await {
+                Ok(()) => return connection,
+                Err(error) => {
+                    tracing::warn!(consumer = %self.inbox.name(), attempt, %error, "declaring after a reconnection failed");
+                }
+            }
+        }
+    }
+
+    /// Consumes on one connection until the consumer is cancelled (`Ok`) or a channel or
+    /// connection error ends it. Deliveries in hand are finished first, so no handler is
+    /// abandoned mid-transaction; their acks fail with the channel and the broker redelivers
+    /// them, to find their claims.
+    async fn consume<H, Fut>(&self, connection: &Connection, handler: H) -> Result<(), lapin::Error>
+    where
+        H: Fn(Tx<DB>, Delivery) -> Fut + Clone + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), Failure>> + Send + 'static,
+    {
+        let channel = connection.create_channel().await?;
         channel
             .basic_qos(self.concurrency, BasicQosOptions::default())
             .await?;
@@ -232,7 +350,7 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
                 let handler = handler.clone();
                 let channel = channel.clone();
                 let failed = &failed;
-                let this = &self;
+                let this = self;
                 async move {
                     let outcome = match delivery {
                         Ok(delivery) => this.process(&channel, delivery, handler).await,
@@ -397,6 +515,18 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
         }
         let _ = channel.close(200, "replayed".into()).await;
         Ok(report)
+    }
+}
+
+/// One connection attempt, bounded by [`CONNECT_TIMEOUT`].
+async fn connect(uri: &str) -> Result<Connection, lapin::Error> {
+    let connecting = Connection::connect(uri, ConnectionProperties::default());
+    match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
+        Ok(connected) => connected,
+        Err(_) => Err(lapin::Error::from(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no connection within {CONNECT_TIMEOUT:?}"),
+        ))),
     }
 }
 

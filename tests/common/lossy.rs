@@ -211,7 +211,9 @@ pub(crate) async fn forward_or_drop(
     drop_percent: u64,
     dropped: Arc<AtomicUsize>,
 ) -> Result<http::Response<Full<Bytes>>, BoxError> {
-    *request.uri_mut() = format!("http://{upstream}{}", request.uri().path()).parse()?;
+    // The query too: a lookup such as `GET /charges?key=…` means nothing without it.
+    let target = request.uri().path_and_query().map_or("/", |p| p.as_str());
+    *request.uri_mut() = format!("http://{upstream}{target}").parse()?;
     let (parts, body) = forward.request(request).await?.into_parts();
     let body = body.collect().await?.to_bytes();
     if next_random(&rng) % 100 < drop_percent {

@@ -10,11 +10,14 @@
 //! - [`pg_cluster`]: a private PostgreSQL primary and hot standby, to kill and promote.
 //! - [`link`]: a TCP link with a fixed lag between the two, cut when the primary dies.
 //! - [`vip`]: a TCP forwarder standing in for a virtual IP that moves between servers.
+//! - [`brokers`]: a private NATS server and RabbitMQ node, to stop and start again.
 
 #![allow(dead_code, unreachable_pub, unused_imports)]
 
 #[cfg(feature = "server")]
 pub(crate) mod backends;
+#[cfg(all(feature = "nats", feature = "rabbitmq"))]
+pub(crate) mod brokers;
 #[cfg(feature = "mysql")]
 pub(crate) mod galera;
 #[cfg(feature = "postgres")]

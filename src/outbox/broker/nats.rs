@@ -1,11 +1,18 @@
 //! An outbox [`Sender`] that publishes to NATS JetStream with `Nats-Msg-Id`.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::Context;
 
+use crate::backoff::Backoff;
 use crate::outbox::{OutboxRecord, SendOutcome, Sender};
+
+/// The wait between reconnection attempts of a client the sender makes: jittered, so that
+/// many senders spread out, and capped so that a server back after a long outage is found
+/// within 5 s.
+const RECONNECT: Backoff = Backoff::exponential(Duration::from_millis(100), Duration::from_secs(5));
 
 /// Publishes outbox messages to JetStream, waiting for the stream's ack on every attempt.
 ///
@@ -17,12 +24,19 @@ use crate::outbox::{OutboxRecord, SendOutcome, Sender};
 /// usual resends fall inside it. The subject is the message's topic, or what
 /// [`route`](Self::route) maps it to; a subject no stream captures is retried later.
 ///
+/// A server that restarts is waited out: the async-nats client reconnects by itself (a
+/// sender made with [`connect`](Self::connect) with a jittered backoff, up to 100 ms doubling
+/// to 5 s), and a publish whose ack does not come meanwhile (within the JetStream context's
+/// timeout, 5 s by default) is an unknown outcome, sent again later with the same
+/// `Nats-Msg-Id`.
+///
 /// ```no_run
 /// # async fn run(outbox: axum_idempotency::outbox::Outbox<sqlx::Sqlite>) -> Result<(), async_nats::Error> {
 /// use axum_idempotency::outbox::{Dispatcher, NatsSender};
 ///
-/// let jetstream = async_nats::jetstream::new(async_nats::connect("nats://127.0.0.1:4222").await?);
-/// let sender = NatsSender::new(jetstream).route("payment.succeeded", "payments.succeeded");
+/// let sender = NatsSender::connect("nats://127.0.0.1:4222")
+///     .await?
+///     .route("payment.succeeded", "payments.succeeded");
 /// tokio::spawn(Dispatcher::new(outbox, sender).run(std::future::pending()));
 /// # Ok(()) }
 /// ```
@@ -39,6 +53,18 @@ impl NatsSender {
             jetstream,
             routes: HashMap::new(),
         }
+    }
+
+    /// A sender on a client of its own, connected to `url` now (an unreachable server fails
+    /// here), that reconnects by itself with a jittered backoff.
+    pub async fn connect(url: &str) -> Result<Self, async_nats::ConnectError> {
+        let client = async_nats::ConnectOptions::new()
+            .reconnect_delay_callback(|attempts| {
+                RECONNECT.delay(u32::try_from(attempts).unwrap_or(u32::MAX))
+            })
+            .connect(url)
+            .await?;
+        Ok(Self::new(async_nats::jetstream::new(client)))
     }
 
     /// Publishes messages of `topic` on `subject` (default: the topic itself).

@@ -3,12 +3,20 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::{BasicProperties, Channel, Connection};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use tokio::sync::Mutex;
 
+use crate::backoff::Backoff;
 use crate::outbox::{OutboxRecord, SendOutcome, Sender};
+
+/// The wait between attempts to reconnect within one send: short at first, for a broker that
+/// restarts in seconds, capped so that one back after a long outage is found within 5 s.
+const RECONNECT: Backoff = Backoff::exponential(Duration::from_millis(100), Duration::from_secs(5));
+/// A connection attempt that has not finished by then is abandoned and tried again.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Publishes outbox messages to a RabbitMQ exchange, one confirmed publish per attempt.
 ///
@@ -19,23 +27,41 @@ use crate::outbox::{OutboxRecord, SendOutcome, Sender};
 /// are persistent and `mandatory`: a message no queue is bound for yet is not counted as
 /// delivered but retried later, and one the broker does not confirm is retried too.
 ///
+/// # When the broker goes away
+///
+/// A sender made with [`connect`](Self::connect) keeps its URI and reconnects by itself: a
+/// send that finds the connection lost connects again, with a jittered backoff between
+/// attempts (up to 100 ms, doubling to at most 5 s), until the broker is back or the
+/// dispatcher's send timeout ends the attempt (an unknown outcome: the message is sent again
+/// later under the same message id, and the inbox applies it once). Sends waiting for the
+/// broker spend the dispatcher's attempts slowly, one per send timeout plus backoff; give
+/// event messages enough [`max_attempts`](crate::outbox::Dispatcher::max_attempts) to outlast
+/// the longest broker outage you plan for. A sender made with
+/// [`with_connection`](Self::with_connection) on the caller's connection only opens new
+/// channels on it, and retries its sends while that connection is down.
+///
 /// ```no_run
 /// # async fn run(outbox: axum_idempotency::outbox::Outbox<sqlx::Sqlite>) -> Result<(), lapin::Error> {
-/// use std::sync::Arc;
 /// use axum_idempotency::outbox::{Dispatcher, RabbitMqSender};
 ///
-/// let connection = Arc::new(lapin::Connection::connect("amqp://127.0.0.1:5672", Default::default()).await?);
-/// let sender = RabbitMqSender::connect(connection, "payments").await?
+/// let sender = RabbitMqSender::connect("amqp://127.0.0.1:5672/%2f?heartbeat=10", "payments").await?
 ///     .route("payment.succeeded", "payment.succeeded");
 /// tokio::spawn(Dispatcher::new(outbox, sender).run(std::future::pending()));
 /// # Ok(()) }
 /// ```
 pub struct RabbitMqSender {
-    connection: Arc<Connection>,
-    // Replaced after the broker closes it (a failed publish closes an AMQP channel).
-    channel: Mutex<Channel>,
+    // Its channel is replaced after the broker closes it (a failed publish closes an AMQP
+    // channel), its connection after that is lost, if the sender has a URI.
+    link: Mutex<Link>,
+    uri: Option<String>,
     exchange: String,
     routes: HashMap<String, String>,
+}
+
+/// The connection a sender publishes on, and its channel in confirm mode.
+struct Link {
+    connection: Arc<Connection>,
+    channel: Channel,
 }
 
 impl fmt::Debug for RabbitMqSender {
@@ -43,21 +69,37 @@ impl fmt::Debug for RabbitMqSender {
         f.debug_struct("RabbitMqSender")
             .field("exchange", &self.exchange)
             .field("routes", &self.routes)
+            .field("reconnects", &self.uri.is_some())
             .finish_non_exhaustive()
     }
 }
 
 impl RabbitMqSender {
-    /// A sender publishing to `exchange` on a channel of its own in confirm mode. The exchange
-    /// must exist when messages are sent (the consumer side declares it).
-    pub async fn connect(
+    /// A sender publishing to `exchange` on a connection of its own to `uri`, which it opens
+    /// now (a wrong URI or an unreachable broker fails here) and opens again whenever it is
+    /// lost (see [above](Self#when-the-broker-goes-away)). The exchange must exist when
+    /// messages are sent (the consumer side declares it).
+    pub async fn connect(uri: &str, exchange: impl Into<String>) -> Result<Self, lapin::Error> {
+        let connection = Arc::new(connect(uri).await?);
+        let mut sender = Self::with_connection(connection, exchange).await?;
+        sender.uri = Some(uri.to_owned());
+        Ok(sender)
+    }
+
+    /// A sender publishing to `exchange` on a channel of its own, in confirm mode, on the
+    /// caller's `connection`. It never opens another connection: while this one is down,
+    /// every send is a retry.
+    pub async fn with_connection(
         connection: Arc<Connection>,
         exchange: impl Into<String>,
     ) -> Result<Self, lapin::Error> {
         let channel = confirming_channel(&connection).await?;
         Ok(Self {
-            connection,
-            channel: Mutex::new(channel),
+            link: Mutex::new(Link {
+                connection,
+                channel,
+            }),
+            uri: None,
             exchange: exchange.into(),
             routes: HashMap::new(),
         })
@@ -70,12 +112,57 @@ impl RabbitMqSender {
         self
     }
 
+    /// The channel to publish on: the current one, a new one on a live connection, or, with
+    /// a URI, one on a new connection. Concurrent sends wait here for one reconnection
+    /// rather than each opening a connection.
     async fn channel(&self) -> Result<Channel, lapin::Error> {
-        let mut channel = self.channel.lock().await;
-        if !channel.status().connected() {
-            *channel = confirming_channel(&self.connection).await?;
+        let mut link = self.link.lock().await;
+        if link.channel.status().connected() {
+            return Ok(link.channel.clone());
         }
-        Ok(channel.clone())
+        let uri = match &self.uri {
+            Some(uri) if !link.connection.status().connected() => uri,
+            _ => {
+                link.channel = confirming_channel(&link.connection).await?;
+                return Ok(link.channel.clone());
+            }
+        };
+        // The dispatcher's send timeout bounds this loop by dropping the send.
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let reconnected = async {
+                let connection = Arc::new(connect(uri).await?);
+                let channel = confirming_channel(&connection).await?;
+                Ok::<_, lapin::Error>(Link {
+                    connection,
+                    channel,
+                })
+            };
+            match reconnected.await {
+                Ok(new) => {
+                    tracing::info!(exchange = %self.exchange, attempt, "RabbitMQ sender reconnected");
+                    *link = new;
+                    return Ok(link.channel.clone());
+                }
+                Err(error) => {
+                    tracing::warn!(exchange = %self.exchange, attempt, %error, "RabbitMQ sender could not reconnect");
+                }
+            }
+            tokio::time::sleep(RECONNECT.delay(attempt)).await;
+        }
+    }
+}
+
+/// One connection attempt, bounded by [`CONNECT_TIMEOUT`].
+async fn connect(uri: &str) -> Result<Connection, lapin::Error> {
+    let connecting = Connection::connect(uri, ConnectionProperties::default());
+    match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
+        Ok(connected) => connected,
+        Err(_) => Err(lapin::Error::from(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no connection within {CONNECT_TIMEOUT:?}"),
+        ))),
     }
 }
 

@@ -5,9 +5,11 @@
 //! through the database's text protocol, which takes no bind parameters, so they carry their
 //! values in their text. A [`Statement`] is the only way this crate writes a value into SQL:
 //! it takes typed values alone (bytes, text, integers, `NULL`) and writes every byte string and
-//! every text as hexadecimal digits the database decodes, never quoted. Whatever a principal, a
-//! route or a body holds (quotes, backslashes, NUL, comment markers), the only characters it
-//! adds to the statement are `0-9a-f`, so it cannot end its literal early. Integers are written
+//! every text in hexadecimal digits the database decodes (on PostgreSQL each character of a
+//! text as the escape `\U` and its code point's eight digits), never quoted. Whatever a
+//! principal, a route or a body holds (quotes, backslashes, NUL, comment markers), the only
+//! characters it adds to the statement are `0-9a-f` and those escapes' `\U`, so it cannot end
+//! its literal early. Integers are written
 //! by Rust's formatter. The same statement renders with placeholders instead, for values too
 //! large to be worth writing out.
 
@@ -19,7 +21,8 @@ use sqlx::AssertSqlSafe;
 /// How the database spells a decoded literal and a placeholder.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Syntax {
-    /// `decode('…', 'hex')`, independent of `standard_conforming_strings`; `$1`.
+    /// Escape strings, `E'\\x…'` for bytes and `E'\U…'` per character of a text,
+    /// independent of `standard_conforming_strings`; `$1`.
     #[cfg(feature = "postgres")]
     Postgres,
     /// `X'…'`, independent of `sql_mode` (`NO_BACKSLASH_ESCAPES`, `ANSI_QUOTES`); `?`.
@@ -200,11 +203,14 @@ impl<'a> Statement<'a> {
                 let _ = write!(sql, "{value}");
             }
             Value::Bytes(Some(value)) => match self.syntax {
+                // The escape string's `\\` is one backslash, so the literal is bytea's hex
+                // input, `\x…`, whatever `standard_conforming_strings` says; untyped, it takes
+                // the type of the parameter or column it meets, with no function to call.
                 #[cfg(feature = "postgres")]
                 Syntax::Postgres => {
-                    sql.push_str("decode('");
+                    sql.push_str("E'\\\\x");
                     hex(sql, value);
-                    sql.push_str("', 'hex')");
+                    sql.push('\'');
                 }
                 #[cfg(feature = "mysql")]
                 Syntax::MySql => {
@@ -220,11 +226,15 @@ impl<'a> Statement<'a> {
                 }
             },
             Value::Text(Some(value)) => match self.syntax {
+                // Each character as the escape string's `\UXXXXXXXX`, its code point, which the
+                // server turns into its own encoding.
                 #[cfg(feature = "postgres")]
                 Syntax::Postgres => {
-                    sql.push_str("convert_from(decode('");
-                    hex(sql, value.as_bytes());
-                    sql.push_str("', 'hex'), 'UTF8')");
+                    sql.push_str("E'");
+                    for character in value.chars() {
+                        let _ = write!(sql, "\\U{:08x}", u32::from(character));
+                    }
+                    sql.push('\'');
                 }
                 // The introducer makes the bytes text in utf8mb4, whatever the connection's
                 // character set.
@@ -262,15 +272,20 @@ mod tests {
     use super::{Statement, Syntax, Value};
 
     /// What a value may add to a statement: hexadecimal digits inside the literal's own
-    /// delimiters, nothing else.
-    fn only_hex_between(sql: &str, open: &str, close: &str) -> bool {
+    /// delimiters, each group of them after `escape` where the syntax writes one, nothing else.
+    fn only_hex_between(sql: &str, open: &str, close: &str, escape: &str) -> bool {
         let mut rest = sql;
         while let Some(start) = rest.find(open) {
             let after = &rest[start + open.len()..];
             let Some(end) = after.find(close) else {
                 return false;
             };
-            if !after[..end].bytes().all(|b| b.is_ascii_hexdigit()) {
+            let digits = if escape.is_empty() {
+                after[..end].to_owned()
+            } else {
+                after[..end].replace(escape, "")
+            };
+            if !digits.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return false;
             }
             rest = &after[end + close.len()..];
@@ -278,46 +293,65 @@ mod tests {
         true
     }
 
-    /// Each syntax, with the delimiters around a literal's digits and how many quotes a text
-    /// and a byte string add.
-    fn syntaxes() -> Vec<(Syntax, &'static str, &'static str, usize, usize)> {
+    /// How each syntax delimits a literal's digits.
+    struct Delimiters {
+        syntax: Syntax,
+        /// Around a text's digits, and what precedes each character's digits.
+        text: (&'static str, &'static str, &'static str),
+        /// Around a byte string's digits.
+        bytes: (&'static str, &'static str),
+    }
+
+    fn syntaxes() -> Vec<Delimiters> {
         vec![
             #[cfg(feature = "postgres")]
-            (Syntax::Postgres, "decode('", "', 'hex')", 6, 4),
+            Delimiters {
+                syntax: Syntax::Postgres,
+                text: ("E'", "'", "\\U"),
+                bytes: ("E'\\\\x", "'"),
+            },
             #[cfg(feature = "mysql")]
-            (Syntax::MySql, "X'", "'", 2, 2),
+            Delimiters {
+                syntax: Syntax::MySql,
+                text: ("X'", "'", ""),
+                bytes: ("X'", "'"),
+            },
             #[cfg(feature = "sqlite")]
-            (Syntax::Sqlite, "X'", "'", 2, 2),
+            Delimiters {
+                syntax: Syntax::Sqlite,
+                text: ("X'", "'", ""),
+                bytes: ("X'", "'"),
+            },
         ]
     }
 
     proptest! {
         #[test]
         fn a_text_adds_only_hex_digits_to_the_statement(value in any::<String>()) {
-            for (syntax, open, close, quotes, _) in syntaxes() {
+            for Delimiters { syntax, text: (open, close, escape), .. } in syntaxes() {
                 let mut statement = Statement::new(syntax);
                 statement.text(value.as_str());
                 let sql = statement.inline("", "").0;
-                prop_assert!(only_hex_between(&sql, open, close), "{sql}");
-                prop_assert_eq!(sql.matches('\'').count(), quotes);
+                prop_assert!(only_hex_between(&sql, open, close, escape), "{sql}");
+                prop_assert_eq!(sql.matches('\'').count(), 2);
             }
         }
 
         #[test]
         fn bytes_add_only_hex_digits_to_the_statement(value in proptest::collection::vec(any::<u8>(), 0..512)) {
-            for (syntax, open, close, _, quotes) in syntaxes() {
+            for Delimiters { syntax, bytes: (open, close), .. } in syntaxes() {
                 let mut statement = Statement::new(syntax);
                 statement.bytes(value.as_slice()).int8(-7).opt_int4(None);
                 let sql = statement.inline("", "").0;
-                prop_assert!(only_hex_between(&sql, open, close), "{sql}");
-                prop_assert_eq!(sql.matches('\'').count(), quotes);
+                prop_assert!(only_hex_between(&sql, open, close, ""), "{sql}");
+                prop_assert_eq!(sql.matches('\'').count(), 2);
                 prop_assert!(sql.ends_with(", -7, NULL"));
             }
         }
 
         #[test]
         fn bound_values_never_reach_the_text(value in any::<String>()) {
-            for (syntax, ..) in syntaxes() {
+            for Delimiters { syntax, .. } in syntaxes() {
                 let mut statement = Statement::new(syntax);
                 statement.sql("SELECT f(").text(value.as_str()).bytes(value.as_bytes()).sql(")");
                 let (sql, values) = statement.bound();
@@ -335,7 +369,7 @@ mod tests {
         statement.text("a'); DROP TABLE t; --\\\0");
         assert_eq!(
             statement.inline("", "").0,
-            "convert_from(decode('6127293b2044524f50205441424c4520743b202d2d5c00', 'hex'), 'UTF8')"
+            "E'\\U00000061\\U00000027\\U00000029\\U0000003b\\U00000020\\U00000044\\U00000052\\U0000004f\\U00000050\\U00000020\\U00000054\\U00000041\\U00000042\\U0000004c\\U00000045\\U00000020\\U00000074\\U0000003b\\U00000020\\U0000002d\\U0000002d\\U0000005c\\U00000000'"
         );
         let mut statement = Statement::new(Syntax::Postgres);
         statement
@@ -346,7 +380,7 @@ mod tests {
             .int8(1);
         assert_eq!(
             statement.inline("BEGIN; ", "; COMMIT").0,
-            "BEGIN; convert_from(decode('27', 'hex'), 'UTF8'), decode('', 'hex'), NULL WHERE k = 1; COMMIT"
+            "BEGIN; E'\\U00000027', E'\\\\x', NULL WHERE k = 1; COMMIT"
         );
         assert_eq!(statement.bound().0.0, "$1, $2, $3 WHERE k = $4");
     }

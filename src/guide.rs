@@ -325,7 +325,7 @@ pub mod protocol {}
 ///
 /// | feature | store | notes |
 /// |---|---|---|
-/// | `sqlite` (default) | `SqliteStore` | embedded; claims begin `IMMEDIATE` with `busy_timeout` set from the wait, and the write lock is the key's lock: a new key's claim is an insert into the schema's view `axum_idempotency_claim_v1`, whose trigger refuses a live record, sent with `BEGIN IMMEDIATE`; the record is written once, with `COMMIT`; use WAL. A wait that runs out cannot tell the original from another writer: 409 either way. |
+/// | `sqlite` (default) | `SqliteStore` | embedded; claims begin `IMMEDIATE` with `busy_timeout` set from the wait, and the write lock is the key's lock: the claim reads whether a live record holds the key, and the record is written once, in one prepared statement with `COMMIT`; use WAL. A wait that runs out cannot tell the original from another writer: 409 either way. |
 /// | `postgres` | `PgStore` | many app instances on one database; a claim is sent with `BEGIN` as a call of the schema's function `axum_idempotency_lock_v1`, which takes the key's advisory lock and writes nothing; a duplicate of an in-flight claim waits on that lock, bounded by `lock_timeout`, set for the wait only and restored for the handler in the same message; the record is written once, with `COMMIT` |
 /// | `mysql` | `MySqlStore` | MySQL 8 and MariaDB; see below |
 ///

@@ -123,6 +123,7 @@ pub(crate) fn postgres_backend(
         let pool = PgPoolOptions::new()
             .max_connections(16)
             .test_before_acquire(test_before_acquire)
+            .after_connect(|conn, _| Box::pin(crate::cpu::note_postgres_backend(conn)))
             .connect_with(options.clone())
             .await?;
         sqlx::raw_sql(postgres_app::SCHEMA).execute(&pool).await?;

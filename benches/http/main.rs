@@ -4,9 +4,9 @@
 //! (separate runtimes). Every scenario is measured in the same run as its baseline, interleaved
 //! round by round (each round starting one scenario later), because the machine is shared and
 //! noisy: the ratios are the result, the absolute numbers drift. The throughput table also
-//! gives the CPU time per request of this process (servers and load generator) and, on
-//! PostgreSQL and MariaDB, of the database server, summed over its processes from `/proc`:
-//! run nothing else against the server meanwhile.
+//! gives the CPU time per request of this process (servers and load generator) and of the
+//! database server, from `/proc`: on PostgreSQL the backends of the app's pool, on MariaDB the
+//! whole server (run nothing else against it meanwhile).
 //!
 //! Sections besides throughput: `round-trips` counts statements, wire round trips and pool pings
 //! per request through a TCP proxy; `latency` sends sequential requests on one connection (what

@@ -138,11 +138,11 @@ pub trait ClaimPath: Dialect {
 /// The largest response (headers and body) a claim or a finish writes into its statement's
 /// text: past it, the text (twice the bytes, in hexadecimal) costs the database more parsing
 /// than the exchange it saves, and the statement is sent with its values bound.
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 const INLINE_RESPONSE_LIMIT: usize = 64 * 1024;
 
 /// Whether a statement carrying `response` is written with its values in its text.
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(super) fn inline_fits(response: Option<&StoredResponse>) -> bool {
     response.is_none_or(|response| response.stored_len() <= INLINE_RESPONSE_LIMIT)
 }

@@ -2,14 +2,12 @@
 //!
 //! SQLite has one writer at a time, so a claim's transaction begins `IMMEDIATE`, taking the
 //! write lock up front and waiting for it within the claim's bound (`busy_timeout`). That lock
-//! is the key's lock: holding it, the claim checks that no live record holds the key, and the
-//! record is written once, complete, just before the transaction commits. A new key's claim is
-//! an insert into the schema's view `axum_idempotency_claim_v1`, sent in the same call as
-//! `BEGIN IMMEDIATE`: the view stores nothing, and its trigger rolls the transaction back when
-//! a live record holds the key (SQLite raises errors only from triggers). Every call into the
-//! database is a hop to the connection's worker thread, and each hop made while the write lock
-//! is held keeps every other writer waiting, so the claim travels with `BEGIN` and the record
-//! with `COMMIT`.
+//! is the key's lock: holding it, the claim reads whether a live record holds the key, and the
+//! record is written once, complete, in the call that commits. Every call into the database is
+//! a hop to the connection's worker thread, and each hop made while the write lock is held keeps
+//! every other writer waiting; so is every statement SQLite has to compile afresh. The record
+//! therefore travels with `COMMIT` as one prepared statement, compiled once per connection, and
+//! the claim's read is a prepared statement of its own.
 
 use std::time::Duration;
 
@@ -19,7 +17,7 @@ use sqlx::{Pool, Sqlite, Transaction};
 
 use super::literal::{Statement, Syntax};
 use super::protocol::{BeganClaim, NewRecord, PurgePace};
-use super::sql::{ClaimPath, Dialect, bound, classify, inline_fits, record_values};
+use super::sql::{ClaimPath, Dialect, bound, classify, record_values};
 use crate::error::Error;
 use crate::migrate;
 
@@ -27,20 +25,8 @@ impl super::Records for Sqlite {
     type Protocol = super::sql::SqlStore<Sqlite>;
 }
 
-/// What the claim view's trigger raises when a live record holds the key.
-const TAKEN: &str = "axum_idempotency: a live record holds the key";
-
-/// SQLite's extended code for an error raised by a trigger, SQLITE_CONSTRAINT_TRIGGER.
-const CONSTRAINT_TRIGGER: &str = "1811";
-
 /// SQLite's extended code for a violated primary key, SQLITE_CONSTRAINT_PRIMARYKEY.
 const CONSTRAINT_PRIMARY_KEY: &str = "1555";
-
-/// Whether the claim failed because a live record holds the key.
-fn taken(error: &sqlx::Error) -> bool {
-    matches!(error, sqlx::Error::Database(error)
-        if error.code().as_deref() == Some(CONSTRAINT_TRIGGER) && error.message() == TAKEN)
-}
 
 /// Whether the record's insert failed because a record holds the key.
 fn record_exists(error: &sqlx::Error) -> bool {
@@ -91,29 +77,17 @@ impl ClaimPath for Sqlite {
             .map_err(classify::<Self>)
     }
 
-    // The trigger's `RAISE(ROLLBACK, …)` ends the transaction `BEGIN IMMEDIATE` opened, so a
-    // refused claim leaves the connection with nothing to roll back, as sqlx expects of a
-    // failed begin.
+    // The claim is a read in the begun transaction: sent with `BEGIN`, it could not be a
+    // prepared statement, and compiling it afresh costs more than the hop it saves.
     async fn begin_claimed<'a>(
-        pool: &'a Pool<Self>,
-        record: &'a NewRecord<'a>,
-        lock_wait: Duration,
+        _pool: &'a Pool<Self>,
+        _record: &'a NewRecord<'a>,
+        _lock_wait: Duration,
     ) -> Result<BeganClaim<Self>, Error> {
-        let mut claim = begin_immediate(lock_wait);
-        claim
-            .sql("; INSERT INTO axum_idempotency_claim_v1 (key_digest, now_millis) VALUES (")
-            .bytes(&record.key.digest()[..])
-            .int8(record.created_at.column())
-            .sql(")");
-        match pool.begin_with(claim.inline("", "")).await {
-            Ok(tx) => Ok(BeganClaim::Ours(tx)),
-            Err(error) if taken(&error) => Ok(BeganClaim::Taken),
-            Err(error) => Err(classify::<Self>(error)),
-        }
+        Ok(BeganClaim::Unfused)
     }
 
-    // Inside a begun transaction a refusal must leave the transaction open for the caller to
-    // read the winner's record in, so this claim is a plain read.
+    // The transaction holds the write lock, so nothing can change under the read.
     async fn claim<'a>(
         conn: &'a mut SqliteConnection,
         record: &'a NewRecord<'a>,
@@ -134,26 +108,15 @@ impl ClaimPath for Sqlite {
     // statement of its own: dropped, it has its worker roll back, which must find a transaction
     // or the connection's count of open transactions goes wrong. `BEGIN` after `COMMIT` opens an
     // empty, deferred transaction for that rollback; it takes no lock, and the rollback runs
-    // after the answer, when no writer waits on this connection. A record too large to write
-    // out is sent with its values bound, and committed by sqlx.
+    // after the answer, when no writer waits on this connection.
     async fn commit_record<'a>(
         mut tx: Transaction<'static, Self>,
         record: &'a NewRecord<'a>,
     ) -> Result<(), Error> {
-        let write = record_insert(record);
-        let written = if inline_fits(record.response) {
-            sqlx::raw_sql(write.inline("", "; COMMIT; BEGIN"))
-                .execute(&mut *tx)
-                .await
-                .map(drop)
-        } else {
-            match bound(&write).execute(&mut *tx).await {
-                Ok(_) => tx.commit().await,
-                Err(error) => Err(error),
-            }
-        };
-        match written {
-            Ok(()) => Ok(()),
+        let mut write = record_insert(record);
+        write.sql("; COMMIT; BEGIN");
+        match bound(&write).execute(&mut *tx).await {
+            Ok(_) => Ok(()),
             // Only a write to the key by the work itself gets here: the write lock kept every
             // other claimer out since the claim.
             Err(error) if record_exists(&error) => Err(Error::Conflict),
@@ -168,7 +131,6 @@ impl Dialect for Sqlite {
         scripts: &[
             (1, include_str!("../../migrations/sqlite/0001_records.sql")),
             (2, include_str!("../../migrations/sqlite/0002_leases.sql")),
-            (3, include_str!("../../migrations/sqlite/0003_claim.sql")),
         ],
         // The write lock taken up front serialises concurrent migrators.
         begin: "BEGIN IMMEDIATE",

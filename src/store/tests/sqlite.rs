@@ -42,7 +42,7 @@ async fn expired_lease_is_taken_over_only_after_asking_recovery() {
 #[tokio::test]
 async fn an_unmigrated_store_names_the_fix_until_migrated() {
     let (pool, path) = fresh(2).await;
-    schema::an_unmigrated_store_names_the_fix_until_migrated(SqliteStore::new(pool.clone()), 3)
+    schema::an_unmigrated_store_names_the_fix_until_migrated(SqliteStore::new(pool.clone()), 2)
         .await;
     remove(pool, path).await;
 }
@@ -50,7 +50,7 @@ async fn an_unmigrated_store_names_the_fix_until_migrated() {
 #[tokio::test]
 async fn an_outdated_schema_is_reported_until_it_is_current() {
     let (pool, path) = fresh(2).await;
-    schema::an_outdated_schema_is_reported_until_it_is_current(SqliteStore::new(pool.clone()), 3)
+    schema::an_outdated_schema_is_reported_until_it_is_current(SqliteStore::new(pool.clone()), 2)
         .await;
     remove(pool, path).await;
 }
@@ -73,12 +73,12 @@ async fn changes(pool: &SqlitePool) -> i64 {
 }
 
 #[tokio::test]
-async fn a_claim_sent_with_begin_writes_the_record_once_and_leaves_a_refused_connection_idle() {
+async fn a_new_keys_record_is_written_once_with_commit_and_the_connection_stays_consistent() {
     use std::time::Duration;
 
     use super::{completed, finished, now_ms, protocol_of, record, scope};
     use crate::record::RecordState;
-    use crate::store::{BeganClaim, Protocol};
+    use crate::store::Protocol;
 
     let (pool, path) = fresh(1).await;
     let store = SqliteStore::new(pool.clone());
@@ -90,9 +90,8 @@ async fn a_claim_sent_with_begin_writes_the_record_once_and_leaves_a_refused_con
     let claim = record(&key, "a", RecordState::Processing, None, now, 60_000);
 
     let before = changes(&pool).await;
-    let BeganClaim::Ours(tx) = protocol.begin_claimed(&claim, wait).await.unwrap() else {
-        panic!("a fresh key is claimed");
-    };
+    let mut tx = protocol.begin(wait).await.unwrap();
+    assert!(protocol.claim(&mut tx, &claim, wait).await.unwrap());
     protocol
         .commit_record(tx, &finished(&claim, &completed("one")))
         .await
@@ -100,13 +99,14 @@ async fn a_claim_sent_with_begin_writes_the_record_once_and_leaves_a_refused_con
     assert_eq!(changes(&pool).await - before, 1, "one row written, once");
 
     let duplicate = record(&key, "b", RecordState::Processing, None, now + 1, 60_000);
-    let refused = protocol.begin_claimed(&duplicate, wait).await.unwrap();
-    assert!(matches!(refused, BeganClaim::Taken), "{refused:?}");
+    let mut tx = protocol.begin(wait).await.unwrap();
+    assert!(!protocol.claim(&mut tx, &duplicate, wait).await.unwrap());
+    drop(tx);
     let found = protocol.lookup(&key.scoped_key()).await.unwrap().unwrap();
     assert_eq!(found.response.unwrap().body.as_ref(), b"one");
 
-    // Neither the refusal nor the commit left sqlx counting a transaction the connection is
-    // not in: a write in a transaction rolled back is gone.
+    // The commit left sqlx counting no transaction the connection is not in: a write in a
+    // transaction rolled back is gone.
     sqlx::raw_sql("CREATE TABLE work (id INTEGER)")
         .execute(&pool)
         .await

@@ -307,7 +307,7 @@ impl Broker {
                 exchange,
                 ..
             } => PublishTo::RabbitMq(
-                RabbitMqSender::connect(connection.clone(), exchange.clone())
+                RabbitMqSender::with_connection(connection.clone(), exchange.clone())
                     .await
                     .expect("RabbitMQ sender"),
             ),

@@ -217,7 +217,7 @@ pub(crate) fn run_scale(
             name,
             &format!("{scenario} req/s, {rows} records / empty"),
             format!("{ratio:.2}"),
-            Target::verdict(Some(Target::AtLeast(0.9)), ratio),
+            Target::verdict(Some(Target::AtLeast(0.95)), ratio),
         );
     }
 

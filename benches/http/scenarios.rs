@@ -269,10 +269,15 @@ pub(crate) fn run_backend(
     }
 
     report.ratio(name, "manual", "bare", None);
-    report.ratio(name, "layer-fresh", "manual", Some(Target::AtLeast(1.0)));
+    // MySQL keeps the claim's row as the key's lock (two writes), so its bar is lower.
+    let over_manual = match name {
+        "mysql" => Target::AtLeast(1.0),
+        _ => Target::AtLeast(1.1),
+    };
+    report.ratio(name, "layer-fresh", "manual", Some(over_manual));
     let fresh_target = match name {
-        "postgres" => Some(Target::AtLeast(0.8)),
-        "mysql" => Some(Target::AtLeast(0.7)),
+        "postgres" => Some(Target::AtLeast(0.75)),
+        "mysql" => Some(Target::AtLeast(0.65)),
         _ => None,
     };
     report.ratio(name, "layer-fresh", "bare", fresh_target);
@@ -361,7 +366,9 @@ pub(crate) fn run_latency(
             });
         }
         // The target is the network databases'; SQLite's figure is there to compare with.
-        let target = (name != "sqlite").then_some(Target::AtMost(1.15));
+        // One network hop away, round trips dominate and the layer must add none.
+        let bound = if section == "latency" { 1.25 } else { 1.05 };
+        let target = (name != "sqlite").then_some(Target::AtMost(bound));
         report.latency_ratio(&group, "layer-fresh", "bare", target, label);
     }
     if let Some((_, wire)) = backend.delayed.as_ref().filter(|_| wanted("latency-1ms")) {

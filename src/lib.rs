@@ -121,6 +121,8 @@ mod backend;
     allow(unreachable_pub)
 )]
 mod backoff;
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+mod broker;
 #[cfg(feature = "client")]
 pub mod client;
 #[cfg(feature = "server")]

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::brokers::{PrivateNats, PrivateRabbitMq};
+use common::example_db::{Db, ExampleDatabase as Database};
 use common::process::{Http, Process};
 use http::{Request, StatusCode};
 use http_body_util::Full;
@@ -33,61 +34,6 @@ const CONVERGENCE: Duration = Duration::from_secs(30);
 enum Kind {
     RabbitMq,
     Nats,
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Db {
-    Sqlite,
-    #[cfg(feature = "postgres")]
-    Postgres,
-}
-
-/// A database for one example: an SQLite file in `dir`, or a PostgreSQL schema of its own
-/// (named like the suite's others, so CI drops it should the test die before its cleanup).
-struct Database {
-    url: String,
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-    schema: Option<(String, String)>,
-}
-
-impl Database {
-    async fn new(db: Db, dir: &std::path::Path, file: &str) -> Self {
-        match db {
-            Db::Sqlite => Self {
-                url: format!("sqlite://{}", dir.join(file).display()),
-                schema: None,
-            },
-            #[cfg(feature = "postgres")]
-            Db::Postgres => {
-                let base = std::env::var("TEST_POSTGRES_URL")
-                    .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-                let schema = common::unique("orders");
-                let pool = sqlx::PgPool::connect(&base)
-                    .await
-                    .expect("PostgreSQL must be reachable");
-                sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-                    .execute(&pool)
-                    .await
-                    .unwrap();
-                Self {
-                    url: format!("{base}?options=-c%20search_path%3D{schema}"),
-                    schema: Some((base, schema)),
-                }
-            }
-        }
-    }
-
-    async fn cleanup(self) {
-        #[cfg(feature = "postgres")]
-        if let Some((base, schema)) = self.schema {
-            let pool = sqlx::PgPool::connect(&base).await.unwrap();
-            let drop = format!("DROP SCHEMA {schema} CASCADE");
-            sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
-                .execute(&pool)
-                .await
-                .unwrap();
-        }
-    }
 }
 
 /// A namespace for the test's broker names (`BROKER_NAMESPACE`), unique on a shared broker.
@@ -165,8 +111,8 @@ impl Chain {
         } else {
             provider.url.clone()
         };
-        let payments_db = Database::new(db, dir.path(), "payments.db").await;
-        let orders_db = Database::new(db, dir.path(), "orders.db").await;
+        let payments_db = Database::new(db).await;
+        let orders_db = Database::new(db).await;
         let orders = Process::start(
             "orders",
             &[

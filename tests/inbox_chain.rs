@@ -13,6 +13,7 @@ use std::time::Duration;
 use async_nats::jetstream;
 use axum_idempotency::client::{Backoff, IdempotentRetryLayer};
 use bytes::Bytes;
+use common::example_db::{Db, ExampleDatabase as Database};
 use common::process::{self, Http, Process};
 use http::{Request, StatusCode};
 use http_body_util::BodyExt as _;
@@ -250,93 +251,6 @@ impl Broker {
                 for stream in ["PAYMENTS", "ORDERS_DEAD"] {
                     let _ = js.delete_stream(self.stream(stream)).await;
                 }
-            }
-        }
-    }
-}
-
-/// Where the orders example keeps its data: an SQLite file, or a PostgreSQL schema or MariaDB
-/// database of its own, dropped by [`Database::cleanup`].
-struct Database {
-    url: String,
-    /// The admin URL and the statement that drops the schema or the database.
-    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
-    drop: Option<(String, String)>,
-    _dir: tempfile::TempDir,
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Db {
-    Sqlite,
-    #[cfg(feature = "postgres")]
-    Postgres,
-    #[cfg(feature = "mysql")]
-    Mariadb,
-}
-
-impl Database {
-    async fn new(db: Db) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let (url, drop) = match db {
-            Db::Sqlite => (
-                format!("sqlite://{}", dir.path().join("orders.db").display()),
-                None,
-            ),
-            #[cfg(feature = "postgres")]
-            Db::Postgres => {
-                let base = std::env::var("TEST_POSTGRES_URL")
-                    .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-                let schema = common::unique("orders");
-                let pool = sqlx::PgPool::connect(&base)
-                    .await
-                    .expect("PostgreSQL must be reachable");
-                sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-                    .execute(&pool)
-                    .await
-                    .unwrap();
-                let url = format!("{base}?options=-c%20search_path%3D{schema}");
-                (url, Some((base, format!("DROP SCHEMA {schema} CASCADE"))))
-            }
-            #[cfg(feature = "mysql")]
-            Db::Mariadb => {
-                let base = std::env::var("TEST_MYSQL_URL")
-                    .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
-                let database = common::unique("orders");
-                let pool = sqlx::MySqlPool::connect(&base)
-                    .await
-                    .expect("MariaDB must be reachable");
-                sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
-                    .execute(&pool)
-                    .await
-                    .unwrap();
-                let server = base.rsplit_once('/').map_or(base.as_str(), |(s, _)| s);
-                let url = format!("{server}/{database}");
-                (url, Some((base, format!("DROP DATABASE {database}"))))
-            }
-        };
-        Self {
-            url,
-            drop,
-            _dir: dir,
-        }
-    }
-
-    async fn cleanup(self) {
-        #[cfg(any(feature = "postgres", feature = "mysql"))]
-        if let Some((admin, drop)) = self.drop {
-            let drop = sqlx::AssertSqlSafe(drop);
-            match admin.split(':').next() {
-                #[cfg(feature = "postgres")]
-                Some("postgres") => {
-                    let admin = sqlx::PgPool::connect(&admin).await.unwrap();
-                    sqlx::raw_sql(drop).execute(&admin).await.unwrap();
-                }
-                #[cfg(feature = "mysql")]
-                Some("mysql") => {
-                    let admin = sqlx::MySqlPool::connect(&admin).await.unwrap();
-                    sqlx::raw_sql(drop).execute(&admin).await.unwrap();
-                }
-                _ => {}
             }
         }
     }

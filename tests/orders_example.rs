@@ -3,6 +3,7 @@
 mod common;
 
 use bytes::Bytes;
+use common::example_db::{Db, ExampleDatabase as Database};
 use common::process::{Answer, Http, Process};
 use http::{Request, StatusCode};
 use http_body_util::Full;
@@ -189,94 +190,15 @@ async fn out_of_stock_is_final_and_replayed(orders: Orders) {
     assert_eq!(again.body, refused.body);
 }
 
-/// Where one test's orders live: an SQLite file, or a PostgreSQL schema or MariaDB database of
-/// its own, dropped by [`Database::drop`].
-struct Database {
-    url: String,
-    /// The admin URL and the statement that drops the schema or the database.
-    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
-    drop: Option<(String, String)>,
-    _dir: tempfile::TempDir,
-}
-
-impl Database {
-    fn sqlite() -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let url = format!("sqlite://{}", dir.path().join("orders.db").display());
-        Self {
-            url,
-            drop: None,
-            _dir: dir,
-        }
-    }
-
-    #[cfg(feature = "postgres")]
-    async fn postgres() -> Self {
-        let base = std::env::var("TEST_POSTGRES_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-        let schema = common::unique("orders");
-        let admin = sqlx::PgPool::connect(&base)
-            .await
-            .unwrap_or_else(|e| panic!("PostgreSQL at {base} is unreachable: {e}"));
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-            .execute(&admin)
-            .await
-            .expect("schema");
-        Self {
-            url: format!("{base}?options=-c%20search_path%3D{schema}"),
-            drop: Some((base, format!("DROP SCHEMA {schema} CASCADE"))),
-            _dir: tempfile::tempdir().expect("tempdir"),
-        }
-    }
-
-    #[cfg(feature = "mysql")]
-    async fn mysql() -> Self {
-        use sqlx::Connection;
-        let base = std::env::var("TEST_MYSQL_URL")
-            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
-        let database = common::unique("orders");
-        let mut admin = sqlx::MySqlConnection::connect(&base)
-            .await
-            .unwrap_or_else(|e| panic!("MariaDB/MySQL at {base} is unreachable: {e}"));
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
-            .execute(&mut admin)
-            .await
-            .expect("database");
-        let server = base
-            .rsplit_once('/')
-            .map_or(base.as_str(), |(server, _)| server);
-        Self {
-            url: format!("{server}/{database}"),
-            drop: Some((base.clone(), format!("DROP DATABASE {database}"))),
-            _dir: tempfile::tempdir().expect("tempdir"),
-        }
-    }
-
-    /// Runs `scenario` on the example started on this database, then drops the database.
-    async fn run<F, Fut>(self, scenario: F)
-    where
-        F: FnOnce(Orders) -> Fut,
-        Fut: Future<Output = ()>,
-    {
-        scenario(Orders::start(&self.url).await).await;
-        #[cfg(any(feature = "postgres", feature = "mysql"))]
-        if let Some((admin, drop)) = self.drop {
-            let drop = sqlx::AssertSqlSafe(drop);
-            match admin.split(':').next() {
-                #[cfg(feature = "postgres")]
-                Some("postgres") => {
-                    let admin = sqlx::PgPool::connect(&admin).await.expect("admin");
-                    sqlx::raw_sql(drop).execute(&admin).await.expect("drop");
-                }
-                #[cfg(feature = "mysql")]
-                Some("mysql") => {
-                    let admin = sqlx::MySqlPool::connect(&admin).await.expect("admin");
-                    sqlx::raw_sql(drop).execute(&admin).await.expect("drop");
-                }
-                _ => {}
-            }
-        }
-    }
+/// Runs `scenario` on the example started on a database of its own, then drops the database.
+async fn run_on<F, Fut>(db: Db, scenario: F)
+where
+    F: FnOnce(Orders) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let database = Database::new(db).await;
+    scenario(Orders::start(&database.url).await).await;
+    database.cleanup().await;
 }
 
 /// What a column cannot hold (a NUL, which PostgreSQL refuses; a currency longer than MariaDB's
@@ -379,96 +301,89 @@ async fn amounts_are_exact_cents(orders: Orders) {
 
 #[tokio::test]
 async fn orders_example_keeps_the_contract_on_sqlite() {
-    Database::sqlite().run(the_contract_holds).await;
+    run_on(Db::Sqlite, the_contract_holds).await;
 }
 
 #[tokio::test]
 async fn orders_example_replays_out_of_stock_on_sqlite() {
-    Database::sqlite()
-        .run(out_of_stock_is_final_and_replayed)
-        .await;
+    run_on(Db::Sqlite, out_of_stock_is_final_and_replayed).await;
 }
 
 #[tokio::test]
 async fn orders_example_refuses_unstorable_input_and_lookalike_skus_on_sqlite() {
-    Database::sqlite()
-        .run(unstorable_input_and_lookalike_skus_are_final_400s)
-        .await;
+    run_on(
+        Db::Sqlite,
+        unstorable_input_and_lookalike_skus_are_final_400s,
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn orders_example_keeps_amounts_in_exact_cents_on_sqlite() {
-    Database::sqlite().run(amounts_are_exact_cents).await;
+    run_on(Db::Sqlite, amounts_are_exact_cents).await;
 }
 
 #[cfg(feature = "postgres")]
 #[tokio::test]
 async fn orders_example_keeps_the_contract_on_postgres() {
-    Database::postgres().await.run(the_contract_holds).await;
+    run_on(Db::Postgres, the_contract_holds).await;
 }
 
 #[cfg(feature = "postgres")]
 #[tokio::test]
 async fn orders_example_replays_out_of_stock_on_postgres() {
-    Database::postgres()
-        .await
-        .run(out_of_stock_is_final_and_replayed)
-        .await;
+    run_on(Db::Postgres, out_of_stock_is_final_and_replayed).await;
 }
 
 #[cfg(feature = "postgres")]
 #[tokio::test]
 async fn orders_example_refuses_unstorable_input_and_lookalike_skus_on_postgres() {
-    Database::postgres()
-        .await
-        .run(unstorable_input_and_lookalike_skus_are_final_400s)
-        .await;
+    run_on(
+        Db::Postgres,
+        unstorable_input_and_lookalike_skus_are_final_400s,
+    )
+    .await;
 }
 
 #[cfg(feature = "postgres")]
 #[tokio::test]
 async fn orders_example_keeps_amounts_in_exact_cents_on_postgres() {
-    Database::postgres()
-        .await
-        .run(amounts_are_exact_cents)
-        .await;
+    run_on(Db::Postgres, amounts_are_exact_cents).await;
 }
 
 #[cfg(feature = "mysql")]
 #[tokio::test]
 async fn orders_example_keeps_the_contract_on_mysql() {
-    Database::mysql().await.run(the_contract_holds).await;
+    run_on(Db::Mariadb, the_contract_holds).await;
 }
 
 #[cfg(feature = "mysql")]
 #[tokio::test]
 async fn orders_example_replays_out_of_stock_on_mysql() {
-    Database::mysql()
-        .await
-        .run(out_of_stock_is_final_and_replayed)
-        .await;
+    run_on(Db::Mariadb, out_of_stock_is_final_and_replayed).await;
 }
 
 #[cfg(feature = "mysql")]
 #[tokio::test]
 async fn orders_example_refuses_unstorable_input_and_lookalike_skus_on_mysql() {
-    Database::mysql()
-        .await
-        .run(unstorable_input_and_lookalike_skus_are_final_400s)
-        .await;
+    run_on(
+        Db::Mariadb,
+        unstorable_input_and_lookalike_skus_are_final_400s,
+    )
+    .await;
 }
 
 #[cfg(feature = "mysql")]
 #[tokio::test]
 async fn orders_example_keeps_amounts_in_exact_cents_on_mysql() {
-    Database::mysql().await.run(amounts_are_exact_cents).await;
+    run_on(Db::Mariadb, amounts_are_exact_cents).await;
 }
 
 /// The example's own 4xx are problem+json with codes of its own, never `idempotency_*`, and a
 /// body that does not fit an order is a 400, not axum's 422 (the crate's reused-key status).
 #[tokio::test]
 async fn orders_example_answers_its_own_body_errors_as_problem_json_on_sqlite() {
-    let database = Database::sqlite();
+    let database = Database::new(Db::Sqlite).await;
     let orders = Orders::start(&database.url).await;
     let cases: [(&str, &str, &str, StatusCode, &str); 3] = [
         (
@@ -512,7 +427,7 @@ async fn orders_example_answers_its_own_body_errors_as_problem_json_on_sqlite() 
 #[tokio::test]
 async fn orders_example_drops_a_connection_whose_request_head_never_ends() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let database = Database::sqlite();
+    let database = Database::new(Db::Sqlite).await;
     let orders = Orders::start(&database.url).await;
     let address = orders.process.url.trim_start_matches("http://");
     let mut slow = tokio::net::TcpStream::connect(address)

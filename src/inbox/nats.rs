@@ -61,17 +61,13 @@ use futures_util::StreamExt;
 
 use super::{Delivery, Failure, Inbox, ReplayReport, Verdict};
 use crate::Backend;
-use crate::backoff::Backoff;
+use crate::broker;
 use crate::tx::Tx;
 
 /// The header a dead letter carries: why it died.
 const REASON: &str = "Inbox-Reason";
 /// The header a dead letter carries: the subject it was first published on.
 const ORIGINAL_SUBJECT: &str = "Inbox-Subject";
-/// The wait between reconnection attempts of a client the consumer makes: jittered, so that
-/// a fleet spreads out, and capped so that a server back after a long outage is found
-/// within 5 s.
-const RECONNECT: Backoff = Backoff::exponential(Duration::from_millis(100), Duration::from_secs(5));
 
 /// Consumes a JetStream durable pull consumer through an [`Inbox`]. See the
 /// [module docs](self).
@@ -135,7 +131,7 @@ impl<DB: Backend> NatsConsumer<DB> {
         stream: impl Into<String>,
         durable: impl Into<String>,
     ) -> Result<Self, async_nats::ConnectError> {
-        let jetstream = async_nats::jetstream::new(connect(url).await?);
+        let jetstream = async_nats::jetstream::new(broker::nats(url).await?);
         Ok(Self::new(inbox, jetstream, stream, durable))
     }
 
@@ -386,16 +382,6 @@ impl<DB: Backend> NatsConsumer<DB> {
         }
         Ok(report)
     }
-}
-
-/// A client that reconnects with the jittered [`RECONNECT`] backoff.
-async fn connect(url: &str) -> Result<async_nats::Client, async_nats::ConnectError> {
-    async_nats::ConnectOptions::new()
-        .reconnect_delay_callback(|attempts| {
-            RECONNECT.delay(u32::try_from(attempts).unwrap_or(u32::MAX))
-        })
-        .connect(url)
-        .await
 }
 
 fn delivery_of(headers: Option<&HeaderMap>, payload: bytes::Bytes, attempt: u32) -> Delivery {

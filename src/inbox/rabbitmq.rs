@@ -70,25 +70,19 @@ use lapin::options::{
     QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{BasicProperties, Channel, Connection, ExchangeKind};
 
 use super::{Delivery, Failure, Inbox, ReplayReport, Verdict};
 use crate::Backend;
-use crate::backoff::Backoff;
+use crate::broker;
 use crate::tx::Tx;
 
 /// The header a retried copy carries: attempts made before it.
 const ATTEMPTS: &str = "x-inbox-attempts";
 /// The header a dead letter carries: why it died.
 const REASON: &str = "x-inbox-reason";
-/// The wait between attempts to reconnect: short at first, for a broker that restarts in
-/// seconds, and capped so that one back after a long outage is found within 5 s.
-const RECONNECT: Backoff = Backoff::exponential(Duration::from_millis(100), Duration::from_secs(5));
 /// A consumer that ran this long before it failed starts its reconnection backoff over.
 const STEADY: Duration = Duration::from_secs(10);
-/// A connection attempt that has not finished by then is abandoned and tried again (a host
-/// that drops packets would otherwise hold it for the system's TCP timeout).
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Consumes a RabbitMQ queue through an [`Inbox`]. See the [module docs](self).
 pub struct RabbitMqConsumer<DB: Backend> {
@@ -138,7 +132,7 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
         uri: &str,
         queue: impl Into<String>,
     ) -> Result<Self, lapin::Error> {
-        let connection = connect(uri).await?;
+        let connection = broker::rabbitmq(uri).await?;
         let mut consumer = Self::new(inbox, Arc::new(connection), queue);
         consumer.uri = Some(uri.to_owned());
         Ok(consumer)
@@ -299,11 +293,11 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
         let mut attempt = failures.saturating_sub(1);
         loop {
             attempt = attempt.saturating_add(1);
-            tokio::time::sleep(RECONNECT.delay(attempt)).await;
+            tokio::time::sleep(broker::RECONNECT.delay(attempt)).await;
             let connection = if old.status().connected() {
                 Arc::clone(&old)
             } else {
-                match connect(uri).await {
+                match broker::rabbitmq(uri).await {
                     Ok(connection) => Arc::new(connection),
                     Err(error) => {
                         tracing::warn!(consumer = %self.inbox.name(), attempt, %error, "RabbitMQ reconnection failed");
@@ -515,18 +509,6 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
         }
         let _ = channel.close(200, "replayed".into()).await;
         Ok(report)
-    }
-}
-
-/// One connection attempt, bounded by [`CONNECT_TIMEOUT`].
-async fn connect(uri: &str) -> Result<Connection, lapin::Error> {
-    let connecting = Connection::connect(uri, ConnectionProperties::default());
-    match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
-        Ok(connected) => connected,
-        Err(_) => Err(lapin::Error::from(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("no connection within {CONNECT_TIMEOUT:?}"),
-        ))),
     }
 }
 

@@ -3,6 +3,7 @@
 //!
 //! - [`names`]: names for schemas, databases, queues and keys that no other test uses.
 //! - [`backends`]: a fresh database per backend and a test app on it, for the conformance suite.
+//! - [`example_db`]: a database of its own for one run of an example app.
 //! - [`process`]: the examples run as real processes, and an HTTP client to talk to them.
 //! - [`markdown`]: the fenced code blocks of the README.
 //! - [`galera`]: a private three-node MariaDB Galera cluster, for the cluster suite.
@@ -18,6 +19,7 @@
 pub(crate) mod backends;
 #[cfg(all(feature = "nats", feature = "rabbitmq"))]
 pub(crate) mod brokers;
+pub(crate) mod example_db;
 #[cfg(feature = "mysql")]
 pub(crate) mod galera;
 #[cfg(feature = "postgres")]

@@ -1,18 +1,11 @@
 //! An outbox [`Sender`] that publishes to NATS JetStream with `Nats-Msg-Id`.
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::Context;
 
-use crate::backoff::Backoff;
 use crate::outbox::{OutboxRecord, SendOutcome, Sender};
-
-/// The wait between reconnection attempts of a client the sender makes: jittered, so that
-/// many senders spread out, and capped so that a server back after a long outage is found
-/// within 5 s.
-const RECONNECT: Backoff = Backoff::exponential(Duration::from_millis(100), Duration::from_secs(5));
 
 /// Publishes outbox messages to JetStream, waiting for the stream's ack on every attempt.
 ///
@@ -58,12 +51,7 @@ impl NatsSender {
     /// A sender on a client of its own, connected to `url` now (an unreachable server fails
     /// here), that reconnects by itself with a jittered backoff.
     pub async fn connect(url: &str) -> Result<Self, async_nats::ConnectError> {
-        let client = async_nats::ConnectOptions::new()
-            .reconnect_delay_callback(|attempts| {
-                RECONNECT.delay(u32::try_from(attempts).unwrap_or(u32::MAX))
-            })
-            .connect(url)
-            .await?;
+        let client = crate::broker::nats(url).await?;
         Ok(Self::new(async_nats::jetstream::new(client)))
     }
 

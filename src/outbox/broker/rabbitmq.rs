@@ -3,20 +3,13 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Connection};
 use tokio::sync::Mutex;
 
-use crate::backoff::Backoff;
+use crate::broker;
 use crate::outbox::{OutboxRecord, SendOutcome, Sender};
-
-/// The wait between attempts to reconnect within one send: short at first, for a broker that
-/// restarts in seconds, capped so that one back after a long outage is found within 5 s.
-const RECONNECT: Backoff = Backoff::exponential(Duration::from_millis(100), Duration::from_secs(5));
-/// A connection attempt that has not finished by then is abandoned and tried again.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Publishes outbox messages to a RabbitMQ exchange, one confirmed publish per attempt.
 ///
@@ -80,7 +73,7 @@ impl RabbitMqSender {
     /// lost (see [above](Self#when-the-broker-goes-away)). The exchange must exist when
     /// messages are sent (the consumer side declares it).
     pub async fn connect(uri: &str, exchange: impl Into<String>) -> Result<Self, lapin::Error> {
-        let connection = Arc::new(connect(uri).await?);
+        let connection = Arc::new(broker::rabbitmq(uri).await?);
         let mut sender = Self::with_connection(connection, exchange).await?;
         sender.uri = Some(uri.to_owned());
         Ok(sender)
@@ -132,7 +125,7 @@ impl RabbitMqSender {
         loop {
             attempt += 1;
             let reconnected = async {
-                let connection = Arc::new(connect(uri).await?);
+                let connection = Arc::new(broker::rabbitmq(uri).await?);
                 let channel = confirming_channel(&connection).await?;
                 Ok::<_, lapin::Error>(Link {
                     connection,
@@ -149,20 +142,8 @@ impl RabbitMqSender {
                     tracing::warn!(exchange = %self.exchange, attempt, %error, "RabbitMQ sender could not reconnect");
                 }
             }
-            tokio::time::sleep(RECONNECT.delay(attempt)).await;
+            tokio::time::sleep(broker::RECONNECT.delay(attempt)).await;
         }
-    }
-}
-
-/// One connection attempt, bounded by [`CONNECT_TIMEOUT`].
-async fn connect(uri: &str) -> Result<Connection, lapin::Error> {
-    let connecting = Connection::connect(uri, ConnectionProperties::default());
-    match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
-        Ok(connected) => connected,
-        Err(_) => Err(lapin::Error::from(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("no connection within {CONNECT_TIMEOUT:?}"),
-        ))),
     }
 }
 

@@ -1,0 +1,42 @@
+//! Connecting to a broker, for the inbox's consumers and the outbox's senders alike: one
+//! bounded attempt, and the jittered wait between attempts after a connection is lost.
+
+use std::time::Duration;
+
+use crate::backoff::Backoff;
+
+/// The wait between attempts to reconnect: short at first, for a broker that restarts in
+/// seconds; jittered, so that a fleet of clients does not come back at one instant; capped,
+/// so that a broker back after a long outage is found within 5 s.
+pub(crate) const RECONNECT: Backoff =
+    Backoff::exponential(Duration::from_millis(100), Duration::from_secs(5));
+
+/// A RabbitMQ connection attempt that has not finished by then is abandoned and tried again
+/// (a host that drops packets would otherwise hold it for the system's TCP timeout).
+#[cfg(feature = "rabbitmq")]
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One connection attempt to RabbitMQ at `uri`, bounded by [`CONNECT_TIMEOUT`].
+#[cfg(feature = "rabbitmq")]
+pub(crate) async fn rabbitmq(uri: &str) -> Result<lapin::Connection, lapin::Error> {
+    let connecting = lapin::Connection::connect(uri, lapin::ConnectionProperties::default());
+    match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
+        Ok(connected) => connected,
+        Err(_) => Err(lapin::Error::from(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no connection within {CONNECT_TIMEOUT:?}"),
+        ))),
+    }
+}
+
+/// A NATS client connected to `url` now, which reconnects by itself after the
+/// [`RECONNECT`] backoff (async-nats' own default waits alike for every client).
+#[cfg(feature = "nats")]
+pub(crate) async fn nats(url: &str) -> Result<async_nats::Client, async_nats::ConnectError> {
+    async_nats::ConnectOptions::new()
+        .reconnect_delay_callback(|attempts| {
+            RECONNECT.delay(u32::try_from(attempts).unwrap_or(u32::MAX))
+        })
+        .connect(url)
+        .await
+}

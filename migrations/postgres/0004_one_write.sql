@@ -9,15 +9,16 @@
 
 -- Takes the key's advisory lock for the caller's transaction and raises unique_violation on the
 -- primary key when a live record holds the key. The lock is taken at once when free, else waited
--- for with the wait bounded by lock_wait, set for the wait alone. Under READ COMMITTED the read
--- after the wait sees what the lock's previous holder committed. Under REPEATABLE READ and
--- SERIALIZABLE the transaction's snapshot predates the wait and cannot, so a claim that had to wait
--- raises serialization_failure instead: its caller runs it again in a new transaction, which sees.
+-- for with the wait bounded by lock_wait_ms milliseconds (at least 1: 0 would mean "wait forever"),
+-- set as lock_timeout for the wait alone. Under READ COMMITTED the read after the wait sees what
+-- the lock's previous holder committed. Under REPEATABLE READ and SERIALIZABLE the transaction's
+-- snapshot predates the wait and cannot, so a claim that had to wait raises serialization_failure
+-- instead: its caller runs it again in a new transaction, which sees.
 CREATE OR REPLACE FUNCTION axum_idempotency_lock_v1(
     target_key_digest BYTEA,
     now_millis        BIGINT,
     lock_number       BIGINT,
-    lock_wait         TEXT
+    lock_wait_ms      BIGINT
 ) RETURNS VOID
 LANGUAGE plpgsql
 VOLATILE
@@ -28,7 +29,7 @@ DECLARE
 BEGIN
     IF NOT pg_try_advisory_xact_lock(lock_number) THEN
         saved_lock_timeout := current_setting('lock_timeout');
-        PERFORM set_config('lock_timeout', lock_wait, true);
+        PERFORM set_config('lock_timeout', greatest(lock_wait_ms, 1) || 'ms', true);
         PERFORM pg_advisory_xact_lock(lock_number);
         PERFORM set_config('lock_timeout', saved_lock_timeout, true);
         IF current_setting('transaction_isolation') <> 'read committed' THEN

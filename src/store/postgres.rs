@@ -47,13 +47,14 @@ fn taken(error: &sqlx::Error) -> bool {
 /// outlast, the key's lock and the bound on waiting for it.
 fn claim_call<'a>(record: &'a NewRecord<'a>, lock_wait: Duration) -> Statement<'a> {
     let mut call = Statement::new(Syntax::Postgres);
-    // `lock_timeout` = 0 would mean "wait forever".
-    let bound = format!("{}ms", lock_wait.as_millis().max(1));
+    // `lock_timeout` takes at most i32::MAX milliseconds.
+    let wait_ms = i64::try_from(lock_wait.as_millis())
+        .map_or(i64::from(i32::MAX), |ms| ms.min(i64::from(i32::MAX)));
     call.sql("SELECT axum_idempotency_lock_v1(")
         .bytes(&record.key.digest()[..])
         .int8(record.created_at.column())
         .int8(key_lock(&record.key))
-        .text(bound)
+        .int8(wait_ms)
         .sql(")");
     call
 }

@@ -1,13 +1,14 @@
 //! PostgreSQL: the production backend, for many app instances sharing one database.
 //!
-//! A claim is a call of the schema's function `axum_idempotency_lock_v1` (schema version 4): it
+//! A claim is a call of the schema's function `axum_idempotency_lock_v2` (schema version 5): it
 //! takes the key's transaction-scoped advisory lock, at once when it is free, else waiting with
 //! the wait bounded by `lock_timeout` set for the wait alone, and raises a violation of the
-//! primary key, the "taken" error, when a live record holds the key. It writes nothing: the
-//! record is written once, complete, by `axum_idempotency_record_v1` in the exchange that
-//! commits, where the primary key has the last word. The statements themselves are written
-//! once, in `migrations/postgres/0004_one_write.sql`; PL/pgSQL keeps their plans for the
-//! session, so the server parses and plans one call per step, not the statements.
+//! primary key, the "taken" error, when a live record holds the key. It writes only to delete
+//! an expired record under the key: the record is written once, complete, by a plain insert in
+//! `axum_idempotency_record_v2`, in the exchange that commits, where the primary key has the
+//! last word. The statements themselves are written once, in
+//! `migrations/postgres/0005_plain_insert.sql`; PL/pgSQL keeps their plans for the session, so
+//! the server parses and plans one call per step, not the statements.
 
 use std::time::Duration;
 
@@ -50,7 +51,7 @@ fn claim_call<'a>(record: &'a NewRecord<'a>, lock_wait: Duration) -> Statement<'
     // `lock_timeout` takes at most i32::MAX milliseconds.
     let wait_ms = i64::try_from(lock_wait.as_millis())
         .map_or(i64::from(i32::MAX), |ms| ms.min(i64::from(i32::MAX)));
-    call.sql("SELECT axum_idempotency_lock_v1(")
+    call.sql("SELECT axum_idempotency_lock_v2(")
         .bytes(&record.key.digest()[..])
         .int8(record.created_at.column())
         .int8(key_lock(&record.key))
@@ -59,11 +60,10 @@ fn claim_call<'a>(record: &'a NewRecord<'a>, lock_wait: Duration) -> Statement<'
     call
 }
 
-/// The record: a call of the schema's record function, the plain upsert planned once per
-/// session.
+/// The record: a call of the schema's record function, a plain insert planned once per session.
 fn record_call<'a>(record: &'a NewRecord<'a>) -> Statement<'a> {
     let mut call = Statement::new(Syntax::Postgres);
-    call.sql("SELECT axum_idempotency_record_v1(");
+    call.sql("SELECT axum_idempotency_record_v2(");
     record_values(&mut call, record);
     call.sql(")");
     call
@@ -175,6 +175,10 @@ impl Dialect for Postgres {
             (
                 4,
                 include_str!("../../migrations/postgres/0004_one_write.sql"),
+            ),
+            (
+                5,
+                include_str!("../../migrations/postgres/0005_plain_insert.sql"),
             ),
         ],
         begin: "BEGIN",

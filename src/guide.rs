@@ -326,7 +326,7 @@ pub mod protocol {}
 /// | feature | store | notes |
 /// |---|---|---|
 /// | `sqlite` (default) | `SqliteStore` | embedded; claims begin `IMMEDIATE` with `busy_timeout` set from the wait, and the write lock is the key's lock: the claim reads whether a live record holds the key, and the record is written once, in one prepared statement with `COMMIT`; use WAL. A wait that runs out cannot tell the original from another writer: 409 either way. |
-/// | `postgres` | `PgStore` | many app instances on one database; a claim is sent with `BEGIN` as a call of the schema's function `axum_idempotency_lock_v2`, which takes the key's advisory lock and writes nothing (it deletes an expired record under the key, if there is one); a duplicate of an in-flight claim waits on that lock, bounded by `lock_timeout`, set for the wait only and restored for the handler in the same message; the record is written once, with `COMMIT` |
+/// | `postgres` | `PgStore` | many app instances on one database; a claim is sent with `BEGIN` as a call of the schema's procedure `axum_idempotency_lock_v2`, which takes the key's advisory lock and writes nothing (it deletes an expired record under the key, if there is one); a duplicate of an in-flight claim waits on that lock, bounded by `lock_timeout`, set for the wait only and restored for the handler in the same message; the record is written once, with `COMMIT` |
 /// | `mysql` | `MySqlStore` | MySQL 8 and MariaDB; see below |
 ///
 /// Your own sqlx must be the same major version as this crate's (0.9), since the handler's
@@ -445,11 +445,11 @@ pub mod backends {}
 ///
 /// The rest is how the stores happen to be written, and a port would replace it:
 ///
-/// - PostgreSQL: the claim is the PL/pgSQL function `axum_idempotency_lock_v2` (`PERFORM`,
+/// - PostgreSQL: the claim is the PL/pgSQL procedure `axum_idempotency_lock_v2` (`PERFORM`,
 ///   `set_config` on `lock_timeout`, `current_setting('transaction_isolation')`, `FOUND`, and
 ///   `RAISE unique_violation` naming the primary key's constraint), the record
 ///   `axum_idempotency_record_v2` (a plain `INSERT`). The
-///   claim is sent as `SELECT …; BEGIN` in one simple query, so `BEGIN` turns the call's implicit
+///   claim is sent as `CALL …; BEGIN` in one simple query, so `BEGIN` turns the call's implicit
 ///   transaction into the handler's; inside an open transaction it runs under a `SAVEPOINT`. A
 ///   wait that runs out is `55P03`. An engine whose advisory locks are missing or not shared by
 ///   every node must keep a row as the key's lock instead, as the MySQL store does.
@@ -1008,11 +1008,11 @@ pub mod operations {}
 /// PostgreSQL, SQLite's write lock) and checks that no live record holds the key. On
 /// PostgreSQL the claim is sent in the same message as `BEGIN` and the record in the same
 /// message as `COMMIT`, so a request exchanges with the database exactly as often as the
-/// handler's transaction alone would. Both are calls of two functions schema version 5
-/// creates, `axum_idempotency_lock_v2` and `axum_idempotency_record_v2`, whose plans the server
-/// keeps for the session, so it parses and plans one call per message rather than the
-/// statements. sqlx ends a transaction only by a statement of its own, so the record's message
-/// ends `COMMIT; BEGIN` and the pool's `ROLLBACK` of that empty transaction travels with the
+/// handler's transaction alone would. Both are calls (`CALL`, which the server does not plan) of
+/// two procedures schema version 5 creates, `axum_idempotency_lock_v2` and
+/// `axum_idempotency_record_v2`, whose statements' plans the server keeps for the session, so it
+/// parses one call per message rather than the statements. sqlx ends a transaction only by a
+/// statement of its own, so the record's message ends `COMMIT; BEGIN` and the pool's `ROLLBACK` of that empty transaction travels with the
 /// ping sqlx sends when the connection goes back to the pool: two trivial statements for the
 /// server, no wait for the client. On MySQL and MariaDB the claim's row stays the key's lock
 /// (a session lock such as `GET_LOCK` holds on one Galera node only), written by a stored

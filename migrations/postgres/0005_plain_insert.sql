@@ -1,10 +1,14 @@
--- axum-idempotency schema version 5 (PostgreSQL): the record is a plain insert.
+-- axum-idempotency schema version 5 (PostgreSQL): the record is a plain insert, and both steps are
+-- procedures.
 -- Version 4's record was an upsert that replaced an expired record under the key. Setting up the
 -- upsert (its conflict arbiter, its update projection, its condition) was the largest part of the
 -- server's work per new key. Here the claim, which already holds the key's lock and reads the
 -- key's record, deletes a record it finds expired, and the record is inserted plainly: a live
 -- record that somehow appeared meanwhile still fails the insert on the primary key, the same
 -- error as before, and the transaction is run again.
+-- Both are procedures, run by CALL: unlike SELECT of a function, CALL is not planned, which was
+-- the next largest part of the work. Neither controls the transaction, so both run inside the
+-- caller's (CALL before BEGIN runs in the implicit transaction that BEGIN then continues).
 -- Version 4's functions stay for instances still running the older code during a rolling upgrade:
 -- both versions take the same lock before touching a key, and a record either one writes is one
 -- the other reads.
@@ -12,14 +16,13 @@
 -- Takes the key's advisory lock for the caller's transaction, as axum_idempotency_lock_v1 does,
 -- and raises unique_violation on the primary key when a live record holds the key. An expired
 -- record under the key is deleted, in the caller's transaction, so the record can be inserted.
-CREATE OR REPLACE FUNCTION axum_idempotency_lock_v2(
+CREATE OR REPLACE PROCEDURE axum_idempotency_lock_v2(
     target_key_digest BYTEA,
     now_millis        BIGINT,
     lock_number       BIGINT,
     lock_wait_ms      BIGINT
-) RETURNS VOID
+)
 LANGUAGE plpgsql
-VOLATILE
 SECURITY INVOKER
 AS $$
 DECLARE
@@ -51,7 +54,7 @@ $$;
 
 -- Inserts a claimed key's record. A record under the key (live: the claim found none) fails the
 -- insert with unique_violation on the primary key, so the caller's transaction is not committed.
-CREATE OR REPLACE FUNCTION axum_idempotency_record_v2(
+CREATE OR REPLACE PROCEDURE axum_idempotency_record_v2(
     new_key_digest       BYTEA,
     new_principal        TEXT,
     new_method           TEXT,
@@ -65,9 +68,8 @@ CREATE OR REPLACE FUNCTION axum_idempotency_record_v2(
     new_expires_at       BIGINT,
     new_lease_owner      BYTEA,
     new_lease_expires_at BIGINT
-) RETURNS VOID
+)
 LANGUAGE plpgsql
-VOLATILE
 SECURITY INVOKER
 AS $$
 BEGIN

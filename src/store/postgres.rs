@@ -1,6 +1,6 @@
 //! PostgreSQL: the production backend, for many app instances sharing one database.
 //!
-//! A claim is a call of the schema's function `axum_idempotency_lock_v2` (schema version 5): it
+//! A claim is a call of the schema's procedure `axum_idempotency_lock_v2` (schema version 5): it
 //! takes the key's transaction-scoped advisory lock, at once when it is free, else waiting with
 //! the wait bounded by `lock_timeout` set for the wait alone, and raises a violation of the
 //! primary key, the "taken" error, when a live record holds the key. It writes only to delete
@@ -26,7 +26,7 @@ impl super::Records for Postgres {
     type Protocol = super::sql::SqlStore<Postgres>;
 }
 
-/// The primary key's constraint, which the claim function violates on purpose when a live
+/// The primary key's constraint, which the claim procedure violates on purpose when a live
 /// record holds the key.
 const PRIMARY_KEY: &str = "idempotency_records_pkey";
 
@@ -44,14 +44,14 @@ fn taken(error: &sqlx::Error) -> bool {
         if error.code().as_deref() == Some("23505") && error.constraint() == Some(PRIMARY_KEY))
 }
 
-/// The claim: a call of the schema's lock function with the key, the time a live record must
+/// The claim: a call of the schema's lock procedure with the key, the time a live record must
 /// outlast, the key's lock and the bound on waiting for it.
 fn claim_call<'a>(record: &'a NewRecord<'a>, lock_wait: Duration) -> Statement<'a> {
     let mut call = Statement::new(Syntax::Postgres);
     // `lock_timeout` takes at most i32::MAX milliseconds.
     let wait_ms = i64::try_from(lock_wait.as_millis())
         .map_or(i64::from(i32::MAX), |ms| ms.min(i64::from(i32::MAX)));
-    call.sql("SELECT axum_idempotency_lock_v2(")
+    call.sql("CALL axum_idempotency_lock_v2(")
         .bytes(&record.key.digest()[..])
         .int8(record.created_at.column())
         .int8(key_lock(&record.key))
@@ -60,10 +60,10 @@ fn claim_call<'a>(record: &'a NewRecord<'a>, lock_wait: Duration) -> Statement<'
     call
 }
 
-/// The record: a call of the schema's record function, a plain insert planned once per session.
+/// The record: a call of the schema's record procedure, a plain insert planned once per session.
 fn record_call<'a>(record: &'a NewRecord<'a>) -> Statement<'a> {
     let mut call = Statement::new(Syntax::Postgres);
-    call.sql("SELECT axum_idempotency_record_v2(");
+    call.sql("CALL axum_idempotency_record_v2(");
     record_values(&mut call, record);
     call.sql(")");
     call
@@ -79,7 +79,7 @@ fn key_lock(key: &ScopedKey) -> i64 {
 }
 
 impl ClaimPath for Postgres {
-    // The claim function bounds its own wait, so the transaction begins plainly.
+    // The claim procedure bounds its own wait, so the transaction begins plainly.
     async fn begin(
         pool: &Pool<Self>,
         _lock_wait: Duration,
@@ -105,7 +105,7 @@ impl ClaimPath for Postgres {
         }
     }
 
-    // Inside a begun transaction the function's "taken" error would abort the transaction the
+    // Inside a begun transaction the procedure's "taken" error would abort the transaction the
     // caller goes on to read the winner's record in, so the call runs under a savepoint, rolled
     // back to when the key is taken and released at once when it is ours.
     async fn claim<'a>(

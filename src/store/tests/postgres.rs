@@ -261,7 +261,7 @@ async fn a_claim_sent_with_begin_replaces_an_expired_record_through_the_schemas_
     let store = store(&schema, 1).await;
     let (version, functions): (i64, i64) = sqlx::query_as(
         "SELECT (SELECT MAX(version) FROM idempotency_schema_versions), \
-         (SELECT COUNT(*) FROM pg_proc WHERE pronamespace = current_schema()::regnamespace \
+         (SELECT COUNT(*) FROM pg_proc WHERE pronamespace = current_schema()::regnamespace AND prokind = 'p' \
           AND proname IN ('axum_idempotency_lock_v2', 'axum_idempotency_record_v2'))",
     )
     .fetch_one(store.pool())

@@ -73,8 +73,8 @@ impl RabbitMqSender {
     /// A sender publishing to `exchange` on a connection of its own to `uri`, which it opens
     /// now (a wrong URI or an unreachable broker fails here) and opens again whenever it is
     /// lost (see [above](Self#when-the-broker-goes-away)), with a 10 s heartbeat unless `uri`
-    /// sets one (`?heartbeat=…`). The exchange must exist when
-    /// messages are sent: [`declare`](Self::declare) it, or let the consumer side do so.
+    /// sets one (`?heartbeat=…`). The exchange must exist when messages are sent:
+    /// [`declare`](Self::declare) it, or let the consumer side do so.
     pub async fn connect(uri: &str, exchange: impl Into<String>) -> Result<Self, lapin::Error> {
         let connection = Arc::new(broker::rabbitmq(uri).await?);
         let mut sender = Self::with_connection(connection, exchange).await?;

@@ -3,15 +3,8 @@
 //! ```text
 //! cargo run --example payment_provider &
 //! cargo run --example payments --features outbox
-//! ```
-//!
-//! and in another terminal:
-//!
-//! ```text
-//! curl -i -X POST http://127.0.0.1:3001/payments \
-//!      -H 'Authorization: Bearer alice-token' \
-//!      -H 'Idempotency-Key: 6d1c8a52-3f0e-4b7a-9c2d-5e8f1a4b7c90' \
-//!      -H 'Content-Type: application/json' \
+//! curl -i -X POST http://127.0.0.1:3001/payments -H 'Authorization: Bearer alice-token' \
+//!      -H 'Idempotency-Key: 6d1c8a52-3f0e-4b7a-9c2d-5e8f1a4b7c90' -H 'Content-Type: application/json' \
 //!      -d '{"order_id":"1","amount":12.5,"currency":"EUR","payee":"acme"}'
 //! curl -i http://127.0.0.1:3001/payments/1 -H 'Authorization: Bearer alice-token'
 //! ```
@@ -49,36 +42,28 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::rejection::JsonRejection;
+use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{FromRequestParts, Path, State};
-use axum::http::request::Parts;
-use axum::http::{StatusCode, header};
+use axum::http::{StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router, middleware};
-use axum_idempotency::outbox::{
-    self, Backoff, DispatchWaker, Dispatcher, DownstreamKey, LookupOutcome, Message, MessageId,
-    Outbox, OutboxRecord, SendOutcome, Sender, Status,
-};
-use axum_idempotency::{
-    IDEMPOTENCY_KEY, IdempotencyContext, IdempotencyLayer, Principal, Rejection, Store, Tx, TxError,
-};
-use bytes::Bytes;
+use axum_idempotency::outbox::{self, Backoff, DispatchWaker, Dispatcher, DownstreamKey};
+use axum_idempotency::outbox::{HttpSender, LookupOutcome, Message, MessageId, Outbox};
+use axum_idempotency::outbox::{OutboxRecord, SendOutcome, Sender, Status};
+use axum_idempotency::{IdempotencyContext, IdempotencyLayer, Principal, Store, Tx, TxError};
 use db::Arg::{Int, Text};
 use db::{COLUMNS, Payments};
-use http_body_util::{BodyExt, Full};
 use hyper::server::conn::http1;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize, Serializer};
 use serde_json::{Value, json};
 use sqlx::pool::PoolOptions;
 use sqlx::{Connection, Pool};
 use tokio::signal::unix::{SignalKind, signal};
-use tokio::sync::watch;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -96,23 +81,19 @@ async fn main() -> Result<(), Error> {
         "sqlite" => {
             use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
             let options = url.parse::<SqliteConnectOptions>()?.create_if_missing(true);
-            serve::<sqlx::Sqlite>(options.journal_mode(SqliteJournalMode::Wal), 10).await
+            run::<sqlx::Sqlite>(options.journal_mode(SqliteJournalMode::Wal), 10).await
         }
         #[cfg(feature = "postgres")]
-        "postgres" | "postgresql" => serve::<sqlx::Postgres>(url.parse()?, 16).await,
+        "postgres" | "postgresql" => run::<sqlx::Postgres>(url.parse()?, 16).await,
         #[cfg(feature = "mysql")]
-        "mysql" | "mariadb" => serve::<sqlx::MySql>(url.parse()?, 16).await,
+        "mysql" | "mariadb" => run::<sqlx::MySql>(url.parse()?, 16).await,
         other => Err(format!("DATABASE_URL {other:?} is not built in (see --features)").into()),
     }
 }
 
-/// The handlers' state: the pool and the outbox on it.
-type AppState<DB> = (Pool<DB>, Outbox<DB>);
-
 /// Connects to the database and creates the tables, starts the dispatchers and serves the API
-/// until SIGTERM (Kubernetes, systemd) or Ctrl-C: then it stops accepting, answers every request
-/// in flight, stops the dispatchers and returns.
-async fn serve<DB: Payments>(
+/// until SIGTERM (Kubernetes, systemd) or Ctrl-C; then stops the dispatchers and returns.
+async fn run<DB: Payments>(
     database: <DB::Connection as Connection>::Options,
     pool_size: u32,
 ) -> Result<(), Error> {
@@ -129,33 +110,41 @@ async fn serve<DB: Payments>(
         Ok(url) if !url.is_empty() => Some(Arc::new(Broker::connect(&url).await?)),
         _ => None,
     };
-    let millis = |name, default| Duration::from_millis(env_or(name, default));
-    let (stop, stopped) = watch::channel(false);
+    // The provider deduplicates by `Idempotency-Key`; the lookup covers one that does not.
+    let base = setting("PROVIDER_URL", "http://127.0.0.1:4000".to_owned())?;
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    let mut provider = HttpSender::new(client, format!("{base}/charges").parse()?);
+    if std::env::var("PROVIDER_LOOKUP").as_deref() != Ok("off") {
+        provider = provider.lookup_url(format!("{base}/charges?key={{key}}"));
+    }
+    let millis =
+        |name: &str, default| Ok::<_, Error>(Duration::from_millis(setting(name, default)?));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
     let (mut dispatchers, mut wakers) = (Vec::new(), Vec::new());
-    for _ in 0..env_or("DISPATCHERS", 1) {
+    for _ in 0..setting("DISPATCHERS", 1)? {
+        let (provider, broker) = (provider.clone(), broker.clone());
         let routed = Routed {
-            provider: Provider::from_env(),
-            broker: broker.clone(),
+            provider,
+            broker,
             outbox: outbox.clone(),
             pool: pool.clone(),
         };
+        let backoff =
+            Backoff::exponential(millis("OUTBOX_BACKOFF_MS", 200)?, Duration::from_secs(10));
         let dispatcher = Dispatcher::new(outbox.clone(), routed)
-            .poll_interval(millis("OUTBOX_POLL_MS", 500))
-            .send_timeout(millis("OUTBOX_SEND_TIMEOUT_MS", 5_000))
-            .lease(millis("OUTBOX_LEASE_MS", 15_000))
-            .lookup_grace(millis("OUTBOX_LOOKUP_GRACE_MS", 10_000))
-            .max_attempts(env_or("OUTBOX_MAX_ATTEMPTS", 10) as u32)
-            .backoff(Backoff::exponential(
-                millis("OUTBOX_BACKOFF_MS", 200),
-                Duration::from_secs(10),
-            ));
+            .poll_interval(millis("OUTBOX_POLL_MS", 500)?)
+            .send_timeout(millis("OUTBOX_SEND_TIMEOUT_MS", 5_000)?)
+            .lease(millis("OUTBOX_LEASE_MS", 15_000)?)
+            .lookup_grace(millis("OUTBOX_LOOKUP_GRACE_MS", 10_000)?)
+            .max_attempts(setting("OUTBOX_MAX_ATTEMPTS", 10)?)
+            .backoff(backoff);
         wakers.push(dispatcher.waker());
         let mut stopped = stopped.clone();
-        dispatchers.push(tokio::spawn(dispatcher.run(async move {
+        let shutdown = async move {
             let _ = stopped.wait_for(|stop| *stop).await;
-        })));
+        };
+        dispatchers.push(tokio::spawn(dispatcher.run(shutdown)));
     }
-
     let app = Router::new()
         .route("/payments", post(create::<DB>))
         .route_layer(IdempotencyLayer::new(store).principal::<AuthUser>())
@@ -169,40 +158,7 @@ async fn serve<DB: Payments>(
         }))
         .route("/payments/{id}", get(show::<DB>))
         .with_state((pool, outbox));
-
-    // Listening for signals before the address is printed: a signal sent as soon as the server
-    // is up is never met by the default action (an abrupt exit).
-    let mut terminate = signal(SignalKind::terminate())?;
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3001".into());
-    let listener = tokio::net::TcpListener::bind(&bind).await?;
-    println!("payments listening on http://{}", listener.local_addr()?);
-    // hyper's server, because `axum::serve` sets no timer and so no header read timeout: a
-    // client that never finishes its request head would hold its connection for ever.
-    let mut http = http1::Builder::new();
-    http.timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(5));
-    let connections = GracefulShutdown::new();
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    let service = TowerToHyperService::new(app.clone());
-                    let connection = http.serve_connection(TokioIo::new(stream), service);
-                    tokio::spawn(connections.watch(connection));
-                }
-                // Out of file descriptors, say: pause rather than spin, and keep serving.
-                Err(error) => {
-                    tracing::warn!(%error, "could not accept a connection");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            },
-            _ = terminate.recv() => break,
-            _ = interrupt.recv() => break,
-        }
-    }
-    drop(listener);
-    connections.shutdown().await;
+    serve(app).await?;
     let _ = stop.send(true);
     for dispatcher in dispatchers {
         let _ = dispatcher.await;
@@ -210,11 +166,52 @@ async fn serve<DB: Payments>(
     Ok(())
 }
 
-fn env_or(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|value| value.parse().ok())
-        .unwrap_or(default)
+/// Serves `app` on `BIND` until SIGTERM or Ctrl-C, then answers the requests in flight.
+async fn serve(app: Router) -> Result<(), Error> {
+    // Listening for signals before the address is printed: a signal sent as soon as the server
+    // is up is never met by the default action (an abrupt exit).
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let listener = tokio::net::TcpListener::bind(setting("BIND", "127.0.0.1:3001".to_owned())?);
+    let listener = listener.await?;
+    println!("payments listening on http://{}", listener.local_addr()?);
+    // hyper's server, because `axum::serve` sets no timer and so no header read timeout: a
+    // client that never finishes its request head would hold its connection for ever.
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new());
+    http.header_read_timeout(Duration::from_secs(5));
+    let connections = GracefulShutdown::new();
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = terminate.recv() => break,
+            _ = interrupt.recv() => break,
+        };
+        match accepted {
+            Ok((stream, _)) => {
+                let service = TowerToHyperService::new(app.clone());
+                let connection = http.serve_connection(TokioIo::new(stream), service);
+                tokio::spawn(connections.watch(connection));
+            }
+            // Out of file descriptors, say: pause rather than spin, and keep serving.
+            Err(error) => {
+                tracing::warn!(%error, "could not accept a connection");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    drop(listener);
+    connections.shutdown().await;
+    Ok(())
+}
+
+/// The setting `name`, or `default` when it is not set; a value that does not parse stops the
+/// example.
+fn setting<T: std::str::FromStr>(name: &str, default: T) -> Result<T, Error>
+where
+    T::Err: std::error::Error + Send + Sync + 'static,
+{
+    std::env::var(name).map_or(Ok(default), |value| Ok(value.parse()?))
 }
 
 /// The authenticated caller; the idempotency layer scopes keys to it.
@@ -244,17 +241,46 @@ impl Principal for AuthUser {
     }
 }
 
+/// An amount of money in cents: sums and comparisons are exact.
+#[derive(Clone, Copy)]
+struct Cents(i64);
+
+impl Cents {
+    /// Reads a JSON number as cents; `None` when negative, finer than a cent, or from 10^13 on
+    /// (15 digits, all a JSON number carries exactly). A fraction arrives as a double, which prints
+    /// as the shortest decimal that reads back as it: the number as the client wrote it.
+    fn parse(number: &serde_json::Number) -> Option<Self> {
+        let text = number.to_string();
+        let (whole, fraction) = text.split_once('.').unwrap_or((&text, ""));
+        let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+        if !digits(whole) || fraction.len() > 2 || !(fraction.is_empty() || digits(fraction)) {
+            return None;
+        }
+        let cents = whole.parse::<i64>().ok()?.checked_mul(100)?;
+        let cents = cents + format!("{fraction:0<2}").parse::<i64>().ok()?;
+        (cents < 10_i64.pow(15)).then_some(Self(cents))
+    }
+}
+
+impl Serialize for Cents {
+    /// The number the client sent (`12.5`; `10` as `10.0`): below 10^13 the quotient is the
+    /// double nearest the decimal, which prints back as that decimal.
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        (self.0 as f64 / 100.0).serialize(serializer)
+    }
+}
+
 #[derive(Deserialize)]
 struct NewPayment {
     /// An integer or a string of digits, passed on to the event unchanged.
     order_id: Value,
-    amount: Value,
+    amount: serde_json::Number,
     currency: String,
     payee: String,
 }
 
 async fn create<DB: Payments>(
-    State((_, outbox)): State<AppState<DB>>,
+    State((_, outbox)): State<(Pool<DB>, Outbox<DB>)>,
     user: AuthUser,
     context: IdempotencyContext,
     mut tx: Tx<DB>,
@@ -262,20 +288,11 @@ async fn create<DB: Payments>(
 ) -> Result<Response, Problem> {
     // Everything is checked before anything is written or charged: what the tables, the
     // provider or the orders example cannot take is a final 400, never a retryable 500.
-    let Ok(Json(payment)) = payment else {
-        return Err(invalid(
-            "the payment needs order_id, amount, currency and payee of the right types",
-        ));
-    };
-    // Kept as the exact decimal text it was sent as; a number of cents, so orders can apply it.
-    let amount = match &payment.amount {
-        Value::Number(n) if cents(&n.to_string()).is_some_and(|cents| cents > 0) => n.to_string(),
-        _ => {
-            return Err(invalid(
-                "amount must be a positive number with at most two decimals, below 10000000000000",
-            ));
-        }
-    };
+    let Json(payment) = payment?;
+    let amount = Cents::parse(&payment.amount).filter(|amount| amount.0 > 0);
+    let amount = amount.ok_or(invalid(
+        "amount must be a positive number with at most two decimals, below 10000000000000",
+    ))?;
     let currency = &payment.currency;
     if currency.len() != 3 || !currency.bytes().all(|b| b.is_ascii_uppercase()) {
         return Err(invalid(
@@ -284,7 +301,9 @@ async fn create<DB: Payments>(
     }
     let order_id = match &payment.order_id {
         Value::Number(id) if id.is_i64() => id.to_string(),
-        Value::String(id) if id.len() <= 19 && digits(id) && id.parse::<i64>().is_ok() => {
+        Value::String(id)
+            if id.bytes().all(|b| b.is_ascii_digit()) && id.parse::<i64>().is_ok() =>
+        {
             id.clone()
         }
         _ => return Err(invalid("order_id must be an integer or a string of digits")),
@@ -296,11 +315,10 @@ async fn create<DB: Payments>(
 
     // Derived from the request's scoped key, so every retry of this intent carries the same
     // key downstream.
-    let downstream_key =
-        DownstreamKey::for_request(&context.scoped_key_digest(), CHARGE_TOPIC, "charge");
+    let key = DownstreamKey::for_request(&context.scoped_key_digest(), CHARGE_TOPIC, "charge");
     let charge = json!({ "order_id": payment.order_id, "amount": amount, "currency": currency, "payee": payee });
-    let message = Message::json(CHARGE_TOPIC, downstream_key, &charge)
-        .map_err(|error| Problem::Internal(error.to_string()))?;
+    let message =
+        Message::json(CHARGE_TOPIC, key, &charge).map_err(|e| Problem::Internal(e.to_string()))?;
     let outbox_id = outbox.enqueue(&mut tx, message).await?.get();
     let insert = format!(
         "INSERT INTO payments (owner, order_id, amount, currency, payee, outbox_id) \
@@ -309,51 +327,29 @@ async fn create<DB: Payments>(
     let args = [
         Text(user.0),
         Text(&order_id),
-        Text(&amount),
+        Int(amount.0),
         Text(currency),
         Text(payee),
         Int(outbox_id),
     ];
-    let (id, ..) = DB::payment(&mut tx, &insert, &args)
-        .await?
-        .ok_or(sqlx::Error::RowNotFound)?;
+    let row = DB::payment(&mut tx, &insert, &args).await?;
+    let (id, ..) = row.ok_or(sqlx::Error::RowNotFound)?;
     let location = [(header::LOCATION, format!("/payments/{id}"))];
     let body = Json(json!({ "id": id, "status": "pending" }));
     Ok((StatusCode::ACCEPTED, location, body).into_response())
 }
 
-fn digits(text: &str) -> bool {
-    !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit())
-}
-
-/// The cents in a JSON number's text (`12.5` → 1250); `None` when negative, finer than a cent,
-/// or from 10^13 on (15 digits, all a JSON number carries exactly).
-fn cents(number: &str) -> Option<i64> {
-    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
-    if !digits(whole) || fraction.len() > 2 || !(fraction.is_empty() || digits(fraction)) {
-        return None;
-    }
-    let cents = whole.parse::<i64>().ok()?.checked_mul(100)?
-        + format!("{fraction:0<2}").parse::<i64>().ok()?;
-    (cents < 10_i64.pow(15)).then_some(cents)
-}
-
 async fn show<DB: Payments>(
-    State((pool, outbox)): State<AppState<DB>>,
+    State((pool, outbox)): State<(Pool<DB>, Outbox<DB>)>,
     user: AuthUser,
-    Path(id): Path<i64>,
+    id: Result<Path<i64>, PathRejection>,
 ) -> Result<Response, Problem> {
+    let Path(id) = id?;
     let sql = format!("SELECT {COLUMNS} FROM payments WHERE id = ? AND owner = ?");
-    let mut conn = pool.acquire().await?;
-    let row = DB::payment(&mut conn, &sql, &[Int(id), Text(user.0)]).await?;
-    drop(conn);
-    let (id, order_id, amount, currency, payee, outbox_id) = row.ok_or(Problem::Refused(
-        StatusCode::NOT_FOUND,
-        "not_found",
-        "no such payment",
-    ))?;
-    // The amount was kept as the exact decimal text it was sent as; answered as the number it is.
-    let amount = serde_json::from_str::<Value>(&amount).unwrap_or(Value::Null);
+    let row = DB::payment(&mut *pool.acquire().await?, &sql, &[Int(id), Text(user.0)]).await?;
+    let not_found = Problem::Refused(StatusCode::NOT_FOUND, "not_found", "no such payment");
+    let (id, order_id, amount, currency, payee, outbox_id) = row.ok_or(not_found)?;
+    let amount = Cents(amount);
     let mut body = json!({ "id": id, "order_id": order_id, "amount": amount, "currency": currency, "payee": payee });
     let record = outbox.status(MessageId::from(outbox_id)).await?;
     let record = record.ok_or(Problem::Internal(
@@ -373,128 +369,11 @@ async fn show<DB: Payments>(
     Ok(Json(body).into_response())
 }
 
-/// Charges through the provider's HTTP API, with the downstream key as `Idempotency-Key`.
-struct Provider {
-    client: Client<HttpConnector, Full<Bytes>>,
-    base: String,
-    lookup: bool,
-}
-
-/// What the provider answered: status, `Retry-After`, body.
-type Answer = (StatusCode, Option<Duration>, Bytes);
-
-impl Provider {
-    fn from_env() -> Self {
-        Self {
-            client: Client::builder(TokioExecutor::new()).build_http(),
-            base: std::env::var("PROVIDER_URL").unwrap_or_else(|_| "http://127.0.0.1:4000".into()),
-            lookup: std::env::var("PROVIDER_LOOKUP").as_deref() != Ok("off"),
-        }
-    }
-
-    /// `Err((sent, reason))`: `sent` is false when the request certainly never left.
-    async fn call(&self, request: http::Request<Full<Bytes>>) -> Result<Answer, (bool, String)> {
-        let response = match self.client.request(request).await {
-            Ok(response) => response,
-            Err(error) => return Err((!error.is_connect(), error.to_string())),
-        };
-        let status = response.status();
-        let retry_after = response.headers().get(header::RETRY_AFTER);
-        let retry_after = retry_after
-            .and_then(|value| value.to_str().ok()?.parse().ok())
-            .map(Duration::from_secs);
-        match response.into_body().collect().await {
-            Ok(body) => Ok((status, retry_after, body.to_bytes())),
-            Err(error) => Err((true, format!("answer cut off: {error}"))),
-        }
-    }
-}
-
-impl Sender for Provider {
-    async fn send(&self, message: &OutboxRecord) -> SendOutcome {
-        let request = http::Request::post(format!("{}/charges", self.base))
-            .header(header::CONTENT_TYPE, "application/json")
-            .header(IDEMPOTENCY_KEY, message.downstream_key.as_str())
-            .body(Full::new(Bytes::from(message.payload.clone())));
-        let answer = match request {
-            Ok(request) => self.call(request).await,
-            Err(error) => return rejected(error.to_string()),
-        };
-        let (status, after, body) = match answer {
-            Ok(answer) => answer,
-            // Refused before anything was sent: certainly not charged.
-            Err((false, reason)) => return retry(format!("provider unreachable: {reason}")),
-            Err((true, reason)) => {
-                return unknown(format!("no answer from the provider: {reason}"));
-            }
-        };
-        let reason = format!("provider answered {status}");
-        match status.as_u16() {
-            200 | 201 => match charge_id(&body) {
-                Some(receipt) => SendOutcome::Delivered { receipt },
-                None => unknown("unreadable charge in the answer".into()),
-            },
-            429 | 503 => SendOutcome::Retry { after, reason },
-            // A 500 may come after the charge was written: only a lookup or a resend with the
-            // same key can tell.
-            500..=599 => SendOutcome::Unknown { reason },
-            _ => rejected(format!(
-                "provider refused the charge ({status}): {}",
-                String::from_utf8_lossy(&body)
-            )),
-        }
-    }
-
-    async fn lookup(&self, message: &OutboxRecord) -> LookupOutcome {
-        if !self.lookup {
-            return LookupOutcome::Unsupported;
-        }
-        let url = format!("{}/charges?key={}", self.base, message.downstream_key);
-        let answer = match http::Request::get(url).body(Full::new(Bytes::new())) {
-            Ok(request) => self.call(request).await.map_err(|(_, reason)| reason),
-            Err(error) => Err(error.to_string()),
-        };
-        match answer {
-            Ok((StatusCode::OK, _, body)) => match charge_id(&body) {
-                Some(receipt) => LookupOutcome::Found { receipt },
-                None => failed("unreadable charge in the lookup".into()),
-            },
-            Ok((StatusCode::NOT_FOUND, _, _)) => LookupOutcome::NotFound,
-            Ok((status, _, _)) => failed(format!("lookup answered {status}")),
-            Err(reason) => LookupOutcome::Failed { reason },
-        }
-    }
-}
-
-fn retry(reason: String) -> SendOutcome {
-    SendOutcome::Retry {
-        after: None,
-        reason,
-    }
-}
-
-fn unknown(reason: String) -> SendOutcome {
-    SendOutcome::Unknown { reason }
-}
-
-fn rejected(reason: String) -> SendOutcome {
-    SendOutcome::Rejected { reason }
-}
-
-fn failed(reason: String) -> LookupOutcome {
-    LookupOutcome::Failed { reason }
-}
-
-fn charge_id(body: &[u8]) -> Option<String> {
-    let charge: Value = serde_json::from_slice(body).ok()?;
-    charge["id"].as_str().map(str::to_owned)
-}
-
 /// What the dispatcher sends through: charges to the provider, events to the broker. A charge
 /// the provider confirms (sent or found by lookup) enqueues its event in the same outbox, keyed
 /// by the charge's own key, so however often that happens the event is enqueued once.
 struct Routed<DB: Payments> {
-    provider: Provider,
+    provider: HttpSender<Client<HttpConnector, http_body_util::Full<bytes::Bytes>>>,
     broker: Option<Arc<Broker>>,
     outbox: Outbox<DB>,
     pool: Pool<DB>,
@@ -514,13 +393,12 @@ impl<DB: Payments> Routed<DB> {
         let event = json!({
             "payment_id": id.to_string(),
             "order_id": sent["order_id"],
-            "amount": serde_json::from_str::<Value>(&amount)?,
+            "amount": Cents(amount),
             "currency": currency,
         });
         let key = DownstreamKey::new(format!("payment-succeeded-{}", charge.downstream_key))?;
-        self.outbox
-            .enqueue(&mut conn, Message::json(EVENT_TOPIC, key, &event)?)
-            .await?;
+        let message = Message::json(EVENT_TOPIC, key, &event)?;
+        self.outbox.enqueue(&mut conn, message).await?;
         Ok(())
     }
 }
@@ -530,7 +408,10 @@ impl<DB: Payments> Sender for Routed<DB> {
         if message.topic == EVENT_TOPIC {
             return match &self.broker {
                 Some(broker) => broker.send(message).await,
-                None => retry("no BROKER_URL configured".into()),
+                None => SendOutcome::Retry {
+                    after: None,
+                    reason: "no BROKER_URL configured".into(),
+                },
             };
         }
         let outcome = self.provider.send(message).await;
@@ -538,7 +419,11 @@ impl<DB: Payments> Sender for Routed<DB> {
             && let Err(reason) = self.announce(message).await
         {
             // Charged, event not enqueued: a resend with the same key finds the charge again.
-            return retry(format!("charged; event not enqueued: {reason}"));
+            let reason = format!("charged; event not enqueued: {reason}");
+            return SendOutcome::Retry {
+                after: None,
+                reason,
+            };
         }
         outcome
     }
@@ -551,14 +436,15 @@ impl<DB: Payments> Sender for Routed<DB> {
         if let LookupOutcome::Found { .. } = &found
             && let Err(reason) = self.announce(message).await
         {
-            return failed(format!("charged; event not enqueued: {reason}"));
+            let reason = format!("charged; event not enqueued: {reason}");
+            return LookupOutcome::Failed { reason };
         }
         found
     }
 }
 
-/// The broker the events go to. What it needs is declared at start, idempotently; an exchange or
-/// a stream that already exists is used as it is.
+/// The broker the events go to. What they need is declared at start, idempotently; an exchange
+/// or a stream that already exists is used as it is.
 enum Broker {
     #[cfg(feature = "rabbitmq")]
     RabbitMq(outbox::RabbitMqSender),
@@ -571,42 +457,20 @@ impl Broker {
         match url.split(':').next().unwrap_or_default() {
             #[cfg(feature = "rabbitmq")]
             "amqp" | "amqps" => {
-                use lapin::options::ExchangeDeclareOptions;
-                let connection = lapin::Connection::connect(url, Default::default()).await?;
-                let exchange = name("payments");
-                let durable = ExchangeDeclareOptions {
-                    durable: true,
-                    ..ExchangeDeclareOptions::default()
-                };
-                // Refused only when the exchange exists with other settings (made by someone
-                // else): then it is used as it is. A lost connection fails the sender below.
-                let channel = connection.create_channel().await?;
-                let kind = lapin::ExchangeKind::Topic;
-                let declared = channel.exchange_declare(
-                    exchange.as_str().into(),
-                    kind,
-                    durable,
-                    Default::default(),
-                );
-                let _ = declared.await;
-                let _ = connection.close(200, "declared".into()).await;
-                // A connection of its own, opened again whenever the broker comes back.
-                let sender = outbox::RabbitMqSender::connect(url, exchange).await?;
+                // It reconnects by itself whenever the broker comes back, and its 10 s
+                // heartbeat notices a broker host that vanished within about 20 s.
+                let sender = outbox::RabbitMqSender::connect(url, name("payments")).await?;
+                sender.declare().await?;
                 Ok(Self::RabbitMq(
                     sender.route(EVENT_TOPIC, "payment.succeeded"),
                 ))
             }
             #[cfg(feature = "nats")]
             "nats" => {
-                use async_nats::jetstream::stream::Config;
-                let jetstream = async_nats::jetstream::new(async_nats::connect(url).await?);
-                let stream = Config {
-                    name: name("PAYMENTS"),
-                    subjects: vec![name("payments.>")],
-                    ..Config::default()
-                };
-                jetstream.get_or_create_stream(stream).await?;
                 let sender = outbox::NatsSender::connect(url).await?;
+                sender
+                    .declare_stream(&name("PAYMENTS"), [name("payments.>")])
+                    .await?;
                 Ok(Self::Nats(
                     sender.route(EVENT_TOPIC, name("payments.succeeded")),
                 ))
@@ -647,8 +511,9 @@ fn name(name: &str) -> String {
 
 /// What a handler answers instead of its result.
 enum Problem {
-    /// A refusal (status, `code`, detail) as problem+json; `about:blank`, as the status says
-    /// what happened and `code` is this app's stable name for it.
+    /// The example's own refusals (status, `code`, detail), as problem+json like the crate's.
+    /// Their `code`s never start with `idempotency_` and their `type` is `about:blank`, so a
+    /// client tells them from the crate's answers without reading the status alone.
     Refused(StatusCode, &'static str, &'static str),
     /// A statement failed. The layer runs a conflict abort again; anything else is a retryable
     /// 500, its details logged, never shown.
@@ -659,6 +524,38 @@ enum Problem {
 
 fn invalid(detail: &'static str) -> Problem {
     Problem::Refused(StatusCode::BAD_REQUEST, "invalid_payment", detail)
+}
+
+impl From<JsonRejection> for Problem {
+    /// A body that parses but does not fit is 400 like any other invalid payment, never axum's
+    /// 422, which a client reading only the status would take for a reused key.
+    fn from(rejection: JsonRejection) -> Self {
+        match rejection {
+            JsonRejection::MissingJsonContentType(_) => Problem::Refused(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                "send the payment as application/json",
+            ),
+            JsonRejection::JsonDataError(_) => {
+                invalid("the payment needs order_id, amount, currency and payee of the right types")
+            }
+            _ => Problem::Refused(
+                StatusCode::BAD_REQUEST,
+                "malformed_json",
+                "the body is not valid JSON",
+            ),
+        }
+    }
+}
+
+impl From<PathRejection> for Problem {
+    fn from(_: PathRejection) -> Self {
+        Problem::Refused(
+            StatusCode::BAD_REQUEST,
+            "invalid_id",
+            "the id must be an integer",
+        )
+    }
 }
 
 impl From<sqlx::Error> for Problem {
@@ -683,7 +580,7 @@ impl IntoResponse for Problem {
             Self::Database(error) => return error.into_response(),
             Self::Internal(detail) => {
                 tracing::error!(detail, "payment request failed");
-                return Rejection::Internal.into_response();
+                return axum_idempotency::Rejection::Internal.into_response();
             }
         };
         let body = json!({ "type": "about:blank", "title": status.canonical_reason(), "status": status.as_u16(), "code": code, "detail": detail });
@@ -709,8 +606,8 @@ mod db {
         Text(&'a str),
     }
 
-    /// id, order_id, amount (its exact decimal text), currency, payee, outbox_id.
-    pub(crate) type Row = (i64, String, String, String, String, i64);
+    /// id, order_id, amount in cents, currency, payee, outbox_id.
+    pub(crate) type Row = (i64, String, i64, String, String, i64);
     /// The payment a statement selected or inserted, if any.
     type Found = sqlx::Result<Option<Row>>;
     pub(crate) const COLUMNS: &str = "id, order_id, amount, currency, payee, outbox_id";
@@ -755,7 +652,7 @@ mod db {
     impl Payments for sqlx::Sqlite {
         async fn create_table(pool: &Pool<Self>) -> sqlx::Result<()> {
             let table = "CREATE TABLE IF NOT EXISTS payments (id INTEGER PRIMARY KEY AUTOINCREMENT,
-                owner TEXT NOT NULL, order_id TEXT NOT NULL, amount TEXT NOT NULL,
+                owner TEXT NOT NULL, order_id TEXT NOT NULL, amount INTEGER NOT NULL,
                 currency TEXT NOT NULL, payee TEXT NOT NULL, outbox_id BIGINT NOT NULL)";
             sqlx::raw_sql(table).execute(pool).await.map(drop)
         }
@@ -770,7 +667,7 @@ mod db {
         async fn create_table(pool: &Pool<Self>) -> sqlx::Result<()> {
             let table = "CREATE TABLE IF NOT EXISTS payments (
                 id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, owner TEXT NOT NULL,
-                order_id TEXT NOT NULL, amount TEXT NOT NULL, currency TEXT NOT NULL,
+                order_id TEXT NOT NULL, amount BIGINT NOT NULL, currency TEXT NOT NULL,
                 payee TEXT NOT NULL, outbox_id BIGINT NOT NULL)";
             sqlx::raw_sql(table).execute(pool).await.map(drop)
         }
@@ -785,7 +682,7 @@ mod db {
         /// utf8mb4, so any payee the app accepts fits. INSERT … RETURNING is MariaDB's (10.5+).
         async fn create_table(pool: &Pool<Self>) -> sqlx::Result<()> {
             let table = "CREATE TABLE IF NOT EXISTS payments (id BIGINT AUTO_INCREMENT PRIMARY KEY,
-                owner VARCHAR(32) NOT NULL, order_id VARCHAR(32) NOT NULL, amount VARCHAR(32) NOT NULL,
+                owner VARCHAR(32) NOT NULL, order_id VARCHAR(32) NOT NULL, amount BIGINT NOT NULL,
                 currency CHAR(3) NOT NULL, payee VARCHAR(255) NOT NULL, outbox_id BIGINT NOT NULL)
                 DEFAULT CHARSET = utf8mb4";
             sqlx::raw_sql(table).execute(pool).await.map(drop)

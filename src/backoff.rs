@@ -75,6 +75,27 @@ pub(crate) fn random_u64() -> u64 {
     })
 }
 
+/// The wait a `Retry-After` header asks for: delta-seconds or an HTTP-date (a date already past
+/// means "now"). `None` when absent or unreadable. The client's retries and the outbox's HTTP
+/// sender read it alike.
+#[cfg(any(feature = "client", feature = "outbox"))]
+pub(crate) fn retry_after(
+    headers: &http::HeaderMap,
+    now: std::time::SystemTime,
+) -> Option<Duration> {
+    let text = headers
+        .get(http::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim();
+    if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
+        // An absurdly long delta saturates rather than failing: the deadline bounds it anyway.
+        return Some(Duration::from_secs(text.parse().unwrap_or(u64::MAX)));
+    }
+    let date = httpdate::parse_http_date(text).ok()?;
+    Some(date.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

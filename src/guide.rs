@@ -604,9 +604,13 @@ pub mod jobs {}
 /// Delivery is at least once, and every attempt carries the same downstream key. Where the
 /// downstream deduplicates by that key (as payment providers do) the effect happens exactly
 /// once; where it does not, implement [`Sender::lookup`](crate::outbox::Sender::lookup) so the
-/// dispatcher looks the key up before any resend. The [`outbox`](crate::outbox) module
-/// documents the dispatcher's options, the outcomes a sender reports and the backends; the
-/// `payments` example in the repository is a complete app with a sender.
+/// dispatcher looks the key up before any resend. For an HTTP API,
+/// [`HttpSender`](crate::outbox::HttpSender) is that sender: it posts each message with the
+/// key as `Idempotency-Key`, turns the answer (`2xx`, `429` and `Retry-After`, `5xx`, a refused
+/// connection) into the outcome the dispatcher acts on, and looks a message up by its key on
+/// the URL you give it. The [`outbox`](crate::outbox) module documents the dispatcher's
+/// options, the outcomes a sender reports and the backends; the `payments` example in the
+/// repository is a complete app with a provider and a broker behind one outbox.
 #[cfg(feature = "outbox")]
 pub mod outbox {}
 
@@ -701,8 +705,9 @@ pub mod outbox {}
 ///   timeout bounds; a send cut short counts as an unknown outcome and goes again later under
 ///   the same `message_id`. On a connection of your own (`RabbitMqConsumer::new`,
 ///   `RabbitMqSender::with_connection`) neither reconnects: `run` returns the error, and sends
-///   are retried while the connection is down. Put `?heartbeat=10` in the URI, so a broker
-///   host that vanishes without closing its sockets is noticed within about 20 s.
+///   are retried while the connection is down. Both ask for a 10 s heartbeat unless the URI
+///   sets one (`?heartbeat=…`), so a broker host that vanishes without closing its sockets is
+///   noticed within about 20 s; on a connection of your own, put `?heartbeat=10` in its URI.
 /// - **NATS.** The async-nats client reconnects by itself, for as long as it runs, and a
 ///   JetStream pull consumer asks for messages again once reconnected, so `NatsConsumer` and
 ///   `NatsSender` go on as they are. Made with `NatsConsumer::connect(inbox, url, stream,

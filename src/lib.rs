@@ -86,7 +86,7 @@
 //! | `sqlite` (default) | `SqliteStore` |
 //! | `postgres` | `PgStore` |
 //! | `mysql` | `MySqlStore` (MySQL 8, MariaDB) |
-//! | `outbox` | the `outbox` module: `Outbox`, `Dispatcher`, `Sender` |
+//! | `outbox` | the `outbox` module: `Outbox`, `Dispatcher`, `Sender`, `HttpSender` for HTTP APIs |
 //! | `client` | the `client` module: `IdempotentRetryLayer` for tower HTTP clients |
 //! | `test-util` | `ManualClock`, and `clock(..)` on the engine and the layer: time that tests move |
 //! | `reqwest` | `client::IdempotentRetryMiddleware` for `reqwest-middleware` |

@@ -380,7 +380,8 @@ async fn orders_example_keeps_amounts_in_exact_cents_on_mysql() {
 }
 
 /// The example's own 4xx are problem+json with codes of its own, never `idempotency_*`, and a
-/// body that does not fit an order is a 400, not axum's 422 (the crate's reused-key status).
+/// body that does not fit an order is a 400, not axum's 422 (the crate's reused-key status); so
+/// is a path id that is not a number.
 #[tokio::test]
 async fn orders_example_answers_its_own_body_errors_as_problem_json_on_sqlite() {
     let database = Database::new(Db::Sqlite).await;
@@ -419,7 +420,17 @@ async fn orders_example_answers_its_own_body_errors_as_problem_json_on_sqlite() 
         assert_eq!(answer.status, status, "{body}");
         assert_eq!(answer.headers["content-type"], "application/problem+json");
         assert_eq!(answer.json()["code"], code);
+        assert_eq!(answer.json()["title"], status.canonical_reason().unwrap());
     }
+    let not_an_id = orders
+        .send("GET", "/orders/abc", "alice-token", None, None)
+        .await;
+    assert_eq!(not_an_id.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        not_an_id.headers["content-type"],
+        "application/problem+json"
+    );
+    assert_eq!(not_an_id.json()["code"], "invalid_id");
 }
 
 /// A client that never finishes its request head loses its connection after the read timeout

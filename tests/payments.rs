@@ -359,6 +359,55 @@ async fn refuses_what_orders_cannot_apply_and_charges_the_rest_once(database: &s
     provider.kill().await;
 }
 
+/// Body and path errors are problem+json as in the orders example: malformed JSON, a body that
+/// is not JSON, an id that is not a number. A whole amount reads back as orders shows it.
+#[tokio::test]
+async fn answers_its_own_request_errors_as_problem_json_like_orders() {
+    let scenario = Scenario::new();
+    let http = &scenario.http;
+    let provider = scenario.provider(&[]).await;
+    let payments = scenario.payments(&provider, &[]).await;
+    let cases = [
+        (
+            "application/json",
+            "{\"order_id\":",
+            StatusCode::BAD_REQUEST,
+            "malformed_json",
+        ),
+        (
+            "text/plain",
+            "{}",
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+        ),
+    ];
+    for (n, (content_type, body, status, code)) in cases.into_iter().enumerate() {
+        let request = Request::post(format!("{}/payments", payments.url))
+            .header("authorization", "Bearer alice-token")
+            .header("idempotency-key", format!("body-{n}"))
+            .header("content-type", content_type)
+            .body(Full::new(Bytes::from(body)))
+            .unwrap();
+        let answer = http.call(request).await;
+        assert_eq!(answer.status, status, "{body}");
+        assert_eq!(answer.headers["content-type"], "application/problem+json");
+        assert_eq!(answer.json()["code"], code);
+        assert_eq!(answer.json()["title"], status.canonical_reason().unwrap());
+    }
+    let not_an_id = Request::get(format!("{}/payments/abc", payments.url))
+        .header("authorization", "Bearer alice-token")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let not_an_id = http.call(not_an_id).await;
+    assert_eq!(not_an_id.status, StatusCode::BAD_REQUEST);
+    assert_eq!(not_an_id.json()["code"], "invalid_id");
+
+    let whole = json!({ "order_id": 1, "amount": 10, "currency": "EUR", "payee": "acme" });
+    let accepted = http.pay(&payments.url, "whole-amount", &whole).await;
+    let shown = http.payment(&payments.url, id_of(&accepted)).await;
+    assert_eq!(serde_json::to_string(&shown["amount"]).unwrap(), "10.0");
+}
+
 #[tokio::test]
 async fn on_sqlite_refuses_what_orders_cannot_apply_and_charges_the_rest_once() {
     let dir = tempfile::tempdir().unwrap();

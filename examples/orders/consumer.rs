@@ -52,15 +52,10 @@ pub(crate) async fn spawn<DB: Backend>(store: Store<DB>, broker_url: &str) -> Re
         #[cfg(feature = "rabbitmq")]
         "amqp" | "amqps" => {
             use axum_idempotency::inbox::rabbitmq::RabbitMqConsumer;
-            // A 10 s heartbeat: a consumer host that vanishes without closing its socket is
-            // noticed, and its unacked deliveries redelivered, within 30 s.
-            let url = match (broker_url.contains("heartbeat="), broker_url.contains('?')) {
-                (true, _) => broker_url.to_owned(),
-                (false, true) => format!("{broker_url}&heartbeat=10"),
-                (false, false) => format!("{broker_url}?heartbeat=10"),
-            };
+            // Its 10 s heartbeat (unless the URL sets one): a consumer host that vanishes
+            // without closing its socket is noticed, and its deliveries redelivered, within 30 s.
             let queue = name("orders.payment-succeeded");
-            let consumer = RabbitMqConsumer::connect(inbox, &url, queue)
+            let consumer = RabbitMqConsumer::connect(inbox, broker_url, queue)
                 .await?
                 .bind(name("payments"), "payment.succeeded")
                 .concurrency(concurrency);

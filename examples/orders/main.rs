@@ -24,7 +24,7 @@ mod db;
 use std::borrow::Cow;
 use std::time::Duration;
 
-use axum::extract::rejection::JsonRejection;
+use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{FromRequestParts, Path};
 use axum::http::{Method, StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
@@ -132,25 +132,26 @@ async fn serve(app: Router) -> Result<(), Error> {
     // hyper's server, because `axum::serve` sets no timer and so no header read timeout: a
     // client that never finishes its request head would hold its connection for ever.
     let mut http = http1::Builder::new();
-    http.timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(5));
+    http.timer(TokioTimer::new());
+    http.header_read_timeout(Duration::from_secs(5));
     let connections = GracefulShutdown::new();
     loop {
-        tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    let service = TowerToHyperService::new(app.clone());
-                    let connection = http.serve_connection(TokioIo::new(stream), service);
-                    tokio::spawn(connections.watch(connection));
-                }
-                // Out of file descriptors, say: pause rather than spin, and keep serving.
-                Err(error) => {
-                    tracing::warn!(%error, "could not accept a connection");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            },
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
             _ = terminate.recv() => break,
             _ = interrupt.recv() => break,
+        };
+        match accepted {
+            Ok((stream, _)) => {
+                let service = TowerToHyperService::new(app.clone());
+                let connection = http.serve_connection(TokioIo::new(stream), service);
+                tokio::spawn(connections.watch(connection));
+            }
+            // Out of file descriptors, say: pause rather than spin, and keep serving.
+            Err(error) => {
+                tracing::warn!(%error, "could not accept a connection");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
         }
     }
     drop(listener);
@@ -263,8 +264,9 @@ async fn list_orders<DB: Backend>(user: AuthUser, mut tx: Tx<DB>) -> Result<Resp
 async fn get_order<DB: Backend>(
     user: AuthUser,
     mut tx: Tx<DB>,
-    Path(id): Path<i64>,
+    id: Result<Path<i64>, PathRejection>,
 ) -> Result<Response, Problem> {
+    let Path(id) = id?;
     let order = db::orders::<DB>(&mut tx, user.id, (id, id)).await?.pop();
     Ok(Json(order.ok_or(NOT_FOUND)?).into_response())
 }
@@ -272,13 +274,14 @@ async fn get_order<DB: Backend>(
 async fn ship_order<DB: Backend>(
     Extension(user): Extension<AuthUser>,
     mut tx: Tx<DB>,
-    Path(id): Path<i64>,
+    id: Result<Path<i64>, PathRejection>,
 ) -> Result<Response, Problem> {
+    let Path(id) = id?;
     let ship = "UPDATE orders SET status = 'shipped' WHERE user_id = ? AND id = ?";
     if DB::execute(&mut tx, ship, &[Int(user.id), Int(id)]).await? == 0 {
         return Err(NOT_FOUND);
     }
-    get_order(user, tx, Path(id)).await
+    get_order(user, tx, Ok(Path(id))).await
 }
 
 /// `PUT` likes the article, `DELETE` takes the like back.
@@ -286,8 +289,9 @@ async fn like<DB: Backend>(
     method: Method,
     user: AuthUser,
     mut tx: Tx<DB>,
-    Path(article_id): Path<i64>,
+    article_id: Result<Path<i64>, PathRejection>,
 ) -> Result<Response, Problem> {
+    let Path(article_id) = article_id?;
     let (liked, change) = match method {
         Method::PUT => (true, DB::ADD_LIKE),
         _ => (
@@ -350,6 +354,16 @@ impl From<JsonRejection> for Problem {
     }
 }
 
+impl From<PathRejection> for Problem {
+    fn from(_: PathRejection) -> Self {
+        Problem::Refused(
+            StatusCode::BAD_REQUEST,
+            "invalid_id",
+            "the id must be an integer",
+        )
+    }
+}
+
 impl From<sqlx::Error> for Problem {
     fn from(error: sqlx::Error) -> Self {
         Problem::Database(error.into())
@@ -362,7 +376,7 @@ impl IntoResponse for Problem {
             Problem::Refused(status, code, detail) => (status, code, detail),
             Problem::Database(error) => return error.into_response(),
         };
-        let body = json!({ "type": "about:blank", "title": code, "status": status.as_u16(), "code": code, "detail": detail });
+        let body = json!({ "type": "about:blank", "title": status.canonical_reason(), "status": status.as_u16(), "code": code, "detail": detail });
         let content_type = (header::CONTENT_TYPE, "application/problem+json");
         (status, [content_type], body.to_string()).into_response()
     }

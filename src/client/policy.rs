@@ -1,10 +1,11 @@
 //! Which answers are worth another attempt with the same key, and how long to wait first.
 
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
-use http::{HeaderMap, StatusCode, header::RETRY_AFTER};
+use http::StatusCode;
 
 use crate::backoff::Backoff;
+pub(crate) use crate::backoff::retry_after;
 
 /// The `code` member of the server's problem document for a duplicate still in flight.
 const IN_PROGRESS_CODE: &str = "idempotency_request_in_progress";
@@ -157,22 +158,11 @@ pub(crate) fn is_in_progress_conflict(body: &[u8]) -> bool {
         .is_ok_and(|problem| problem.code == Some(IN_PROGRESS_CODE))
 }
 
-/// The wait a `Retry-After` header asks for: delta-seconds or an HTTP-date (a date already past
-/// means "now"). `None` when absent or unreadable.
-pub(crate) fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
-    let text = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
-    if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
-        // An absurdly long delta saturates rather than failing: the deadline bounds it anyway.
-        return Some(Duration::from_secs(text.parse().unwrap_or(u64::MAX)));
-    }
-    let date = httpdate::parse_http_date(text).ok()?;
-    Some(date.duration_since(now).unwrap_or(Duration::ZERO))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::HeaderValue;
+    use http::{HeaderMap, HeaderValue, header::RETRY_AFTER};
+    use std::time::SystemTime;
 
     fn headers_with_retry_after(value: &str) -> HeaderMap {
         let mut headers = HeaderMap::new();

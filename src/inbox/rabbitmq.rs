@@ -21,8 +21,9 @@
 //! (`x-inbox-attempts`) and the quorum queue's `x-delivery-count` (redeliveries after a
 //! consumer died or a channel closed), plus one. A delivery whose consumer died is redelivered
 //! as soon as the broker notices the closed connection: at once when the process dies, within
-//! about two heartbeat intervals when its host vanishes (connect with `?heartbeat=10` in the
-//! URI to keep that under 30 s; the server's default is 60 s).
+//! about two heartbeat intervals when its host vanishes (`connect` asks for a 10 s heartbeat
+//! unless the URI sets `?heartbeat=…`, which keeps that under 30 s; the server's default is
+//! 60 s).
 //!
 //! # When the broker goes away
 //!
@@ -125,8 +126,8 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
     /// A consumer of `queue` on a connection of its own to `uri`, handling 4 deliveries at a
     /// time. It connects now, so a wrong URI or an unreachable broker fails here, and later
     /// reconnects by itself whenever the connection is lost (see the
-    /// [module docs](self#when-the-broker-goes-away)). Put `?heartbeat=10` in the URI so
-    /// that a vanished broker host is noticed within about 20 s.
+    /// [module docs](self#when-the-broker-goes-away)). Its heartbeat is 10 s unless the URI
+    /// sets one (`?heartbeat=…`), so that a vanished broker host is noticed within about 20 s.
     pub async fn connect(
         inbox: Inbox<DB>,
         uri: &str,

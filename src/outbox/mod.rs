@@ -61,6 +61,9 @@
 //! # Ok(()) }
 //! ```
 //!
+//! For an HTTP API that deduplicates by `Idempotency-Key` (most payment providers do),
+//! [`HttpSender`] is that sender, with an optional lookup by key.
+//!
 //! # Brokers
 //!
 //! With the `rabbitmq` or `nats` feature, `RabbitMqSender` and `NatsSender` publish messages
@@ -87,6 +90,7 @@ mod backend;
 mod broker;
 mod dispatcher;
 mod error;
+mod http;
 mod message;
 mod sender;
 mod status;
@@ -100,6 +104,7 @@ pub use broker::NatsSender;
 pub use broker::RabbitMqSender;
 pub use dispatcher::{DispatchWaker, Dispatcher};
 pub use error::Error;
+pub use http::HttpSender;
 pub use message::{DownstreamKey, InvalidDownstreamKey, Message};
 pub use sender::{LookupOutcome, SendOutcome, Sender};
 pub use status::{MessageId, OutboxRecord, Status};

@@ -30,6 +30,7 @@ use crate::outbox::{OutboxRecord, SendOutcome, Sender};
 /// let sender = NatsSender::connect("nats://127.0.0.1:4222")
 ///     .await?
 ///     .route("payment.succeeded", "payments.succeeded");
+/// sender.declare_stream("PAYMENTS", ["payments.>"]).await?;
 /// tokio::spawn(Dispatcher::new(outbox, sender).run(std::future::pending()));
 /// # Ok(()) }
 /// ```
@@ -53,6 +54,27 @@ impl NatsSender {
     pub async fn connect(url: &str) -> Result<Self, async_nats::ConnectError> {
         let client = crate::broker::nats(url).await?;
         Ok(Self::new(async_nats::jetstream::new(client)))
+    }
+
+    /// Creates the stream `name` capturing `subjects`, unless a stream of that name exists: one
+    /// made beforehand (by the consumer side, or by an operator with other settings) is used as
+    /// it is. Idempotent: call it at start, before the first message is sent.
+    pub async fn declare_stream<I, T>(
+        &self,
+        name: &str,
+        subjects: I,
+    ) -> Result<(), async_nats::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<String>,
+    {
+        let config = async_nats::jetstream::stream::Config {
+            name: name.to_owned(),
+            subjects: subjects.into_iter().map(Into::into).collect(),
+            ..Default::default()
+        };
+        self.jetstream.get_or_create_stream(config).await?;
+        Ok(())
     }
 
     /// Publishes messages of `topic` on `subject` (default: the topic itself).

@@ -4,8 +4,9 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::{BasicProperties, Channel, Connection};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Connection, ExchangeKind};
 use tokio::sync::Mutex;
 
 use crate::broker;
@@ -39,6 +40,7 @@ use crate::outbox::{OutboxRecord, SendOutcome, Sender};
 ///
 /// let sender = RabbitMqSender::connect("amqp://127.0.0.1:5672/%2f?heartbeat=10", "payments").await?
 ///     .route("payment.succeeded", "payment.succeeded");
+/// sender.declare().await?;
 /// tokio::spawn(Dispatcher::new(outbox, sender).run(std::future::pending()));
 /// # Ok(()) }
 /// ```
@@ -70,8 +72,9 @@ impl fmt::Debug for RabbitMqSender {
 impl RabbitMqSender {
     /// A sender publishing to `exchange` on a connection of its own to `uri`, which it opens
     /// now (a wrong URI or an unreachable broker fails here) and opens again whenever it is
-    /// lost (see [above](Self#when-the-broker-goes-away)). The exchange must exist when
-    /// messages are sent (the consumer side declares it).
+    /// lost (see [above](Self#when-the-broker-goes-away)), with a 10 s heartbeat unless `uri`
+    /// sets one (`?heartbeat=…`). The exchange must exist when messages are sent:
+    /// [`declare`](Self::declare) it, or let the consumer side do so.
     pub async fn connect(uri: &str, exchange: impl Into<String>) -> Result<Self, lapin::Error> {
         let connection = Arc::new(broker::rabbitmq(uri).await?);
         let mut sender = Self::with_connection(connection, exchange).await?;
@@ -103,6 +106,41 @@ impl RabbitMqSender {
     pub fn route(mut self, topic: impl Into<String>, routing_key: impl Into<String>) -> Self {
         self.routes.insert(topic.into(), routing_key.into());
         self
+    }
+
+    /// Declares the sender's exchange, a durable topic exchange, unless it exists: one made
+    /// beforehand (by the consumer side, or by an operator with other settings) is used as it
+    /// is. Idempotent: call it at start, before the first message is sent.
+    pub async fn declare(&self) -> Result<(), lapin::Error> {
+        let connection = Arc::clone(&self.link.lock().await.connection);
+        let exchange = self.exchange.as_str();
+        // A passive declare of a missing exchange closes its channel: probe on one of its own.
+        let probe = connection.create_channel().await?;
+        let passive = ExchangeDeclareOptions {
+            passive: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        let kind = ExchangeKind::Topic;
+        let declared = probe.exchange_declare(
+            exchange.into(),
+            kind.clone(),
+            passive,
+            FieldTable::default(),
+        );
+        if declared.await.is_ok() {
+            let _ = probe.close(200, "declared".into()).await;
+            return Ok(());
+        }
+        let channel = connection.create_channel().await?;
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        channel
+            .exchange_declare(exchange.into(), kind, durable, FieldTable::default())
+            .await?;
+        let _ = channel.close(200, "declared".into()).await;
+        Ok(())
     }
 
     /// The channel to publish on: the current one, a new one on a live connection, or, with

@@ -146,18 +146,12 @@ impl ClaimPath for MySql {
         mut tx: Transaction<'static, Self>,
         record: &'a NewRecord<'a>,
     ) -> Result<(), Error> {
-        let update = record_update(record);
-        if inline_fits(record.response) {
-            sqlx::raw_sql(update.inline("", ""))
-                .execute(&mut *tx)
-                .await
-                .map_err(classify::<Self>)?;
-        } else {
-            bound(&update)
-                .execute(&mut *tx)
-                .await
-                .map_err(classify::<Self>)?;
-        }
+        // A statement of its own, so it is prepared once per connection and sent with its
+        // values bound: the server does not parse it again, and no value is written out.
+        bound(&record_update(record))
+            .execute(&mut *tx)
+            .await
+            .map_err(classify::<Self>)?;
         tx.commit().await.map_err(classify::<Self>)
     }
 }

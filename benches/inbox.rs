@@ -1,20 +1,33 @@
-//! Throughput of the inbox consumer against a bare consumer that acks without dedupe, on the
-//! same JetStream stream and the same number of messages: `cargo bench --bench inbox
-//! --features nats,postgres`. Each delivery of the inbox claims its key, inserts one row and
-//! commits before the ack; the bare consumer only acks. Prints messages per second and the
-//! ratio. `INBOX_BENCH_MESSAGES` (default 2000), `INBOX_BENCH_CONCURRENCY` (default 8).
+//! Throughput of the inbox consumer against a plain consumer that does the same business write
+//! without dedupe, on JetStream: `cargo bench --bench inbox --all-features`.
+//!
+//! Three consumers read the same number of messages from fresh streams, the same number at a
+//! time, with the same pull batch: *bare* only acks; *plain* inserts one row in a transaction,
+//! commits, then acks; *inbox* claims the message's business key in the transaction it inserts
+//! the same row in, commits, then acks. The figure that matters is inbox / plain, the price of
+//! the dedupe. The same two are also run without a broker (the rows committed by tasks fed
+//! from memory), which splits that price into the database's part and the consumer's.
+//!
+//! Each round runs every scenario once, in turn, so a change in the machine's load hits them
+//! alike; the medians of the rounds are printed with the range of the per-round ratios.
+//! `INBOX_BENCH_MESSAGES` (default 2000), `INBOX_BENCH_CONCURRENCY` (default 8),
+//! `INBOX_BENCH_ROUNDS` (default 3).
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer::pull, stream};
 use axum_idempotency::inbox::nats::NatsConsumer;
-use axum_idempotency::inbox::{Delivery, Failure, Inbox};
-use axum_idempotency::{Store, Tx};
+use axum_idempotency::inbox::{Delivery, Failure, Inbox, Verdict};
+use axum_idempotency::{Backend, Store, Tx};
 use bytes::Bytes;
 use futures_util::StreamExt;
 
 const NATS: &str = "nats://127.0.0.1:4222";
+const INSERT: &str = "INSERT INTO effects (key) VALUES ($1)";
+/// Publishes awaited at most at once: the client holds back a publish past its own limit of
+/// unconfirmed ones (5 000 by default) until one is confirmed, so the bench must await them
+/// as it goes or hang on a larger run.
+const PUBLISH_WINDOW: usize = 1000;
 
 fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -24,7 +37,7 @@ fn env_or(name: &str, default: usize) -> usize {
 }
 
 async fn publish(js: &jetstream::Context, subject: &str, messages: usize) {
-    let mut acks = Vec::with_capacity(messages);
+    let mut acks = Vec::with_capacity(PUBLISH_WINDOW);
     for n in 0..messages {
         let mut headers = async_nats::HeaderMap::new();
         headers.insert(
@@ -36,13 +49,20 @@ async fn publish(js: &jetstream::Context, subject: &str, messages: usize) {
                 .await
                 .expect("publish"),
         );
-    }
-    for ack in acks {
-        ack.await.expect("stream ack");
+        if acks.len() == PUBLISH_WINDOW || n + 1 == messages {
+            for ack in acks.drain(..) {
+                ack.await.expect("stream ack");
+            }
+        }
     }
 }
 
-async fn bare(js: &jetstream::Context, name: &str, messages: usize, concurrency: usize) -> f64 {
+/// A fresh stream holding `messages` messages, and a pull consumer on it.
+async fn filled(
+    js: &jetstream::Context,
+    name: &str,
+    messages: usize,
+) -> jetstream::consumer::PullConsumer {
     let stream = js
         .get_or_create_stream(stream::Config {
             name: name.to_owned(),
@@ -52,124 +72,128 @@ async fn bare(js: &jetstream::Context, name: &str, messages: usize, concurrency:
         .await
         .expect("stream");
     publish(js, &format!("{name}.events"), messages).await;
-    let consumer: jetstream::consumer::PullConsumer = stream
+    stream
         .get_or_create_consumer(
-            "bare",
+            "consumer",
             pull::Config {
-                durable_name: Some("bare".into()),
+                durable_name: Some("consumer".into()),
                 ..Default::default()
             },
         )
         .await
-        .expect("consumer");
-    let acked = AtomicU64::new(0);
+        .expect("consumer")
+}
+
+async fn bare(js: &jetstream::Context, name: &str, messages: usize, concurrency: usize) -> f64 {
+    let consumer = filled(js, name, messages).await;
     let started = Instant::now();
-    let messages_stream = consumer
+    consumer
         .stream()
         .max_messages_per_batch(concurrency)
         .messages()
         .await
-        .expect("messages");
-    messages_stream
+        .expect("messages")
         .take(messages)
-        .for_each_concurrent(concurrency, |message| {
-            let acked = &acked;
-            async move {
-                if let Ok(message) = message {
-                    let _ = message.ack().await;
-                    acked.fetch_add(1, Ordering::Relaxed);
-                }
-            }
+        .for_each_concurrent(concurrency, |message| async move {
+            let _ = message.expect("message").ack().await;
         })
         .await;
-    let elapsed = started.elapsed().as_secs_f64();
+    let rate = messages as f64 / started.elapsed().as_secs_f64();
     let _ = js.delete_stream(name).await;
-    acked.load(Ordering::Relaxed) as f64 / elapsed
+    rate
 }
 
 /// A consumer without dedupe that still writes: one insert committed per message, then the
-/// ack. The gap between it and the inbox is the price of the claim itself.
+/// ack. The gap between it and the inbox is the price of the dedupe.
 async fn plain<DB>(
     js: &jetstream::Context,
     pool: sqlx::Pool<DB>,
-    insert: &'static str,
     name: &str,
     messages: usize,
     concurrency: usize,
 ) -> f64
 where
-    DB: axum_idempotency::Backend,
+    DB: Backend,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
     for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
 {
-    let stream = js
-        .get_or_create_stream(stream::Config {
-            name: name.to_owned(),
-            subjects: vec![format!("{name}.>")],
-            ..Default::default()
-        })
-        .await
-        .expect("stream");
-    publish(js, &format!("{name}.events"), messages).await;
-    let consumer: jetstream::consumer::PullConsumer = stream
-        .get_or_create_consumer(
-            "plain",
-            pull::Config {
-                durable_name: Some("plain".into()),
-                ..Default::default()
-            },
-        )
-        .await
-        .expect("consumer");
+    let consumer = filled(js, name, messages).await;
     let started = Instant::now();
-    let messages_stream = consumer
+    consumer
         .stream()
         .max_messages_per_batch(concurrency)
         .messages()
         .await
-        .expect("messages");
-    messages_stream
+        .expect("messages")
         .take(messages)
         .for_each_concurrent(concurrency, |message| {
             let pool = pool.clone();
             async move {
-                if let Ok(message) = message {
-                    let mut tx = pool.begin().await.expect("begin");
-                    let key = String::from_utf8_lossy(&message.payload).into_owned();
-                    sqlx::query(insert)
-                        .bind(key)
-                        .execute(&mut *tx)
-                        .await
-                        .expect("insert");
-                    tx.commit().await.expect("commit");
-                    let _ = message.ack().await;
-                }
+                let message = message.expect("message");
+                let key = String::from_utf8_lossy(&message.payload).into_owned();
+                insert_committed(&pool, key).await;
+                let _ = message.ack().await;
             }
         })
         .await;
-    let elapsed = started.elapsed().as_secs_f64();
+    let rate = messages as f64 / started.elapsed().as_secs_f64();
     let _ = js.delete_stream(name).await;
-    messages as f64 / elapsed
+    rate
+}
+
+async fn insert_committed<DB>(pool: &sqlx::Pool<DB>, key: String)
+where
+    DB: Backend,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    let mut tx = pool.begin().await.expect("begin");
+    sqlx::query(INSERT)
+        .bind(key)
+        .execute(&mut *tx)
+        .await
+        .expect("insert");
+    tx.commit().await.expect("commit");
+}
+
+fn keyed_inbox<DB: Backend>(name: &str, store: Store<DB>) -> Inbox<DB> {
+    Inbox::new(name.to_owned(), store).key_by(|d: &Delivery| {
+        String::from_utf8(d.payload().to_vec()).map_err(|_| Failure::permanent("not UTF-8"))
+    })
+}
+
+async fn apply<DB>(mut tx: Tx<DB>, delivery: Delivery) -> Result<(), Failure>
+where
+    DB: Backend,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    let key = String::from_utf8_lossy(delivery.payload()).into_owned();
+    sqlx::query(INSERT)
+        .bind(key)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| Failure::retryable(e.to_string()))?;
+    Ok(())
 }
 
 async fn inbox<DB>(
     js: &jetstream::Context,
     store: Store<DB>,
-    insert: &'static str,
     name: &str,
     messages: usize,
     concurrency: usize,
 ) -> f64
 where
-    DB: axum_idempotency::Backend,
+    DB: Backend,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
     for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
 {
-    let inbox = Inbox::new(name.to_owned(), store).key_by(|d: &Delivery| {
-        String::from_utf8(d.payload().to_vec()).map_err(|_| Failure::permanent("not UTF-8"))
-    });
+    let inbox = keyed_inbox(name, store);
     let consumer = NatsConsumer::new(inbox.clone(), js.clone(), name, "inbox")
         .stream_subjects([format!("{name}.>")])
         .dead_letters(format!("{name}_DEAD"), format!("{name}dead"))
@@ -177,25 +201,144 @@ where
     consumer.declare().await.expect("declare");
     publish(js, &format!("{name}.events"), messages).await;
     let started = Instant::now();
-    let running = tokio::spawn(consumer.run(
-        move |mut tx: Tx<DB>, delivery: Delivery| async move {
-            let key = String::from_utf8_lossy(delivery.payload()).into_owned();
-            sqlx::query(insert)
-                .bind(key)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| Failure::retryable(e.to_string()))?;
-            Ok(())
-        },
-    ));
+    let running = tokio::spawn(consumer.run(apply::<DB>));
+    // The last verdict comes just before its ack: within a millisecond of the plain
+    // consumer's end, which waits for its last ack to be written.
     while inbox.stats().processed < messages as u64 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    let elapsed = started.elapsed().as_secs_f64();
+    let rate = messages as f64 / started.elapsed().as_secs_f64();
     running.abort();
     let _ = js.delete_stream(name).await;
     let _ = js.delete_stream(format!("{name}_DEAD")).await;
-    messages as f64 / elapsed
+    rate
+}
+
+/// The plain consumer's work without a broker: inserts committed by `concurrency` tasks.
+async fn plain_direct<DB>(
+    pool: sqlx::Pool<DB>,
+    name: &str,
+    messages: usize,
+    concurrency: usize,
+) -> f64
+where
+    DB: Backend,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    let started = Instant::now();
+    futures_util::stream::iter(0..messages)
+        .for_each_concurrent(concurrency, |n| {
+            let pool = pool.clone();
+            async move { insert_committed(&pool, format!("{name}-{n}")).await }
+        })
+        .await;
+    messages as f64 / started.elapsed().as_secs_f64()
+}
+
+/// The inbox's work without a broker: deliveries handed to `Inbox::handle` by `concurrency`
+/// tasks.
+async fn inbox_direct<DB>(store: Store<DB>, name: &str, messages: usize, concurrency: usize) -> f64
+where
+    DB: Backend,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    let inbox = keyed_inbox(name, store);
+    let started = Instant::now();
+    futures_util::stream::iter(0..messages)
+        .for_each_concurrent(concurrency, |n| {
+            let inbox = inbox.clone();
+            async move {
+                let delivery = Delivery::new(format!("{name}-{n}"));
+                assert_eq!(inbox.handle(delivery, apply::<DB>).await, Verdict::Applied);
+            }
+        })
+        .await;
+    messages as f64 / started.elapsed().as_secs_f64()
+}
+
+/// One database's rates over the rounds: through the broker, and without it.
+#[derive(Default)]
+struct Rates {
+    plain: Vec<f64>,
+    inbox: Vec<f64>,
+    plain_direct: Vec<f64>,
+    inbox_direct: Vec<f64>,
+}
+
+impl Rates {
+    async fn round<DB>(
+        &mut self,
+        js: &jetstream::Context,
+        store: &Store<DB>,
+        name: &str,
+        messages: usize,
+        concurrency: usize,
+    ) where
+        DB: Backend,
+        for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+        for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+        for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    {
+        let pool = store.pool().clone();
+        let (m, c) = (messages, concurrency);
+        self.plain
+            .push(plain(js, pool.clone(), &format!("{name}_PLAIN"), m, c).await);
+        self.inbox
+            .push(inbox(js, store.clone(), &format!("{name}_INBOX"), m, c).await);
+        self.plain_direct
+            .push(plain_direct(pool, &format!("{name}_PLAIN_DIRECT"), m, c).await);
+        self.inbox_direct
+            .push(inbox_direct(store.clone(), &format!("{name}_INBOX_DIRECT"), m, c).await);
+    }
+
+    fn print(&self, database: &str) {
+        println!(
+            "{database:<11} plain insert + ack:   {:>6.0} msg/s",
+            median(&self.plain)
+        );
+        println!(
+            "{database:<11} inbox consumer:       {:>6.0} msg/s  inbox / plain {}",
+            median(&self.inbox),
+            ratios(&self.inbox, &self.plain)
+        );
+        println!(
+            "{database:<11} no broker, plain:     {:>6.0} msg/s",
+            median(&self.plain_direct)
+        );
+        println!(
+            "{database:<11} no broker, inbox:     {:>6.0} msg/s  inbox / plain {}",
+            median(&self.inbox_direct),
+            ratios(&self.inbox_direct, &self.plain_direct)
+        );
+    }
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let mid = sorted.len() / 2;
+    if sorted.len().is_multiple_of(2) {
+        (sorted[mid - 1] + sorted[mid]) / 2.0
+    } else {
+        sorted[mid]
+    }
+}
+
+/// The median of the per-round ratios (each measured in one round, under the same load) and
+/// their range.
+fn ratios(numerators: &[f64], denominators: &[f64]) -> String {
+    let each: Vec<f64> = numerators
+        .iter()
+        .zip(denominators)
+        .map(|(n, d)| n / d)
+        .collect();
+    let low = each.iter().copied().fold(f64::INFINITY, f64::min);
+    let high = each.iter().copied().fold(0.0, f64::max);
+    format!("{:.2} (rounds {low:.2}–{high:.2})", median(&each))
 }
 
 #[tokio::main]
@@ -207,14 +350,13 @@ async fn main() {
     }
     let messages = env_or("INBOX_BENCH_MESSAGES", 2000);
     let concurrency = env_or("INBOX_BENCH_CONCURRENCY", 8);
+    let rounds = env_or("INBOX_BENCH_ROUNDS", 3).max(1);
     let js = jetstream::new(
         async_nats::connect(NATS)
             .await
             .expect("NATS must be reachable at 127.0.0.1:4222"),
     );
     let tag = std::process::id();
-    let bare_rate = bare(&js, &format!("BENCH_BARE_{tag}"), messages, concurrency).await;
-    println!("bare consumer (ack only):      {bare_rate:>8.0} msg/s");
 
     let dir = tempfile::tempdir().expect("tempdir");
     let options = sqlx::sqlite::SqliteConnectOptions::new()
@@ -228,39 +370,11 @@ async fn main() {
         .execute(&sqlite)
         .await
         .expect("table");
-    let rate = plain(
-        &js,
-        sqlite.clone(),
-        "INSERT INTO effects (key) VALUES ($1)",
-        &format!("BENCH_SQLITE_PLAIN_{tag}"),
-        messages,
-        concurrency,
-    )
-    .await;
-    println!(
-        "plain insert + ack, SQLite:    {rate:>8.0} msg/s  ({:.2}x the bare consumer)",
-        rate / bare_rate
-    );
-    let plain_sqlite = rate;
-    let store = axum_idempotency::SqliteStore::new(sqlite);
-    store.migrate().await.expect("migrate");
-    let rate = inbox(
-        &js,
-        store,
-        "INSERT INTO effects (key) VALUES ($1)",
-        &format!("BENCH_SQLITE_{tag}"),
-        messages,
-        concurrency,
-    )
-    .await;
-    println!(
-        "inbox consumer, SQLite:        {rate:>8.0} msg/s  ({:.2}x the bare consumer, {:.2}x plain insert)",
-        rate / bare_rate,
-        rate / plain_sqlite
-    );
+    let sqlite = axum_idempotency::SqliteStore::new(sqlite);
+    sqlite.migrate().await.expect("migrate");
 
     #[cfg(feature = "postgres")]
-    {
+    let (admin, schema, postgres) = {
         let url = std::env::var("TEST_POSTGRES_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
         let admin = sqlx::PgPool::connect(&url).await.expect("PostgreSQL");
@@ -277,35 +391,43 @@ async fn main() {
             .connect(&format!("{url}?options=-c%20search_path%3D{schema}"))
             .await
             .expect("PostgreSQL");
-        let plain_pg = plain(
-            &js,
-            pool.clone(),
-            "INSERT INTO effects (key) VALUES ($1)",
-            &format!("BENCH_PG_PLAIN_{tag}"),
-            messages,
-            concurrency,
-        )
-        .await;
-        println!(
-            "plain insert + ack, PostgreSQL:{plain_pg:>8.0} msg/s  ({:.2}x the bare consumer)",
-            plain_pg / bare_rate
-        );
         let store = axum_idempotency::PgStore::new(pool);
         store.migrate().await.expect("migrate");
-        let rate = inbox(
-            &js,
-            store,
-            "INSERT INTO effects (key) VALUES ($1)",
-            &format!("BENCH_PG_{tag}"),
-            messages,
-            concurrency,
-        )
-        .await;
-        println!(
-            "inbox consumer, PostgreSQL:    {rate:>8.0} msg/s  ({:.2}x the bare consumer, {:.2}x plain insert)",
-            rate / bare_rate,
-            rate / plain_pg
-        );
+        (admin, schema, store)
+    };
+
+    let mut bare_rates = Vec::new();
+    let mut sqlite_rates = Rates::default();
+    #[cfg(feature = "postgres")]
+    let mut postgres_rates = Rates::default();
+    for round in 0..rounds {
+        let name = format!("BENCH_{tag}_{round}");
+        bare_rates.push(bare(&js, &format!("{name}_BARE"), messages, concurrency).await);
+        sqlite_rates
+            .round(
+                &js,
+                &sqlite,
+                &format!("{name}_SQLITE"),
+                messages,
+                concurrency,
+            )
+            .await;
+        #[cfg(feature = "postgres")]
+        postgres_rates
+            .round(&js, &postgres, &format!("{name}_PG"), messages, concurrency)
+            .await;
+        eprintln!("round {} of {rounds} done", round + 1);
+    }
+
+    println!("{messages} messages, {concurrency} at a time, medians of {rounds} rounds:");
+    println!(
+        "bare consumer (ack only):          {:>6.0} msg/s",
+        median(&bare_rates)
+    );
+    sqlite_rates.print("SQLite");
+    #[cfg(feature = "postgres")]
+    {
+        postgres_rates.print("PostgreSQL");
         let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
             .execute(&admin)
             .await;

@@ -145,10 +145,11 @@ mod probe {
         "SELECT principal, method, route, state, status, headers, body \
          FROM idempotency_records WHERE key_digest = $1"
     );
+    // The record's `UPDATE` is a command of its own there, prepared and bound.
     #[cfg(feature = "mysql")]
     probe!(
         sqlx::MySql,
-        true,
+        false,
         "SELECT principal, method, route, state, status, headers, body \
          FROM idempotency_records WHERE key_digest = ?"
     );

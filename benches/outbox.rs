@@ -15,9 +15,10 @@
 //! - `bare`: the same N messages (the same 64-hex message ids, the same payload sizes, the same
 //!   AMQP properties and `mandatory` flag, the same `Nats-Msg-Id` header) published by a plain
 //!   client that waits for the same confirmation of each. It may keep as many publishes in
-//!   flight as the relay may: a dispatcher sends one claimed batch concurrently, so the bare
-//!   publisher keeps `batch_size × dispatchers` publishes in flight (a sliding window, each
-//!   waiting for its own confirm; it never waits for a whole batch as the dispatcher does).
+//!   flight as the relay may: a dispatcher keeps at most `batch_size` sends in flight (a
+//!   sliding window it refills with claims as sends finish), so the bare publisher keeps
+//!   `batch_size × dispatchers` publishes in flight, as a sliding window too, each waiting for
+//!   its own confirm.
 //! - `live` (end to end): the producers commit while the dispatcher runs, waking it after each
 //!   commit as the docs recommend; the clock runs from the first commit to the last delivery
 //!   recorded, so it is bounded by the slower of the two sides.

@@ -173,6 +173,12 @@ conformance!(
     an_outbox_from_before_versioning_is_adopted_as_version_one,
     failed_message_is_requeued_through_the_api_and_delivered_with_its_key,
     purge_deletes_only_delivered_rows_past_retention_in_batches,
+    a_claim_records_the_attempt_before_the_send,
+    a_message_out_of_attempts_fails_without_another_send,
+    fast_sends_go_on_while_a_slow_one_runs,
+    shutdown_records_the_sends_in_hand_and_claims_no_more,
+    a_batched_settle_writes_each_outcome_only_under_its_own_lease,
+    renewals_racing_settles_report_no_lost_lease,
 );
 
 /// A downstream whose answers are scripted and whose calls are recorded.
@@ -189,6 +195,7 @@ struct Inner {
     hang: AtomicBool,
     max_delay_ms: AtomicU64,
     delay_ms: AtomicU64,
+    delay_ms_by_key: Mutex<HashMap<String, u64>>,
     entered: Notify,
 }
 
@@ -229,7 +236,14 @@ impl Sender for Downstream {
         if self.0.hang.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
-        let delay = self.0.delay_ms.load(Ordering::SeqCst);
+        let by_key = self
+            .0
+            .delay_ms_by_key
+            .lock()
+            .unwrap()
+            .get(message.downstream_key.as_str())
+            .copied();
+        let delay = by_key.unwrap_or_else(|| self.0.delay_ms.load(Ordering::SeqCst));
         if delay > 0 {
             tokio::time::sleep(Duration::from_millis(delay)).await;
         }
@@ -706,11 +720,15 @@ async fn two_dispatchers_deliver_each_message_exactly_once<DB: Backend>(pool: Po
     }
 
     let mut per_key: HashMap<String, usize> = HashMap::new();
-    for (key, _) in downstream.sends() {
+    for (key, attempt) in downstream.sends() {
+        assert_eq!(attempt, 1, "{key} was sent as attempt {attempt}");
         *per_key.entry(key).or_default() += 1;
     }
     assert_eq!(per_key.len(), total);
     assert!(per_key.values().all(|&sends| sends == 1), "{per_key:?}");
+    for n in 0..total {
+        assert_eq!(record(&outbox, &format!("c{n}")).await.attempts, 1);
+    }
 }
 
 async fn migrate_is_idempotent_and_safe_when_run_concurrently<DB: Backend>(pool: Pool<DB>) {
@@ -810,4 +828,247 @@ async fn purge_deletes_only_delivered_rows_past_retention_in_batches<DB: Backend
     assert_eq!(outbox.purge_delivered(Duration::ZERO, 3).await.unwrap(), 7);
     assert_eq!(outbox.status_by_key(&key("d0")).await.unwrap(), None);
     assert_eq!(record(&outbox, "pending").await.status, Status::Pending);
+}
+
+/// The claim itself marks the attempt: a dispatcher that dies right after claiming leaves a
+/// message the next claim looks up, never one it resends blindly.
+async fn a_claim_records_the_attempt_before_the_send<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    enqueue_committed(&pool, &outbox, charge("c", "12.50")).await;
+    let stuck = Downstream::default();
+    stuck.0.hang.store(true, Ordering::SeqCst);
+    let sending = dispatcher(&outbox, &stuck);
+    let before = SystemTime::now() - Duration::from_millis(1);
+    let task = tokio::spawn(async move { sending.run_once().await });
+    stuck.0.entered.notified().await;
+
+    let sending = record(&outbox, "c").await;
+    assert_eq!(sending.attempts, 1);
+    assert!(sending.outcome_unknown);
+    assert!(sending.last_attempt_at.unwrap() >= before);
+    assert_eq!(stuck.sends(), vec![(key("c").to_string(), 1)]);
+    task.abort();
+    let _ = task.await;
+}
+
+/// A message that used up its attempts under a lower `max_attempts` fails at the claim's
+/// dispatcher without one more send.
+async fn a_message_out_of_attempts_fails_without_another_send<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    enqueue_committed(&pool, &outbox, charge("c", "12.50")).await;
+    let unavailable = || SendOutcome::Retry {
+        after: None,
+        reason: "503 Service Unavailable".into(),
+    };
+    let downstream = Downstream::answering([unavailable(), unavailable()]);
+    let patient = dispatcher(&outbox, &downstream).max_attempts(5);
+    assert_eq!(patient.run_once().await.unwrap(), 1);
+    assert_eq!(patient.run_once().await.unwrap(), 1);
+    assert_eq!(record(&outbox, "c").await.attempts, 2);
+
+    let strict = dispatcher(&outbox, &downstream).max_attempts(2);
+    assert_eq!(strict.run_once().await.unwrap(), 1);
+    let failed = record(&outbox, "c").await;
+    assert_eq!(failed.status, Status::Failed);
+    assert_eq!(failed.attempts, 2);
+    assert_eq!(
+        failed.last_error.as_deref(),
+        Some("gave up after 2 attempts: 503 Service Unavailable")
+    );
+    assert_eq!(downstream.sends().len(), 2);
+}
+
+/// Sends run in a sliding window: a slow send holds one slot, not the whole batch.
+async fn fast_sends_go_on_while_a_slow_one_runs<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    enqueue_committed(&pool, &outbox, charge("slow", "1.00")).await;
+    let fast = 12;
+    for n in 0..fast {
+        enqueue_committed(&pool, &outbox, charge(&format!("f{n}"), "1.00")).await;
+    }
+    let downstream = Downstream::default();
+    downstream
+        .0
+        .delay_ms_by_key
+        .lock()
+        .unwrap()
+        .insert(key("slow").to_string(), 4_000);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = dispatcher(&outbox, &downstream)
+        .batch_size(4)
+        .send_timeout(Duration::from_secs(10));
+    let task = tokio::spawn(running.run(async {
+        let _ = stopped.await;
+    }));
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    for n in 0..fast {
+        while record(&outbox, &format!("f{n}")).await.status != Status::Delivered {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "f{n} waited for the slow send"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(record(&outbox, "slow").await.status, Status::Pending);
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("run() returns after shutdown")
+        .unwrap();
+    assert_eq!(record(&outbox, "slow").await.status, Status::Delivered);
+    assert_eq!(downstream.sends().len(), fast + 1);
+}
+
+async fn shutdown_records_the_sends_in_hand_and_claims_no_more<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    for n in 0..6 {
+        enqueue_committed(&pool, &outbox, charge(&format!("c{n}"), "1.00")).await;
+    }
+    let downstream = Downstream::default();
+    downstream.0.delay_ms.store(400, Ordering::SeqCst);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(dispatcher(&outbox, &downstream).batch_size(3).run(async {
+        let _ = stopped.await;
+    }));
+    downstream.0.entered.notified().await;
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("run() returns after shutdown")
+        .unwrap();
+
+    let mut delivered = 0;
+    for n in 0..6 {
+        let message = record(&outbox, &format!("c{n}")).await;
+        match message.status {
+            Status::Delivered => {
+                assert_eq!(message.attempts, 1);
+                delivered += 1;
+            }
+            status => assert_eq!((status, message.attempts), (Status::Pending, 0)),
+        }
+    }
+    assert_eq!(delivered, 3, "the window of 3 in hand, and no claim after");
+    assert_eq!(downstream.sends().len(), 3);
+}
+
+/// Outcomes are written in batches, each still under its own message's lease: one taken over
+/// mid-send is left to its new holder while the others are recorded.
+async fn a_batched_settle_writes_each_outcome_only_under_its_own_lease<DB: Backend>(pool: Pool<DB>)
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let outbox = outbox(&pool).await;
+    for name in ["kept", "taken"] {
+        enqueue_committed(&pool, &outbox, charge(name, "1.00")).await;
+    }
+    let downstream = Downstream::default();
+    downstream.0.delay_ms.store(500, Ordering::SeqCst);
+    let (captured, _guard) = capture_warnings();
+    let take_over = async {
+        downstream.0.entered.notified().await;
+        // Another dispatcher's claim, as after an expired lease.
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "UPDATE idempotency_outbox SET lease_token = 7 WHERE downstream_key = '{}'",
+            key("taken")
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+    };
+    let sending = dispatcher(&outbox, &downstream);
+    let (claimed, ()) = tokio::join!(sending.run_once(), take_over);
+    assert_eq!(claimed.unwrap(), 2);
+
+    let logs = captured.text();
+    assert!(
+        logs.contains("outbox lease lost before recording the outcome"),
+        "{logs}"
+    );
+    assert_eq!(record(&outbox, "kept").await.status, Status::Delivered);
+    let taken = record(&outbox, "taken").await;
+    assert_eq!(taken.status, Status::Pending);
+    assert!(taken.outcome_unknown, "its new holder looks it up first");
+    assert_eq!(downstream.sends().len(), 2);
+}
+
+/// A renewal that misses a message because its settle got there first is not a lost lease.
+async fn renewals_racing_settles_report_no_lost_lease<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    let total = 24;
+    for n in 0..total {
+        enqueue_committed(&pool, &outbox, charge(&format!("c{n}"), "1.00")).await;
+    }
+    let downstream = Downstream::default();
+    // Sends end around the renewals, which come every third of the one-second lease.
+    downstream.0.max_delay_ms.store(700, Ordering::SeqCst);
+    // The dispatcher runs in this test's own task, on this thread, so the subscriber sees it.
+    let (captured, _guard) = capture_warnings();
+    let all_delivered = async {
+        loop {
+            let mut delivered = 0;
+            for n in 0..total {
+                if record(&outbox, &format!("c{n}")).await.status == Status::Delivered {
+                    delivered += 1;
+                }
+            }
+            if delivered == total {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let running = dispatcher(&outbox, &downstream)
+        .batch_size(6)
+        .lease(Duration::from_secs(1));
+    tokio::time::timeout(Duration::from_secs(60), running.run(all_delivered))
+        .await
+        .expect("all delivered");
+
+    let logs = captured.text();
+    assert!(!logs.contains("lease lost"), "{logs}");
+    assert_eq!(downstream.sends().len(), total);
+}
+
+/// Warnings logged on this thread from now until the guard is dropped. Only what runs in the
+/// test's own task is seen, not what it spawns onto the runtime's other threads.
+fn capture_warnings() -> (Captured, tracing::subscriber::DefaultGuard) {
+    let captured = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(captured.clone())
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .finish();
+    (captured, tracing::subscriber::set_default(subscriber))
+}
+
+/// Log lines written by the test's own subscriber.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
 }

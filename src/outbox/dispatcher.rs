@@ -1,20 +1,21 @@
 //! The background task that delivers committed messages and records every outcome.
 
-use std::convert::Infallible;
+mod window;
+
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::FutureExt;
-use futures_util::future::join_all;
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
-use super::backend::{Claim, Settlement};
-use super::status::{duration_millis, now_millis, to_millis};
-use super::{Error, LookupOutcome, MessageId, Outbox, OutboxRecord, SendOutcome, Sender, Status};
+use super::backend::{Claim, Claimed, Settlement};
+use super::status::{duration_millis, from_millis, now_millis, to_millis};
+use super::{Error, LookupOutcome, Outbox, OutboxRecord, SendOutcome, Sender, Status};
 use crate::Backend;
 use crate::backoff::{Backoff, random_u64};
+use window::{Found, Window};
 
 /// Delivers outbox messages through a [`Sender`]: claims due messages under a lease, calls the
 /// sender, and records delivered, retry-later or failed.
@@ -23,6 +24,13 @@ use crate::backoff::{Backoff, random_u64};
 /// claim at a time, renewed while its send runs, and a dispatcher that dies mid-send loses
 /// its lease within [`lease`](Self::lease) (15 s by default), after which another one looks
 /// the message up (or resends it with the same downstream key).
+///
+/// Each dispatcher keeps up to [`batch_size`](Self::batch_size) sends in flight and claims
+/// more as they finish. Its database work is batched: the claim that leases messages also
+/// records their attempts (so a crash right after it still leads to a lookup, never to a
+/// blind resend), the outcomes that finish together are recorded in one write, and the leases
+/// held are renewed in one write. On SQLite, the dispatchers of one [`Outbox`] (and its
+/// clones) write one at a time, queueing in the process rather than in SQLite's lock wait.
 ///
 /// ```no_run
 /// # use axum_idempotency::outbox::{Dispatcher, Outbox, OutboxRecord, SendOutcome, Sender};
@@ -83,7 +91,10 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         self
     }
 
-    /// How many messages one claim leases and sends concurrently; default 16.
+    /// How many sends the dispatcher keeps in flight at once; default 16. As sends finish, it
+    /// claims more (once a quarter of them is free), so a slow send holds one slot, not a whole
+    /// batch. Messages whose outcome is being recorded still hold their lease, so a dispatcher
+    /// holds at most twice this many leases.
     #[must_use]
     pub fn batch_size(mut self, size: u32) -> Self {
         self.batch_size = size.max(1);
@@ -144,30 +155,42 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
 
     /// Delivers messages until `shutdown` completes.
     ///
-    /// Shutdown is graceful: the batch in hand is finished and recorded (each send bounded by
-    /// the send timeout), then no more messages are claimed. Database errors are logged and
-    /// retried after the poll interval; they never end the loop.
+    /// Sends run in a sliding window of [`batch_size`](Self::batch_size): as sends finish, the
+    /// dispatcher claims more, and it records outcomes in batches while other sends go on.
+    /// Shutdown is graceful: the sends in hand are finished and recorded (each bounded by the
+    /// send timeout), and no more messages are claimed. Database errors are logged and retried
+    /// after the poll interval; they never end the loop.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) {
         let mut shutdown = std::pin::pin!(shutdown);
+        let mut window = Window::new(&self);
+        let mut stopping = false;
+        // Set when a claim found less than it asked for (nothing more is due) or failed: no
+        // claim before a wake or this time.
+        let mut resting: Option<Instant> = None;
         loop {
-            let batch_was_full = match self.run_once().await {
-                Ok(claimed) => claimed >= self.batch_size as usize,
-                Err(error) => {
-                    tracing::warn!(%error, "outbox claim failed; retrying after the poll interval");
-                    false
-                }
-            };
-            if batch_was_full {
-                if shutdown.as_mut().now_or_never().is_some() {
-                    return;
-                }
-                continue;
+            if !stopping && resting.is_none() {
+                window.refill();
             }
+            window.settle();
+            if stopping && window.is_empty() {
+                return;
+            }
+            let rest = resting.filter(|_| !stopping);
             tokio::select! {
                 biased;
-                () = &mut shutdown => return,
-                () = self.wake.notified() => {}
-                () = tokio::time::sleep(self.poll_interval) => {}
+                () = &mut shutdown, if !stopping => stopping = true,
+                event = window.next() => match window.handle(event) {
+                    Some(Ok(Found { claimed, asked })) if claimed < asked => {
+                        resting = Some(Instant::now() + self.poll_interval);
+                    }
+                    Some(Ok(_)) | None => {}
+                    Some(Err(error)) => {
+                        tracing::warn!(%error, "outbox claim failed; retrying after the poll interval");
+                        resting = Some(Instant::now() + self.poll_interval);
+                    }
+                },
+                () = self.wake.notified(), if rest.is_some() => resting = None,
+                () = sleep_until(rest), if rest.is_some() => resting = None,
             }
         }
     }
@@ -175,91 +198,80 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// Claims one batch of due messages, delivers them concurrently and records each outcome;
     /// returns how many were claimed. For jobs and tests that drive delivery themselves.
     pub async fn run_once(&self) -> Result<usize, Error> {
+        let mut window = Window::new(self);
+        window.claim(self.batch_size as usize);
+        let mut claimed = 0;
+        loop {
+            window.settle();
+            if window.is_empty() {
+                return Ok(claimed);
+            }
+            let event = window.next().await;
+            match window.handle(event) {
+                Some(Err(error)) => return Err(error.into()),
+                Some(Ok(found)) => claimed = found.claimed,
+                None => {}
+            }
+        }
+    }
+
+    /// Leases up to `limit` due messages, beginning the attempts of those sent now.
+    async fn claim(&self, limit: usize) -> (Claim, Result<Vec<Claimed>, sqlx::Error>) {
         let now = now_millis();
         let claim = Claim {
             now,
             lease_until: now.saturating_add(duration_millis(self.lease)),
             // Any bit pattern is a token: all 64 random bits are kept, the sign included.
             token: i64::from_ne_bytes(random_u64().to_ne_bytes()),
-            limit: i64::from(self.batch_size),
+            limit: i64::try_from(limit).unwrap_or(i64::MAX),
+            max_attempts: i64::from(self.max_attempts),
         };
-        let claimed = DB::claim(self.outbox.pool(), claim).await?;
-        let count = claimed.len();
-        join_all(claimed.into_iter().map(|record| async move {
-            let id = record.id;
-            let delivered = self.renewing(id, claim.token, self.deliver(record, claim.token));
-            if let Err(error) = delivered.await {
-                // The lease runs out and another claim picks the message up again; the attempt
-                // was recorded as outcome-unknown first, so that claim looks before resending.
-                tracing::warn!(message = %id, %error, "recording an outbox outcome failed");
-            }
-        }))
-        .await;
-        Ok(count)
+        let _turn = self.outbox.write_turn().await;
+        (claim, DB::claim(self.outbox.pool(), claim).await)
     }
 
-    async fn deliver(&self, mut record: OutboxRecord, token: i64) -> Result<(), sqlx::Error> {
-        let pool = self.outbox.pool();
-        if record.outcome_unknown {
-            let found = self.bounded(self.sender.lookup(&record)).await;
-            let now = now_millis();
-            match found {
-                Some(LookupOutcome::Found { receipt }) => {
-                    // An earlier attempt's outcome was unknown; the downstream has it, so the
-                    // effect happened once and nothing is resent.
-                    tracing::info!(
-                        id = record.id.get(),
-                        topic = %record.topic,
-                        attempts = record.attempts,
-                        "outbox message found delivered by a lookup; not resent"
-                    );
-                    return self.settle(&record, token, delivered(receipt, now)).await;
-                }
-                Some(LookupOutcome::NotFound) => {
-                    let last = record.last_attempt_at.map_or(0, to_millis);
-                    let grace_ends = last.saturating_add(duration_millis(self.lookup_grace));
-                    if now < grace_ends {
-                        let wait = retry_at(grace_ends, record.last_error.clone(), true);
-                        return self.settle(&record, token, wait).await;
-                    }
-                }
-                Some(LookupOutcome::Unsupported) => {}
-                Some(LookupOutcome::Failed { reason }) => {
-                    let at = now.saturating_add(self.delay(record.attempts, None));
-                    let error = format!("lookup failed: {reason}");
-                    return self
-                        .settle(&record, token, retry_at(at, Some(error), true))
-                        .await;
-                }
-                None => {
-                    let at = now.saturating_add(self.delay(record.attempts, None));
-                    let error = "lookup timed out".to_owned();
-                    return self
-                        .settle(&record, token, retry_at(at, Some(error), true))
-                        .await;
-                }
+    /// Decides what a claimed message needs (a lookup, a send, or failing for good), does it,
+    /// and returns the outcome to record; `None` when the lease was lost before sending.
+    async fn deliver(
+        &self,
+        claimed: Claimed,
+        token: i64,
+    ) -> Result<Option<Settlement>, sqlx::Error> {
+        let Claimed {
+            mut record,
+            attempt_begun,
+        } = claimed;
+        if !attempt_begun {
+            if record.outcome_unknown
+                && let Some(settlement) = self.look_up(&record).await
+            {
+                return Ok(Some(settlement));
             }
-        }
-
-        if record.attempts >= self.max_attempts {
-            let last = record.last_error.as_deref().unwrap_or("no error recorded");
-            let reason = if record.outcome_unknown {
-                format!(
-                    "gave up after {} attempts; the last one's outcome is unknown: {last}",
-                    record.attempts
-                )
-            } else {
-                format!("gave up after {} attempts: {last}", record.attempts)
+            if record.attempts >= self.max_attempts {
+                let last = record.last_error.as_deref().unwrap_or("no error recorded");
+                let reason = if record.outcome_unknown {
+                    format!(
+                        "gave up after {} attempts; the last one's outcome is unknown: {last}",
+                        record.attempts
+                    )
+                } else {
+                    format!("gave up after {} attempts: {last}", record.attempts)
+                };
+                return Ok(Some(failed(reason)));
+            }
+            let now = now_millis();
+            let begun = {
+                let _turn = self.outbox.write_turn().await;
+                DB::begin_attempt(self.outbox.pool(), record.id, token, now).await?
             };
-            return self.settle(&record, token, failed(reason)).await;
+            if !begun {
+                tracing::warn!(message = %record.id, "outbox lease lost before sending");
+                return Ok(None);
+            }
+            record.attempts += 1;
+            record.outcome_unknown = true;
+            record.last_attempt_at = Some(from_millis(now));
         }
-
-        if !DB::begin_attempt(pool, record.id, token, now_millis()).await? {
-            tracing::warn!(message = %record.id, "outbox lease lost before sending");
-            return Ok(());
-        }
-        record.attempts += 1;
-        record.outcome_unknown = true;
 
         let outcome = self
             .bounded(self.sender.send(&record))
@@ -268,7 +280,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
                 reason: format!("no answer within {:?}", self.send_timeout),
             });
         let now = now_millis();
-        let settlement = match outcome {
+        Ok(Some(match outcome {
             SendOutcome::Delivered { receipt } => delivered(receipt, now),
             SendOutcome::Rejected { reason } => failed(reason),
             SendOutcome::Retry { reason, .. } if record.attempts >= self.max_attempts => failed(
@@ -283,50 +295,48 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
                 let at = now.saturating_add(self.delay(record.attempts, None));
                 retry_at(at, Some(reason), true)
             }
-        };
-        self.settle(&record, token, settlement).await
+        }))
     }
 
-    /// Runs `work` on a leased message while renewing the lease every third of its length, so
-    /// a lookup or a send that takes long keeps the message, and only a dispatcher that died
-    /// loses it.
-    async fn renewing<T>(&self, id: MessageId, token: i64, work: impl Future<Output = T>) -> T {
-        let every = self.lease / 3;
-        let renew = async {
-            let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-            loop {
-                ticks.tick().await;
-                let until = now_millis().saturating_add(duration_millis(self.lease));
-                match DB::renew_lease(self.outbox.pool(), id, token, until).await {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        // Taken over: the outcome this attempt records will be refused, and the
-                        // new holder looks the message up before any resend.
-                        tracing::warn!(message = %id, "outbox lease lost while delivering");
-                        return std::future::pending::<Infallible>().await;
-                    }
-                    Err(error) => {
-                        tracing::warn!(message = %id, %error, "renewing an outbox lease failed");
-                    }
-                }
+    /// Asks the downstream about a message whose last outcome is unknown; the outcome to
+    /// record, or `None` when the message is to be sent again.
+    async fn look_up(&self, record: &OutboxRecord) -> Option<Settlement> {
+        let found = self.bounded(self.sender.lookup(record)).await;
+        let now = now_millis();
+        match found {
+            Some(LookupOutcome::Found { receipt }) => {
+                // An earlier attempt's outcome was unknown; the downstream has it, so the
+                // effect happened once and nothing is resent.
+                tracing::info!(
+                    id = record.id.get(),
+                    topic = %record.topic,
+                    attempts = record.attempts,
+                    "outbox message found delivered by a lookup; not resent"
+                );
+                Some(delivered(receipt, now))
             }
-        };
-        tokio::select! {
-            output = work => output,
-            never = renew => match never {},
+            Some(LookupOutcome::NotFound) => {
+                let last = record.last_attempt_at.map_or(0, to_millis);
+                let grace_ends = last.saturating_add(duration_millis(self.lookup_grace));
+                (now < grace_ends).then(|| retry_at(grace_ends, record.last_error.clone(), true))
+            }
+            Some(LookupOutcome::Unsupported) => None,
+            Some(LookupOutcome::Failed { reason }) => {
+                let at = now.saturating_add(self.delay(record.attempts, None));
+                let error = format!("lookup failed: {reason}");
+                Some(retry_at(at, Some(error), true))
+            }
+            None => {
+                let at = now.saturating_add(self.delay(record.attempts, None));
+                Some(retry_at(at, Some("lookup timed out".to_owned()), true))
+            }
         }
     }
 
-    async fn settle(
-        &self,
-        record: &OutboxRecord,
-        token: i64,
-        settlement: Settlement,
-    ) -> Result<(), sqlx::Error> {
-        if !DB::settle(self.outbox.pool(), record.id, token, &settlement).await? {
-            tracing::warn!(message = %record.id, "outbox lease lost before recording the outcome");
-        }
-        Ok(())
+    /// How often the leases held are renewed: every third of a lease, so a renewal that is
+    /// late or fails once still comes before the lease runs out.
+    fn renewal_interval(&self) -> Duration {
+        self.lease / 3
     }
 
     async fn bounded<T>(&self, call: impl Future<Output = T>) -> Option<T> {
@@ -395,6 +405,14 @@ impl DispatchWaker {
     /// Asks for a poll; wakes of a dispatcher that is busy collapse into one poll after it.
     pub fn wake(&self) {
         self.0.notify_one();
+    }
+}
+
+/// Sleeps until `deadline`; pending forever without one.
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
     }
 }
 

@@ -34,6 +34,8 @@ pub struct Outbox<DB: Backend> {
     pool: Pool<DB>,
     // One purge at a time per outbox (and its clones): two would only race for the same rows.
     purging: Arc<tokio::sync::Mutex<()>>,
+    // The dispatchers' writes, one at a time on a database with one writer.
+    writing: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl<DB: Backend> Outbox<DB> {
@@ -43,6 +45,7 @@ impl<DB: Backend> Outbox<DB> {
         Self {
             pool,
             purging: Arc::default(),
+            writing: Arc::default(),
         }
     }
 
@@ -133,6 +136,17 @@ impl<DB: Backend> Outbox<DB> {
     pub(crate) fn pool(&self) -> &Pool<DB> {
         &self.pool
     }
+
+    /// Waits for the dispatchers' turn to write, on a database that takes one writer at a time
+    /// (SQLite): the dispatchers of this outbox and its clones then queue here, in order,
+    /// rather than in SQLite's busy handler, which sleeps between its tries.
+    pub(crate) async fn write_turn(&self) -> Option<tokio::sync::MutexGuard<'_, ()>> {
+        if DB::ONE_WRITER {
+            Some(self.writing.lock().await)
+        } else {
+            None
+        }
+    }
 }
 
 impl<DB: Backend> Clone for Outbox<DB> {
@@ -140,6 +154,7 @@ impl<DB: Backend> Clone for Outbox<DB> {
         Self {
             pool: self.pool.clone(),
             purging: Arc::clone(&self.purging),
+            writing: Arc::clone(&self.writing),
         }
     }
 }

@@ -18,7 +18,7 @@ mod sql;
 mod sqlite;
 
 pub(crate) use private::Ops;
-pub(crate) use private::{Claim, Settlement};
+pub(crate) use private::{Claim, Claimed, Lease, Settlement};
 
 /// The columns every read selects, under the names the one row decoder reads them by. A macro,
 /// not a constant, so each backend can `concat!` it into its SQL text at compile time.
@@ -35,8 +35,10 @@ use record_columns;
 mod private {
     use super::*;
 
-    /// A claim: every due, unleased message up to `limit` gets `token` and a lease until
-    /// `lease_until`, so no other dispatcher takes it before then.
+    /// A claim: the first due, unleased messages up to `limit` get `token` and a lease until
+    /// `lease_until`, so no other dispatcher takes them before then. In the same write, each one
+    /// that is sent now (its last outcome known, fewer than `max_attempts` attempts made) begins
+    /// an attempt: one more attempt, outcome unknown until settled, `last_attempt_at` = `now`.
     #[allow(unreachable_pub)]
     #[derive(Debug, Clone, Copy)]
     pub struct Claim {
@@ -44,6 +46,25 @@ mod private {
         pub lease_until: i64,
         pub token: i64,
         pub limit: i64,
+        pub max_attempts: i64,
+    }
+
+    /// A message a claim leased: its row as the claim left it, and whether the claim began an
+    /// attempt (if not, its last outcome is unknown and it is looked up first, or it has
+    /// used up its attempts).
+    #[allow(unreachable_pub)]
+    #[derive(Debug, Clone)]
+    pub struct Claimed {
+        pub record: OutboxRecord,
+        pub attempt_begun: bool,
+    }
+
+    /// A lease a dispatcher holds: the message and the token of the claim that leased it.
+    #[allow(unreachable_pub)]
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Lease {
+        pub id: MessageId,
+        pub token: i64,
     }
 
     /// The columns an attempt's outcome writes; the lease is always released with it.
@@ -69,24 +90,44 @@ mod private {
         LastInsertId(fn(&DB::QueryResult) -> u64),
     }
 
-    /// How a claim leases due messages.
+    /// How a claim leases due messages and begins the attempts of those sent now.
     #[allow(unreachable_pub)]
     #[derive(Debug, Clone, Copy)]
     pub enum ClaimSql {
-        /// One `UPDATE … RETURNING` leases and returns the rows. Parameters: lease_until, token,
-        /// now, limit. `probe`, if any, runs first and tells whether anything is due.
-        /// Parameter: now.
-        UpdateReturning {
-            probe: Option<&'static str>,
-            update: &'static str,
+        /// One `UPDATE … RETURNING` leases the rows, begins the attempts and returns
+        /// `record_columns!()` as it left them, and `attempt_begun`. Parameters: lease_until,
+        /// token, now, limit, max_attempts.
+        OneStatement(&'static str),
+        /// Two `UPDATE … RETURNING`s, each sound on its own: `hold` leases those of the first
+        /// `limit` due messages that are not sent now and changes nothing else; `begin` leases
+        /// the first due messages that are sent now, up to what is left of the limit, and begins
+        /// their attempts. Parameters of both: lease_until, token, now, limit, max_attempts;
+        /// columns: `record_columns!()` as each left them.
+        TwoStatements {
+            hold: &'static str,
+            begin: &'static str,
         },
         /// In one transaction, `select` locks the due rows (parameters: now, now, limit;
-        /// columns: `record_columns!()`) and `lease` leases each of them (parameters:
-        /// lease_until, token, id).
+        /// columns: `record_columns!()`), then each is leased by `begin` if it is sent now
+        /// (parameters: lease_until, token, now, id), else by `hold` (parameters: lease_until,
+        /// token, id).
         LockThenLease {
             select: &'static str,
-            lease: &'static str,
+            hold: &'static str,
+            begin: &'static str,
         },
+    }
+
+    /// How a write that concerns many leased messages at once (a renewal, a settlement) runs.
+    #[allow(unreachable_pub)]
+    #[derive(Debug, Clone, Copy)]
+    pub enum BatchSql {
+        /// One statement for all of them, the messages passed as a JSON array of objects; it
+        /// returns the id of each message whose lease still held (and was written).
+        Json(&'static str),
+        /// One statement per message, all in one transaction; a message whose lease still held
+        /// is one affected row.
+        PerRow(&'static str),
     }
 
     /// One backend's SQL; the execution lives once, in `sql`, which implements [`Ops`] for
@@ -101,15 +142,24 @@ mod private {
         const FETCH_BY_ID: &'static str;
         /// Parameter: downstream_key. Columns: `record_columns!()`.
         const FETCH_BY_KEY: &'static str;
+        /// Run before a claim to tell whether anything is due, where a claim that finds
+        /// nothing still costs something (a lock). Parameter: now.
+        const CLAIM_PROBE: Option<&'static str> = None;
         /// How due messages are leased.
         const CLAIM: ClaimSql;
+        /// Whether the database takes one writer at a time, so a dispatcher's own writes are
+        /// better queued in the process than in the database's lock wait.
+        const ONE_WRITER: bool = false;
         /// Parameters: last_attempt_at, id, lease_token.
         const BEGIN_ATTEMPT: &'static str;
-        /// Extends a held lease. Parameters: lease_until, id, lease_token.
-        const RENEW_LEASE: &'static str;
-        /// Parameters: status, receipt, last_error, outcome_unknown, next_attempt_at,
-        /// finished_at, id, lease_token. Releases the lease.
-        const SETTLE: &'static str;
+        /// Extends held leases. `Json`: parameters lease_until and the array of `{id, token}`;
+        /// `PerRow`: parameters lease_until, id, lease_token.
+        const RENEW_LEASES: BatchSql;
+        /// Writes outcomes and releases the leases. `Json`: one parameter, the array of
+        /// `{id, token, status, receipt, last_error, outcome_unknown, next_attempt_at,
+        /// finished_at}`; `PerRow`: parameters status, receipt, last_error, outcome_unknown,
+        /// next_attempt_at, finished_at, id, lease_token.
+        const SETTLE: BatchSql;
 
         /// The outbox's schema migrations, oldest first: (version, SQL script). A version once
         /// released is never edited; a schema change is a new version.
@@ -169,15 +219,20 @@ mod private {
             key: &DownstreamKey,
         ) -> impl Future<Output = Result<Option<OutboxRecord>, sqlx::Error>> + Send;
 
-        /// Leases due messages, skipping those another dispatcher holds.
+        /// Whether the database takes one writer at a time.
+        const ONE_WRITER: bool;
+
+        /// Leases due messages, skipping those another dispatcher holds, and begins the
+        /// attempts of those sent now (see [`Claim`]).
         fn claim(
             pool: &Pool<Self>,
             claim: Claim,
-        ) -> impl Future<Output = Result<Vec<OutboxRecord>, sqlx::Error>> + Send;
+        ) -> impl Future<Output = Result<Vec<Claimed>, sqlx::Error>> + Send;
 
-        /// Records that the sender is about to be called: one more attempt, outcome unknown
-        /// until settled, so a crash during the call leads to a lookup, not a blind resend.
-        /// `false` when the lease was lost to another dispatcher.
+        /// Records that the sender is about to be called on a message the claim did not begin
+        /// an attempt for (a resend after a lookup): one more attempt, outcome unknown until
+        /// settled, so a crash during the call leads to a lookup, not a blind resend. `false`
+        /// when the lease was lost to another dispatcher.
         fn begin_attempt(
             pool: &Pool<Self>,
             id: MessageId,
@@ -185,13 +240,12 @@ mod private {
             now: i64,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
-        /// Extends the lease `token` holds on a message to `until`; `false` when it was lost.
-        fn renew_lease(
+        /// Extends the `leases` to `until`; returns the messages whose lease still held.
+        fn renew_leases(
             pool: &Pool<Self>,
-            id: MessageId,
-            token: i64,
+            leases: &[Lease],
             until: i64,
-        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+        ) -> impl Future<Output = Result<Vec<MessageId>, sqlx::Error>> + Send;
 
         /// Deletes up to `limit` delivered messages finished before `before`.
         fn purge_delivered(
@@ -207,12 +261,11 @@ mod private {
             now: i64,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
-        /// Writes an outcome and releases the lease; `false` when the lease was lost.
+        /// Writes outcomes and releases their leases, in one write; returns the messages whose
+        /// lease still held (the others were left as they were).
         fn settle(
             pool: &Pool<Self>,
-            id: MessageId,
-            token: i64,
-            settlement: &Settlement,
-        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+            outcomes: &[(Lease, Settlement)],
+        ) -> impl Future<Output = Result<Vec<MessageId>, sqlx::Error>> + Send;
     }
 }

@@ -6,7 +6,7 @@ use sqlx::mysql::MySqlQueryResult;
 use sqlx::mysql::MySqlRow;
 use sqlx::{MySql, Row};
 
-use super::private::{ClaimSql, Dialect, NewId};
+use super::private::{BatchSql, ClaimSql, Dialect, NewId};
 use super::record_columns;
 
 impl Dialect for MySql {
@@ -36,17 +36,20 @@ impl Dialect for MySql {
              LIMIT ?
              FOR UPDATE SKIP LOCKED"
         ),
-        lease: "UPDATE idempotency_outbox SET lease_expires_at = ?, lease_token = ? WHERE id = ?",
+        hold: "UPDATE idempotency_outbox SET lease_expires_at = ?, lease_token = ? WHERE id = ?",
+        begin: "UPDATE idempotency_outbox
+            SET lease_expires_at = ?, lease_token = ?,
+                attempts = attempts + 1, last_attempt_at = ?, outcome_unknown = TRUE
+            WHERE id = ?",
     };
-    // A renewal moves the expiry later every time, so the row always changes and MySQL's
-    // "changed rows" count is 1 while the lease is held.
-    const RENEW_LEASE: &'static str =
-        "UPDATE idempotency_outbox SET lease_expires_at = ? WHERE id = ? AND lease_token = ?";
+    // The dispatcher renews only leases that the renewal moves later, so the row always
+    // changes and MySQL's "changed rows" count is 1 while the lease is held.
+    const RENEW_LEASES: BatchSql = BatchSql::PerRow(
+        "UPDATE idempotency_outbox SET lease_expires_at = ? WHERE id = ? AND lease_token = ?",
+    );
     const BEGIN_ATTEMPT: &'static str = "UPDATE idempotency_outbox
         SET attempts = attempts + 1, last_attempt_at = ?, outcome_unknown = TRUE
         WHERE id = ? AND lease_token = ?";
-    // Releasing the lease always changes the row, so MySQL's "changed rows" count is 1 exactly
-    // when the lease was still ours.
     // MySQL refuses LIMIT in an IN subquery but takes it on DELETE itself.
     const PURGE_DELIVERED: &'static str = "DELETE FROM idempotency_outbox
         WHERE status = 'delivered' AND finished_at < ? ORDER BY finished_at LIMIT ?";
@@ -54,11 +57,16 @@ impl Dialect for MySql {
         SET status = 'pending', attempts = 0, next_attempt_at = ?, finished_at = NULL,
             lease_expires_at = NULL, lease_token = NULL
         WHERE id = ? AND status = 'failed'";
-    const SETTLE: &'static str = "UPDATE idempotency_outbox
+    // Without UPDATE … RETURNING, a batch could only say how many leases held, not which.
+    // Releasing the lease always changes the row, so MySQL's "changed rows" count is 1 exactly
+    // when the lease was still ours.
+    const SETTLE: BatchSql = BatchSql::PerRow(
+        "UPDATE idempotency_outbox
         SET status = ?, receipt = ?, last_error = ?, outcome_unknown = ?,
             next_attempt_at = ?, finished_at = ?,
             lease_expires_at = NULL, lease_token = NULL
-        WHERE id = ? AND lease_token = ?";
+        WHERE id = ? AND lease_token = ?",
+    );
     const MIGRATIONS: &'static [(i64, &'static str)] = &[(
         1,
         include_str!("../../../migrations/mysql/outbox/0001_outbox.sql"),

@@ -4,7 +4,7 @@
 
 use sqlx::Postgres;
 
-use super::private::{ClaimSql, Dialect, NewId};
+use super::private::{BatchSql, ClaimSql, Dialect, NewId};
 use super::record_columns;
 
 impl Dialect for Postgres {
@@ -26,26 +26,58 @@ impl Dialect for Postgres {
         record_columns!(),
         " FROM idempotency_outbox WHERE downstream_key = $1"
     );
-    const CLAIM: ClaimSql = ClaimSql::UpdateReturning {
-        probe: None,
-        update: concat!(
-            "UPDATE idempotency_outbox SET lease_expires_at = $1, lease_token = $2
-             WHERE id IN (
-                 SELECT id FROM idempotency_outbox
-                 WHERE status = 'pending' AND next_attempt_at <= $3
-                   AND (lease_expires_at IS NULL OR lease_expires_at <= $3)
-                 ORDER BY next_attempt_at, id
-                 LIMIT $4
-                 FOR UPDATE SKIP LOCKED)
-             RETURNING ",
-            record_columns!()
-        ),
-    };
-    const RENEW_LEASE: &'static str =
-        "UPDATE idempotency_outbox SET lease_expires_at = $1 WHERE id = $2 AND lease_token = $3";
+    // The CTE sees each row as it was, so the one statement both decides which messages are
+    // sent now and tells the dispatcher which attempts it began. Ordered by the due index
+    // alone (ties in heap order): with `id` as a second key the plan sorts every due row
+    // before the limit applies.
+    //
+    // Here and in the batched writes below, `id = ANY (ARRAY(…))` repeats the join on the
+    // primary key as an index condition: the generic plan of a prepared statement guesses a
+    // hundred rows on the other side, and without it joins them by hashing the whole table.
+    const CLAIM: ClaimSql = ClaimSql::OneStatement(concat!(
+        "WITH due AS (
+             SELECT id AS due_id, NOT outcome_unknown AND attempts < $5 AS begins
+             FROM idempotency_outbox
+             WHERE status = 'pending' AND next_attempt_at <= $3
+               AND (lease_expires_at IS NULL OR lease_expires_at <= $3)
+             ORDER BY next_attempt_at
+             LIMIT $4
+             FOR UPDATE SKIP LOCKED)
+         UPDATE idempotency_outbox
+         SET lease_expires_at = $1, lease_token = $2,
+             attempts = attempts + CASE WHEN begins THEN 1 ELSE 0 END,
+             outcome_unknown = outcome_unknown OR begins,
+             last_attempt_at = CASE WHEN begins THEN $3 ELSE last_attempt_at END
+         FROM due
+         WHERE id = due_id AND id = ANY (ARRAY(SELECT due_id FROM due))
+         RETURNING begins AS attempt_begun, ",
+        record_columns!()
+    ));
     const BEGIN_ATTEMPT: &'static str = "UPDATE idempotency_outbox
         SET attempts = attempts + 1, last_attempt_at = $1, outcome_unknown = TRUE
         WHERE id = $2 AND lease_token = $3";
+    const RENEW_LEASES: BatchSql = BatchSql::Json(
+        "UPDATE idempotency_outbox SET lease_expires_at = $1
+         FROM jsonb_to_recordset($2::jsonb) AS h(id bigint, token bigint)
+         WHERE idempotency_outbox.id = h.id AND lease_token = h.token
+           AND idempotency_outbox.id = ANY (ARRAY(
+               SELECT (held ->> 'id')::bigint FROM jsonb_array_elements($2::jsonb) AS held))
+         RETURNING idempotency_outbox.id",
+    );
+    const SETTLE: BatchSql = BatchSql::Json(
+        "UPDATE idempotency_outbox
+         SET status = s.status, receipt = s.receipt, last_error = s.last_error,
+             outcome_unknown = s.outcome_unknown, next_attempt_at = s.next_attempt_at,
+             finished_at = s.finished_at, lease_expires_at = NULL, lease_token = NULL
+         FROM jsonb_to_recordset($1::jsonb) AS s(id bigint, token bigint, status text,
+             receipt text, last_error text, outcome_unknown boolean, next_attempt_at bigint,
+             finished_at bigint)
+         WHERE idempotency_outbox.id = s.id AND lease_token = s.token
+           AND idempotency_outbox.id = ANY (ARRAY(
+               SELECT (settled ->> 'id')::bigint
+               FROM jsonb_array_elements($1::jsonb) AS settled))
+         RETURNING idempotency_outbox.id",
+    );
     const PURGE_DELIVERED: &'static str = "DELETE FROM idempotency_outbox WHERE id IN (
         SELECT id FROM idempotency_outbox WHERE status = 'delivered' AND finished_at < $1
         ORDER BY finished_at LIMIT $2)";
@@ -53,11 +85,6 @@ impl Dialect for Postgres {
         SET status = 'pending', attempts = 0, next_attempt_at = $1, finished_at = NULL,
             lease_expires_at = NULL, lease_token = NULL
         WHERE id = $2 AND status = 'failed'";
-    const SETTLE: &'static str = "UPDATE idempotency_outbox
-        SET status = $1, receipt = $2, last_error = $3, outcome_unknown = $4,
-            next_attempt_at = $5, finished_at = $6,
-            lease_expires_at = NULL, lease_token = NULL
-        WHERE id = $7 AND lease_token = $8";
     const MIGRATIONS: &'static [(i64, &'static str)] = &[(
         1,
         include_str!("../../../migrations/postgres/outbox/0001_outbox.sql"),

@@ -3,7 +3,9 @@
 
 use sqlx::{ColumnIndex, Decode, Encode, Executor, IntoArguments, Pool, Row, Type};
 
-use super::private::{Claim, ClaimSql, Dialect, NewId, Ops, Settlement};
+use serde::Serialize;
+
+use super::private::{BatchSql, Claim, ClaimSql, Claimed, Dialect, Lease, NewId, Ops, Settlement};
 use crate::migrate;
 use crate::outbox::status::from_millis;
 use crate::outbox::{DownstreamKey, Message, MessageId, OutboxRecord, Status};
@@ -96,28 +98,62 @@ where
         row.as_ref().map(record_from_row).transpose()
     }
 
-    async fn claim(pool: &Pool<Self>, claim: Claim) -> Result<Vec<OutboxRecord>, sqlx::Error> {
+    const ONE_WRITER: bool = DB::ONE_WRITER;
+
+    async fn claim(pool: &Pool<Self>, claim: Claim) -> Result<Vec<Claimed>, sqlx::Error> {
+        if let Some(probe) = DB::CLAIM_PROBE {
+            let due: bool = sqlx::query_scalar(probe)
+                .bind(claim.now)
+                .fetch_one(pool)
+                .await?;
+            if !due {
+                return Ok(Vec::new());
+            }
+        }
+        let update = |sql, limit: i64| {
+            sqlx::query(sql)
+                .bind(claim.lease_until)
+                .bind(claim.token)
+                .bind(claim.now)
+                .bind(limit)
+                .bind(claim.max_attempts)
+        };
         match DB::CLAIM {
-            ClaimSql::UpdateReturning { probe, update } => {
-                if let Some(probe) = probe {
-                    let due: bool = sqlx::query_scalar(probe)
-                        .bind(claim.now)
-                        .fetch_one(pool)
-                        .await?;
-                    if !due {
-                        return Ok(Vec::new());
+            ClaimSql::OneStatement(sql) => {
+                let rows = update(sql, claim.limit).fetch_all(pool).await?;
+                rows.iter()
+                    .map(|row| {
+                        Ok(Claimed {
+                            record: record_from_row(row)?,
+                            attempt_begun: row.try_get("attempt_begun")?,
+                        })
+                    })
+                    .collect()
+            }
+            ClaimSql::TwoStatements { hold, begin } => {
+                let mut claimed = Vec::new();
+                for row in update(hold, claim.limit).fetch_all(pool).await? {
+                    claimed.push(Claimed {
+                        record: record_from_row(&row)?,
+                        attempt_begun: false,
+                    });
+                }
+                let left = claim.limit.saturating_sub(claimed.len() as i64);
+                if left > 0 {
+                    for row in update(begin, left).fetch_all(pool).await? {
+                        claimed.push(Claimed {
+                            record: record_from_row(&row)?,
+                            attempt_begun: true,
+                        });
                     }
                 }
-                let rows = sqlx::query(update)
-                    .bind(claim.lease_until)
-                    .bind(claim.token)
-                    .bind(claim.now)
-                    .bind(claim.limit)
-                    .fetch_all(pool)
-                    .await?;
-                rows.iter().map(record_from_row).collect()
+                Ok(claimed)
             }
-            ClaimSql::LockThenLease { select, lease } => {
+            ClaimSql::LockThenLease {
+                select,
+                hold,
+                begin,
+            } => {
                 let mut tx = pool.begin().await?;
                 let rows = sqlx::query(select)
                     .bind(claim.now)
@@ -125,20 +161,33 @@ where
                     .bind(claim.limit)
                     .fetch_all(&mut *tx)
                     .await?;
-                let records = rows
-                    .iter()
-                    .map(record_from_row)
-                    .collect::<Result<Vec<_>, _>>()?;
-                for record in &records {
-                    sqlx::query(lease)
-                        .bind(claim.lease_until)
-                        .bind(claim.token)
-                        .bind(record.id.get())
-                        .execute(&mut *tx)
-                        .await?;
+                let mut claimed = Vec::with_capacity(rows.len());
+                for row in &rows {
+                    let mut record = record_from_row(row)?;
+                    let attempt_begun =
+                        !record.outcome_unknown && i64::from(record.attempts) < claim.max_attempts;
+                    let lease = if attempt_begun {
+                        sqlx::query(begin)
+                            .bind(claim.lease_until)
+                            .bind(claim.token)
+                            .bind(claim.now)
+                    } else {
+                        sqlx::query(hold).bind(claim.lease_until).bind(claim.token)
+                    };
+                    lease.bind(record.id.get()).execute(&mut *tx).await?;
+                    if attempt_begun {
+                        // What `begin` wrote, so the record matches the row.
+                        record.attempts += 1;
+                        record.outcome_unknown = true;
+                        record.last_attempt_at = Some(from_millis(claim.now));
+                    }
+                    claimed.push(Claimed {
+                        record,
+                        attempt_begun,
+                    });
                 }
                 tx.commit().await?;
-                Ok(records)
+                Ok(claimed)
             }
         }
     }
@@ -158,19 +207,42 @@ where
         Ok(DB::rows_affected(&done) == 1)
     }
 
-    async fn renew_lease(
+    async fn renew_leases(
         pool: &Pool<Self>,
-        id: MessageId,
-        token: i64,
+        leases: &[Lease],
         until: i64,
-    ) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query(DB::RENEW_LEASE)
-            .bind(until)
-            .bind(id.get())
-            .bind(token)
-            .execute(pool)
-            .await?;
-        Ok(DB::rows_affected(&done) == 1)
+    ) -> Result<Vec<MessageId>, sqlx::Error> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        match DB::RENEW_LEASES {
+            BatchSql::Json(sql) => {
+                let held: Vec<_> = leases.iter().map(|lease| Held::from(*lease)).collect();
+                let ids = sqlx::query_scalar::<_, i64>(sql)
+                    .bind(until)
+                    .bind(json(&held)?.as_str())
+                    .fetch_all(pool)
+                    .await?;
+                Ok(ids.into_iter().map(MessageId::from).collect())
+            }
+            BatchSql::PerRow(sql) => {
+                let mut tx = pool.begin().await?;
+                let mut renewed = Vec::with_capacity(leases.len());
+                for lease in leases {
+                    let done = sqlx::query(sql)
+                        .bind(until)
+                        .bind(lease.id.get())
+                        .bind(lease.token)
+                        .execute(&mut *tx)
+                        .await?;
+                    if DB::rows_affected(&done) == 1 {
+                        renewed.push(lease.id);
+                    }
+                }
+                tx.commit().await?;
+                Ok(renewed)
+            }
+        }
     }
 
     async fn purge_delivered(
@@ -197,23 +269,95 @@ where
 
     async fn settle(
         pool: &Pool<Self>,
-        id: MessageId,
-        token: i64,
-        settlement: &Settlement,
-    ) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query(DB::SETTLE)
-            .bind(settlement.status.as_str())
-            .bind(settlement.receipt.as_deref())
-            .bind(settlement.last_error.as_deref())
-            .bind(settlement.outcome_unknown)
-            .bind(settlement.next_attempt_at)
-            .bind(settlement.finished_at)
-            .bind(id.get())
-            .bind(token)
-            .execute(pool)
-            .await?;
-        Ok(DB::rows_affected(&done) == 1)
+        outcomes: &[(Lease, Settlement)],
+    ) -> Result<Vec<MessageId>, sqlx::Error> {
+        if outcomes.is_empty() {
+            return Ok(Vec::new());
+        }
+        match DB::SETTLE {
+            BatchSql::Json(sql) => {
+                let rows: Vec<_> = outcomes
+                    .iter()
+                    .map(|(lease, settlement)| Outcome::new(*lease, settlement))
+                    .collect();
+                let ids = sqlx::query_scalar::<_, i64>(sql)
+                    .bind(json(&rows)?.as_str())
+                    .fetch_all(pool)
+                    .await?;
+                Ok(ids.into_iter().map(MessageId::from).collect())
+            }
+            BatchSql::PerRow(sql) => {
+                let mut tx = pool.begin().await?;
+                let mut settled = Vec::with_capacity(outcomes.len());
+                for (lease, settlement) in outcomes {
+                    let done = sqlx::query(sql)
+                        .bind(settlement.status.as_str())
+                        .bind(settlement.receipt.as_deref())
+                        .bind(settlement.last_error.as_deref())
+                        .bind(settlement.outcome_unknown)
+                        .bind(settlement.next_attempt_at)
+                        .bind(settlement.finished_at)
+                        .bind(lease.id.get())
+                        .bind(lease.token)
+                        .execute(&mut *tx)
+                        .await?;
+                    if DB::rows_affected(&done) == 1 {
+                        settled.push(lease.id);
+                    }
+                }
+                tx.commit().await?;
+                Ok(settled)
+            }
+        }
     }
+}
+
+/// A lease as a batched renewal passes it.
+#[derive(Serialize)]
+struct Held {
+    id: i64,
+    token: i64,
+}
+
+impl From<Lease> for Held {
+    fn from(lease: Lease) -> Self {
+        Self {
+            id: lease.id.get(),
+            token: lease.token,
+        }
+    }
+}
+
+/// A settlement as a batched settle passes it; the field names are the dialects' JSON keys.
+#[derive(Serialize)]
+struct Outcome<'a> {
+    id: i64,
+    token: i64,
+    status: &'static str,
+    receipt: Option<&'a str>,
+    last_error: Option<&'a str>,
+    outcome_unknown: bool,
+    next_attempt_at: i64,
+    finished_at: Option<i64>,
+}
+
+impl<'a> Outcome<'a> {
+    fn new(lease: Lease, settlement: &'a Settlement) -> Self {
+        Self {
+            id: lease.id.get(),
+            token: lease.token,
+            status: settlement.status.as_str(),
+            receipt: settlement.receipt.as_deref(),
+            last_error: settlement.last_error.as_deref(),
+            outcome_unknown: settlement.outcome_unknown,
+            next_attempt_at: settlement.next_attempt_at,
+            finished_at: settlement.finished_at,
+        }
+    }
+}
+
+fn json(value: &impl Serialize) -> Result<String, sqlx::Error> {
+    serde_json::to_string(value).map_err(|error| sqlx::Error::Encode(error.into()))
 }
 
 /// Every backend selects the same columns under the same names, so one decoder serves them all.

@@ -3,7 +3,7 @@
 
 use sqlx::Sqlite;
 
-use super::private::{ClaimSql, Dialect, NewId};
+use super::private::{BatchSql, ClaimSql, Dialect, NewId};
 use super::record_columns;
 
 impl Dialect for Sqlite {
@@ -23,16 +23,21 @@ impl Dialect for Sqlite {
         record_columns!(),
         " FROM idempotency_outbox WHERE downstream_key = ?1"
     );
-    const CLAIM: ClaimSql = ClaimSql::UpdateReturning {
-        // An UPDATE takes the database's write lock even when it matches nothing; reading first
-        // keeps an idle dispatcher from queueing behind (and stalling) the app's transactions.
-        probe: Some(
-            "SELECT EXISTS (
-                 SELECT 1 FROM idempotency_outbox
-                 WHERE status = 'pending' AND next_attempt_at <= ?1
-                   AND (lease_expires_at IS NULL OR lease_expires_at <= ?1))",
-        ),
-        update: concat!(
+    // An UPDATE takes the database's write lock even when it matches nothing; reading first
+    // keeps an idle dispatcher from queueing behind (and stalling) the app's transactions.
+    const CLAIM_PROBE: Option<&'static str> = Some(
+        "SELECT EXISTS (
+             SELECT 1 FROM idempotency_outbox
+             WHERE status = 'pending' AND next_attempt_at <= ?1
+               AND (lease_expires_at IS NULL OR lease_expires_at <= ?1))",
+    );
+    // RETURNING sees only the row as updated, so one statement could not tell a message whose
+    // attempt it began from one whose last outcome was already unknown. The lease columns are
+    // not among the record's, so `hold`, which writes nothing else, returns the rows as they
+    // were. Once it has leased the first `limit` due messages that are not sent now, the first
+    // due ones left are those that are.
+    const CLAIM: ClaimSql = ClaimSql::TwoStatements {
+        hold: concat!(
             "UPDATE idempotency_outbox SET lease_expires_at = ?1, lease_token = ?2
              WHERE id IN (
                  SELECT id FROM idempotency_outbox
@@ -40,15 +45,51 @@ impl Dialect for Sqlite {
                    AND (lease_expires_at IS NULL OR lease_expires_at <= ?3)
                  ORDER BY next_attempt_at, id
                  LIMIT ?4)
+               AND (outcome_unknown OR attempts >= ?5)
+             RETURNING ",
+            record_columns!()
+        ),
+        begin: concat!(
+            "UPDATE idempotency_outbox
+             SET lease_expires_at = ?1, lease_token = ?2,
+                 attempts = attempts + 1, last_attempt_at = ?3, outcome_unknown = TRUE
+             WHERE id IN (
+                 SELECT id FROM idempotency_outbox
+                 WHERE status = 'pending' AND next_attempt_at <= ?3
+                   AND (lease_expires_at IS NULL OR lease_expires_at <= ?3)
+                   AND NOT outcome_unknown AND attempts < ?5
+                 ORDER BY next_attempt_at, id
+                 LIMIT ?4)
              RETURNING ",
             record_columns!()
         ),
     };
-    const RENEW_LEASE: &'static str =
-        "UPDATE idempotency_outbox SET lease_expires_at = ?1 WHERE id = ?2 AND lease_token = ?3";
+    const ONE_WRITER: bool = true;
     const BEGIN_ATTEMPT: &'static str = "UPDATE idempotency_outbox
         SET attempts = attempts + 1, last_attempt_at = ?1, outcome_unknown = TRUE
         WHERE id = ?2 AND lease_token = ?3";
+    const RENEW_LEASES: BatchSql = BatchSql::Json(
+        "UPDATE idempotency_outbox SET lease_expires_at = ?1
+         FROM (SELECT value ->> 'id' AS held_id, value ->> 'token' AS held_token
+               FROM json_each(?2)) AS h
+         WHERE id = h.held_id AND lease_token = h.held_token
+         RETURNING id",
+    );
+    const SETTLE: BatchSql = BatchSql::Json(
+        "UPDATE idempotency_outbox
+         SET status = s.status, receipt = s.receipt, last_error = s.last_error,
+             outcome_unknown = s.outcome_unknown, next_attempt_at = s.next_attempt_at,
+             finished_at = s.finished_at, lease_expires_at = NULL, lease_token = NULL
+         FROM (SELECT value ->> 'id' AS settled_id, value ->> 'token' AS token,
+                      value ->> 'status' AS status, value ->> 'receipt' AS receipt,
+                      value ->> 'last_error' AS last_error,
+                      value ->> 'outcome_unknown' AS outcome_unknown,
+                      value ->> 'next_attempt_at' AS next_attempt_at,
+                      value ->> 'finished_at' AS finished_at
+               FROM json_each(?1)) AS s
+         WHERE id = s.settled_id AND lease_token = s.token
+         RETURNING id",
+    );
     const PURGE_DELIVERED: &'static str = "DELETE FROM idempotency_outbox WHERE id IN (
         SELECT id FROM idempotency_outbox WHERE status = 'delivered' AND finished_at < ?1
         ORDER BY finished_at LIMIT ?2)";
@@ -56,11 +97,6 @@ impl Dialect for Sqlite {
         SET status = 'pending', attempts = 0, next_attempt_at = ?1, finished_at = NULL,
             lease_expires_at = NULL, lease_token = NULL
         WHERE id = ?2 AND status = 'failed'";
-    const SETTLE: &'static str = "UPDATE idempotency_outbox
-        SET status = ?1, receipt = ?2, last_error = ?3, outcome_unknown = ?4,
-            next_attempt_at = ?5, finished_at = ?6,
-            lease_expires_at = NULL, lease_token = NULL
-        WHERE id = ?7 AND lease_token = ?8";
     const MIGRATIONS: &'static [(i64, &'static str)] = &[(
         1,
         include_str!("../../../migrations/sqlite/outbox/0001_outbox.sql"),

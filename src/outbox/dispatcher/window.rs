@@ -1,0 +1,309 @@
+//! The dispatcher's sends in flight and the database writes around them.
+//!
+//! Up to `batch_size` sends run at once; a claim refills the window as they finish rather than
+//! after the last of a batch, so the downstream is never left idle while the dispatcher waits
+//! for its slowest send. The writes are batched: one claim leases many messages and begins
+//! their attempts, one settle records every outcome that finished meanwhile, one renewal
+//! extends every lease held. At most two claims, one settle and one renewal run at a time; on
+//! a database with one writer they queue in the process, not in the database's lock wait.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::pin::Pin;
+
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use tokio::time::Instant;
+
+use super::Dispatcher;
+use crate::Backend;
+use crate::outbox::backend::{Claim, Claimed, Lease, Settlement};
+use crate::outbox::status::{duration_millis, now_millis};
+use crate::outbox::{MessageId, Sender};
+
+type Op<'d, T> = Pin<Box<dyn Future<Output = T> + Send + 'd>>;
+type Written = Result<Vec<MessageId>, sqlx::Error>;
+/// What a send ends with: the outcome to record, `None` when the lease was lost before it.
+type Sent = Result<Option<Settlement>, sqlx::Error>;
+
+/// What the dispatcher knows of a message it holds a lease on, from its claim until its
+/// outcome is recorded.
+struct Held {
+    token: i64,
+    /// The lease's expiry as last written.
+    until: i64,
+    /// Its outcome is being written: a renewal that no longer finds the lease raced the settle.
+    settling: bool,
+    /// Another dispatcher took it over; its outcome is not recorded.
+    lost: bool,
+}
+
+/// Something that finished.
+pub(super) enum Event {
+    Claimed(Claim, Result<Vec<Claimed>, sqlx::Error>),
+    Sent(Lease, Sent),
+    Settled(Vec<Lease>, Written),
+    Renewed(Vec<Lease>, i64, Written),
+    RenewalDue,
+}
+
+/// What a finished claim found.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Found {
+    pub(super) claimed: usize,
+    pub(super) asked: usize,
+}
+
+pub(super) struct Window<'d, DB: Backend, S> {
+    dispatcher: &'d Dispatcher<DB, S>,
+    held: HashMap<MessageId, Held>,
+    sends: FuturesUnordered<Op<'d, (Lease, Sent)>>,
+    /// Outcomes waiting for the settle in progress to finish.
+    outcomes: Vec<(Lease, Settlement)>,
+    claims: FuturesUnordered<Op<'d, Event>>,
+    /// How many messages the claims in progress may still bring.
+    asked: usize,
+    settling: Option<Op<'d, Event>>,
+    renewing: Option<Op<'d, Event>>,
+    next_renewal: Instant,
+}
+
+impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
+    pub(super) fn new(dispatcher: &'d Dispatcher<DB, S>) -> Self {
+        Self {
+            dispatcher,
+            held: HashMap::new(),
+            sends: FuturesUnordered::new(),
+            outcomes: Vec::new(),
+            claims: FuturesUnordered::new(),
+            asked: 0,
+            settling: None,
+            renewing: None,
+            next_renewal: Instant::now() + dispatcher.renewal_interval(),
+        }
+    }
+
+    /// Nothing held, nothing being written: a shutdown may return.
+    pub(super) fn is_empty(&self) -> bool {
+        self.held.is_empty()
+            && self.claims.is_empty()
+            && self.settling.is_none()
+            && self.renewing.is_none()
+    }
+
+    /// Claims as many messages as there is room for, once a quarter of the window is free: a
+    /// claim per freed slot would cost a write per message again. A second claim may start
+    /// while one is on its way (one at a time where the database has one writer), so slots
+    /// freed meanwhile do not wait for the first claim's round trip.
+    pub(super) fn refill(&mut self) {
+        let batch = self.dispatcher.batch_size as usize;
+        // Messages whose outcome waits to be written still hold a lease; a database slower
+        // than the sends must not let them pile up without bound.
+        let room = batch
+            .saturating_sub(self.sends.len() + self.asked)
+            .min((2 * batch).saturating_sub(self.held.len() + self.asked));
+        let concurrent = if DB::ONE_WRITER { 1 } else { 2 };
+        if self.claims.len() < concurrent && room >= (batch / 4).max(1) {
+            self.claim(room);
+        }
+    }
+
+    pub(super) fn claim(&mut self, limit: usize) {
+        let dispatcher = self.dispatcher;
+        self.asked += limit;
+        self.claims.push(Box::pin(async move {
+            let (claim, claimed) = dispatcher.claim(limit).await;
+            Event::Claimed(claim, claimed)
+        }));
+    }
+
+    /// Starts writing the outcomes that finished, unless a settle is still running (they go
+    /// with the next one).
+    pub(super) fn settle(&mut self) {
+        if self.settling.is_some() || self.outcomes.is_empty() {
+            return;
+        }
+        let outcomes = std::mem::take(&mut self.outcomes);
+        for (lease, _) in &outcomes {
+            if let Some(held) = self.held.get_mut(&lease.id) {
+                held.settling = true;
+            }
+        }
+        let outbox = &self.dispatcher.outbox;
+        self.settling = Some(Box::pin(async move {
+            let written = {
+                let _turn = outbox.write_turn().await;
+                DB::settle(outbox.pool(), &outcomes).await
+            };
+            Event::Settled(
+                outcomes.into_iter().map(|(lease, _)| lease).collect(),
+                written,
+            )
+        }));
+    }
+
+    fn renew(&mut self) {
+        let dispatcher = self.dispatcher;
+        self.next_renewal = Instant::now() + dispatcher.renewal_interval();
+        let until = now_millis().saturating_add(duration_millis(dispatcher.lease));
+        // Only leases the renewal moves later: one claimed this very millisecond would be left
+        // unchanged, which MySQL counts as no row affected.
+        let leases: Vec<_> = self
+            .held
+            .iter()
+            .filter(|(_, held)| !held.settling && !held.lost && held.until < until)
+            .map(|(&id, held)| Lease {
+                id,
+                token: held.token,
+            })
+            .collect();
+        if leases.is_empty() {
+            return;
+        }
+        let outbox = &dispatcher.outbox;
+        self.renewing = Some(Box::pin(async move {
+            let written = {
+                let _turn = outbox.write_turn().await;
+                DB::renew_leases(outbox.pool(), &leases, until).await
+            };
+            Event::Renewed(leases, until, written)
+        }));
+    }
+
+    /// Waits for the next thing to finish; pending forever when nothing runs.
+    pub(super) async fn next(&mut self) -> Event {
+        let renewal_due = !self.held.is_empty() && self.renewing.is_none();
+        tokio::select! {
+            Some(event) = self.claims.next(), if !self.claims.is_empty() => event,
+            event = finish(&mut self.settling) => event,
+            event = finish(&mut self.renewing) => event,
+            Some((lease, sent)) = self.sends.next(), if !self.sends.is_empty() => {
+                Event::Sent(lease, sent)
+            }
+            () = tokio::time::sleep_until(self.next_renewal), if renewal_due => Event::RenewalDue,
+        }
+    }
+
+    /// Takes in what finished; a finished claim reports what it found.
+    pub(super) fn handle(&mut self, event: Event) -> Option<Result<Found, sqlx::Error>> {
+        match event {
+            Event::Claimed(claim, claimed) => {
+                let asked = usize::try_from(claim.limit).unwrap_or(usize::MAX);
+                self.asked = self.asked.saturating_sub(asked);
+                let claimed = match claimed {
+                    Ok(claimed) => claimed,
+                    Err(error) => return Some(Err(error)),
+                };
+                if self.held.is_empty() {
+                    // The first leases since the window was last empty: renew a third of a
+                    // lease from now, not at a tick left over from earlier work.
+                    self.next_renewal = Instant::now() + self.dispatcher.renewal_interval();
+                }
+                let found = Found {
+                    claimed: claimed.len(),
+                    asked,
+                };
+                for message in claimed {
+                    let lease = Lease {
+                        id: message.record.id,
+                        token: claim.token,
+                    };
+                    self.held.insert(
+                        lease.id,
+                        Held {
+                            token: claim.token,
+                            until: claim.lease_until,
+                            settling: false,
+                            lost: false,
+                        },
+                    );
+                    let dispatcher = self.dispatcher;
+                    self.sends.push(Box::pin(async move {
+                        (lease, dispatcher.deliver(message, lease.token).await)
+                    }));
+                }
+                Some(Ok(found))
+            }
+            Event::Sent(lease, sent) => {
+                match sent {
+                    Ok(Some(settlement)) if !self.held.get(&lease.id).is_some_and(|h| h.lost) => {
+                        self.outcomes.push((lease, settlement));
+                        return None;
+                    }
+                    // Taken over: the new holder looks the message up before any resend.
+                    Ok(Some(_) | None) => {}
+                    Err(error) => {
+                        // The lease runs out and another claim picks the message up again.
+                        tracing::warn!(message = %lease.id, %error, "recording an outbox attempt failed");
+                    }
+                }
+                self.held.remove(&lease.id);
+                None
+            }
+            Event::Settled(leases, written) => {
+                match written {
+                    Ok(settled) => {
+                        let settled: HashSet<_> = settled.into_iter().collect();
+                        for lease in &leases {
+                            if !settled.contains(&lease.id) {
+                                tracing::warn!(message = %lease.id, "outbox lease lost before recording the outcome");
+                            }
+                        }
+                    }
+                    Err(error) => {
+                        // The leases run out and the next claims look each message up (its
+                        // attempt was recorded as outcome-unknown) before resending.
+                        tracing::warn!(messages = leases.len(), %error, "recording outbox outcomes failed");
+                    }
+                }
+                for lease in leases {
+                    self.held.remove(&lease.id);
+                }
+                None
+            }
+            Event::Renewed(leases, until, written) => {
+                let renewed = match written {
+                    Ok(renewed) => renewed.into_iter().collect::<HashSet<_>>(),
+                    Err(error) => {
+                        tracing::warn!(%error, "renewing outbox leases failed");
+                        return None;
+                    }
+                };
+                for lease in leases {
+                    let Some(held) = self.held.get_mut(&lease.id) else {
+                        continue;
+                    };
+                    if held.token != lease.token {
+                        continue;
+                    }
+                    if renewed.contains(&lease.id) {
+                        held.until = held.until.max(until);
+                    } else if !held.settling && !held.lost {
+                        // Not a settle of ours that got there first: another dispatcher took
+                        // the message over, and the outcome this attempt reaches is not
+                        // recorded; the new holder looks the message up before any resend.
+                        held.lost = true;
+                        tracing::warn!(message = %lease.id, "outbox lease lost while delivering");
+                    }
+                }
+                None
+            }
+            Event::RenewalDue => {
+                self.renew();
+                None
+            }
+        }
+    }
+}
+
+/// The output of the operation in `slot`, which it then empties; pending while it is empty.
+async fn finish<T>(slot: &mut Option<Op<'_, T>>) -> T {
+    match slot {
+        Some(op) => {
+            let output = op.await;
+            *slot = None;
+            output
+        }
+        None => std::future::pending().await,
+    }
+}

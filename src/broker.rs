@@ -33,6 +33,52 @@ pub(crate) async fn rabbitmq(uri: &str) -> Result<lapin::Connection, lapin::Erro
     }
 }
 
+/// Declares `exchange` on `connection` as a durable topic exchange, unless it exists: one made
+/// beforehand, by the other side or by an operator with other settings, is used as it is.
+#[cfg(feature = "rabbitmq")]
+pub(crate) async fn declare_exchange(
+    connection: &lapin::Connection,
+    exchange: &str,
+) -> Result<(), lapin::Error> {
+    use lapin::ExchangeKind;
+    use lapin::options::ExchangeDeclareOptions;
+    use lapin::types::FieldTable;
+
+    // A passive declare of a missing exchange closes its channel: probe on one of its own.
+    let probe = connection.create_channel().await?;
+    let passive = ExchangeDeclareOptions {
+        passive: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    let found = probe
+        .exchange_declare(
+            exchange.into(),
+            ExchangeKind::Topic,
+            passive,
+            FieldTable::default(),
+        )
+        .await;
+    if found.is_ok() {
+        let _ = probe.close(200, "declared".into()).await;
+        return Ok(());
+    }
+    let channel = connection.create_channel().await?;
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    channel
+        .exchange_declare(
+            exchange.into(),
+            ExchangeKind::Topic,
+            durable,
+            FieldTable::default(),
+        )
+        .await?;
+    let _ = channel.close(200, "declared".into()).await;
+    Ok(())
+}
+
 /// `uri` asking for a 10 s heartbeat, unless it asks for one already.
 #[cfg(feature = "rabbitmq")]
 fn with_heartbeat(uri: &str) -> String {

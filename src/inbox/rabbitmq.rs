@@ -67,11 +67,10 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions,
-    BasicQosOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
-    QueueDeclareOptions,
+    BasicQosOptions, ConfirmSelectOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Connection, ExchangeKind};
+use lapin::{BasicProperties, Channel, Connection};
 
 use super::{Delivery, Failure, Inbox, ReplayReport, Verdict};
 use crate::Backend;
@@ -171,38 +170,7 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
 
     async fn declare_on(&self, connection: &Connection) -> Result<(), lapin::Error> {
         for (exchange, _) in &self.bindings {
-            // A passive declare accepts the exchange as it is (a publisher may have made it
-            // with other settings); its failure closes the channel, hence a fresh one.
-            let probe = connection.create_channel().await?;
-            let exists = probe
-                .exchange_declare(
-                    exchange.as_str().into(),
-                    ExchangeKind::Topic,
-                    ExchangeDeclareOptions {
-                        passive: true,
-                        ..ExchangeDeclareOptions::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .is_ok();
-            if !exists {
-                let channel = connection.create_channel().await?;
-                channel
-                    .exchange_declare(
-                        exchange.as_str().into(),
-                        ExchangeKind::Topic,
-                        ExchangeDeclareOptions {
-                            durable: true,
-                            ..ExchangeDeclareOptions::default()
-                        },
-                        FieldTable::default(),
-                    )
-                    .await?;
-                let _ = channel.close(200, "declared".into()).await;
-            } else {
-                let _ = probe.close(200, "declared".into()).await;
-            }
+            broker::declare_exchange(connection, exchange).await?;
         }
         let channel = connection.create_channel().await?;
         let durable = QueueDeclareOptions {

@@ -4,9 +4,8 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
-use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Connection, ExchangeKind};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::{BasicProperties, Channel, Connection};
 use tokio::sync::Mutex;
 
 use crate::broker;
@@ -113,34 +112,7 @@ impl RabbitMqSender {
     /// is. Idempotent: call it at start, before the first message is sent.
     pub async fn declare(&self) -> Result<(), lapin::Error> {
         let connection = Arc::clone(&self.link.lock().await.connection);
-        let exchange = self.exchange.as_str();
-        // A passive declare of a missing exchange closes its channel: probe on one of its own.
-        let probe = connection.create_channel().await?;
-        let passive = ExchangeDeclareOptions {
-            passive: true,
-            ..ExchangeDeclareOptions::default()
-        };
-        let kind = ExchangeKind::Topic;
-        let declared = probe.exchange_declare(
-            exchange.into(),
-            kind.clone(),
-            passive,
-            FieldTable::default(),
-        );
-        if declared.await.is_ok() {
-            let _ = probe.close(200, "declared".into()).await;
-            return Ok(());
-        }
-        let channel = connection.create_channel().await?;
-        let durable = ExchangeDeclareOptions {
-            durable: true,
-            ..ExchangeDeclareOptions::default()
-        };
-        channel
-            .exchange_declare(exchange.into(), kind, durable, FieldTable::default())
-            .await?;
-        let _ = channel.close(200, "declared".into()).await;
-        Ok(())
+        broker::declare_exchange(&connection, &self.exchange).await
     }
 
     /// The channel to publish on: the current one, a new one on a live connection, or, with

@@ -129,32 +129,48 @@ impl<'a> Statement<'a> {
 
     /// The statement with a placeholder for each value, and the values to bind in order.
     pub(crate) fn bound(&self) -> (AssertSqlSafe<String>, Vec<&Value<'a>>) {
-        let mut sql = String::with_capacity(256);
-        let mut values = Vec::new();
-        self.render(&mut sql, |sql, number, value| {
-            match self.syntax {
-                #[cfg(feature = "postgres")]
-                Syntax::Postgres => {
-                    let _ = write!(sql, "${number}");
-                }
-                // Unnumbered: MySQL binds its placeholders in order.
-                #[cfg(feature = "mysql")]
-                Syntax::MySql => {
-                    let _ = number;
-                    sql.push('?');
-                }
-                #[cfg(feature = "sqlite")]
-                Syntax::Sqlite => {
-                    let _ = write!(sql, "?{number}");
-                }
+        let values: Vec<&Value<'a>> = self
+            .parts
+            .iter()
+            .filter_map(|part| match part {
+                Part::Value(value) => Some(value),
+                Part::Sql(_) => None,
+            })
+            .collect();
+        // Sized once: a record's statement runs to several hundred bytes, and this is on every
+        // new key's path.
+        let text: usize = self
+            .parts
+            .iter()
+            .map(|part| match part {
+                Part::Sql(text) => text.len(),
+                Part::Value(_) => 0,
+            })
+            .sum();
+        let mut sql = String::with_capacity(text + values.len() * PLACEHOLDER_WIDTH);
+        self.render(&mut sql, |sql, number, _| match self.syntax {
+            #[cfg(feature = "postgres")]
+            Syntax::Postgres => {
+                sql.push('$');
+                decimal(sql, number);
             }
-            values.push(value);
+            // Unnumbered: MySQL binds its placeholders in order.
+            #[cfg(feature = "mysql")]
+            Syntax::MySql => {
+                let _ = number;
+                sql.push('?');
+            }
+            #[cfg(feature = "sqlite")]
+            Syntax::Sqlite => {
+                sql.push('?');
+                decimal(sql, number);
+            }
         });
         (AssertSqlSafe(sql), values)
     }
 
     /// The bytes its byte strings and texts hold.
-    fn weight(&self) -> usize {
+    pub(crate) fn weight(&self) -> usize {
         self.parts
             .iter()
             .map(|part| match part {
@@ -270,6 +286,30 @@ impl<'a> Statement<'a> {
 #[cfg(feature = "postgres")]
 fn plain_in_escape_string(character: char) -> bool {
     (character.is_ascii_graphic() || character == ' ') && !matches!(character, '\'' | '\\')
+}
+
+/// Room for one placeholder and the separator before it (`, $123`), so that rendering a
+/// statement with placeholders never grows its text.
+const PLACEHOLDER_WIDTH: usize = 8;
+
+/// Writes a placeholder's number, without the formatting machinery: statements are rendered on
+/// every request.
+fn decimal(sql: &mut String, number: usize) {
+    let mut digits = [0_u8; 20];
+    let mut at = digits.len();
+    let mut rest = number;
+    loop {
+        at -= 1;
+        // A remainder below ten is one ASCII digit.
+        digits[at] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    for &digit in &digits[at..] {
+        sql.push(char::from(digit));
+    }
 }
 
 fn hex(sql: &mut String, value: &[u8]) {

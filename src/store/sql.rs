@@ -193,14 +193,18 @@ where
     Option<i64>: for<'e> Encode<'e, DB> + Type<DB>,
 {
     let (sql, values) = statement.bound();
-    values
-        .into_iter()
-        .fold(sqlx::query(sql), |query, value| match value {
+    // Room for every value up front: the arguments would otherwise grow a few times per record.
+    let mut arguments = DB::Arguments::default();
+    sqlx::Arguments::reserve(&mut arguments, values.len(), statement.weight());
+    values.into_iter().fold(
+        sqlx::query_with(sql, arguments),
+        |query, value| match value {
             Value::Bytes(bytes) => query.bind(bytes.as_deref().map(<[u8]>::to_vec)),
             Value::Text(text) => query.bind(text.as_deref().map(str::to_owned)),
             Value::Int4(int) => query.bind(*int),
             Value::Int8(int) => query.bind(*int),
-        })
+        },
+    )
 }
 
 /// Runs an autocommit statement on the pool; returns how many rows it affected.

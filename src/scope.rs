@@ -14,6 +14,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
@@ -53,7 +54,13 @@ impl<T: Principal> Principal for axum::Extension<T> {
 ///
 /// Background jobs build one directly to go through the same claim logic as HTTP requests.
 #[derive(Clone, PartialEq, Eq)]
-pub struct Scope {
+pub struct Scope(Arc<Fields>);
+
+/// A scope's parts, shared by its clones: the engine hands one to the work's task and one to
+/// each attempt's [`IdempotencyContext`], and a copy of four strings per clone would cost more
+/// than everything else the scope does.
+#[derive(PartialEq, Eq)]
+struct Fields {
     principal: Option<String>,
     method: String,
     route: String,
@@ -68,12 +75,12 @@ impl Scope {
         route: impl Into<String>,
         key: IdempotencyKey,
     ) -> Self {
-        Self {
+        Self(Arc::new(Fields {
             principal: Some(principal.into()),
             method: method.into(),
             route: route.into(),
             key,
-        }
+        }))
     }
 
     /// A scope with no principal, for routes the layer was told to allow anonymously.
@@ -84,27 +91,27 @@ impl Scope {
         route: impl Into<String>,
         key: IdempotencyKey,
     ) -> Self {
-        Self {
+        Self(Arc::new(Fields {
             principal: None,
             method: method.into(),
             route: route.into(),
             key,
-        }
+        }))
     }
 
     /// The principal, or `None` for an anonymous scope.
     pub fn principal(&self) -> Option<&str> {
-        self.principal.as_deref()
+        self.0.principal.as_deref()
     }
 
     /// The HTTP method (or, for jobs, the operation's verb).
     pub fn method(&self) -> &str {
-        &self.method
+        &self.0.method
     }
 
     /// The route template, e.g. `/orders/{id}/ship`.
     pub fn route(&self) -> &str {
-        &self.route
+        &self.0.route
     }
 
     /// The digest that identifies this scope's record.
@@ -113,16 +120,16 @@ impl Scope {
         hasher.update(b"axum-idempotency/scope/v1");
         // The kind byte keeps anonymous scopes apart from a principal whose id is empty, and
         // the length prefixes keep ("ab", "c") apart from ("a", "bc").
-        match &self.principal {
+        match &self.0.principal {
             Some(principal) => {
                 hasher.update([1]);
                 update_field(&mut hasher, principal.as_bytes());
             }
             None => hasher.update([0]),
         }
-        update_field(&mut hasher, self.method.as_bytes());
-        update_field(&mut hasher, self.route.as_bytes());
-        update_field(&mut hasher, self.key.as_str().as_bytes());
+        update_field(&mut hasher, self.0.method.as_bytes());
+        update_field(&mut hasher, self.0.route.as_bytes());
+        update_field(&mut hasher, self.0.key.as_str().as_bytes());
         ScopedKey(hasher.finalize().into())
     }
 }
@@ -131,9 +138,9 @@ impl fmt::Debug for Scope {
     // The raw key stays out of every log line.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Scope")
-            .field("principal", &self.principal)
-            .field("method", &self.method)
-            .field("route", &self.route)
+            .field("principal", &self.0.principal)
+            .field("method", &self.0.method)
+            .field("route", &self.0.route)
             .field("key", &self.scoped_key())
             .finish()
     }

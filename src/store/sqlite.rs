@@ -48,20 +48,16 @@ fn begin_immediate(lock_wait: Duration) -> Statement<'static> {
     begin
 }
 
-/// Removes an expired record under the key, then inserts the record. The plain insert fails on
-/// a live record, leaving the transaction open for the caller to roll back.
+/// Inserts the record. The claim has removed an expired record under the key, so the plain
+/// insert fails only on a record the work itself wrote there, leaving the transaction open for
+/// the caller to roll back.
 fn record_insert<'a>(record: &'a NewRecord<'a>) -> Statement<'a> {
     let mut write = Statement::new(Syntax::Sqlite);
-    write
-        .sql("DELETE FROM idempotency_records WHERE key_digest = ")
-        .bytes(&record.key.digest()[..])
-        .sql(" AND expires_at <= ")
-        .int8(record.created_at.column())
-        .sql(
-            "; INSERT INTO idempotency_records (key_digest, principal, method, route, \
-             fingerprint, state, status, headers, body, created_at, expires_at, lease_owner, \
-             lease_expires_at) VALUES (",
-        );
+    write.sql(
+        "INSERT INTO idempotency_records (key_digest, principal, method, route, \
+         fingerprint, state, status, headers, body, created_at, expires_at, lease_owner, \
+         lease_expires_at) VALUES (",
+    );
     record_values(&mut write, record);
     write.sql(")");
     write
@@ -87,21 +83,34 @@ impl ClaimPath for Sqlite {
         Ok(BeganClaim::Unfused)
     }
 
-    // The transaction holds the write lock, so nothing can change under the read.
+    // The transaction holds the write lock, so nothing can change under the read. A new key,
+    // the common case, finds no row and leaves the record's insert nothing to remove first; an
+    // expired record is removed here, in the claim's transaction, which a rollback restores.
     async fn claim<'a>(
         conn: &'a mut SqliteConnection,
         record: &'a NewRecord<'a>,
         _lock_wait: Duration,
     ) -> Result<bool, Error> {
-        let live: i64 = sqlx::query_scalar(
-            "SELECT COUNT(*) FROM idempotency_records WHERE key_digest = ?1 AND expires_at > ?2",
+        let live: Option<bool> = sqlx::query_scalar(
+            "SELECT expires_at > ?2 FROM idempotency_records WHERE key_digest = ?1",
         )
         .bind(&record.key.digest()[..])
         .bind(record.created_at.column())
-        .fetch_one(conn)
+        .fetch_optional(&mut *conn)
         .await
         .map_err(classify::<Self>)?;
-        Ok(live == 0)
+        match live {
+            None => Ok(true),
+            Some(true) => Ok(false),
+            Some(false) => {
+                sqlx::query("DELETE FROM idempotency_records WHERE key_digest = ?1")
+                    .bind(&record.key.digest()[..])
+                    .execute(conn)
+                    .await
+                    .map_err(classify::<Self>)?;
+                Ok(true)
+            }
+        }
     }
 
     // The record is sent with `COMMIT`, in one call. sqlx ends a `Transaction` only by a

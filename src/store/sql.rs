@@ -187,8 +187,8 @@ pub(super) fn bound<'q, DB>(statement: &Statement<'_>) -> sqlx::query::Query<'q,
 where
     DB: Database,
     DB::Arguments: IntoArguments<DB>,
-    Option<Vec<u8>>: for<'e> Encode<'e, DB> + Type<DB>,
-    Option<String>: for<'e> Encode<'e, DB> + Type<DB>,
+    for<'v> Option<&'v [u8]>: Encode<'v, DB> + Type<DB>,
+    for<'v> Option<&'v str>: Encode<'v, DB> + Type<DB>,
     Option<i32>: for<'e> Encode<'e, DB> + Type<DB>,
     Option<i64>: for<'e> Encode<'e, DB> + Type<DB>,
 {
@@ -199,8 +199,10 @@ where
     values.into_iter().fold(
         sqlx::query_with(sql, arguments),
         |query, value| match value {
-            Value::Bytes(bytes) => query.bind(bytes.as_deref().map(<[u8]>::to_vec)),
-            Value::Text(text) => query.bind(text.as_deref().map(str::to_owned)),
+            // Borrowed: each value is encoded as it is bound, and PostgreSQL's and MySQL's
+            // encoders copy it straight into the message.
+            Value::Bytes(bytes) => query.bind(bytes.as_deref()),
+            Value::Text(text) => query.bind(text.as_deref()),
             Value::Int4(int) => query.bind(*int),
             Value::Int8(int) => query.bind(*int),
         },

@@ -325,7 +325,7 @@ pub mod protocol {}
 ///
 /// | feature | store | notes |
 /// |---|---|---|
-/// | `sqlite` (default) | `SqliteStore` | embedded; claims begin `IMMEDIATE` with `busy_timeout` set from the wait, and the write lock is the key's lock: the claim reads whether a live record holds the key, and the record is written once, in one prepared statement with `COMMIT`; use WAL. A wait that runs out cannot tell the original from another writer: 409 either way. |
+/// | `sqlite` (default) | `SqliteStore` | embedded; claims begin `IMMEDIATE` with `busy_timeout` set from the wait, and the write lock is the key's lock: the claim reads whether a live record holds the key (and deletes an expired one, if there is one), and the record is written once, in one prepared statement with `COMMIT`; use WAL. A wait that runs out cannot tell the original from another writer: 409 either way. |
 /// | `postgres` | `PgStore` | many app instances on one database; a claim is sent with `BEGIN` as a call of the schema's procedure `axum_idempotency_lock_v2`, which takes the key's advisory lock and writes nothing (it deletes an expired record under the key, if there is one); a duplicate of an in-flight claim waits on that lock, bounded by `lock_timeout`, set for the wait only and restored for the handler in the same message; the record is written once, with `COMMIT` |
 /// | `mysql` | `MySqlStore` | MySQL 8 and MariaDB; see below |
 ///

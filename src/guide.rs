@@ -365,8 +365,9 @@ pub mod protocol {}
 /// one session for the whole migration, releases it after, and fails after waiting an hour
 /// for it. The scripts are safe to run twice (`IF NOT EXISTS`, `DROP PROCEDURE IF EXISTS`).
 ///
-/// **The claim procedure.** Schema version 2 adds the stored procedure
-/// `axum_idempotency_claim_v1`. A new key's claim calls it in place of `BEGIN`: it begins the
+/// **The claim procedure.** Schema version 3 adds the stored procedure
+/// `axum_idempotency_claim_v2` (version 2's `axum_idempotency_claim_v1` stays for instances not
+/// yet upgraded). A new key's claim calls it in place of `BEGIN`: it begins the
 /// transaction and claims the key in the one exchange, so the layer adds no round trip before
 /// the handler runs. Creating it needs the `CREATE ROUTINE` privilege, calling it `EXECUTE`
 /// (both come with `ALL` on the database). The claim's values are written into the `CALL` as
@@ -453,10 +454,11 @@ pub mod backends {}
 ///   transaction into the handler's; inside an open transaction it runs under a `SAVEPOINT`. A
 ///   wait that runs out is `55P03`. An engine whose advisory locks are missing or not shared by
 ///   every node must keep a row as the key's lock instead, as the MySQL store does.
-/// - MySQL: the claim is the stored procedure `axum_idempotency_claim_v1`, which begins the
-///   transaction itself, sets `innodb_lock_wait_timeout` for the claim, runs
-///   `INSERT … ON DUPLICATE KEY UPDATE` with `LAST_INSERT_ID(expr)`, and on a taken key rolls back
-///   and `SIGNAL`s. `migrate()` creates it with `CREATE PROCEDURE`.
+/// - MySQL: the claim is the stored procedure `axum_idempotency_claim_v2`, which begins the
+///   transaction itself, sets `innodb_lock_wait_timeout` for the claim, runs a plain `INSERT`
+///   with a `CONTINUE HANDLER` for the duplicate key (then a read, and an `UPDATE` of an expired
+///   row checked with `ROW_COUNT()`), and on a taken key rolls back and `SIGNAL`s. `migrate()`
+///   creates it with `CREATE PROCEDURE`.
 /// - The outbox and inbox pick rows with `FOR UPDATE SKIP LOCKED`, which was not checked against
 ///   these engines.
 ///

@@ -92,7 +92,7 @@ impl StoredResponse {
 
     /// The bytes a record keeps of this response, its encoded headers and its body, counted
     /// without encoding them.
-    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    #[cfg(feature = "postgres")]
     pub(crate) fn stored_len(&self) -> usize {
         let headers: usize = self
             .headers
@@ -287,7 +287,7 @@ mod tests {
         assert_eq!(links, ["</a>; rel=a", "</b>; rel=b"]);
     }
 
-    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    #[cfg(feature = "postgres")]
     #[test]
     fn stored_length_is_what_encoding_gives() {
         let mut headers = HeaderMap::new();

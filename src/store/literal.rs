@@ -294,6 +294,7 @@ const PLACEHOLDER_WIDTH: usize = 8;
 
 /// Writes a placeholder's number, without the formatting machinery: statements are rendered on
 /// every request.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 fn decimal(sql: &mut String, number: usize) {
     let mut digits = [0_u8; 20];
     let mut at = digits.len();

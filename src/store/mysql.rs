@@ -1,20 +1,21 @@
 //! MySQL and MariaDB (InnoDB): for teams whose database is already one of them.
 //!
-//! A claim is always a call of the schema's procedure `axum_idempotency_claim_v1` (schema
-//! version 2), the one place its `INSERT … ON DUPLICATE KEY UPDATE` is written. The procedure
-//! begins the transaction, sets the session's `innodb_lock_wait_timeout` to the claim's bound,
-//! claims, restores the setting, and either returns with the key held or rolls back and
-//! signals: nothing is left open when the key is not ours.
+//! A claim is always a call of the schema's procedure `axum_idempotency_claim_v2` (schema
+//! version 3), the one place its statements are written. The procedure begins the transaction,
+//! sets the session's `innodb_lock_wait_timeout` to the claim's bound, claims with a plain
+//! `INSERT` (looking at the key's row only when there is one: a live record refuses the claim,
+//! an expired one is replaced), restores the setting, and either returns with the key held or
+//! rolls back and signals: nothing is left open when the key is not ours.
 
 use std::time::Duration;
 
 use sqlx::error::DatabaseError;
 use sqlx::mysql::{MySqlConnection, MySqlDatabaseError, MySqlRow};
-use sqlx::{MySql, Pool, Row, Transaction};
+use sqlx::{AssertSqlSafe, MySql, Pool, Row, Transaction};
 
 use super::literal::{Statement, Syntax};
 use super::protocol::{BeganClaim, NewRecord, PurgePace};
-use super::sql::{ClaimPath, Dialect, bound, classify, inline_fits, record_values};
+use super::sql::{ClaimPath, Dialect, bound, classify, readable};
 use crate::error::Error;
 use crate::migrate;
 use crate::record::StoredResponse;
@@ -53,13 +54,25 @@ fn taken(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Database(error) if error.code().as_deref() == Some(TAKEN))
 }
 
-/// The claim: a call of the schema's claim procedure with the record and the lock-wait bound.
-fn claim_call<'a>(record: &'a NewRecord<'a>, lock_wait: Duration) -> Statement<'a> {
+/// The claim: a call of the schema's claim procedure with the key, the scope, the fingerprint,
+/// the times, the lease and the lock-wait bound. The record's state and response are not part
+/// of it: the claim writes the row in flight, and [`record_update`] completes it. So the call
+/// stays small whatever the response, and is always written out.
+fn claim_call<'a>(record: &'a NewRecord<'a>, lock_wait: Duration) -> AssertSqlSafe<String> {
     let mut call = Statement::new(Syntax::MySql);
-    call.sql("CALL axum_idempotency_claim_v1(");
-    record_values(&mut call, record);
-    call.int8(lock_wait_secs(lock_wait)).sql(")");
-    call
+    call.sql("CALL axum_idempotency_claim_v2(")
+        .bytes(&record.key.digest()[..])
+        .opt_text(record.scope.principal().map(readable))
+        .text(readable(record.scope.method()))
+        .text(readable(record.scope.route()))
+        .bytes(&record.fingerprint.as_bytes()[..])
+        .int8(record.created_at.column())
+        .int8(record.expires_at.column())
+        .opt_bytes(record.lease.as_ref().map(|lease| &lease.owner[..]))
+        .opt_int8(record.lease.map(|lease| lease.until.column()))
+        .int8(lock_wait_secs(lock_wait))
+        .sql(")");
+    call.inline("", "")
 }
 
 /// The record's outcome written into the row its claim inserted.
@@ -89,20 +102,13 @@ impl ClaimPath for MySql {
         pool.begin().await.map_err(classify::<Self>)
     }
 
-    // The procedure's call is the statement that begins the transaction. A record too large to
-    // write out is claimed the unfused way.
+    // The procedure's call is the statement that begins the transaction.
     async fn begin_claimed<'a>(
         pool: &'a Pool<Self>,
         record: &'a NewRecord<'a>,
         lock_wait: Duration,
     ) -> Result<BeganClaim<Self>, Error> {
-        if !inline_fits(record.response) {
-            return Ok(BeganClaim::Unfused);
-        }
-        match pool
-            .begin_with(claim_call(record, lock_wait).inline("", ""))
-            .await
-        {
+        match pool.begin_with(claim_call(record, lock_wait)).await {
             Ok(tx) => Ok(BeganClaim::Ours(tx)),
             Err(error) if taken(&error) => Ok(BeganClaim::Taken),
             Err(error) => Err(classify::<Self>(error)),
@@ -118,13 +124,10 @@ impl ClaimPath for MySql {
         record: &'a NewRecord<'a>,
         lock_wait: Duration,
     ) -> Result<bool, Error> {
-        let call = claim_call(record, lock_wait);
-        let called = if inline_fits(record.response) {
-            sqlx::raw_sql(call.inline("", "")).execute(conn).await
-        } else {
-            bound(&call).execute(conn).await
-        };
-        match called {
+        match sqlx::raw_sql(claim_call(record, lock_wait))
+            .execute(conn)
+            .await
+        {
             Ok(_) => Ok(true),
             Err(error) if taken(&error) => Ok(false),
             Err(error) => Err(classify::<Self>(error)),
@@ -168,6 +171,10 @@ impl Dialect for MySql {
         scripts: &[
             (1, include_str!("../../migrations/mysql/0001_records.sql")),
             (2, include_str!("../../migrations/mysql/0002_claim.sql")),
+            (
+                3,
+                include_str!("../../migrations/mysql/0003_plain_insert.sql"),
+            ),
         ],
         begin: "BEGIN",
         // DDL commits implicitly, so the transaction cannot serialise two instances migrating

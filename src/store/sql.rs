@@ -135,14 +135,14 @@ pub trait ClaimPath: Dialect {
     ) -> impl Future<Output = Result<(), Error>> + Send + 'a;
 }
 
-/// The largest response (headers and body) a claim or a finish writes into its statement's
-/// text: past it, the text (twice the bytes, in hexadecimal) costs the database more parsing
-/// than the exchange it saves, and the statement is sent with its values bound.
-#[cfg(any(feature = "postgres", feature = "mysql"))]
+/// The largest response (headers and body) a record's statement writes into its text: past it,
+/// the text (twice the bytes, in hexadecimal) costs the database more parsing than the exchange
+/// it saves, and the statement is sent with its values bound.
+#[cfg(feature = "postgres")]
 const INLINE_RESPONSE_LIMIT: usize = 64 * 1024;
 
 /// Whether a statement carrying `response` is written with its values in its text.
-#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg(feature = "postgres")]
 pub(super) fn inline_fits(response: Option<&StoredResponse>) -> bool {
     response.is_none_or(|response| response.stored_len() <= INLINE_RESPONSE_LIMIT)
 }
@@ -150,7 +150,7 @@ pub(super) fn inline_fits(response: Option<&StoredResponse>) -> bool {
 /// Writes the record's columns as consecutive values: key_digest, principal, method, route,
 /// fingerprint, state, status, headers, body, created_at, expires_at, lease_owner,
 /// lease_expires_at.
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(super) fn record_values<'a>(statement: &mut Statement<'a>, record: &'a NewRecord<'a>) {
     let response = record.response;
     statement
@@ -173,7 +173,7 @@ pub(super) fn record_values<'a>(statement: &mut Statement<'a>, record: &'a NewRe
 /// cannot hold, becomes U+FFFD on every backend alike. The key's digest covers the exact text,
 /// so two scopes that differ only there still never share a record.
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-fn readable(text: &str) -> Cow<'_, str> {
+pub(super) fn readable(text: &str) -> Cow<'_, str> {
     if text.contains('\0') {
         Cow::Owned(text.replace('\0', "\u{fffd}"))
     } else {

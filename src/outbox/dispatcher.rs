@@ -25,8 +25,8 @@ use window::{Found, Window};
 /// its lease within [`lease`](Self::lease) (15 s by default), after which another one looks
 /// the message up (or resends it with the same downstream key).
 ///
-/// Each dispatcher keeps up to [`batch_size`](Self::batch_size) sends in flight, and up to as
-/// many more messages claimed and waiting for a free slot, so a finished send is followed by
+/// Each dispatcher keeps up to [`batch_size`](Self::batch_size) sends in flight, and up to
+/// twice as many more messages claimed and waiting for a free slot, so a finished send is followed by
 /// the next at once rather than after a claim's round trip. Its database work is batched: the claim that leases messages also
 /// records their attempts (so a crash right after it still leads to a lookup, never to a
 /// blind resend), the outcomes that finish together are recorded in one write, and the leases
@@ -92,11 +92,11 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         self
     }
 
-    /// How many sends the dispatcher keeps in flight at once; default 16. It claims up to as
-    /// many more ahead, which wait for a free slot (and are given back uncounted at shutdown),
-    /// and claims again once half a batch is free, so a slow send holds one slot, not a
+    /// How many sends the dispatcher keeps in flight at once; default 16. It claims up to
+    /// twice as many more ahead, which wait for a free slot (and are given back uncounted at
+    /// shutdown), and claims again once a batch is free, so a slow send holds one slot, not a
     /// whole batch. Messages whose outcome is being recorded still hold their lease, so a
-    /// dispatcher holds at most three times this many leases.
+    /// dispatcher holds at most four times this many leases.
     #[must_use]
     pub fn batch_size(mut self, size: u32) -> Self {
         self.batch_size = size.max(1);

@@ -2,8 +2,8 @@
 //!
 //! Up to `batch_size` sends run at once; a claim refills the window as they finish rather than
 //! after the last of a batch, so the downstream is never left idle while the dispatcher waits
-//! for its slowest send. Claims run up to a batch ahead of the free send slots: a slot that
-//! frees starts the next claimed message at once instead of waiting for a claim's round trip,
+//! for its slowest send. Claims run up to two batches ahead of the free send slots: a slot
+//! that frees starts the next claimed message at once instead of waiting for a claim's round trip,
 //! which otherwise bounds the relay to a batch per (claim + send) rather than per send. The writes are batched: one claim leases many messages and begins
 //! their attempts, one settle records every outcome that finished meanwhile, one renewal
 //! extends every lease held. At most two claims, one settle and one renewal run at a time; on
@@ -142,8 +142,8 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         }));
     }
 
-    /// Claims as many messages as there is room for (the send slots and a batch waiting for
-    /// them), once half a batch is free: a claim per freed slot would cost a write per message
+    /// Claims as many messages as there is room for (the send slots and two batches waiting
+    /// for them), once a batch is free: a claim per freed slot would cost a write per message
     /// again, and the messages waiting keep the slots busy meanwhile. A second claim may start while one is on its way (one at a time where
     /// the database has one writer), so slots freed meanwhile do not wait for the first
     /// claim's round trip.
@@ -152,11 +152,11 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         let queued = self.sends.len() + self.ready.len() + self.asked;
         // Messages whose outcome waits to be written still hold a lease; a database slower
         // than the sends must not let them pile up without bound.
-        let room = (2 * batch)
+        let room = (3 * batch)
             .saturating_sub(queued)
-            .min((3 * batch).saturating_sub(self.held.len() + self.asked));
+            .min((4 * batch).saturating_sub(self.held.len() + self.asked));
         let concurrent = if DB::ONE_WRITER { 1 } else { 2 };
-        if self.claims.len() < concurrent && room >= (batch / 2).max(1) {
+        if self.claims.len() < concurrent && room >= batch {
             self.claim(room);
         }
     }

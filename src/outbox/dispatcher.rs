@@ -144,7 +144,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// attempt's `last_attempt_at`: when its send started, once its outcome is recorded; the
     /// claim's time when the dispatcher died before that, which for a message that waited for
     /// a send slot is earlier than its send by that wait (milliseconds while sends are quick,
-    /// at most about one send timeout).
+    /// at most about two send timeouts).
     #[must_use]
     pub fn lookup_grace(mut self, grace: Duration) -> Self {
         self.lookup_grace = grace;

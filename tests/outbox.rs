@@ -179,6 +179,8 @@ conformance!(
     shutdown_records_the_sends_in_hand_and_claims_no_more,
     a_batched_settle_writes_each_outcome_only_under_its_own_lease,
     renewals_racing_settles_report_no_lost_lease,
+    a_message_claimed_ahead_and_unsent_at_shutdown_is_not_charged_an_attempt,
+    the_lookup_grace_counts_from_the_send_not_the_claim,
 );
 
 /// A downstream whose answers are scripted and whose calls are recorded.
@@ -1071,4 +1073,112 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
     fn make_writer(&'a self) -> Self::Writer {
         self.clone()
     }
+}
+
+/// A dispatcher claims a batch ahead of its free send slots; those still waiting at shutdown
+/// are given back as if never claimed, and the next dispatcher sends them as first attempts.
+async fn a_message_claimed_ahead_and_unsent_at_shutdown_is_not_charged_an_attempt<DB: Backend>(
+    pool: Pool<DB>,
+) {
+    let outbox = outbox(&pool).await;
+    for name in ["a", "b"] {
+        enqueue_committed(&pool, &outbox, charge(name, "1.00")).await;
+    }
+    let downstream = Downstream::default();
+    downstream.0.delay_ms.store(300, Ordering::SeqCst);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(dispatcher(&outbox, &downstream).batch_size(1).run(async {
+        let _ = stopped.await;
+    }));
+    downstream.0.entered.notified().await;
+    let sent_key = downstream.sends()[0].0.clone();
+    let (sent, waiting) = if sent_key == key("a").to_string() {
+        ("a", "b")
+    } else {
+        ("b", "a")
+    };
+    let claimed_ahead = record(&outbox, waiting).await;
+    assert_eq!(
+        (claimed_ahead.attempts, claimed_ahead.outcome_unknown),
+        (1, true),
+        "claimed with the one sent, its attempt begun by the claim"
+    );
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("run() returns after shutdown")
+        .unwrap();
+
+    assert_eq!(record(&outbox, sent).await.status, Status::Delivered);
+    let given_back = record(&outbox, waiting).await;
+    assert_eq!(given_back.status, Status::Pending);
+    assert_eq!(given_back.attempts, 0);
+    assert!(!given_back.outcome_unknown);
+    assert_eq!(given_back.last_attempt_at, None);
+    assert_eq!(downstream.sends(), vec![(key(sent).to_string(), 1)]);
+
+    let next = Downstream::default();
+    assert_eq!(dispatcher(&outbox, &next).run_once().await.unwrap(), 1);
+    let delivered = record(&outbox, waiting).await;
+    assert_eq!(
+        (delivered.status, delivered.attempts),
+        (Status::Delivered, 1)
+    );
+    assert_eq!(next.sends(), vec![(key(waiting).to_string(), 1)]);
+    assert!(
+        next.lookups().is_empty(),
+        "never sent, so nothing to look up"
+    );
+}
+
+/// A message claimed ahead waits for a send slot after its claim began the attempt; its
+/// outcome records when the send started, and a lookup's grace counts from then.
+async fn the_lookup_grace_counts_from_the_send_not_the_claim<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    for name in ["a", "b"] {
+        enqueue_committed(&pool, &outbox, charge(name, "1.00")).await;
+    }
+    let unknown = || SendOutcome::Unknown {
+        reason: "timed out".into(),
+    };
+    let downstream =
+        Downstream::answering([unknown(), unknown()]).always_looking_up(LookupOutcome::NotFound);
+    downstream.0.delay_ms.store(600, Ordering::SeqCst);
+    let grace = Duration::from_secs(30);
+    let looking = || dispatcher(&outbox, &downstream).lookup_grace(grace);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    // The first may be looked up while the second is sent: it is due again at once.
+    let task = tokio::spawn(looking().batch_size(1).run(async {
+        let _ = stopped.await;
+    }));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while downstream.sends().len() < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the second never sent"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("run() returns after shutdown")
+        .unwrap();
+
+    let (a, b) = (record(&outbox, "a").await, record(&outbox, "b").await);
+    assert!(a.outcome_unknown && b.outcome_unknown);
+    let (a_sent, b_sent) = (a.last_attempt_at.unwrap(), b.last_attempt_at.unwrap());
+    let (first, second) = (a_sent.min(b_sent), a_sent.max(b_sent));
+    assert!(
+        second >= first + Duration::from_millis(550),
+        "claimed together, the second's send waited for the first's slot: {first:?}, {second:?}"
+    );
+
+    looking().run_once().await.unwrap();
+    for (name, sent_at) in [("a", a_sent), ("b", b_sent)] {
+        let waiting = record(&outbox, name).await;
+        assert_eq!(waiting.status, Status::Pending);
+        assert_eq!(waiting.next_attempt_at, sent_at + grace, "{name}");
+    }
+    assert_eq!(downstream.sends().len(), 2);
 }

@@ -25,8 +25,9 @@ use window::{Found, Window};
 /// its lease within [`lease`](Self::lease) (15 s by default), after which another one looks
 /// the message up (or resends it with the same downstream key).
 ///
-/// Each dispatcher keeps up to [`batch_size`](Self::batch_size) sends in flight and claims
-/// more as they finish. Its database work is batched: the claim that leases messages also
+/// Each dispatcher keeps up to [`batch_size`](Self::batch_size) sends in flight, and up to
+/// twice as many more messages claimed and waiting for a free slot, so a finished send is followed by
+/// the next at once rather than after a claim's round trip. Its database work is batched: the claim that leases messages also
 /// records their attempts (so a crash right after it still leads to a lookup, never to a
 /// blind resend), the outcomes that finish together are recorded in one write, and the leases
 /// held are renewed in one write. On SQLite, the dispatchers of one [`Outbox`] (and its
@@ -91,10 +92,11 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         self
     }
 
-    /// How many sends the dispatcher keeps in flight at once; default 16. As sends finish, it
-    /// claims more (once a quarter of them is free), so a slow send holds one slot, not a whole
-    /// batch. Messages whose outcome is being recorded still hold their lease, so a dispatcher
-    /// holds at most twice this many leases.
+    /// How many sends the dispatcher keeps in flight at once; default 16. It claims up to
+    /// twice as many more ahead, which wait for a free slot (and are given back uncounted at
+    /// shutdown), and claims again once a batch is free, so a slow send holds one slot, not a
+    /// whole batch. Messages whose outcome is being recorded still hold their lease, so a
+    /// dispatcher holds at most four times this many leases.
     #[must_use]
     pub fn batch_size(mut self, size: u32) -> Self {
         self.batch_size = size.max(1);
@@ -138,7 +140,11 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
 
     /// After an unknown outcome, how long a lookup that finds nothing is trusted less than the
     /// possibility that the attempt is still running at the downstream: within the grace the
-    /// dispatcher waits, after it the message is resent; default 60 s.
+    /// dispatcher waits, after it the message is resent; default 60 s. It counts from the
+    /// attempt's `last_attempt_at`: when its send started, once its outcome is recorded; the
+    /// claim's time when the dispatcher died before that, which for a message that waited for
+    /// a send slot is earlier than its send by that wait (milliseconds while sends are quick,
+    /// at most about two send timeouts).
     #[must_use]
     pub fn lookup_grace(mut self, grace: Duration) -> Self {
         self.lookup_grace = grace;
@@ -156,9 +162,10 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// Delivers messages until `shutdown` completes.
     ///
     /// Sends run in a sliding window of [`batch_size`](Self::batch_size): as sends finish, the
-    /// dispatcher claims more, and it records outcomes in batches while other sends go on.
-    /// Shutdown is graceful: the sends in hand are finished and recorded (each bounded by the
-    /// send timeout), and no more messages are claimed. Database errors are logged and retried
+    /// dispatcher starts the messages it claimed ahead and claims more, and it records outcomes
+    /// in batches while other sends go on. Shutdown is graceful: the sends in hand are finished
+    /// and recorded (each bounded by the send timeout), the messages claimed but not yet sent
+    /// are given back without counting an attempt, and no more messages are claimed. Database errors are logged and retried
     /// after the poll interval; they never end the loop.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) {
         let mut shutdown = std::pin::pin!(shutdown);
@@ -178,7 +185,10 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
             let rest = resting.filter(|_| !stopping);
             tokio::select! {
                 biased;
-                () = &mut shutdown, if !stopping => stopping = true,
+                () = &mut shutdown, if !stopping => {
+                    stopping = true;
+                    window.stop();
+                }
                 event = window.next() => match window.handle(event) {
                     Some(Ok(Found { claimed, asked })) if claimed < asked => {
                         resting = Some(Instant::now() + self.poll_interval);
@@ -215,8 +225,9 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         }
     }
 
-    /// Leases up to `limit` due messages, beginning the attempts of those sent now.
-    async fn claim(&self, limit: usize) -> (Claim, Result<Vec<Claimed>, sqlx::Error>) {
+    /// Leases up to `limit` due messages, beginning the attempts of those sent now; `probe`
+    /// asks whether anything is due first, where that is cheaper than a claim finding nothing.
+    async fn claim(&self, limit: usize, probe: bool) -> (Claim, Result<Vec<Claimed>, sqlx::Error>) {
         let now = now_millis();
         let claim = Claim {
             now,
@@ -225,6 +236,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
             token: i64::from_ne_bytes(random_u64().to_ne_bytes()),
             limit: i64::try_from(limit).unwrap_or(i64::MAX),
             max_attempts: i64::from(self.max_attempts),
+            probe,
         };
         let _turn = self.outbox.write_turn().await;
         (claim, DB::claim(self.outbox.pool(), claim).await)
@@ -270,9 +282,12 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
             }
             record.attempts += 1;
             record.outcome_unknown = true;
-            record.last_attempt_at = Some(from_millis(now));
         }
 
+        // A message claimed ahead of a free send slot waited after its claim began the
+        // attempt; the attempt starts now, and its outcome records so.
+        let started = now_millis();
+        record.last_attempt_at = Some(from_millis(started));
         let outcome = self
             .bounded(self.sender.send(&record))
             .await
@@ -280,7 +295,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
                 reason: format!("no answer within {:?}", self.send_timeout),
             });
         let now = now_millis();
-        Ok(Some(match outcome {
+        let mut settlement = match outcome {
             SendOutcome::Delivered { receipt } => delivered(receipt, now),
             SendOutcome::Rejected { reason } => failed(reason),
             SendOutcome::Retry { reason, .. } if record.attempts >= self.max_attempts => failed(
@@ -295,7 +310,9 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
                 let at = now.saturating_add(self.delay(record.attempts, None));
                 retry_at(at, Some(reason), true)
             }
-        }))
+        };
+        settlement.last_attempt_at = Some(started);
+        Ok(Some(settlement))
     }
 
     /// Asks the downstream about a message whose last outcome is unknown; the outcome to
@@ -357,6 +374,7 @@ fn delivered(receipt: String, now: i64) -> Settlement {
         outcome_unknown: false,
         next_attempt_at: now,
         finished_at: Some(now),
+        last_attempt_at: None,
     }
 }
 
@@ -369,6 +387,7 @@ fn failed(reason: String) -> Settlement {
         outcome_unknown: false,
         next_attempt_at: now,
         finished_at: Some(now),
+        last_attempt_at: None,
     }
 }
 
@@ -380,6 +399,7 @@ fn retry_at(at: i64, last_error: Option<String>, outcome_unknown: bool) -> Settl
         outcome_unknown,
         next_attempt_at: at,
         finished_at: None,
+        last_attempt_at: None,
     }
 }
 

@@ -90,7 +90,9 @@ pub struct OutboxRecord {
     pub created_at: SystemTime,
     /// When the next attempt (or lookup) is due, for a pending message.
     pub next_attempt_at: SystemTime,
-    /// When the sender was last called.
+    /// When the sender was last called. Between a claim and the recording of the attempt's
+    /// outcome it is the claim's time, a little before the send for a message that waits for
+    /// a send slot.
     pub last_attempt_at: Option<SystemTime>,
     /// When the message became delivered or failed.
     pub finished_at: Option<SystemTime>,

@@ -47,6 +47,9 @@ mod private {
         pub token: i64,
         pub limit: i64,
         pub max_attempts: i64,
+        /// Whether to run the dialect's `CLAIM_PROBE` first: not when the previous claim found
+        /// all it asked for, as more are then likely due and the probe would cost a statement.
+        pub probe: bool,
     }
 
     /// A message a claim leased: its row as the claim left it, and whether the claim began an
@@ -77,6 +80,10 @@ mod private {
         pub outcome_unknown: bool,
         pub next_attempt_at: i64,
         pub finished_at: Option<i64>,
+        /// When the attempt's send started, where the claim began the attempt earlier (a
+        /// message claimed ahead of a free send slot): it replaces the claim's time, so a
+        /// lookup grace counts from the send. `None` leaves `last_attempt_at` as it is.
+        pub last_attempt_at: Option<i64>,
     }
 
     /// How an insert learns the new message's id.
@@ -155,10 +162,16 @@ mod private {
         /// Extends held leases. `Json`: parameters lease_until and the array of `{id, token}`;
         /// `PerRow`: parameters lease_until, id, lease_token.
         const RENEW_LEASES: BatchSql;
-        /// Writes outcomes and releases the leases. `Json`: one parameter, the array of
-        /// `{id, token, status, receipt, last_error, outcome_unknown, next_attempt_at,
-        /// finished_at}`; `PerRow`: parameters status, receipt, last_error, outcome_unknown,
-        /// next_attempt_at, finished_at, id, lease_token.
+        /// Gives back unsent messages whose attempt the claim began, as if it had not: one
+        /// attempt fewer, the last outcome known again, no `last_attempt_at` when no attempt is
+        /// left, the lease released. `Json`: one parameter, the array of `{id, token}`;
+        /// `PerRow`: parameters id, lease_token.
+        const RELEASE_UNSENT: BatchSql;
+        /// Writes outcomes and releases the leases; a null `last_attempt_at` keeps the
+        /// column's value. `Json`: one parameter, the array of `{id, token, status, receipt,
+        /// last_error, outcome_unknown, next_attempt_at, finished_at, last_attempt_at}`;
+        /// `PerRow`: parameters status, receipt, last_error, outcome_unknown, next_attempt_at,
+        /// finished_at, last_attempt_at, id, lease_token.
         const SETTLE: BatchSql;
 
         /// The outbox's schema migrations, oldest first: (version, SQL script). A version once
@@ -245,6 +258,13 @@ mod private {
             pool: &Pool<Self>,
             leases: &[Lease],
             until: i64,
+        ) -> impl Future<Output = Result<Vec<MessageId>, sqlx::Error>> + Send;
+
+        /// Gives back `leases` of messages claimed with an attempt begun but never sent, so
+        /// the attempt is not counted (see [`Claim`]); returns the messages given back.
+        fn release_unsent(
+            pool: &Pool<Self>,
+            leases: &[Lease],
         ) -> impl Future<Output = Result<Vec<MessageId>, sqlx::Error>> + Send;
 
         /// Deletes up to `limit` delivered messages finished before `before`.

@@ -60,10 +60,20 @@ impl Dialect for MySql {
     // Without UPDATE … RETURNING, a batch could only say how many leases held, not which.
     // Releasing the lease always changes the row, so MySQL's "changed rows" count is 1 exactly
     // when the lease was still ours.
+    // MySQL assigns left to right, each seeing the ones before: `last_attempt_at` comes first
+    // so it reads the attempts the claim left.
+    const RELEASE_UNSENT: BatchSql = BatchSql::PerRow(
+        "UPDATE idempotency_outbox
+        SET last_attempt_at = CASE WHEN attempts = 1 THEN NULL ELSE last_attempt_at END,
+            attempts = attempts - 1, outcome_unknown = FALSE,
+            lease_expires_at = NULL, lease_token = NULL
+        WHERE id = ? AND lease_token = ? AND outcome_unknown",
+    );
     const SETTLE: BatchSql = BatchSql::PerRow(
         "UPDATE idempotency_outbox
         SET status = ?, receipt = ?, last_error = ?, outcome_unknown = ?,
             next_attempt_at = ?, finished_at = ?,
+            last_attempt_at = COALESCE(?, last_attempt_at),
             lease_expires_at = NULL, lease_token = NULL
         WHERE id = ? AND lease_token = ?",
     );

@@ -64,14 +64,28 @@ impl Dialect for Postgres {
                SELECT (held ->> 'id')::bigint FROM jsonb_array_elements($2::jsonb) AS held))
          RETURNING idempotency_outbox.id",
     );
+    const RELEASE_UNSENT: BatchSql = BatchSql::Json(
+        "UPDATE idempotency_outbox
+         SET last_attempt_at = CASE WHEN attempts = 1 THEN NULL ELSE last_attempt_at END,
+             attempts = attempts - 1, outcome_unknown = FALSE,
+             lease_expires_at = NULL, lease_token = NULL
+         FROM jsonb_to_recordset($1::jsonb) AS r(id bigint, token bigint)
+         WHERE idempotency_outbox.id = r.id AND lease_token = r.token AND outcome_unknown
+           AND idempotency_outbox.id = ANY (ARRAY(
+               SELECT (released ->> 'id')::bigint
+               FROM jsonb_array_elements($1::jsonb) AS released))
+         RETURNING idempotency_outbox.id",
+    );
     const SETTLE: BatchSql = BatchSql::Json(
         "UPDATE idempotency_outbox
          SET status = s.status, receipt = s.receipt, last_error = s.last_error,
              outcome_unknown = s.outcome_unknown, next_attempt_at = s.next_attempt_at,
-             finished_at = s.finished_at, lease_expires_at = NULL, lease_token = NULL
+             finished_at = s.finished_at,
+             last_attempt_at = COALESCE(s.last_attempt_at, idempotency_outbox.last_attempt_at),
+             lease_expires_at = NULL, lease_token = NULL
          FROM jsonb_to_recordset($1::jsonb) AS s(id bigint, token bigint, status text,
              receipt text, last_error text, outcome_unknown boolean, next_attempt_at bigint,
-             finished_at bigint)
+             finished_at bigint, last_attempt_at bigint)
          WHERE idempotency_outbox.id = s.id AND lease_token = s.token
            AND idempotency_outbox.id = ANY (ARRAY(
                SELECT (settled ->> 'id')::bigint

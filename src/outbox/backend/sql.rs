@@ -101,10 +101,13 @@ where
     const ONE_WRITER: bool = DB::ONE_WRITER;
 
     async fn claim(pool: &Pool<Self>, claim: Claim) -> Result<Vec<Claimed>, sqlx::Error> {
-        if let Some(probe) = DB::CLAIM_PROBE {
+        // One connection for the probe and the statements after it: each acquire from the pool
+        // costs a round trip of its own (the pool pings the connection it hands out).
+        let mut conn = pool.acquire().await?;
+        if let Some(probe) = DB::CLAIM_PROBE.filter(|_| claim.probe) {
             let due: bool = sqlx::query_scalar(probe)
                 .bind(claim.now)
-                .fetch_one(pool)
+                .fetch_one(&mut *conn)
                 .await?;
             if !due {
                 return Ok(Vec::new());
@@ -120,7 +123,7 @@ where
         };
         match DB::CLAIM {
             ClaimSql::OneStatement(sql) => {
-                let rows = update(sql, claim.limit).fetch_all(pool).await?;
+                let rows = update(sql, claim.limit).fetch_all(&mut *conn).await?;
                 rows.iter()
                     .map(|row| {
                         Ok(Claimed {
@@ -132,7 +135,7 @@ where
             }
             ClaimSql::TwoStatements { hold, begin } => {
                 let mut claimed = Vec::new();
-                for row in update(hold, claim.limit).fetch_all(pool).await? {
+                for row in update(hold, claim.limit).fetch_all(&mut *conn).await? {
                     claimed.push(Claimed {
                         record: record_from_row(&row)?,
                         attempt_begun: false,
@@ -140,7 +143,7 @@ where
                 }
                 let left = claim.limit.saturating_sub(claimed.len() as i64);
                 if left > 0 {
-                    for row in update(begin, left).fetch_all(pool).await? {
+                    for row in update(begin, left).fetch_all(&mut *conn).await? {
                         claimed.push(Claimed {
                             record: record_from_row(&row)?,
                             attempt_begun: true,
@@ -154,7 +157,7 @@ where
                 hold,
                 begin,
             } => {
-                let mut tx = pool.begin().await?;
+                let mut tx = sqlx::Connection::begin(&mut *conn).await?;
                 let rows = sqlx::query(select)
                     .bind(claim.now)
                     .bind(claim.now)
@@ -245,6 +248,41 @@ where
         }
     }
 
+    async fn release_unsent(
+        pool: &Pool<Self>,
+        leases: &[Lease],
+    ) -> Result<Vec<MessageId>, sqlx::Error> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        match DB::RELEASE_UNSENT {
+            BatchSql::Json(sql) => {
+                let held: Vec<_> = leases.iter().map(|lease| Held::from(*lease)).collect();
+                let ids = sqlx::query_scalar::<_, i64>(sql)
+                    .bind(json(&held)?.as_str())
+                    .fetch_all(pool)
+                    .await?;
+                Ok(ids.into_iter().map(MessageId::from).collect())
+            }
+            BatchSql::PerRow(sql) => {
+                let mut tx = pool.begin().await?;
+                let mut released = Vec::with_capacity(leases.len());
+                for lease in leases {
+                    let done = sqlx::query(sql)
+                        .bind(lease.id.get())
+                        .bind(lease.token)
+                        .execute(&mut *tx)
+                        .await?;
+                    if DB::rows_affected(&done) == 1 {
+                        released.push(lease.id);
+                    }
+                }
+                tx.commit().await?;
+                Ok(released)
+            }
+        }
+    }
+
     async fn purge_delivered(
         pool: &Pool<Self>,
         before: i64,
@@ -297,6 +335,7 @@ where
                         .bind(settlement.outcome_unknown)
                         .bind(settlement.next_attempt_at)
                         .bind(settlement.finished_at)
+                        .bind(settlement.last_attempt_at)
                         .bind(lease.id.get())
                         .bind(lease.token)
                         .execute(&mut *tx)
@@ -312,7 +351,7 @@ where
     }
 }
 
-/// A lease as a batched renewal passes it.
+/// A lease as a batched renewal or release passes it.
 #[derive(Serialize)]
 struct Held {
     id: i64,
@@ -339,6 +378,7 @@ struct Outcome<'a> {
     outcome_unknown: bool,
     next_attempt_at: i64,
     finished_at: Option<i64>,
+    last_attempt_at: Option<i64>,
 }
 
 impl<'a> Outcome<'a> {
@@ -352,6 +392,7 @@ impl<'a> Outcome<'a> {
             outcome_unknown: settlement.outcome_unknown,
             next_attempt_at: settlement.next_attempt_at,
             finished_at: settlement.finished_at,
+            last_attempt_at: settlement.last_attempt_at,
         }
     }
 }

@@ -75,17 +75,30 @@ impl Dialect for Sqlite {
          WHERE id = h.held_id AND lease_token = h.held_token
          RETURNING id",
     );
+    const RELEASE_UNSENT: BatchSql = BatchSql::Json(
+        "UPDATE idempotency_outbox
+         SET last_attempt_at = CASE WHEN attempts = 1 THEN NULL ELSE last_attempt_at END,
+             attempts = attempts - 1, outcome_unknown = FALSE,
+             lease_expires_at = NULL, lease_token = NULL
+         FROM (SELECT value ->> 'id' AS released_id, value ->> 'token' AS released_token
+               FROM json_each(?1)) AS r
+         WHERE id = r.released_id AND lease_token = r.released_token AND outcome_unknown
+         RETURNING id",
+    );
     const SETTLE: BatchSql = BatchSql::Json(
         "UPDATE idempotency_outbox
          SET status = s.status, receipt = s.receipt, last_error = s.last_error,
              outcome_unknown = s.outcome_unknown, next_attempt_at = s.next_attempt_at,
-             finished_at = s.finished_at, lease_expires_at = NULL, lease_token = NULL
+             finished_at = s.finished_at,
+             last_attempt_at = COALESCE(s.last_attempt_at, idempotency_outbox.last_attempt_at),
+             lease_expires_at = NULL, lease_token = NULL
          FROM (SELECT value ->> 'id' AS settled_id, value ->> 'token' AS token,
                       value ->> 'status' AS status, value ->> 'receipt' AS receipt,
                       value ->> 'last_error' AS last_error,
                       value ->> 'outcome_unknown' AS outcome_unknown,
                       value ->> 'next_attempt_at' AS next_attempt_at,
-                      value ->> 'finished_at' AS finished_at
+                      value ->> 'finished_at' AS finished_at,
+                      value ->> 'last_attempt_at' AS last_attempt_at
                FROM json_each(?1)) AS s
          WHERE id = s.settled_id AND lease_token = s.token
          RETURNING id",

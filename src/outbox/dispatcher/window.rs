@@ -2,12 +2,14 @@
 //!
 //! Up to `batch_size` sends run at once; a claim refills the window as they finish rather than
 //! after the last of a batch, so the downstream is never left idle while the dispatcher waits
-//! for its slowest send. The writes are batched: one claim leases many messages and begins
+//! for its slowest send. Claims run up to two batches ahead of the free send slots: a slot
+//! that frees starts the next claimed message at once instead of waiting for a claim's round trip,
+//! which otherwise bounds the relay to a batch per (claim + send) rather than per send. The writes are batched: one claim leases many messages and begins
 //! their attempts, one settle records every outcome that finished meanwhile, one renewal
 //! extends every lease held. At most two claims, one settle and one renewal run at a time; on
 //! a database with one writer they queue in the process, not in the database's lock wait.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 
@@ -15,10 +17,10 @@ use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use tokio::time::Instant;
 
-use super::Dispatcher;
+use super::{Dispatcher, retry_at};
 use crate::Backend;
 use crate::outbox::backend::{Claim, Claimed, Lease, Settlement};
-use crate::outbox::status::{duration_millis, now_millis};
+use crate::outbox::status::{duration_millis, now_millis, to_millis};
 use crate::outbox::{MessageId, Sender};
 
 type Op<'d, T> = Pin<Box<dyn Future<Output = T> + Send + 'd>>;
@@ -44,6 +46,7 @@ pub(super) enum Event {
     Sent(Lease, Sent),
     Settled(Vec<Lease>, Written),
     Renewed(Vec<Lease>, i64, Written),
+    Released(Vec<Lease>, Written),
     RenewalDue,
 }
 
@@ -58,13 +61,21 @@ pub(super) struct Window<'d, DB: Backend, S> {
     dispatcher: &'d Dispatcher<DB, S>,
     held: HashMap<MessageId, Held>,
     sends: FuturesUnordered<Op<'d, (Lease, Sent)>>,
+    /// Claimed messages waiting for a send slot, oldest first; their leases are held and
+    /// renewed like those being sent.
+    ready: VecDeque<(Lease, Claimed)>,
     /// Outcomes waiting for the settle in progress to finish.
     outcomes: Vec<(Lease, Settlement)>,
     claims: FuturesUnordered<Op<'d, Event>>,
     /// How many messages the claims in progress may still bring.
     asked: usize,
+    /// The last claim found all it asked for, so more are likely due.
+    busy: bool,
     settling: Option<Op<'d, Event>>,
     renewing: Option<Op<'d, Event>>,
+    releasing: FuturesUnordered<Op<'d, Event>>,
+    /// Shutting down: messages a claim brings that find no free slot are given back.
+    stopping: bool,
     next_renewal: Instant,
 }
 
@@ -74,11 +85,15 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             dispatcher,
             held: HashMap::new(),
             sends: FuturesUnordered::new(),
+            ready: VecDeque::new(),
             outcomes: Vec::new(),
             claims: FuturesUnordered::new(),
             asked: 0,
+            busy: false,
             settling: None,
             renewing: None,
+            releasing: FuturesUnordered::new(),
+            stopping: false,
             next_renewal: Instant::now() + dispatcher.renewal_interval(),
         }
     }
@@ -89,32 +104,90 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             && self.claims.is_empty()
             && self.settling.is_none()
             && self.renewing.is_none()
+            && self.releasing.is_empty()
     }
 
-    /// Claims as many messages as there is room for, once a quarter of the window is free: a
-    /// claim per freed slot would cost a write per message again. A second claim may start
-    /// while one is on its way (one at a time where the database has one writer), so slots
-    /// freed meanwhile do not wait for the first claim's round trip.
+    /// For a shutdown: gives back the messages still waiting for a send slot without counting
+    /// the attempts their claim began, so the next dispatcher sends them as first sent. Those
+    /// claimed for a lookup or to fail had nothing begun: their rows are written back as the
+    /// claim found them, lease released.
+    pub(super) fn stop(&mut self) {
+        self.stopping = true;
+        let mut unsent = Vec::new();
+        for (lease, message) in std::mem::take(&mut self.ready) {
+            if message.attempt_begun {
+                unsent.push(lease);
+            } else {
+                let record = message.record;
+                let due = to_millis(record.next_attempt_at);
+                let unchanged = retry_at(due, record.last_error, record.outcome_unknown);
+                self.outcomes.push((lease, unchanged));
+            }
+        }
+        if unsent.is_empty() {
+            return;
+        }
+        for lease in &unsent {
+            if let Some(held) = self.held.get_mut(&lease.id) {
+                held.settling = true;
+            }
+        }
+        let outbox = &self.dispatcher.outbox;
+        self.releasing.push(Box::pin(async move {
+            let written = {
+                let _turn = outbox.write_turn().await;
+                DB::release_unsent(outbox.pool(), &unsent).await
+            };
+            Event::Released(unsent, written)
+        }));
+    }
+
+    /// Claims as many messages as there is room for (the send slots and two batches waiting
+    /// for them), once a batch is free: a claim per freed slot would cost a write per message
+    /// again, and the messages waiting keep the slots busy meanwhile. A second claim may start while one is on its way (one at a time where
+    /// the database has one writer), so slots freed meanwhile do not wait for the first
+    /// claim's round trip.
     pub(super) fn refill(&mut self) {
         let batch = self.dispatcher.batch_size as usize;
+        let queued = self.sends.len() + self.ready.len() + self.asked;
         // Messages whose outcome waits to be written still hold a lease; a database slower
         // than the sends must not let them pile up without bound.
-        let room = batch
-            .saturating_sub(self.sends.len() + self.asked)
-            .min((2 * batch).saturating_sub(self.held.len() + self.asked));
+        let room = (3 * batch)
+            .saturating_sub(queued)
+            .min((4 * batch).saturating_sub(self.held.len() + self.asked));
         let concurrent = if DB::ONE_WRITER { 1 } else { 2 };
-        if self.claims.len() < concurrent && room >= (batch / 4).max(1) {
+        if self.claims.len() < concurrent && room >= batch {
             self.claim(room);
         }
     }
 
     pub(super) fn claim(&mut self, limit: usize) {
         let dispatcher = self.dispatcher;
+        let probe = !self.busy;
         self.asked += limit;
         self.claims.push(Box::pin(async move {
-            let (claim, claimed) = dispatcher.claim(limit).await;
+            let (claim, claimed) = dispatcher.claim(limit, probe).await;
             Event::Claimed(claim, claimed)
         }));
+    }
+
+    /// Starts the waiting messages that the free send slots take, oldest first. One whose lease
+    /// was lost meanwhile is not sent: its new holder looks it up first.
+    fn start_sends(&mut self) {
+        let batch = self.dispatcher.batch_size as usize;
+        while self.sends.len() < batch {
+            let Some((lease, message)) = self.ready.pop_front() else {
+                return;
+            };
+            if self.held.get(&lease.id).is_none_or(|held| held.lost) {
+                self.held.remove(&lease.id);
+                continue;
+            }
+            let dispatcher = self.dispatcher;
+            self.sends.push(Box::pin(async move {
+                (lease, dispatcher.deliver(message, lease.token).await)
+            }));
+        }
     }
 
     /// Starts writing the outcomes that finished, unless a settle is still running (they go
@@ -177,6 +250,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             Some(event) = self.claims.next(), if !self.claims.is_empty() => event,
             event = finish(&mut self.settling) => event,
             event = finish(&mut self.renewing) => event,
+            Some(event) = self.releasing.next(), if !self.releasing.is_empty() => event,
             Some((lease, sent)) = self.sends.next(), if !self.sends.is_empty() => {
                 Event::Sent(lease, sent)
             }
@@ -192,8 +266,12 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                 self.asked = self.asked.saturating_sub(asked);
                 let claimed = match claimed {
                     Ok(claimed) => claimed,
-                    Err(error) => return Some(Err(error)),
+                    Err(error) => {
+                        self.busy = false;
+                        return Some(Err(error));
+                    }
                 };
+                self.busy = claimed.len() >= asked;
                 if self.held.is_empty() {
                     // The first leases since the window was last empty: renew a third of a
                     // lease from now, not at a tick left over from earlier work.
@@ -217,10 +295,11 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                             lost: false,
                         },
                     );
-                    let dispatcher = self.dispatcher;
-                    self.sends.push(Box::pin(async move {
-                        (lease, dispatcher.deliver(message, lease.token).await)
-                    }));
+                    self.ready.push_back((lease, message));
+                }
+                self.start_sends();
+                if self.stopping {
+                    self.stop();
                 }
                 Some(Ok(found))
             }
@@ -228,6 +307,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                 match sent {
                     Ok(Some(settlement)) if !self.held.get(&lease.id).is_some_and(|h| h.lost) => {
                         self.outcomes.push((lease, settlement));
+                        self.start_sends();
                         return None;
                     }
                     // Taken over: the new holder looks the message up before any resend.
@@ -238,6 +318,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                     }
                 }
                 self.held.remove(&lease.id);
+                self.start_sends();
                 None
             }
             Event::Settled(leases, written) => {
@@ -285,6 +366,17 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                         held.lost = true;
                         tracing::warn!(message = %lease.id, "outbox lease lost while delivering");
                     }
+                }
+                None
+            }
+            Event::Released(leases, written) => {
+                if let Err(error) = written {
+                    // Their leases run out; the next claims look each message up before any
+                    // resend, which finds it never sent.
+                    tracing::warn!(messages = leases.len(), %error, "giving back unsent outbox messages failed");
+                }
+                for lease in leases {
+                    self.held.remove(&lease.id);
                 }
                 None
             }

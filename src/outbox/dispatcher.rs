@@ -26,10 +26,10 @@ use window::{Found, Window};
 /// the message up (or resends it with the same downstream key).
 ///
 /// Each dispatcher keeps up to [`batch_size`](Self::batch_size) sends in flight, and up to
-/// twice as many more messages claimed and waiting for a free slot, so a finished send is followed by
-/// the next at once rather than after a claim's round trip. Its database work is batched: the claim that leases messages also
-/// records their attempts (so a crash right after it still leads to a lookup, never to a
-/// blind resend), the outcomes that finish together are recorded in one write, and the leases
+/// twice as many more messages claimed and waiting for a free slot, so a finished send is
+/// followed by the next at once rather than after a claim's round trip. Its database work is
+/// batched: the claim that leases messages also records their attempts (so a crash right
+/// after it still leads to a lookup, never to a blind resend), the outcomes that finish together are recorded in one write, and the leases
 /// held are renewed in one write. On SQLite, the dispatchers of one [`Outbox`] (and its
 /// clones) write one at a time, queueing in the process rather than in SQLite's lock wait.
 ///
@@ -165,8 +165,8 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// dispatcher starts the messages it claimed ahead and claims more, and it records outcomes
     /// in batches while other sends go on. Shutdown is graceful: the sends in hand are finished
     /// and recorded (each bounded by the send timeout), the messages claimed but not yet sent
-    /// are given back without counting an attempt, and no more messages are claimed. Database errors are logged and retried
-    /// after the poll interval; they never end the loop.
+    /// are given back without counting an attempt, and no more messages are claimed. Database
+    /// errors are logged and retried after the poll interval; they never end the loop.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) {
         let mut shutdown = std::pin::pin!(shutdown);
         let mut window = Window::new(&self);

@@ -215,72 +215,14 @@ where
         leases: &[Lease],
         until: i64,
     ) -> Result<Vec<MessageId>, sqlx::Error> {
-        if leases.is_empty() {
-            return Ok(Vec::new());
-        }
-        match DB::RENEW_LEASES {
-            BatchSql::Json(sql) => {
-                let held: Vec<_> = leases.iter().map(|lease| Held::from(*lease)).collect();
-                let ids = sqlx::query_scalar::<_, i64>(sql)
-                    .bind(until)
-                    .bind(json(&held)?.as_str())
-                    .fetch_all(pool)
-                    .await?;
-                Ok(ids.into_iter().map(MessageId::from).collect())
-            }
-            BatchSql::PerRow(sql) => {
-                let mut tx = pool.begin().await?;
-                let mut renewed = Vec::with_capacity(leases.len());
-                for lease in leases {
-                    let done = sqlx::query(sql)
-                        .bind(until)
-                        .bind(lease.id.get())
-                        .bind(lease.token)
-                        .execute(&mut *tx)
-                        .await?;
-                    if DB::rows_affected(&done) == 1 {
-                        renewed.push(lease.id);
-                    }
-                }
-                tx.commit().await?;
-                Ok(renewed)
-            }
-        }
+        still_held(pool, DB::RENEW_LEASES, leases, Some(until)).await
     }
 
     async fn release_unsent(
         pool: &Pool<Self>,
         leases: &[Lease],
     ) -> Result<Vec<MessageId>, sqlx::Error> {
-        if leases.is_empty() {
-            return Ok(Vec::new());
-        }
-        match DB::RELEASE_UNSENT {
-            BatchSql::Json(sql) => {
-                let held: Vec<_> = leases.iter().map(|lease| Held::from(*lease)).collect();
-                let ids = sqlx::query_scalar::<_, i64>(sql)
-                    .bind(json(&held)?.as_str())
-                    .fetch_all(pool)
-                    .await?;
-                Ok(ids.into_iter().map(MessageId::from).collect())
-            }
-            BatchSql::PerRow(sql) => {
-                let mut tx = pool.begin().await?;
-                let mut released = Vec::with_capacity(leases.len());
-                for lease in leases {
-                    let done = sqlx::query(sql)
-                        .bind(lease.id.get())
-                        .bind(lease.token)
-                        .execute(&mut *tx)
-                        .await?;
-                    if DB::rows_affected(&done) == 1 {
-                        released.push(lease.id);
-                    }
-                }
-                tx.commit().await?;
-                Ok(released)
-            }
-        }
+        still_held(pool, DB::RELEASE_UNSENT, leases, None).await
     }
 
     async fn purge_delivered(
@@ -347,6 +289,58 @@ where
                 tx.commit().await?;
                 Ok(settled)
             }
+        }
+    }
+}
+
+/// Runs a statement on each of `leases` (binding `until` first, when given, as a renewal
+/// does) and answers the ids whose lease was still held, so the statement took effect.
+async fn still_held<DB>(
+    pool: &Pool<DB>,
+    batch: BatchSql,
+    leases: &[Lease],
+    until: Option<i64>,
+) -> Result<Vec<MessageId>, sqlx::Error>
+where
+    DB: Dialect,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB>,
+    usize: ColumnIndex<DB::Row>,
+    i64: for<'q> Encode<'q, DB> + for<'r> Decode<'r, DB> + Type<DB>,
+    for<'a> &'a str: Encode<'a, DB> + Type<DB>,
+{
+    if leases.is_empty() {
+        return Ok(Vec::new());
+    }
+    match batch {
+        BatchSql::Json(sql) => {
+            let held: Vec<_> = leases.iter().map(|lease| Held::from(*lease)).collect();
+            let mut query = sqlx::query_scalar::<_, i64>(sql);
+            if let Some(until) = until {
+                query = query.bind(until);
+            }
+            let ids = query.bind(json(&held)?.as_str()).fetch_all(pool).await?;
+            Ok(ids.into_iter().map(MessageId::from).collect())
+        }
+        BatchSql::PerRow(sql) => {
+            let mut tx = pool.begin().await?;
+            let mut held = Vec::with_capacity(leases.len());
+            for lease in leases {
+                let mut query = sqlx::query(sql);
+                if let Some(until) = until {
+                    query = query.bind(until);
+                }
+                let done = query
+                    .bind(lease.id.get())
+                    .bind(lease.token)
+                    .execute(&mut *tx)
+                    .await?;
+                if DB::rows_affected(&done) == 1 {
+                    held.push(lease.id);
+                }
+            }
+            tx.commit().await?;
+            Ok(held)
         }
     }
 }

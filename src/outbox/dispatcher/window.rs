@@ -3,10 +3,10 @@
 //! Up to `batch_size` sends run at once; a claim refills the window as they finish rather than
 //! after the last of a batch, so the downstream is never left idle while the dispatcher waits
 //! for its slowest send. Claims run up to two batches ahead of the free send slots: a slot
-//! that frees starts the next claimed message at once instead of waiting for a claim's round trip,
-//! which otherwise bounds the relay to a batch per (claim + send) rather than per send. The writes are batched: one claim leases many messages and begins
-//! their attempts, one settle records every outcome that finished meanwhile, one renewal
-//! extends every lease held. At most two claims, one settle and one renewal run at a time; on
+//! that frees starts the next claimed message at once instead of waiting for a claim's round
+//! trip, which otherwise bounds the relay to a batch per (claim + send) rather than per send.
+//! The writes are batched: one claim leases many messages and begins their attempts, one
+//! settle records every outcome that finished meanwhile, one renewal extends every lease held. At most two claims, one settle and one renewal run at a time; on
 //! a database with one writer they queue in the process, not in the database's lock wait.
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -144,9 +144,9 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
 
     /// Claims as many messages as there is room for (the send slots and two batches waiting
     /// for them), once a batch is free: a claim per freed slot would cost a write per message
-    /// again, and the messages waiting keep the slots busy meanwhile. A second claim may start while one is on its way (one at a time where
-    /// the database has one writer), so slots freed meanwhile do not wait for the first
-    /// claim's round trip.
+    /// again, and the messages waiting keep the slots busy meanwhile. A second claim may start
+    /// while one is on its way (one at a time where the database has one writer), so slots
+    /// freed meanwhile do not wait for the first claim's round trip.
     pub(super) fn refill(&mut self) {
         let batch = self.dispatcher.batch_size as usize;
         let queued = self.sends.len() + self.ready.len() + self.asked;

@@ -25,13 +25,13 @@ use window::{Found, Window};
 /// its lease within [`lease`](Self::lease) (15 s by default), after which another one looks
 /// the message up (or resends it with the same downstream key).
 ///
-/// Each dispatcher keeps up to [`batch_size`](Self::batch_size) sends in flight, and up to
-/// twice as many more messages claimed and waiting for a free slot, so a finished send is
-/// followed by the next at once rather than after a claim's round trip. Its database work is
-/// batched: the claim that leases messages also records their attempts (so a crash right
-/// after it still leads to a lookup, never to a blind resend), the outcomes that finish together are recorded in one write, and the leases
-/// held are renewed in one write. On SQLite, the dispatchers of one [`Outbox`] (and its
-/// clones) write one at a time, queueing in the process rather than in SQLite's lock wait.
+/// Each dispatcher keeps up to [`batch_size`](Self::batch_size) sends in flight, and up to twice as
+/// many more messages claimed and waiting for a free slot, so a finished send is followed by the
+/// next at once rather than after a claim's round trip. Its database work is batched: the claim
+/// that leases messages also records their attempts (so a crash right after it still leads to a
+/// lookup, never to a blind resend), the outcomes that finish together are recorded in one write,
+/// and the leases held are renewed in one write. On SQLite, the dispatchers of one [`Outbox`] (and
+/// its clones) write one at a time, queueing in the process rather than in SQLite's lock wait.
 ///
 /// ```no_run
 /// # use axum_idempotency::outbox::{Dispatcher, Outbox, OutboxRecord, SendOutcome, Sender};

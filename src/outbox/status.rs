@@ -40,7 +40,8 @@ pub enum Status {
     Pending,
     /// The downstream accepted it; [`OutboxRecord::receipt`] holds what it answered.
     Delivered,
-    /// Given up on: rejected by the downstream or out of attempts; [`OutboxRecord::last_error`] says why.
+    /// Given up on: rejected by the downstream or out of attempts; [`OutboxRecord::last_error`]
+    /// says why.
     Failed,
 }
 

@@ -1,13 +1,14 @@
 //! The dispatcher's sends in flight and the database writes around them.
 //!
 //! Up to `batch_size` sends run at once; a claim refills the window as they finish rather than
-//! after the last of a batch, so the downstream is never left idle while the dispatcher waits
-//! for its slowest send. Claims run up to two batches ahead of the free send slots: a slot
-//! that frees starts the next claimed message at once instead of waiting for a claim's round
-//! trip, which otherwise bounds the relay to a batch per (claim + send) rather than per send.
-//! The writes are batched: one claim leases many messages and begins their attempts, one
-//! settle records every outcome that finished meanwhile, one renewal extends every lease held. At most two claims, one settle and one renewal run at a time; on
-//! a database with one writer they queue in the process, not in the database's lock wait.
+//! after the last of a batch, so the downstream is never left idle while the dispatcher waits for
+//! its slowest send. Claims run up to two batches ahead of the free send slots: a slot that frees
+//! starts the next claimed message at once instead of waiting for a claim's round trip, which
+//! otherwise bounds the relay to a batch per (claim + send) rather than per send. The writes are
+//! batched: one claim leases many messages and begins their attempts, one settle records every
+//! outcome that finished meanwhile, one renewal extends every lease held. At most two claims, one
+//! settle and one renewal run at a time; on a database with one writer they queue in the process,
+//! not in the database's lock wait.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;

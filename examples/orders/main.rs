@@ -33,10 +33,6 @@ use axum::{Extension, Json, Router};
 use axum_idempotency::{IdempotencyLayer, Principal, Store, Tx, TxError};
 use db::Arg::{Int, Text};
 use db::{Backend, Cents};
-use hyper::server::conn::http1;
-use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::pool::PoolOptions;
@@ -123,39 +119,33 @@ async fn serve(app: Router) -> Result<(), Error> {
     // as the server is up is never met by the default action (an abrupt exit).
     let mut terminate = signal(SignalKind::terminate())?;
     let mut interrupt = signal(SignalKind::interrupt())?;
+    let handle = axum_server::Handle::new();
+    let stop = handle.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = terminate.recv() => {}
+            _ = interrupt.recv() => {}
+        }
+        stop.graceful_shutdown(None);
+    });
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
-    let listener = tokio::net::TcpListener::bind(&bind).await?;
+    let listener = std::net::TcpListener::bind(&bind)?;
     println!(
         "orders example listening on http://{}",
         listener.local_addr()?
     );
-    // hyper's server, because `axum::serve` sets no timer and so no header read timeout: a
-    // client that never finishes its request head would hold its connection for ever.
-    let mut http = http1::Builder::new();
-    http.timer(TokioTimer::new());
-    http.header_read_timeout(Duration::from_secs(5));
-    let connections = GracefulShutdown::new();
-    loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            _ = terminate.recv() => break,
-            _ = interrupt.recv() => break,
-        };
-        match accepted {
-            Ok((stream, _)) => {
-                let service = TowerToHyperService::new(app.clone());
-                let connection = http.serve_connection(TokioIo::new(stream), service);
-                tokio::spawn(connections.watch(connection));
-            }
-            // Out of file descriptors, say: pause rather than spin, and keep serving.
-            Err(error) => {
-                tracing::warn!(%error, "could not accept a connection");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
-    drop(listener);
-    connections.shutdown().await;
+    // axum-server rather than `axum::serve`, which sets no header read timeout: a client that
+    // never finishes its request head would hold its connection for ever. A failed accept
+    // (out of file descriptors, say) pauses it briefly; it keeps serving.
+    let mut server = axum_server::from_tcp(listener)?
+        .http1_only()
+        .handle(handle)
+        .accept_error_handler(|_, error| tracing::warn!(%error, "could not accept a connection"));
+    server
+        .http_builder()
+        .http1()
+        .header_read_timeout(Duration::from_secs(5));
+    server.serve(app.into_make_service()).await?;
     Ok(())
 }
 

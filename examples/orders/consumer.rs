@@ -14,7 +14,7 @@
 //! For tests: `BROKER_NAMESPACE` prefixes every broker name, `ORDERS_CONSUMER_FAIL_PERCENT`
 //! makes that share of attempts write and then fail, `ORDERS_FAILPOINT=after-commit` freezes
 //! the process after its first commit, before the ack, and `ORDERS_CONSUMER_STATS_MS` prints
-//! the inbox's counters.
+//! the inbox's counters that often.
 
 use std::fmt::Display;
 use std::time::Duration;
@@ -34,8 +34,10 @@ pub(crate) async fn spawn<DB: Backend>(store: Store<DB>, broker_url: &str) -> Re
     let fail_percent: u32 = setting("ORDERS_CONSUMER_FAIL_PERCENT", 0)?;
     let handler = move |tx: Tx<DB>, delivery| apply(tx, delivery, fail_percent);
     let backoff = Duration::from_millis(setting("ORDERS_CONSUMER_BACKOFF_MS", 1000)?);
+    // Keyed by the payment id, not the message id: a payment applies once whatever its
+    // message ids.
     let mut inbox = Inbox::new("orders", store)
-        .key_by(payment_id)
+        .key_by(|delivery: &Delivery| Ok(parse(delivery.payload())?.0))
         .max_attempts(setting("ORDERS_CONSUMER_MAX_ATTEMPTS", 5)?)
         .backoff(backoff, Duration::from_secs(60));
     if std::env::var("ORDERS_FAILPOINT").as_deref() == Ok("after-commit") {
@@ -83,18 +85,12 @@ pub(crate) async fn spawn<DB: Backend>(store: Store<DB>, broker_url: &str) -> Re
             run(consumer.run(handler));
         }
         other => {
-            return Err(
-                format!("BROKER_URL {other:?} is not built in (features rabbitmq, nats)").into(),
-            );
+            let error = format!("BROKER_URL {other:?} is not built in (features rabbitmq, nats)");
+            return Err(error.into());
         }
     }
     println!("orders consuming payment events ({scheme})");
     Ok(())
-}
-
-/// The inbox's key: the payment id, so a payment applies once whatever its message ids.
-fn payment_id(delivery: &Delivery) -> Result<String, Failure> {
-    Ok(parse(delivery.payload())?.0)
 }
 
 /// `ORDERS_FAILPOINT=after-commit`: committed, not acked; frozen here until the test kills the
@@ -122,21 +118,16 @@ fn print_stats<DB: Backend>(every: Duration, inbox: Inbox<DB>) {
     });
 }
 
-/// Runs the consumer in the background. It only ends when it can consume no more (its queue
-/// or durable consumer was deleted; a lost connection is reconnected). Then the process
-/// exits non-zero, for a supervisor to restart it, rather than serve orders without applying
-/// their payments.
+/// Runs the consumer in the background. It ends only when it can consume no more (its queue
+/// or durable consumer deleted; a lost connection is reconnected): then the process exits 1,
+/// for a supervisor to restart it, rather than serve orders without applying their payments.
 fn run<E: Display>(consumer: impl Future<Output = Result<(), E>> + Send + 'static) {
     tokio::spawn(async move {
-        match consumer.await {
-            Ok(()) => tracing::error!(
-                "the payment consumer stopped: the broker ended its deliveries (was the queue or \
-                 the durable consumer deleted?); exiting, a restart declares them again"
-            ),
-            Err(error) => {
-                tracing::error!(%error, "the payment consumer stopped; exiting for a restart");
-            }
-        }
+        let cause = match consumer.await {
+            Ok(()) => "the broker ended its deliveries (queue or durable consumer deleted?)".into(),
+            Err(error) => error.to_string(),
+        };
+        tracing::error!(%cause, "the payment consumer stopped; exiting, a restart declares it again");
         std::process::exit(1);
     });
 }
@@ -181,14 +172,13 @@ fn parse(payload: &[u8]) -> Result<(String, i64, Cents), Failure> {
         .map_err(|e| Failure::permanent(format!("malformed event: {e}")))?;
     let id = &event.payment_id;
     if id.is_empty() || id.chars().count() > 255 || id.contains(char::is_control) {
-        let reason = "payment_id must be 1 to 255 printable characters";
-        return Err(Failure::permanent(reason));
+        return Err(Failure::permanent(
+            "payment_id must be 1 to 255 printable characters",
+        ));
     }
     let order_id = match &event.order_id {
         Value::Number(n) => n.as_i64(),
-        Value::String(s) if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) => {
-            s.parse().ok()
-        }
+        Value::String(s) if s.bytes().all(|b| b.is_ascii_digit()) => s.parse().ok(),
         _ => None,
     };
     let order_id = order_id.ok_or(Failure::permanent(
@@ -212,8 +202,8 @@ async fn apply<DB: Backend>(
 ) -> Result<(), Failure> {
     let (payment_id, order_id, amount) = parse(delivery.payload())?;
     let (order, amount) = (Arg::Int(order_id), Arg::Int(amount.0));
-    let pay = "UPDATE orders SET status = CASE WHEN paid_total + ? >= amount THEN 'paid' ELSE status END, \
-        paid_total = paid_total + ? WHERE id = ?";
+    let pay = "UPDATE orders SET status = CASE WHEN paid_total + ? >= amount THEN 'paid' \
+        ELSE status END, paid_total = paid_total + ? WHERE id = ?";
     // `?` makes a conflict abort `Failure::Conflict`, run again at once, and any other
     // database error a retryable failure the broker redelivers later.
     if DB::execute(&mut tx, pay, &[amount, amount, order]).await? == 0 {
@@ -222,8 +212,7 @@ async fn apply<DB: Backend>(
         )));
     }
     let insert = "INSERT INTO order_payments (order_id, payment_id, amount) VALUES (?, ?, ?)";
-    let args = [order, Arg::Text(&payment_id), amount];
-    DB::execute(&mut tx, insert, &args).await?;
+    DB::execute(&mut tx, insert, &[order, Arg::Text(&payment_id), amount]).await?;
     if fail_percent > 0 && fastrand::u32(0..100) < fail_percent {
         // Written, then failed: the rollback must leave neither the row nor the claim.
         return Err(Failure::retryable("injected failure"));

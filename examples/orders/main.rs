@@ -1,11 +1,10 @@
 //! An order API made safe to retry: `cargo run --example orders`.
 //!
-//! SQLite file by default; `DATABASE_URL=postgres://…` (built with `--features postgres`) or
-//! `mysql://…` (`--features mysql`) switches the backend. `BIND` sets the address (default
-//! 127.0.0.1:3000), `IDEMPOTENCY_TTL_SECS` the retention of keys (default 24 h),
-//! `DATABASE_MAX_CONNECTIONS` the pool's size (default 10).
-//! `BROKER_URL=amqp://…` (`--features rabbitmq`) or `nats://…` (`--features nats`) also
-//! consumes payment events and applies each payment once (see `consumer.rs`).
+//! Settings: `DATABASE_URL` (an SQLite file by default; `postgres://…` with `--features
+//! postgres`, `mysql://…` with `--features mysql`), `BIND` (default 127.0.0.1:3000),
+//! `IDEMPOTENCY_TTL_SECS` (how long keys live, default 24 h) and `DATABASE_MAX_CONNECTIONS`
+//! (default 10). `BROKER_URL=amqp://…` (`--features rabbitmq`) or `nats://…` (`--features
+//! nats`) also consumes payment events and applies each payment once (see `consumer.rs`).
 //!
 //! It stops on SIGTERM (what Kubernetes and systemd send) as on Ctrl-C: it stops accepting,
 //! answers every request already in flight, then exits 0. A connection whose request head
@@ -44,9 +43,8 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 #[tokio::main]
 async fn main() -> Result<(), Error> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env();
-    tracing_subscriber::fmt()
-        .with_env_filter(filter.unwrap_or_else(|_| "info".into()))
-        .init();
+    let filter = filter.unwrap_or_else(|_| "info".into());
+    tracing_subscriber::fmt().with_env_filter(filter).init();
     let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "sqlite://orders.db".into());
     let app = match url.split(':').next().unwrap_or_default() {
         "sqlite" => {
@@ -71,8 +69,8 @@ async fn app<DB: Backend>(
     database: <DB::Connection as Connection>::Options,
 ) -> Result<Router, Error> {
     let pool_size = setting("DATABASE_MAX_CONNECTIONS", 10)?;
-    // A connection is waited for at most three seconds, well within the layer's ten-second
-    // deadline: with the database down or the pool run dry, a request fails fast and retryably.
+    // A connection is waited for at most 3 s, well within the layer's 10 s deadline: with the
+    // database down or the pool run dry, a request fails fast and retryably.
     let pool = PoolOptions::<DB>::new()
         .max_connections(pool_size)
         .acquire_timeout(Duration::from_secs(3))
@@ -112,11 +110,10 @@ async fn app<DB: Backend>(
     Ok(routes.route_layer(idempotency).with_state(pool))
 }
 
-/// Serves `app` on `BIND` until SIGTERM (what Kubernetes and systemd send) or Ctrl-C, then
-/// answers the requests in flight and returns.
+/// Serves `app` on `BIND` until SIGTERM or Ctrl-C, then answers the requests in flight.
 async fn serve(app: Router) -> Result<(), Error> {
-    // Listening for signals from now on, before the address is printed: a signal sent as soon
-    // as the server is up is never met by the default action (an abrupt exit).
+    // Listening for signals before the address is printed: a signal sent as soon as the
+    // server is up is never met by the default action (an abrupt exit).
     let mut terminate = signal(SignalKind::terminate())?;
     let mut interrupt = signal(SignalKind::interrupt())?;
     let handle = axum_server::Handle::new();
@@ -134,9 +131,9 @@ async fn serve(app: Router) -> Result<(), Error> {
         "orders example listening on http://{}",
         listener.local_addr()?
     );
-    // axum-server rather than `axum::serve`, which sets no header read timeout: a client that
-    // never finishes its request head would hold its connection for ever. A failed accept
-    // (out of file descriptors, say) pauses it briefly; it keeps serving.
+    // axum-server, because `axum::serve` has no header read timeout: a client that never
+    // finishes its request head would hold its connection for ever. A failed accept (out of
+    // file descriptors, say) only pauses the accept loop.
     let mut server = axum_server::from_tcp(listener)?
         .http1_only()
         .handle(handle)
@@ -145,8 +142,7 @@ async fn serve(app: Router) -> Result<(), Error> {
         .http_builder()
         .http1()
         .header_read_timeout(Duration::from_secs(5));
-    server.serve(app.into_make_service()).await?;
-    Ok(())
+    Ok(server.serve(app.into_make_service()).await?)
 }
 
 /// The setting `name`, or `default` when it is not set; a value that does not parse stops the
@@ -190,7 +186,7 @@ impl<DB: Backend> FromRequestParts<Pool<DB>> for AuthUser {
 struct OrderRequest {
     sku: String,
     quantity: i64,
-    /// Read as written, not as a float: see `Cents::parse`.
+    /// Read as written, not as a float, and kept in cents: see `Cents::parse`.
     amount: serde_json::Number,
     currency: String,
 }
@@ -198,47 +194,36 @@ struct OrderRequest {
 async fn create_order<DB: Backend>(
     Extension(user): Extension<AuthUser>,
     mut tx: Tx<DB>,
-    request: Result<Json<OrderRequest>, JsonRejection>,
+    order: Result<Json<OrderRequest>, JsonRejection>,
 ) -> Result<Response, Problem> {
-    let Json(OrderRequest {
-        sku,
-        quantity,
-        amount,
-        currency,
-    }) = request?;
-    if quantity < 1 {
+    let Json(order) = order?;
+    if order.quantity < 1 {
         return Err(invalid("quantity must be at least 1"));
     }
-    let amount = Cents::parse(&amount)
-        .filter(|amount| amount.0 > 0)
-        .ok_or(invalid(
-            "amount must be a positive number with at most two decimals, below 10000000000000",
-        ))?;
+    let amount = Cents::parse(&order.amount).filter(|amount| amount.0 > 0);
+    let amount = amount.ok_or(invalid(
+        "amount must be a positive number with at most two decimals, below 10000000000000",
+    ))?;
     // What a column cannot hold is refused here, finally: in the database it would fail as a
     // 5xx, which the client would retry forever. The catalog is checked here too, so a sku
     // matches exactly on every backend (MySQL's default collation ignores case and spaces).
+    let currency = order.currency.as_str();
     if currency.is_empty() || currency.chars().count() > 8 || currency.contains(char::is_control) {
         return Err(invalid("currency must be 1 to 8 printable characters"));
     }
-    if !["widget", "gadget"].contains(&sku.as_str()) {
+    if !["widget", "gadget"].contains(&order.sku.as_str()) {
         return Err(invalid("unknown sku"));
     }
+    let (sku, quantity) = (Text(&order.sku), Int(order.quantity));
     let take = "UPDATE products SET stock = stock - ? WHERE sku = ? AND stock >= ?";
-    if DB::execute(&mut tx, take, &[Int(quantity), Text(&sku), Int(quantity)]).await? == 0 {
+    if DB::execute(&mut tx, take, &[quantity, sku, quantity]).await? == 0 {
         return Err(OUT_OF_STOCK);
     }
     let insert = "INSERT INTO orders (user_id, status, sku, quantity, amount, currency) \
         VALUES (?, 'created', ?, ?, ?, ?) RETURNING id";
-    let args = [
-        Int(user.id),
-        Text(&sku),
-        Int(quantity),
-        Int(amount.0),
-        Text(&currency),
-    ];
-    let id = DB::int(&mut tx, insert, &args)
-        .await?
-        .ok_or(sqlx::Error::RowNotFound)?;
+    let args = [Int(user.id), sku, quantity, Int(amount.0), Text(currency)];
+    let id = DB::int(&mut tx, insert, &args).await?;
+    let id = id.ok_or(sqlx::Error::RowNotFound)?;
     // Read back as `GET /orders/{id}` shows it: one shape for both answers.
     let order = db::orders::<DB>(&mut tx, user.id, (id, id)).await?.pop();
     let order = order.ok_or(sqlx::Error::RowNotFound)?;
@@ -282,13 +267,9 @@ async fn like<DB: Backend>(
     article_id: Result<Path<i64>, PathRejection>,
 ) -> Result<Response, Problem> {
     let Path(article_id) = article_id?;
-    let (liked, change) = match method {
-        Method::PUT => (true, DB::ADD_LIKE),
-        _ => (
-            false,
-            "DELETE FROM likes WHERE user_id = ? AND article_id = ?",
-        ),
-    };
+    let liked = method == Method::PUT;
+    let unlike = "DELETE FROM likes WHERE user_id = ? AND article_id = ?";
+    let change = if liked { DB::ADD_LIKE } else { unlike };
     DB::execute(&mut tx, change, &[Int(user.id), Int(article_id)]).await?;
     let count = "SELECT COUNT(*) FROM likes WHERE article_id = ?";
     let likes = DB::int(&mut tx, count, &[Int(article_id)]).await?;
@@ -318,8 +299,13 @@ const OUT_OF_STOCK: Problem = Problem::Refused(
 );
 const NOT_FOUND: Problem = Problem::Refused(StatusCode::NOT_FOUND, "not_found", "no such order");
 
+/// A final 400: the same request will never succeed, so it is stored and replayed.
+fn bad_request(code: &'static str, detail: &'static str) -> Problem {
+    Problem::Refused(StatusCode::BAD_REQUEST, code, detail)
+}
+
 fn invalid(detail: &'static str) -> Problem {
-    Problem::Refused(StatusCode::BAD_REQUEST, "invalid_order", detail)
+    bad_request("invalid_order", detail)
 }
 
 impl From<JsonRejection> for Problem {
@@ -335,22 +321,14 @@ impl From<JsonRejection> for Problem {
             JsonRejection::JsonDataError(_) => {
                 invalid("the order needs sku, quantity, amount and currency of the right types")
             }
-            _ => Problem::Refused(
-                StatusCode::BAD_REQUEST,
-                "malformed_json",
-                "the body is not valid JSON",
-            ),
+            _ => bad_request("malformed_json", "the body is not valid JSON"),
         }
     }
 }
 
 impl From<PathRejection> for Problem {
     fn from(_: PathRejection) -> Self {
-        Problem::Refused(
-            StatusCode::BAD_REQUEST,
-            "invalid_id",
-            "the id must be an integer",
-        )
+        bad_request("invalid_id", "the id must be an integer")
     }
 }
 
@@ -366,7 +344,9 @@ impl IntoResponse for Problem {
             Problem::Refused(status, code, detail) => (status, code, detail),
             Problem::Database(error) => return error.into_response(),
         };
-        let body = json!({ "type": "about:blank", "title": status.canonical_reason(), "status": status.as_u16(), "code": code, "detail": detail });
+        let title = status.canonical_reason();
+        let body = json!({ "type": "about:blank", "title": title, "status": status.as_u16(),
+            "code": code, "detail": detail });
         let content_type = (header::CONTENT_TYPE, "application/problem+json");
         (status, [content_type], body.to_string()).into_response()
     }

@@ -44,7 +44,17 @@ pub(crate) async fn spawn<DB: Backend>(store: Store<DB>, broker_url: &str) -> Re
         inbox = inbox.on_verdict(freeze_after_commit);
     }
     if let Ok(every) = std::env::var("ORDERS_CONSUMER_STATS_MS") {
-        print_stats(Duration::from_millis(every.parse()?), inbox.clone());
+        let (every, inbox) = (Duration::from_millis(every.parse()?), inbox.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let stats = inbox.stats();
+                println!(
+                    "consumer stats processed={} duplicates={} retried={} dead={}",
+                    stats.processed, stats.duplicates, stats.retried, stats.dead
+                );
+            }
+        });
     }
     let replay = std::env::args().any(|arg| arg == "replay-dead");
     let concurrency: u16 = setting("ORDERS_CONSUMER_CONCURRENCY", 4)?;
@@ -102,20 +112,6 @@ fn freeze_after_commit(_: &Delivery, verdict: &Verdict) {
             std::thread::sleep(Duration::from_secs(3600));
         }
     }
-}
-
-/// `ORDERS_CONSUMER_STATS_MS`: prints the inbox's counters that often.
-fn print_stats<DB: Backend>(every: Duration, inbox: Inbox<DB>) {
-    tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(every).await;
-            let stats = inbox.stats();
-            println!(
-                "consumer stats processed={} duplicates={} retried={} dead={}",
-                stats.processed, stats.duplicates, stats.retried, stats.dead
-            );
-        }
-    });
 }
 
 /// Runs the consumer in the background. It ends only when it can consume no more (its queue

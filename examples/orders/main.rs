@@ -8,13 +8,7 @@
 //!
 //! It stops on SIGTERM (what Kubernetes and systemd send) as on Ctrl-C: it stops accepting,
 //! answers every request already in flight, then exits 0. A connection whose request head
-//! takes over 5 s is closed.
-//!
-//! ```text
-//! curl -i -X POST localhost:3000/orders -H 'authorization: Bearer alice-token' \
-//!   -H 'idempotency-key: 9b1deb4d-3b7d-4bad-9bdd-2b0d7b3dcb6d' -H 'content-type: application/json' \
-//!   -d '{"sku":"widget","quantity":2,"amount":12.5,"currency":"EUR"}'
-//! ```
+//! takes over 5 s is closed. The README's "Try it" section is a session to paste.
 
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 mod consumer;
@@ -127,10 +121,8 @@ async fn serve(app: Router) -> Result<(), Error> {
     });
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
     let listener = std::net::TcpListener::bind(&bind)?;
-    println!(
-        "orders example listening on http://{}",
-        listener.local_addr()?
-    );
+    let address = listener.local_addr()?;
+    println!("orders example listening on http://{address}");
     // axum-server, because `axum::serve` has no header read timeout: a client that never
     // finishes its request head would hold its connection for ever. A failed accept (out of
     // file descriptors, say) only pauses the accept loop.
@@ -138,15 +130,12 @@ async fn serve(app: Router) -> Result<(), Error> {
         .http1_only()
         .handle(handle)
         .accept_error_handler(|_, error| tracing::warn!(%error, "could not accept a connection"));
-    server
-        .http_builder()
-        .http1()
-        .header_read_timeout(Duration::from_secs(5));
+    let timeout = Duration::from_secs(5);
+    server.http_builder().http1().header_read_timeout(timeout);
     Ok(server.serve(app.into_make_service()).await?)
 }
 
-/// The setting `name`, or `default` when it is not set; a value that does not parse stops the
-/// example.
+/// The setting `name`, or `default` when unset; a value that does not parse stops the example.
 fn setting<T: std::str::FromStr>(name: &str, default: T) -> Result<T, Error>
 where
     T::Err: std::error::Error + Send + Sync + 'static,

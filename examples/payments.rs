@@ -9,12 +9,17 @@
 //! curl -i http://127.0.0.1:3001/payments/1 -H 'Authorization: Bearer alice-token'
 //! ```
 //!
-//! `POST /payments` never calls the provider: it writes the payment and an outbox message in
-//! the request's transaction, the one that holds the idempotency claim, and answers `202` with
+//! `POST /payments` never calls the provider: it enqueues the charge in the outbox inside the
+//! request's transaction, the one that holds the idempotency claim, and answers `202` with
 //! `{ id, status: "pending" }`. A dispatcher sends the charge after the commit, with a
 //! downstream key derived from the request's scoped key, so retries, resends and crashes reach
 //! the provider as one charge. `GET /payments/{id}` shows `pending`, `succeeded` (with the
 //! provider's `charge_id`) or `failed` (with the `reason`).
+//!
+//! The outbox message is the payment's only record, so the example needs no table of its own:
+//! its id is the payment's id, its payload what was asked (and by whom), its status what became
+//! of it. Keep delivered messages for as long as payments should be shown: this example never
+//! calls `Outbox::purge_delivered`.
 //!
 //! A payment is a final `400 invalid_payment`, never charged, unless its `order_id` is an integer
 //! or a string of digits (what the orders example can apply), its `amount` a positive number of
@@ -51,24 +56,22 @@ use axum::{Json, Router, middleware};
 use axum_idempotency::outbox::{self, Backoff, DispatchWaker, Dispatcher, DownstreamKey};
 use axum_idempotency::outbox::{HttpSender, LookupOutcome, Message, MessageId, Outbox};
 use axum_idempotency::outbox::{OutboxRecord, SendOutcome, Sender, Status};
-use axum_idempotency::{IdempotencyContext, IdempotencyLayer, Principal, Store, Tx, TxError};
-use db::Arg::{Int, Text};
-use db::{COLUMNS, Payments};
+use axum_idempotency::{Backend, IdempotencyContext, IdempotencyLayer, Principal, Store};
+use axum_idempotency::{Tx, TxError};
 use hyper::server::conn::http1;
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
-use serde::{Deserialize, Serialize, Serializer};
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use sqlx::pool::PoolOptions;
-use sqlx::{Connection, Pool};
+use sqlx::{Connection, Pool, pool::PoolOptions};
 use tokio::signal::unix::{SignalKind, signal};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
+/// The outbox topics: charges for the provider, events for the broker.
 const CHARGE_TOPIC: &str = "payments.charge";
-/// The outbox topic of the events announcing a succeeded payment.
 const EVENT_TOPIC: &str = "payment.succeeded";
 
 #[tokio::main]
@@ -91,9 +94,9 @@ async fn main() -> Result<(), Error> {
     }
 }
 
-/// Connects to the database and creates the tables, starts the dispatchers and serves the API
-/// until SIGTERM (Kubernetes, systemd) or Ctrl-C; then stops the dispatchers and returns.
-async fn run<DB: Payments>(
+/// Creates the crate's tables, starts the dispatchers and serves the API until SIGTERM
+/// (Kubernetes, systemd) or Ctrl-C; then stops the dispatchers and returns.
+async fn run<DB: Backend>(
     database: <DB::Connection as Connection>::Options,
     pool_size: u32,
 ) -> Result<(), Error> {
@@ -101,7 +104,6 @@ async fn run<DB: Payments>(
         .max_connections(pool_size)
         .connect_with(database)
         .await?;
-    DB::create_table(&pool).await?;
     let store = Store::new(pool.clone());
     store.migrate().await?;
     let outbox = Outbox::new(pool.clone());
@@ -122,10 +124,9 @@ async fn run<DB: Payments>(
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let (mut dispatchers, mut wakers) = (Vec::new(), Vec::new());
     for _ in 0..setting("DISPATCHERS", 1)? {
-        let (provider, broker) = (provider.clone(), broker.clone());
         let routed = Routed {
-            provider,
-            broker,
+            provider: provider.clone(),
+            broker: broker.clone(),
             outbox: outbox.clone(),
             pool: pool.clone(),
         };
@@ -157,7 +158,7 @@ async fn run<DB: Payments>(
             std::future::ready(response)
         }))
         .route("/payments/{id}", get(show::<DB>))
-        .with_state((pool, outbox));
+        .with_state(outbox);
     serve(app).await?;
     let _ = stop.send(true);
     for dispatcher in dispatchers {
@@ -241,55 +242,80 @@ impl Principal for AuthUser {
     }
 }
 
-/// An amount of money in cents: sums and comparisons are exact.
-#[derive(Clone, Copy)]
+/// An amount of money in cents: sums and comparisons are exact. It reads and writes as a JSON
+/// number (`12.5`; `10` as `10.0`): below 10^13 the quotient by 100 is the double nearest the
+/// decimal, which prints back as that decimal.
+#[derive(Clone, Copy, Serialize, Deserialize)]
+#[serde(try_from = "serde_json::Number", into = "f64")]
 struct Cents(i64);
 
-impl Cents {
-    /// Reads a JSON number as cents; `None` when negative, finer than a cent, or from 10^13 on
-    /// (15 digits, all a JSON number carries exactly). A fraction arrives as a double, which prints
-    /// as the shortest decimal that reads back as it: the number as the client wrote it.
-    fn parse(number: &serde_json::Number) -> Option<Self> {
+impl TryFrom<serde_json::Number> for Cents {
+    type Error = &'static str;
+
+    /// Fails when negative, finer than a cent, or from 10^13 on (15 digits, all a JSON number
+    /// carries exactly). A fraction arrives as a double, which prints as the shortest decimal
+    /// that reads back as it: the number as the client wrote it.
+    fn try_from(number: serde_json::Number) -> Result<Self, Self::Error> {
+        const NOT_CENTS: &str = "not an amount of whole cents below 10^13";
         let text = number.to_string();
         let (whole, fraction) = text.split_once('.').unwrap_or((&text, ""));
-        let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-        if !digits(whole) || fraction.len() > 2 || !(fraction.is_empty() || digits(fraction)) {
-            return None;
+        let digits = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
+        if whole.is_empty() || !digits(whole) || !digits(fraction) || fraction.len() > 2 {
+            return Err(NOT_CENTS);
         }
-        let cents = whole.parse::<i64>().ok()?.checked_mul(100)?;
-        let cents = cents + format!("{fraction:0<2}").parse::<i64>().ok()?;
-        (cents < 10_i64.pow(15)).then_some(Self(cents))
+        let cents = whole
+            .parse::<i64>()
+            .ok()
+            .and_then(|whole| whole.checked_mul(100));
+        let cents =
+            cents.and_then(|cents| cents.checked_add(format!("{fraction:0<2}").parse().ok()?));
+        cents
+            .filter(|&cents| cents < 10_i64.pow(15))
+            .map(Self)
+            .ok_or(NOT_CENTS)
     }
 }
 
-impl Serialize for Cents {
-    /// The number the client sent (`12.5`; `10` as `10.0`): below 10^13 the quotient is the
-    /// double nearest the decimal, which prints back as that decimal.
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        (self.0 as f64 / 100.0).serialize(serializer)
+impl From<Cents> for f64 {
+    fn from(amount: Cents) -> f64 {
+        amount.0 as f64 / 100.0
     }
 }
 
 #[derive(Deserialize)]
 struct NewPayment {
-    /// An integer or a string of digits, passed on to the event unchanged.
     order_id: Value,
     amount: serde_json::Number,
     currency: String,
     payee: String,
 }
 
-async fn create<DB: Payments>(
-    State((_, outbox)): State<(Pool<DB>, Outbox<DB>)>,
+/// A payment as its outbox message keeps it: the body of the charge (the provider reads the
+/// amount, currency and payee), and what `GET` and the event show.
+#[derive(Serialize, Deserialize)]
+struct Charge {
+    /// An integer or a string of digits, passed on to the event unchanged.
+    order_id: Value,
+    amount: Cents,
+    currency: String,
+    payee: String,
+    /// Who asked for it: nobody else sees it.
+    customer: String,
+}
+
+async fn create<DB: Backend>(
+    State(outbox): State<Outbox<DB>>,
     user: AuthUser,
     context: IdempotencyContext,
     mut tx: Tx<DB>,
     payment: Result<Json<NewPayment>, JsonRejection>,
 ) -> Result<Response, Problem> {
-    // Everything is checked before anything is written or charged: what the tables, the
-    // provider or the orders example cannot take is a final 400, never a retryable 500.
+    // Everything is checked before anything is written or charged: what the provider or the
+    // orders example cannot take is a final 400, never a retryable 500.
     let Json(payment) = payment?;
-    let amount = Cents::parse(&payment.amount).filter(|amount| amount.0 > 0);
+    let amount = Cents::try_from(payment.amount)
+        .ok()
+        .filter(|amount| amount.0 > 0);
     let amount = amount.ok_or(invalid(
         "amount must be a positive number with at most two decimals, below 10000000000000",
     ))?;
@@ -299,62 +325,61 @@ async fn create<DB: Payments>(
             "currency must be a three-letter ISO 4217 code such as EUR",
         ));
     }
-    let order_id = match &payment.order_id {
-        Value::Number(id) if id.is_i64() => id.to_string(),
-        Value::String(id)
-            if id.bytes().all(|b| b.is_ascii_digit()) && id.parse::<i64>().is_ok() =>
-        {
-            id.clone()
-        }
-        _ => return Err(invalid("order_id must be an integer or a string of digits")),
+    let order_id_fits = match &payment.order_id {
+        Value::Number(id) => id.is_i64(),
+        Value::String(id) => id.bytes().all(|b| b.is_ascii_digit()) && id.parse::<i64>().is_ok(),
+        _ => false,
     };
+    if !order_id_fits {
+        return Err(invalid("order_id must be an integer or a string of digits"));
+    }
     let payee = &payment.payee;
     if payee.trim().is_empty() || payee.chars().count() > 255 || payee.contains(char::is_control) {
         return Err(invalid("payee must be 1 to 255 printable characters"));
     }
 
+    let charge = Charge {
+        order_id: payment.order_id,
+        amount,
+        currency: payment.currency,
+        payee: payment.payee,
+        customer: user.0.to_owned(),
+    };
     // Derived from the request's scoped key, so every retry of this intent carries the same
     // key downstream.
     let key = DownstreamKey::for_request(&context.scoped_key_digest(), CHARGE_TOPIC, "charge");
-    let charge = json!({ "order_id": payment.order_id, "amount": amount, "currency": currency, "payee": payee });
     let message =
         Message::json(CHARGE_TOPIC, key, &charge).map_err(|e| Problem::Internal(e.to_string()))?;
-    let outbox_id = outbox.enqueue(&mut tx, message).await?.get();
-    let insert = format!(
-        "INSERT INTO payments (owner, order_id, amount, currency, payee, outbox_id) \
-         VALUES (?, ?, ?, ?, ?, ?) RETURNING {COLUMNS}"
-    );
-    let args = [
-        Text(user.0),
-        Text(&order_id),
-        Int(amount.0),
-        Text(currency),
-        Text(payee),
-        Int(outbox_id),
-    ];
-    let row = DB::payment(&mut tx, &insert, &args).await?;
-    let (id, ..) = row.ok_or(sqlx::Error::RowNotFound)?;
+    let id = outbox.enqueue(&mut tx, message).await?;
     let location = [(header::LOCATION, format!("/payments/{id}"))];
-    let body = Json(json!({ "id": id, "status": "pending" }));
+    let body = Json(json!({ "id": id.get(), "status": "pending" }));
     Ok((StatusCode::ACCEPTED, location, body).into_response())
 }
 
-async fn show<DB: Payments>(
-    State((pool, outbox)): State<(Pool<DB>, Outbox<DB>)>,
+async fn show<DB: Backend>(
+    State(outbox): State<Outbox<DB>>,
     user: AuthUser,
     id: Result<Path<i64>, PathRejection>,
 ) -> Result<Response, Problem> {
     let Path(id) = id?;
-    let sql = format!("SELECT {COLUMNS} FROM payments WHERE id = ? AND owner = ?");
-    let row = DB::payment(&mut *pool.acquire().await?, &sql, &[Int(id), Text(user.0)]).await?;
-    let not_found = Problem::Refused(StatusCode::NOT_FOUND, "not_found", "no such payment");
-    let (id, order_id, amount, currency, payee, outbox_id) = row.ok_or(not_found)?;
-    let amount = Cents(amount);
-    let mut body = json!({ "id": id, "order_id": order_id, "amount": amount, "currency": currency, "payee": payee });
-    let record = outbox.status(MessageId::from(outbox_id)).await?;
-    let record = record.ok_or(Problem::Internal(
-        "the payment's outbox message is missing".into(),
-    ))?;
+    // The events share the outbox; a payment's id is one of its charges' ids.
+    let record = outbox.status(MessageId::from(id)).await?;
+    let record = record.filter(|record| record.topic == CHARGE_TOPIC);
+    let charge = record
+        .as_ref()
+        .and_then(|r| r.payload_json::<Charge>().ok());
+    let (Some(record), Some(charge)) = (record, charge.filter(|c| c.customer == user.0)) else {
+        return Err(Problem::Refused(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "no such payment",
+        ));
+    };
+    let order_id = match charge.order_id {
+        Value::String(id) => id,
+        id => id.to_string(),
+    };
+    let mut body = json!({ "id": id, "order_id": order_id, "amount": charge.amount, "currency": charge.currency, "payee": charge.payee });
     match record.status {
         Status::Pending => body["status"] = "pending".into(),
         Status::Delivered => {
@@ -372,38 +397,36 @@ async fn show<DB: Payments>(
 /// What the dispatcher sends through: charges to the provider, events to the broker. A charge
 /// the provider confirms (sent or found by lookup) enqueues its event in the same outbox, keyed
 /// by the charge's own key, so however often that happens the event is enqueued once.
-struct Routed<DB: Payments> {
+struct Routed<DB: Backend> {
     provider: HttpSender<Client<HttpConnector, http_body_util::Full<bytes::Bytes>>>,
     broker: Option<Arc<Broker>>,
     outbox: Outbox<DB>,
     pool: Pool<DB>,
 }
 
-impl<DB: Payments> Routed<DB> {
+impl<DB: Backend> Routed<DB> {
     /// Enqueues the "payment succeeded" event of a delivered charge.
     async fn announce(&self, charge: &OutboxRecord) -> Result<(), Error> {
         if self.broker.is_none() {
             return Ok(());
         }
-        let mut conn = self.pool.acquire().await?;
-        let sql = format!("SELECT {COLUMNS} FROM payments WHERE outbox_id = ?");
-        let row = DB::payment(&mut conn, &sql, &[Int(charge.id.get())]).await?;
-        let (id, _, amount, currency, _, _) = row.ok_or("no payment for this charge")?;
-        let sent: Value = charge.payload_json()?;
+        let payment: Charge = charge.payload_json()?;
         let event = json!({
-            "payment_id": id.to_string(),
-            "order_id": sent["order_id"],
-            "amount": Cents(amount),
-            "currency": currency,
+            "payment_id": charge.id.to_string(),
+            "order_id": payment.order_id,
+            "amount": payment.amount,
+            "currency": payment.currency,
         });
         let key = DownstreamKey::new(format!("payment-succeeded-{}", charge.downstream_key))?;
         let message = Message::json(EVENT_TOPIC, key, &event)?;
-        self.outbox.enqueue(&mut conn, message).await?;
+        self.outbox
+            .enqueue(&mut *self.pool.acquire().await?, message)
+            .await?;
         Ok(())
     }
 }
 
-impl<DB: Payments> Sender for Routed<DB> {
+impl<DB: Backend> Sender for Routed<DB> {
     async fn send(&self, message: &OutboxRecord) -> SendOutcome {
         if message.topic == EVENT_TOPIC {
             return match &self.broker {
@@ -442,7 +465,6 @@ impl<DB: Payments> Sender for Routed<DB> {
         found
     }
 }
-
 /// The broker the events go to. What they need is declared at start, idempotently; an exchange
 /// or a stream that already exists is used as it is.
 enum Broker {
@@ -558,12 +580,6 @@ impl From<PathRejection> for Problem {
     }
 }
 
-impl From<sqlx::Error> for Problem {
-    fn from(error: sqlx::Error) -> Self {
-        Self::Database(error.into())
-    }
-}
-
 impl From<outbox::Error> for Problem {
     fn from(error: outbox::Error) -> Self {
         match error {
@@ -586,110 +602,5 @@ impl IntoResponse for Problem {
         let body = json!({ "type": "about:blank", "title": status.canonical_reason(), "status": status.as_u16(), "code": code, "detail": detail });
         let content_type = [(header::CONTENT_TYPE, "application/problem+json")];
         (status, content_type, body.to_string()).into_response()
-    }
-}
-
-/// The payments table, and how each backend runs a statement on it: written once with `?` for
-/// its arguments, bound in each database's placeholder syntax.
-mod db {
-    #[cfg(feature = "mysql")]
-    use sqlx::MySqlConnection;
-    #[cfg(feature = "postgres")]
-    use sqlx::PgConnection;
-    #[cfg(feature = "sqlite")]
-    use sqlx::SqliteConnection;
-    use sqlx::{Database, Encode, Pool, QueryBuilder, Type};
-
-    #[derive(Clone, Copy)]
-    pub(crate) enum Arg<'a> {
-        Int(i64),
-        Text(&'a str),
-    }
-
-    /// id, order_id, amount in cents, currency, payee, outbox_id.
-    pub(crate) type Row = (i64, String, i64, String, String, i64);
-    /// The payment a statement selected or inserted, if any.
-    type Found = sqlx::Result<Option<Row>>;
-    pub(crate) const COLUMNS: &str = "id, order_id, amount, currency, payee, outbox_id";
-
-    /// A database the example runs on: one of the crate's backends, with the payments table.
-    ///
-    /// Each backend implements it on its own connection type, in a few lines that only differ
-    /// by that type: sqlx implements its traits per database, and one generic implementation
-    /// would need higher-ranked bounds.
-    pub(crate) trait Payments: axum_idempotency::Backend {
-        /// Creates the payments table unless it exists.
-        fn create_table(pool: &Pool<Self>) -> impl Future<Output = sqlx::Result<()>> + Send;
-
-        /// The payment a statement selects (or inserts, `RETURNING` its [`COLUMNS`]), if any.
-        fn payment(
-            c: &mut Self::Connection,
-            sql: &str,
-            args: &[Arg],
-        ) -> impl Future<Output = Found> + Send;
-    }
-
-    /// `sql` with each `?` bound to the next of `args`, in the placeholder syntax of `DB` (`$1`,
-    /// `$2`, … on PostgreSQL). The statements here hold no `?` of their own, in a literal say.
-    fn query<'a, DB: Database>(sql: &str, args: &[Arg<'a>]) -> QueryBuilder<DB>
-    where
-        i64: Encode<'a, DB> + Type<DB>,
-        &'a str: Encode<'a, DB> + Type<DB>,
-    {
-        let mut parts = sql.split('?');
-        let mut query = QueryBuilder::new(parts.next().unwrap_or_default());
-        for (arg, part) in args.iter().zip(parts) {
-            match *arg {
-                Arg::Int(value) => query.push_bind(value),
-                Arg::Text(value) => query.push_bind(value),
-            };
-            query.push(part);
-        }
-        query
-    }
-
-    #[cfg(feature = "sqlite")]
-    impl Payments for sqlx::Sqlite {
-        async fn create_table(pool: &Pool<Self>) -> sqlx::Result<()> {
-            let table = "CREATE TABLE IF NOT EXISTS payments (id INTEGER PRIMARY KEY AUTOINCREMENT,
-                owner TEXT NOT NULL, order_id TEXT NOT NULL, amount INTEGER NOT NULL,
-                currency TEXT NOT NULL, payee TEXT NOT NULL, outbox_id BIGINT NOT NULL)";
-            sqlx::raw_sql(table).execute(pool).await.map(drop)
-        }
-
-        async fn payment(c: &mut SqliteConnection, sql: &str, args: &[Arg<'_>]) -> Found {
-            query(sql, args).build_query_as().fetch_optional(c).await
-        }
-    }
-
-    #[cfg(feature = "postgres")]
-    impl Payments for sqlx::Postgres {
-        async fn create_table(pool: &Pool<Self>) -> sqlx::Result<()> {
-            let table = "CREATE TABLE IF NOT EXISTS payments (
-                id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, owner TEXT NOT NULL,
-                order_id TEXT NOT NULL, amount BIGINT NOT NULL, currency TEXT NOT NULL,
-                payee TEXT NOT NULL, outbox_id BIGINT NOT NULL)";
-            sqlx::raw_sql(table).execute(pool).await.map(drop)
-        }
-
-        async fn payment(c: &mut PgConnection, sql: &str, args: &[Arg<'_>]) -> Found {
-            query(sql, args).build_query_as().fetch_optional(c).await
-        }
-    }
-
-    #[cfg(feature = "mysql")]
-    impl Payments for sqlx::MySql {
-        /// utf8mb4, so any payee the app accepts fits. INSERT … RETURNING is MariaDB's (10.5+).
-        async fn create_table(pool: &Pool<Self>) -> sqlx::Result<()> {
-            let table = "CREATE TABLE IF NOT EXISTS payments (id BIGINT AUTO_INCREMENT PRIMARY KEY,
-                owner VARCHAR(32) NOT NULL, order_id VARCHAR(32) NOT NULL, amount BIGINT NOT NULL,
-                currency CHAR(3) NOT NULL, payee VARCHAR(255) NOT NULL, outbox_id BIGINT NOT NULL)
-                DEFAULT CHARSET = utf8mb4";
-            sqlx::raw_sql(table).execute(pool).await.map(drop)
-        }
-
-        async fn payment(c: &mut MySqlConnection, sql: &str, args: &[Arg<'_>]) -> Found {
-            query(sql, args).build_query_as().fetch_optional(c).await
-        }
     }
 }

@@ -58,11 +58,8 @@ use axum_idempotency::outbox::{HttpSender, LookupOutcome, Message, MessageId, Ou
 use axum_idempotency::outbox::{OutboxRecord, SendOutcome, Sender, Status};
 use axum_idempotency::{Backend, IdempotencyContext, IdempotencyLayer, Principal, Store};
 use axum_idempotency::{Tx, TxError};
-use hyper::server::conn::http1;
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
+use hyper_util::rt::TokioExecutor;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use sqlx::{Connection, Pool, pool::PoolOptions};
@@ -173,36 +170,28 @@ async fn serve(app: Router) -> Result<(), Error> {
     // is up is never met by the default action (an abrupt exit).
     let mut terminate = signal(SignalKind::terminate())?;
     let mut interrupt = signal(SignalKind::interrupt())?;
-    let listener = tokio::net::TcpListener::bind(setting("BIND", "127.0.0.1:3001".to_owned())?);
-    let listener = listener.await?;
+    let listener = std::net::TcpListener::bind(setting("BIND", "127.0.0.1:3001".to_owned())?)?;
     println!("payments listening on http://{}", listener.local_addr()?);
-    // hyper's server, because `axum::serve` sets no timer and so no header read timeout: a
-    // client that never finishes its request head would hold its connection for ever.
-    let mut http = http1::Builder::new();
-    http.timer(TokioTimer::new());
-    http.header_read_timeout(Duration::from_secs(5));
-    let connections = GracefulShutdown::new();
-    loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            _ = terminate.recv() => break,
-            _ = interrupt.recv() => break,
-        };
-        match accepted {
-            Ok((stream, _)) => {
-                let service = TowerToHyperService::new(app.clone());
-                let connection = http.serve_connection(TokioIo::new(stream), service);
-                tokio::spawn(connections.watch(connection));
-            }
-            // Out of file descriptors, say: pause rather than spin, and keep serving.
-            Err(error) => {
-                tracing::warn!(%error, "could not accept a connection");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+    let handle = axum_server::Handle::new();
+    let stopping = handle.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = terminate.recv() => {}
+            _ = interrupt.recv() => {}
         }
-    }
-    drop(listener);
-    connections.shutdown().await;
+        stopping.graceful_shutdown(None);
+    });
+    // HTTP/1 only, whose header read timeout runs from the connection's first moment: a client
+    // that never finishes its request head would otherwise hold its connection for ever.
+    let mut server = axum_server::from_tcp(listener)?
+        .http1_only()
+        .handle(handle)
+        .accept_error_handler(|_, error| tracing::warn!(%error, "could not accept a connection"));
+    server
+        .http_builder()
+        .http1()
+        .header_read_timeout(Duration::from_secs(5));
+    server.serve(app.into_make_service()).await?;
     Ok(())
 }
 

@@ -14,12 +14,9 @@
 //! `{ id, status: "pending" }`. A dispatcher sends the charge after the commit, with a
 //! downstream key derived from the request's scoped key, so retries, resends and crashes reach
 //! the provider as one charge. `GET /payments/{id}` shows `pending`, `succeeded` (with the
-//! provider's `charge_id`) or `failed` (with the `reason`).
-//!
-//! The outbox message is the payment's only record, so the example needs no table of its own:
-//! its id is the payment's id, its payload what was asked (and by whom), its status what became
-//! of it. Keep delivered messages for as long as payments should be shown: this example never
-//! calls `Outbox::purge_delivered`.
+//! provider's `charge_id`) or `failed` (with the `reason`). The outbox message is the payment's
+//! only record (its id, what was asked and by whom, what became of it), so the example has no
+//! table of its own and never purges delivered messages.
 //!
 //! A payment is a final `400 invalid_payment`, never charged, unless its `order_id` is an integer
 //! or a string of digits (what the orders example can apply), its `amount` a positive number of
@@ -56,10 +53,8 @@ use axum::{Json, Router, middleware};
 use axum_idempotency::outbox::{self, Backoff, DispatchWaker, Dispatcher, DownstreamKey};
 use axum_idempotency::outbox::{HttpSender, LookupOutcome, Message, MessageId, Outbox};
 use axum_idempotency::outbox::{OutboxRecord, SendOutcome, Sender, Status};
-use axum_idempotency::{Backend, IdempotencyContext, IdempotencyLayer, Principal, Store};
-use axum_idempotency::{Tx, TxError};
+use axum_idempotency::{Backend, IdempotencyContext, IdempotencyLayer, Principal, Store, Tx};
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
-use hyper_util::rt::TokioExecutor;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use sqlx::{Connection, Pool, pool::PoolOptions};
@@ -91,8 +86,8 @@ async fn main() -> Result<(), Error> {
     }
 }
 
-/// Creates the crate's tables, starts the dispatchers and serves the API until SIGTERM
-/// (Kubernetes, systemd) or Ctrl-C; then stops the dispatchers and returns.
+/// Serves the API until SIGTERM (Kubernetes, systemd) or Ctrl-C, then stops the dispatchers:
+/// the requests in flight may still wake them.
 async fn run<DB: Backend>(
     database: <DB::Connection as Connection>::Options,
     pool_size: u32,
@@ -111,7 +106,7 @@ async fn run<DB: Backend>(
     };
     // The provider deduplicates by `Idempotency-Key`; the lookup covers one that does not.
     let base = setting("PROVIDER_URL", "http://127.0.0.1:4000".to_owned())?;
-    let client = Client::builder(TokioExecutor::new()).build_http();
+    let client = Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
     let mut provider = HttpSender::new(client, format!("{base}/charges").parse()?);
     if std::env::var("PROVIDER_LOOKUP").as_deref() != Ok("off") {
         provider = provider.lookup_url(format!("{base}/charges?key={{key}}"));
@@ -127,20 +122,17 @@ async fn run<DB: Backend>(
             outbox: outbox.clone(),
             pool: pool.clone(),
         };
-        let backoff =
-            Backoff::exponential(millis("OUTBOX_BACKOFF_MS", 200)?, Duration::from_secs(10));
+        let backoff = millis("OUTBOX_BACKOFF_MS", 200)?;
         let dispatcher = Dispatcher::new(outbox.clone(), routed)
             .poll_interval(millis("OUTBOX_POLL_MS", 500)?)
             .send_timeout(millis("OUTBOX_SEND_TIMEOUT_MS", 5_000)?)
             .lease(millis("OUTBOX_LEASE_MS", 15_000)?)
             .lookup_grace(millis("OUTBOX_LOOKUP_GRACE_MS", 10_000)?)
             .max_attempts(setting("OUTBOX_MAX_ATTEMPTS", 10)?)
-            .backoff(backoff);
+            .backoff(Backoff::exponential(backoff, Duration::from_secs(10)));
         wakers.push(dispatcher.waker());
         let mut stopped = stopped.clone();
-        let shutdown = async move {
-            let _ = stopped.wait_for(|stop| *stop).await;
-        };
+        let shutdown = async move { drop(stopped.wait_for(|stop| *stop).await) };
         dispatchers.push(tokio::spawn(dispatcher.run(shutdown)));
     }
     let app = Router::new()
@@ -183,20 +175,16 @@ async fn serve(app: Router) -> Result<(), Error> {
     });
     // HTTP/1 only, whose header read timeout runs from the connection's first moment: a client
     // that never finishes its request head would otherwise hold its connection for ever.
-    let mut server = axum_server::from_tcp(listener)?
-        .http1_only()
-        .handle(handle)
-        .accept_error_handler(|_, error| tracing::warn!(%error, "could not accept a connection"));
+    let mut server = axum_server::from_tcp(listener)?.http1_only().handle(handle);
     server
         .http_builder()
         .http1()
         .header_read_timeout(Duration::from_secs(5));
-    server.serve(app.into_make_service()).await?;
-    Ok(())
+    let server = server.accept_error_handler(|_, error| tracing::warn!(%error, "accept failed"));
+    Ok(server.serve(app.into_make_service()).await?)
 }
 
-/// The setting `name`, or `default` when it is not set; a value that does not parse stops the
-/// example.
+/// The setting `name`, or `default` when it is not set; a value that does not parse stops it.
 fn setting<T: std::str::FromStr>(name: &str, default: T) -> Result<T, Error>
 where
     T::Err: std::error::Error + Send + Sync + 'static,
@@ -231,9 +219,7 @@ impl Principal for AuthUser {
     }
 }
 
-/// An amount of money in cents: sums and comparisons are exact. It reads and writes as a JSON
-/// number (`12.5`; `10` as `10.0`): below 10^13 the quotient by 100 is the double nearest the
-/// decimal, which prints back as that decimal.
+/// An amount of money in cents, so sums and comparisons are exact; a JSON number on the wire.
 #[derive(Clone, Copy, Serialize, Deserialize)]
 #[serde(try_from = "serde_json::Number", into = "f64")]
 struct Cents(i64);
@@ -241,31 +227,24 @@ struct Cents(i64);
 impl TryFrom<serde_json::Number> for Cents {
     type Error = &'static str;
 
-    /// Fails when negative, finer than a cent, or from 10^13 on (15 digits, all a JSON number
-    /// carries exactly). A fraction arrives as a double, which prints as the shortest decimal
-    /// that reads back as it: the number as the client wrote it.
+    /// Refuses what is negative, finer than a cent, or from 10^13 on (15 digits, all a JSON
+    /// number carries exactly). A fraction arrives as a double, which prints as the shortest
+    /// decimal that reads back as it: the number as the client wrote it.
     fn try_from(number: serde_json::Number) -> Result<Self, Self::Error> {
-        const NOT_CENTS: &str = "not an amount of whole cents below 10^13";
         let text = number.to_string();
         let (whole, fraction) = text.split_once('.').unwrap_or((&text, ""));
-        let digits = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
-        if whole.is_empty() || !digits(whole) || !digits(fraction) || fraction.len() > 2 {
-            return Err(NOT_CENTS);
+        match format!("{whole}{fraction:0<2}").parse() {
+            Ok(cents) if fraction.len() <= 2 && (0..10_i64.pow(15)).contains(&cents) => {
+                Ok(Self(cents))
+            }
+            _ => Err("not an amount of whole cents below 10^13"),
         }
-        let cents = whole
-            .parse::<i64>()
-            .ok()
-            .and_then(|whole| whole.checked_mul(100));
-        let cents =
-            cents.and_then(|cents| cents.checked_add(format!("{fraction:0<2}").parse().ok()?));
-        cents
-            .filter(|&cents| cents < 10_i64.pow(15))
-            .map(Self)
-            .ok_or(NOT_CENTS)
     }
 }
 
 impl From<Cents> for f64 {
+    /// `12.5`, and `10` as `10.0`: below 10^13 the quotient is the double nearest the decimal,
+    /// which prints back as that decimal.
     fn from(amount: Cents) -> f64 {
         amount.0 as f64 / 100.0
     }
@@ -279,8 +258,45 @@ struct NewPayment {
     payee: String,
 }
 
+impl NewPayment {
+    /// The charge to enqueue for `customer`, or the rule the payment breaks. Everything is
+    /// checked before anything is written or charged: what the provider or the orders example
+    /// cannot take is a final 400, never a retryable 500.
+    fn check(self, customer: &str) -> Result<Charge, &'static str> {
+        let Ok(amount @ Cents(1..)) = Cents::try_from(self.amount) else {
+            return Err(
+                "amount must be a positive number with at most two decimals, below 10000000000000",
+            );
+        };
+        let currency = &self.currency;
+        if currency.len() != 3 || !currency.bytes().all(|b| b.is_ascii_uppercase()) {
+            return Err("currency must be a three-letter ISO 4217 code such as EUR");
+        }
+        let digits = |id: &str| id.bytes().all(|b| b.is_ascii_digit()) && id.parse::<i64>().is_ok();
+        match &self.order_id {
+            Value::Number(id) if id.is_i64() => {}
+            Value::String(id) if digits(id) => {}
+            _ => return Err("order_id must be an integer or a string of digits"),
+        }
+        let payee = &self.payee;
+        if payee.trim().is_empty()
+            || payee.chars().count() > 255
+            || payee.contains(char::is_control)
+        {
+            return Err("payee must be 1 to 255 printable characters");
+        }
+        Ok(Charge {
+            order_id: self.order_id,
+            amount,
+            currency: self.currency,
+            payee: self.payee,
+            customer: customer.to_owned(),
+        })
+    }
+}
+
 /// A payment as its outbox message keeps it: the body of the charge (the provider reads the
-/// amount, currency and payee), and what `GET` and the event show.
+/// amount, currency and payee) and what `GET` and the event show.
 #[derive(Serialize, Deserialize)]
 struct Charge {
     /// An integer or a string of digits, passed on to the event unchanged.
@@ -288,7 +304,7 @@ struct Charge {
     amount: Cents,
     currency: String,
     payee: String,
-    /// Who asked for it: nobody else sees it.
+    /// Who asked for it: nobody else is shown it.
     customer: String,
 }
 
@@ -299,46 +315,13 @@ async fn create<DB: Backend>(
     mut tx: Tx<DB>,
     payment: Result<Json<NewPayment>, JsonRejection>,
 ) -> Result<Response, Problem> {
-    // Everything is checked before anything is written or charged: what the provider or the
-    // orders example cannot take is a final 400, never a retryable 500.
     let Json(payment) = payment?;
-    let amount = Cents::try_from(payment.amount)
-        .ok()
-        .filter(|amount| amount.0 > 0);
-    let amount = amount.ok_or(invalid(
-        "amount must be a positive number with at most two decimals, below 10000000000000",
-    ))?;
-    let currency = &payment.currency;
-    if currency.len() != 3 || !currency.bytes().all(|b| b.is_ascii_uppercase()) {
-        return Err(invalid(
-            "currency must be a three-letter ISO 4217 code such as EUR",
-        ));
-    }
-    let order_id_fits = match &payment.order_id {
-        Value::Number(id) => id.is_i64(),
-        Value::String(id) => id.bytes().all(|b| b.is_ascii_digit()) && id.parse::<i64>().is_ok(),
-        _ => false,
-    };
-    if !order_id_fits {
-        return Err(invalid("order_id must be an integer or a string of digits"));
-    }
-    let payee = &payment.payee;
-    if payee.trim().is_empty() || payee.chars().count() > 255 || payee.contains(char::is_control) {
-        return Err(invalid("payee must be 1 to 255 printable characters"));
-    }
-
-    let charge = Charge {
-        order_id: payment.order_id,
-        amount,
-        currency: payment.currency,
-        payee: payment.payee,
-        customer: user.0.to_owned(),
-    };
+    let charge = payment.check(user.0).map_err(invalid)?;
     // Derived from the request's scoped key, so every retry of this intent carries the same
     // key downstream.
     let key = DownstreamKey::for_request(&context.scoped_key_digest(), CHARGE_TOPIC, "charge");
     let message =
-        Message::json(CHARGE_TOPIC, key, &charge).map_err(|e| Problem::Internal(e.to_string()))?;
+        Message::json(CHARGE_TOPIC, key, &charge).map_err(|e| Problem::Internal(e.into()))?;
     let id = outbox.enqueue(&mut tx, message).await?;
     let location = [(header::LOCATION, format!("/payments/{id}"))];
     let body = Json(json!({ "id": id.get(), "status": "pending" }));
@@ -351,24 +334,22 @@ async fn show<DB: Backend>(
     id: Result<Path<i64>, PathRejection>,
 ) -> Result<Response, Problem> {
     let Path(id) = id?;
-    // The events share the outbox; a payment's id is one of its charges' ids.
+    let not_found = || Problem::Refused(StatusCode::NOT_FOUND, "not_found", "no such payment");
+    // Events share the outbox, and a payment is only shown to whoever made it.
     let record = outbox.status(MessageId::from(id)).await?;
-    let record = record.filter(|record| record.topic == CHARGE_TOPIC);
-    let charge = record
-        .as_ref()
-        .and_then(|r| r.payload_json::<Charge>().ok());
-    let (Some(record), Some(charge)) = (record, charge.filter(|c| c.customer == user.0)) else {
-        return Err(Problem::Refused(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            "no such payment",
-        ));
-    };
+    let record = record
+        .filter(|r| r.topic == CHARGE_TOPIC)
+        .ok_or_else(not_found)?;
+    let charge: Charge = record.payload_json().map_err(|_| not_found())?;
+    if charge.customer != user.0 {
+        return Err(not_found());
+    }
     let order_id = match charge.order_id {
         Value::String(id) => id,
         id => id.to_string(),
     };
-    let mut body = json!({ "id": id, "order_id": order_id, "amount": charge.amount, "currency": charge.currency, "payee": charge.payee });
+    let (amount, currency, payee) = (charge.amount, charge.currency, charge.payee);
+    let mut body = json!({ "id": id, "order_id": order_id, "amount": amount, "currency": currency, "payee": payee });
     match record.status {
         Status::Pending => body["status"] = "pending".into(),
         Status::Delivered => {
@@ -394,18 +375,14 @@ struct Routed<DB: Backend> {
 }
 
 impl<DB: Backend> Routed<DB> {
-    /// Enqueues the "payment succeeded" event of a delivered charge.
+    /// Enqueues the "payment succeeded" event of a charge the provider confirmed.
     async fn announce(&self, charge: &OutboxRecord) -> Result<(), Error> {
         if self.broker.is_none() {
             return Ok(());
         }
         let payment: Charge = charge.payload_json()?;
-        let event = json!({
-            "payment_id": charge.id.to_string(),
-            "order_id": payment.order_id,
-            "amount": payment.amount,
-            "currency": payment.currency,
-        });
+        let (order_id, amount, currency) = (payment.order_id, payment.amount, payment.currency);
+        let event = json!({ "payment_id": charge.id.to_string(), "order_id": order_id, "amount": amount, "currency": currency });
         let key = DownstreamKey::new(format!("payment-succeeded-{}", charge.downstream_key))?;
         let message = Message::json(EVENT_TOPIC, key, &event)?;
         self.outbox
@@ -428,14 +405,12 @@ impl<DB: Backend> Sender for Routed<DB> {
         }
         let outcome = self.provider.send(message).await;
         if let SendOutcome::Delivered { .. } = &outcome
-            && let Err(reason) = self.announce(message).await
+            && let Err(error) = self.announce(message).await
         {
-            // Charged, event not enqueued: a resend with the same key finds the charge again.
-            let reason = format!("charged; event not enqueued: {reason}");
-            return SendOutcome::Retry {
-                after: None,
-                reason,
-            };
+            // Charged, event not enqueued: unknown, so the charge is looked up (or resent with
+            // its key) and announced again, never charged anew.
+            let reason = format!("charged; event not enqueued: {error}");
+            return SendOutcome::Unknown { reason };
         }
         outcome
     }
@@ -446,14 +421,15 @@ impl<DB: Backend> Sender for Routed<DB> {
         }
         let found = self.provider.lookup(message).await;
         if let LookupOutcome::Found { .. } = &found
-            && let Err(reason) = self.announce(message).await
+            && let Err(error) = self.announce(message).await
         {
-            let reason = format!("charged; event not enqueued: {reason}");
+            let reason = format!("charged; event not enqueued: {error}");
             return LookupOutcome::Failed { reason };
         }
         found
     }
 }
+
 /// The broker the events go to. What they need is declared at start, idempotently; an exchange
 /// or a stream that already exists is used as it is.
 enum Broker {
@@ -522,15 +498,15 @@ fn name(name: &str) -> String {
 
 /// What a handler answers instead of its result.
 enum Problem {
-    /// The example's own refusals (status, `code`, detail), as problem+json like the crate's.
-    /// Their `code`s never start with `idempotency_` and their `type` is `about:blank`, so a
-    /// client tells them from the crate's answers without reading the status alone.
+    /// The example's own refusals (status, `code`, detail) as problem+json, with `type`
+    /// `about:blank` and codes outside the crate's `idempotency_` prefix, so a client tells
+    /// them from the crate's answers without reading the status alone.
     Refused(StatusCode, &'static str, &'static str),
-    /// A statement failed. The layer runs a conflict abort again; anything else is a retryable
+    /// The outbox failed: the layer runs a conflict abort again; anything else is a retryable
     /// 500, its details logged, never shown.
-    Database(TxError),
+    Failed(outbox::Error),
     /// Anything else that failed: logged, answered as a retryable 500.
-    Internal(String),
+    Internal(Error),
 }
 
 fn invalid(detail: &'static str) -> Problem {
@@ -542,14 +518,14 @@ impl From<JsonRejection> for Problem {
     /// 422, which a client reading only the status would take for a reused key.
     fn from(rejection: JsonRejection) -> Self {
         match rejection {
+            JsonRejection::JsonDataError(_) => {
+                invalid("the payment needs order_id, amount, currency and payee of the right types")
+            }
             JsonRejection::MissingJsonContentType(_) => Problem::Refused(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "unsupported_media_type",
                 "send the payment as application/json",
             ),
-            JsonRejection::JsonDataError(_) => {
-                invalid("the payment needs order_id, amount, currency and payee of the right types")
-            }
             _ => Problem::Refused(
                 StatusCode::BAD_REQUEST,
                 "malformed_json",
@@ -571,10 +547,7 @@ impl From<PathRejection> for Problem {
 
 impl From<outbox::Error> for Problem {
     fn from(error: outbox::Error) -> Self {
-        match error {
-            outbox::Error::Database(error) => Self::Database(error.into()),
-            other => Self::Internal(other.to_string()),
-        }
+        Self::Failed(error)
     }
 }
 
@@ -582,9 +555,12 @@ impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let (status, code, detail) = match self {
             Self::Refused(status, code, detail) => (status, code, detail),
-            Self::Database(error) => return error.into_response(),
-            Self::Internal(detail) => {
-                tracing::error!(detail, "payment request failed");
+            Self::Failed(outbox::Error::Database(error)) => {
+                return axum_idempotency::TxError::from(error).into_response();
+            }
+            Self::Failed(error) => return Self::Internal(error.into()).into_response(),
+            Self::Internal(error) => {
+                tracing::error!(%error, "payment request failed");
                 return axum_idempotency::Rejection::Internal.into_response();
             }
         };

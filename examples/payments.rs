@@ -9,12 +9,14 @@
 //! curl -i http://127.0.0.1:3001/payments/1 -H 'Authorization: Bearer alice-token'
 //! ```
 //!
-//! `POST /payments` never calls the provider: it writes the payment and an outbox message in
-//! the request's transaction, the one that holds the idempotency claim, and answers `202` with
+//! `POST /payments` never calls the provider: it enqueues the charge in the outbox inside the
+//! request's transaction, the one that holds the idempotency claim, and answers `202` with
 //! `{ id, status: "pending" }`. A dispatcher sends the charge after the commit, with a
 //! downstream key derived from the request's scoped key, so retries, resends and crashes reach
 //! the provider as one charge. `GET /payments/{id}` shows `pending`, `succeeded` (with the
-//! provider's `charge_id`) or `failed` (with the `reason`).
+//! provider's `charge_id`) or `failed` (with the `reason`). The outbox message is the payment's
+//! only record (its id, what was asked and by whom, what became of it), so the example has no
+//! table of its own and never purges delivered messages.
 //!
 //! A payment is a final `400 invalid_payment`, never charged, unless its `order_id` is an integer
 //! or a string of digits (what the orders example can apply), its `amount` a positive number of
@@ -51,24 +53,17 @@ use axum::{Json, Router, middleware};
 use axum_idempotency::outbox::{self, Backoff, DispatchWaker, Dispatcher, DownstreamKey};
 use axum_idempotency::outbox::{HttpSender, LookupOutcome, Message, MessageId, Outbox};
 use axum_idempotency::outbox::{OutboxRecord, SendOutcome, Sender, Status};
-use axum_idempotency::{IdempotencyContext, IdempotencyLayer, Principal, Store, Tx, TxError};
-use db::Arg::{Int, Text};
-use db::{COLUMNS, Payments};
-use hyper::server::conn::http1;
+use axum_idempotency::{Backend, IdempotencyContext, IdempotencyLayer, Principal, Store, Tx};
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
-use serde::{Deserialize, Serialize, Serializer};
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use sqlx::pool::PoolOptions;
-use sqlx::{Connection, Pool};
+use sqlx::{Connection, Pool, pool::PoolOptions};
 use tokio::signal::unix::{SignalKind, signal};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
+/// The outbox topics: charges for the provider, events for the broker.
 const CHARGE_TOPIC: &str = "payments.charge";
-/// The outbox topic of the events announcing a succeeded payment.
 const EVENT_TOPIC: &str = "payment.succeeded";
 
 #[tokio::main]
@@ -91,9 +86,9 @@ async fn main() -> Result<(), Error> {
     }
 }
 
-/// Connects to the database and creates the tables, starts the dispatchers and serves the API
-/// until SIGTERM (Kubernetes, systemd) or Ctrl-C; then stops the dispatchers and returns.
-async fn run<DB: Payments>(
+/// Serves the API until SIGTERM (Kubernetes, systemd) or Ctrl-C, then stops the dispatchers:
+/// the requests in flight may still wake them.
+async fn run<DB: Backend>(
     database: <DB::Connection as Connection>::Options,
     pool_size: u32,
 ) -> Result<(), Error> {
@@ -101,7 +96,6 @@ async fn run<DB: Payments>(
         .max_connections(pool_size)
         .connect_with(database)
         .await?;
-    DB::create_table(&pool).await?;
     let store = Store::new(pool.clone());
     store.migrate().await?;
     let outbox = Outbox::new(pool.clone());
@@ -112,7 +106,7 @@ async fn run<DB: Payments>(
     };
     // The provider deduplicates by `Idempotency-Key`; the lookup covers one that does not.
     let base = setting("PROVIDER_URL", "http://127.0.0.1:4000".to_owned())?;
-    let client = Client::builder(TokioExecutor::new()).build_http();
+    let client = Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
     let mut provider = HttpSender::new(client, format!("{base}/charges").parse()?);
     if std::env::var("PROVIDER_LOOKUP").as_deref() != Ok("off") {
         provider = provider.lookup_url(format!("{base}/charges?key={{key}}"));
@@ -122,27 +116,23 @@ async fn run<DB: Payments>(
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let (mut dispatchers, mut wakers) = (Vec::new(), Vec::new());
     for _ in 0..setting("DISPATCHERS", 1)? {
-        let (provider, broker) = (provider.clone(), broker.clone());
         let routed = Routed {
-            provider,
-            broker,
+            provider: provider.clone(),
+            broker: broker.clone(),
             outbox: outbox.clone(),
             pool: pool.clone(),
         };
-        let backoff =
-            Backoff::exponential(millis("OUTBOX_BACKOFF_MS", 200)?, Duration::from_secs(10));
+        let backoff = millis("OUTBOX_BACKOFF_MS", 200)?;
         let dispatcher = Dispatcher::new(outbox.clone(), routed)
             .poll_interval(millis("OUTBOX_POLL_MS", 500)?)
             .send_timeout(millis("OUTBOX_SEND_TIMEOUT_MS", 5_000)?)
             .lease(millis("OUTBOX_LEASE_MS", 15_000)?)
             .lookup_grace(millis("OUTBOX_LOOKUP_GRACE_MS", 10_000)?)
             .max_attempts(setting("OUTBOX_MAX_ATTEMPTS", 10)?)
-            .backoff(backoff);
+            .backoff(Backoff::exponential(backoff, Duration::from_secs(10)));
         wakers.push(dispatcher.waker());
         let mut stopped = stopped.clone();
-        let shutdown = async move {
-            let _ = stopped.wait_for(|stop| *stop).await;
-        };
+        let shutdown = async move { drop(stopped.wait_for(|stop| *stop).await) };
         dispatchers.push(tokio::spawn(dispatcher.run(shutdown)));
     }
     let app = Router::new()
@@ -157,7 +147,7 @@ async fn run<DB: Payments>(
             std::future::ready(response)
         }))
         .route("/payments/{id}", get(show::<DB>))
-        .with_state((pool, outbox));
+        .with_state(outbox);
     serve(app).await?;
     let _ = stop.send(true);
     for dispatcher in dispatchers {
@@ -172,41 +162,29 @@ async fn serve(app: Router) -> Result<(), Error> {
     // is up is never met by the default action (an abrupt exit).
     let mut terminate = signal(SignalKind::terminate())?;
     let mut interrupt = signal(SignalKind::interrupt())?;
-    let listener = tokio::net::TcpListener::bind(setting("BIND", "127.0.0.1:3001".to_owned())?);
-    let listener = listener.await?;
+    let listener = std::net::TcpListener::bind(setting("BIND", "127.0.0.1:3001".to_owned())?)?;
     println!("payments listening on http://{}", listener.local_addr()?);
-    // hyper's server, because `axum::serve` sets no timer and so no header read timeout: a
-    // client that never finishes its request head would hold its connection for ever.
-    let mut http = http1::Builder::new();
-    http.timer(TokioTimer::new());
-    http.header_read_timeout(Duration::from_secs(5));
-    let connections = GracefulShutdown::new();
-    loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            _ = terminate.recv() => break,
-            _ = interrupt.recv() => break,
-        };
-        match accepted {
-            Ok((stream, _)) => {
-                let service = TowerToHyperService::new(app.clone());
-                let connection = http.serve_connection(TokioIo::new(stream), service);
-                tokio::spawn(connections.watch(connection));
-            }
-            // Out of file descriptors, say: pause rather than spin, and keep serving.
-            Err(error) => {
-                tracing::warn!(%error, "could not accept a connection");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+    let handle = axum_server::Handle::new();
+    let stopping = handle.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = terminate.recv() => {}
+            _ = interrupt.recv() => {}
         }
-    }
-    drop(listener);
-    connections.shutdown().await;
-    Ok(())
+        stopping.graceful_shutdown(None);
+    });
+    // HTTP/1 only, whose header read timeout runs from the connection's first moment: a client
+    // that never finishes its request head would otherwise hold its connection for ever.
+    let mut server = axum_server::from_tcp(listener)?.http1_only().handle(handle);
+    server
+        .http_builder()
+        .http1()
+        .header_read_timeout(Duration::from_secs(5));
+    let server = server.accept_error_handler(|_, error| tracing::warn!(%error, "accept failed"));
+    Ok(server.serve(app.into_make_service()).await?)
 }
 
-/// The setting `name`, or `default` when it is not set; a value that does not parse stops the
-/// example.
+/// The setting `name`, or `default` when it is not set; a value that does not parse stops it.
 fn setting<T: std::str::FromStr>(name: &str, default: T) -> Result<T, Error>
 where
     T::Err: std::error::Error + Send + Sync + 'static,
@@ -241,120 +219,137 @@ impl Principal for AuthUser {
     }
 }
 
-/// An amount of money in cents: sums and comparisons are exact.
-#[derive(Clone, Copy)]
+/// An amount of money in cents, so sums and comparisons are exact; a JSON number on the wire.
+#[derive(Clone, Copy, Serialize, Deserialize)]
+#[serde(try_from = "serde_json::Number", into = "f64")]
 struct Cents(i64);
 
-impl Cents {
-    /// Reads a JSON number as cents; `None` when negative, finer than a cent, or from 10^13 on
-    /// (15 digits, all a JSON number carries exactly). A fraction arrives as a double, which prints
-    /// as the shortest decimal that reads back as it: the number as the client wrote it.
-    fn parse(number: &serde_json::Number) -> Option<Self> {
+impl TryFrom<serde_json::Number> for Cents {
+    type Error = &'static str;
+
+    /// Refuses what is negative, finer than a cent, or from 10^13 on (15 digits, all a JSON
+    /// number carries exactly). A fraction arrives as a double, which prints as the shortest
+    /// decimal that reads back as it: the number as the client wrote it.
+    fn try_from(number: serde_json::Number) -> Result<Self, Self::Error> {
         let text = number.to_string();
         let (whole, fraction) = text.split_once('.').unwrap_or((&text, ""));
-        let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-        if !digits(whole) || fraction.len() > 2 || !(fraction.is_empty() || digits(fraction)) {
-            return None;
+        match format!("{whole}{fraction:0<2}").parse() {
+            Ok(cents) if fraction.len() <= 2 && (0..10_i64.pow(15)).contains(&cents) => {
+                Ok(Self(cents))
+            }
+            _ => Err("not an amount of whole cents below 10^13"),
         }
-        let cents = whole.parse::<i64>().ok()?.checked_mul(100)?;
-        let cents = cents + format!("{fraction:0<2}").parse::<i64>().ok()?;
-        (cents < 10_i64.pow(15)).then_some(Self(cents))
     }
 }
 
-impl Serialize for Cents {
-    /// The number the client sent (`12.5`; `10` as `10.0`): below 10^13 the quotient is the
-    /// double nearest the decimal, which prints back as that decimal.
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        (self.0 as f64 / 100.0).serialize(serializer)
+impl From<Cents> for f64 {
+    /// `12.5`, and `10` as `10.0`: below 10^13 the quotient is the double nearest the decimal,
+    /// which prints back as that decimal.
+    fn from(amount: Cents) -> f64 {
+        amount.0 as f64 / 100.0
     }
 }
 
 #[derive(Deserialize)]
 struct NewPayment {
-    /// An integer or a string of digits, passed on to the event unchanged.
     order_id: Value,
     amount: serde_json::Number,
     currency: String,
     payee: String,
 }
 
-async fn create<DB: Payments>(
-    State((_, outbox)): State<(Pool<DB>, Outbox<DB>)>,
+impl NewPayment {
+    /// The charge to enqueue for `customer`, or the rule the payment breaks. Everything is
+    /// checked before anything is written or charged: what the provider or the orders example
+    /// cannot take is a final 400, never a retryable 500.
+    fn check(self, customer: &str) -> Result<Charge, &'static str> {
+        let Ok(amount @ Cents(1..)) = Cents::try_from(self.amount) else {
+            return Err(
+                "amount must be a positive number with at most two decimals, below 10000000000000",
+            );
+        };
+        let currency = &self.currency;
+        if currency.len() != 3 || !currency.bytes().all(|b| b.is_ascii_uppercase()) {
+            return Err("currency must be a three-letter ISO 4217 code such as EUR");
+        }
+        let digits = |id: &str| id.bytes().all(|b| b.is_ascii_digit()) && id.parse::<i64>().is_ok();
+        match &self.order_id {
+            Value::Number(id) if id.is_i64() => {}
+            Value::String(id) if digits(id) => {}
+            _ => return Err("order_id must be an integer or a string of digits"),
+        }
+        let payee = &self.payee;
+        if payee.trim().is_empty()
+            || payee.chars().count() > 255
+            || payee.contains(char::is_control)
+        {
+            return Err("payee must be 1 to 255 printable characters");
+        }
+        Ok(Charge {
+            order_id: self.order_id,
+            amount,
+            currency: self.currency,
+            payee: self.payee,
+            customer: customer.to_owned(),
+        })
+    }
+}
+
+/// A payment as its outbox message keeps it: the body of the charge (the provider reads the
+/// amount, currency and payee) and what `GET` and the event show.
+#[derive(Serialize, Deserialize)]
+struct Charge {
+    /// An integer or a string of digits, passed on to the event unchanged.
+    order_id: Value,
+    amount: Cents,
+    currency: String,
+    payee: String,
+    /// Who asked for it: nobody else is shown it.
+    customer: String,
+}
+
+async fn create<DB: Backend>(
+    State(outbox): State<Outbox<DB>>,
     user: AuthUser,
     context: IdempotencyContext,
     mut tx: Tx<DB>,
     payment: Result<Json<NewPayment>, JsonRejection>,
 ) -> Result<Response, Problem> {
-    // Everything is checked before anything is written or charged: what the tables, the
-    // provider or the orders example cannot take is a final 400, never a retryable 500.
     let Json(payment) = payment?;
-    let amount = Cents::parse(&payment.amount).filter(|amount| amount.0 > 0);
-    let amount = amount.ok_or(invalid(
-        "amount must be a positive number with at most two decimals, below 10000000000000",
-    ))?;
-    let currency = &payment.currency;
-    if currency.len() != 3 || !currency.bytes().all(|b| b.is_ascii_uppercase()) {
-        return Err(invalid(
-            "currency must be a three-letter ISO 4217 code such as EUR",
-        ));
-    }
-    let order_id = match &payment.order_id {
-        Value::Number(id) if id.is_i64() => id.to_string(),
-        Value::String(id)
-            if id.bytes().all(|b| b.is_ascii_digit()) && id.parse::<i64>().is_ok() =>
-        {
-            id.clone()
-        }
-        _ => return Err(invalid("order_id must be an integer or a string of digits")),
-    };
-    let payee = &payment.payee;
-    if payee.trim().is_empty() || payee.chars().count() > 255 || payee.contains(char::is_control) {
-        return Err(invalid("payee must be 1 to 255 printable characters"));
-    }
-
+    let charge = payment.check(user.0).map_err(invalid)?;
     // Derived from the request's scoped key, so every retry of this intent carries the same
     // key downstream.
     let key = DownstreamKey::for_request(&context.scoped_key_digest(), CHARGE_TOPIC, "charge");
-    let charge = json!({ "order_id": payment.order_id, "amount": amount, "currency": currency, "payee": payee });
     let message =
-        Message::json(CHARGE_TOPIC, key, &charge).map_err(|e| Problem::Internal(e.to_string()))?;
-    let outbox_id = outbox.enqueue(&mut tx, message).await?.get();
-    let insert = format!(
-        "INSERT INTO payments (owner, order_id, amount, currency, payee, outbox_id) \
-         VALUES (?, ?, ?, ?, ?, ?) RETURNING {COLUMNS}"
-    );
-    let args = [
-        Text(user.0),
-        Text(&order_id),
-        Int(amount.0),
-        Text(currency),
-        Text(payee),
-        Int(outbox_id),
-    ];
-    let row = DB::payment(&mut tx, &insert, &args).await?;
-    let (id, ..) = row.ok_or(sqlx::Error::RowNotFound)?;
+        Message::json(CHARGE_TOPIC, key, &charge).map_err(|e| Problem::Internal(e.into()))?;
+    let id = outbox.enqueue(&mut tx, message).await?;
     let location = [(header::LOCATION, format!("/payments/{id}"))];
-    let body = Json(json!({ "id": id, "status": "pending" }));
+    let body = Json(json!({ "id": id.get(), "status": "pending" }));
     Ok((StatusCode::ACCEPTED, location, body).into_response())
 }
 
-async fn show<DB: Payments>(
-    State((pool, outbox)): State<(Pool<DB>, Outbox<DB>)>,
+async fn show<DB: Backend>(
+    State(outbox): State<Outbox<DB>>,
     user: AuthUser,
     id: Result<Path<i64>, PathRejection>,
 ) -> Result<Response, Problem> {
     let Path(id) = id?;
-    let sql = format!("SELECT {COLUMNS} FROM payments WHERE id = ? AND owner = ?");
-    let row = DB::payment(&mut *pool.acquire().await?, &sql, &[Int(id), Text(user.0)]).await?;
-    let not_found = Problem::Refused(StatusCode::NOT_FOUND, "not_found", "no such payment");
-    let (id, order_id, amount, currency, payee, outbox_id) = row.ok_or(not_found)?;
-    let amount = Cents(amount);
+    let not_found = || Problem::Refused(StatusCode::NOT_FOUND, "not_found", "no such payment");
+    // Events share the outbox, and a payment is only shown to whoever made it.
+    let record = outbox.status(MessageId::from(id)).await?;
+    let record = record
+        .filter(|r| r.topic == CHARGE_TOPIC)
+        .ok_or_else(not_found)?;
+    let charge: Charge = record.payload_json().map_err(|_| not_found())?;
+    if charge.customer != user.0 {
+        return Err(not_found());
+    }
+    let order_id = match charge.order_id {
+        Value::String(id) => id,
+        id => id.to_string(),
+    };
+    let (amount, currency, payee) = (charge.amount, charge.currency, charge.payee);
     let mut body = json!({ "id": id, "order_id": order_id, "amount": amount, "currency": currency, "payee": payee });
-    let record = outbox.status(MessageId::from(outbox_id)).await?;
-    let record = record.ok_or(Problem::Internal(
-        "the payment's outbox message is missing".into(),
-    ))?;
     match record.status {
         Status::Pending => body["status"] = "pending".into(),
         Status::Delivered => {
@@ -372,38 +367,32 @@ async fn show<DB: Payments>(
 /// What the dispatcher sends through: charges to the provider, events to the broker. A charge
 /// the provider confirms (sent or found by lookup) enqueues its event in the same outbox, keyed
 /// by the charge's own key, so however often that happens the event is enqueued once.
-struct Routed<DB: Payments> {
+struct Routed<DB: Backend> {
     provider: HttpSender<Client<HttpConnector, http_body_util::Full<bytes::Bytes>>>,
     broker: Option<Arc<Broker>>,
     outbox: Outbox<DB>,
     pool: Pool<DB>,
 }
 
-impl<DB: Payments> Routed<DB> {
-    /// Enqueues the "payment succeeded" event of a delivered charge.
+impl<DB: Backend> Routed<DB> {
+    /// Enqueues the "payment succeeded" event of a charge the provider confirmed.
     async fn announce(&self, charge: &OutboxRecord) -> Result<(), Error> {
         if self.broker.is_none() {
             return Ok(());
         }
-        let mut conn = self.pool.acquire().await?;
-        let sql = format!("SELECT {COLUMNS} FROM payments WHERE outbox_id = ?");
-        let row = DB::payment(&mut conn, &sql, &[Int(charge.id.get())]).await?;
-        let (id, _, amount, currency, _, _) = row.ok_or("no payment for this charge")?;
-        let sent: Value = charge.payload_json()?;
-        let event = json!({
-            "payment_id": id.to_string(),
-            "order_id": sent["order_id"],
-            "amount": Cents(amount),
-            "currency": currency,
-        });
+        let payment: Charge = charge.payload_json()?;
+        let (order_id, amount, currency) = (payment.order_id, payment.amount, payment.currency);
+        let event = json!({ "payment_id": charge.id.to_string(), "order_id": order_id, "amount": amount, "currency": currency });
         let key = DownstreamKey::new(format!("payment-succeeded-{}", charge.downstream_key))?;
         let message = Message::json(EVENT_TOPIC, key, &event)?;
-        self.outbox.enqueue(&mut conn, message).await?;
+        self.outbox
+            .enqueue(&mut *self.pool.acquire().await?, message)
+            .await?;
         Ok(())
     }
 }
 
-impl<DB: Payments> Sender for Routed<DB> {
+impl<DB: Backend> Sender for Routed<DB> {
     async fn send(&self, message: &OutboxRecord) -> SendOutcome {
         if message.topic == EVENT_TOPIC {
             return match &self.broker {
@@ -416,14 +405,12 @@ impl<DB: Payments> Sender for Routed<DB> {
         }
         let outcome = self.provider.send(message).await;
         if let SendOutcome::Delivered { .. } = &outcome
-            && let Err(reason) = self.announce(message).await
+            && let Err(error) = self.announce(message).await
         {
-            // Charged, event not enqueued: a resend with the same key finds the charge again.
-            let reason = format!("charged; event not enqueued: {reason}");
-            return SendOutcome::Retry {
-                after: None,
-                reason,
-            };
+            // Charged, event not enqueued: unknown, so the charge is looked up (or resent with
+            // its key) and announced again, never charged anew.
+            let reason = format!("charged; event not enqueued: {error}");
+            return SendOutcome::Unknown { reason };
         }
         outcome
     }
@@ -434,9 +421,9 @@ impl<DB: Payments> Sender for Routed<DB> {
         }
         let found = self.provider.lookup(message).await;
         if let LookupOutcome::Found { .. } = &found
-            && let Err(reason) = self.announce(message).await
+            && let Err(error) = self.announce(message).await
         {
-            let reason = format!("charged; event not enqueued: {reason}");
+            let reason = format!("charged; event not enqueued: {error}");
             return LookupOutcome::Failed { reason };
         }
         found
@@ -511,15 +498,15 @@ fn name(name: &str) -> String {
 
 /// What a handler answers instead of its result.
 enum Problem {
-    /// The example's own refusals (status, `code`, detail), as problem+json like the crate's.
-    /// Their `code`s never start with `idempotency_` and their `type` is `about:blank`, so a
-    /// client tells them from the crate's answers without reading the status alone.
+    /// The example's own refusals (status, `code`, detail) as problem+json, with `type`
+    /// `about:blank` and codes outside the crate's `idempotency_` prefix, so a client tells
+    /// them from the crate's answers without reading the status alone.
     Refused(StatusCode, &'static str, &'static str),
-    /// A statement failed. The layer runs a conflict abort again; anything else is a retryable
+    /// The outbox failed: the layer runs a conflict abort again; anything else is a retryable
     /// 500, its details logged, never shown.
-    Database(TxError),
+    Failed(outbox::Error),
     /// Anything else that failed: logged, answered as a retryable 500.
-    Internal(String),
+    Internal(Error),
 }
 
 fn invalid(detail: &'static str) -> Problem {
@@ -531,14 +518,14 @@ impl From<JsonRejection> for Problem {
     /// 422, which a client reading only the status would take for a reused key.
     fn from(rejection: JsonRejection) -> Self {
         match rejection {
+            JsonRejection::JsonDataError(_) => {
+                invalid("the payment needs order_id, amount, currency and payee of the right types")
+            }
             JsonRejection::MissingJsonContentType(_) => Problem::Refused(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "unsupported_media_type",
                 "send the payment as application/json",
             ),
-            JsonRejection::JsonDataError(_) => {
-                invalid("the payment needs order_id, amount, currency and payee of the right types")
-            }
             _ => Problem::Refused(
                 StatusCode::BAD_REQUEST,
                 "malformed_json",
@@ -558,18 +545,9 @@ impl From<PathRejection> for Problem {
     }
 }
 
-impl From<sqlx::Error> for Problem {
-    fn from(error: sqlx::Error) -> Self {
-        Self::Database(error.into())
-    }
-}
-
 impl From<outbox::Error> for Problem {
     fn from(error: outbox::Error) -> Self {
-        match error {
-            outbox::Error::Database(error) => Self::Database(error.into()),
-            other => Self::Internal(other.to_string()),
-        }
+        Self::Failed(error)
     }
 }
 
@@ -577,119 +555,17 @@ impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let (status, code, detail) = match self {
             Self::Refused(status, code, detail) => (status, code, detail),
-            Self::Database(error) => return error.into_response(),
-            Self::Internal(detail) => {
-                tracing::error!(detail, "payment request failed");
+            Self::Failed(outbox::Error::Database(error)) => {
+                return axum_idempotency::TxError::from(error).into_response();
+            }
+            Self::Failed(error) => return Self::Internal(error.into()).into_response(),
+            Self::Internal(error) => {
+                tracing::error!(%error, "payment request failed");
                 return axum_idempotency::Rejection::Internal.into_response();
             }
         };
         let body = json!({ "type": "about:blank", "title": status.canonical_reason(), "status": status.as_u16(), "code": code, "detail": detail });
         let content_type = [(header::CONTENT_TYPE, "application/problem+json")];
         (status, content_type, body.to_string()).into_response()
-    }
-}
-
-/// The payments table, and how each backend runs a statement on it: written once with `?` for
-/// its arguments, bound in each database's placeholder syntax.
-mod db {
-    #[cfg(feature = "mysql")]
-    use sqlx::MySqlConnection;
-    #[cfg(feature = "postgres")]
-    use sqlx::PgConnection;
-    #[cfg(feature = "sqlite")]
-    use sqlx::SqliteConnection;
-    use sqlx::{Database, Encode, Pool, QueryBuilder, Type};
-
-    #[derive(Clone, Copy)]
-    pub(crate) enum Arg<'a> {
-        Int(i64),
-        Text(&'a str),
-    }
-
-    /// id, order_id, amount in cents, currency, payee, outbox_id.
-    pub(crate) type Row = (i64, String, i64, String, String, i64);
-    /// The payment a statement selected or inserted, if any.
-    type Found = sqlx::Result<Option<Row>>;
-    pub(crate) const COLUMNS: &str = "id, order_id, amount, currency, payee, outbox_id";
-
-    /// A database the example runs on: one of the crate's backends, with the payments table.
-    ///
-    /// Each backend implements it on its own connection type, in a few lines that only differ
-    /// by that type: sqlx implements its traits per database, and one generic implementation
-    /// would need higher-ranked bounds.
-    pub(crate) trait Payments: axum_idempotency::Backend {
-        /// Creates the payments table unless it exists.
-        fn create_table(pool: &Pool<Self>) -> impl Future<Output = sqlx::Result<()>> + Send;
-
-        /// The payment a statement selects (or inserts, `RETURNING` its [`COLUMNS`]), if any.
-        fn payment(
-            c: &mut Self::Connection,
-            sql: &str,
-            args: &[Arg],
-        ) -> impl Future<Output = Found> + Send;
-    }
-
-    /// `sql` with each `?` bound to the next of `args`, in the placeholder syntax of `DB` (`$1`,
-    /// `$2`, … on PostgreSQL). The statements here hold no `?` of their own, in a literal say.
-    fn query<'a, DB: Database>(sql: &str, args: &[Arg<'a>]) -> QueryBuilder<DB>
-    where
-        i64: Encode<'a, DB> + Type<DB>,
-        &'a str: Encode<'a, DB> + Type<DB>,
-    {
-        let mut parts = sql.split('?');
-        let mut query = QueryBuilder::new(parts.next().unwrap_or_default());
-        for (arg, part) in args.iter().zip(parts) {
-            match *arg {
-                Arg::Int(value) => query.push_bind(value),
-                Arg::Text(value) => query.push_bind(value),
-            };
-            query.push(part);
-        }
-        query
-    }
-
-    #[cfg(feature = "sqlite")]
-    impl Payments for sqlx::Sqlite {
-        async fn create_table(pool: &Pool<Self>) -> sqlx::Result<()> {
-            let table = "CREATE TABLE IF NOT EXISTS payments (id INTEGER PRIMARY KEY AUTOINCREMENT,
-                owner TEXT NOT NULL, order_id TEXT NOT NULL, amount INTEGER NOT NULL,
-                currency TEXT NOT NULL, payee TEXT NOT NULL, outbox_id BIGINT NOT NULL)";
-            sqlx::raw_sql(table).execute(pool).await.map(drop)
-        }
-
-        async fn payment(c: &mut SqliteConnection, sql: &str, args: &[Arg<'_>]) -> Found {
-            query(sql, args).build_query_as().fetch_optional(c).await
-        }
-    }
-
-    #[cfg(feature = "postgres")]
-    impl Payments for sqlx::Postgres {
-        async fn create_table(pool: &Pool<Self>) -> sqlx::Result<()> {
-            let table = "CREATE TABLE IF NOT EXISTS payments (
-                id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, owner TEXT NOT NULL,
-                order_id TEXT NOT NULL, amount BIGINT NOT NULL, currency TEXT NOT NULL,
-                payee TEXT NOT NULL, outbox_id BIGINT NOT NULL)";
-            sqlx::raw_sql(table).execute(pool).await.map(drop)
-        }
-
-        async fn payment(c: &mut PgConnection, sql: &str, args: &[Arg<'_>]) -> Found {
-            query(sql, args).build_query_as().fetch_optional(c).await
-        }
-    }
-
-    #[cfg(feature = "mysql")]
-    impl Payments for sqlx::MySql {
-        /// utf8mb4, so any payee the app accepts fits. INSERT … RETURNING is MariaDB's (10.5+).
-        async fn create_table(pool: &Pool<Self>) -> sqlx::Result<()> {
-            let table = "CREATE TABLE IF NOT EXISTS payments (id BIGINT AUTO_INCREMENT PRIMARY KEY,
-                owner VARCHAR(32) NOT NULL, order_id VARCHAR(32) NOT NULL, amount BIGINT NOT NULL,
-                currency CHAR(3) NOT NULL, payee VARCHAR(255) NOT NULL, outbox_id BIGINT NOT NULL)
-                DEFAULT CHARSET = utf8mb4";
-            sqlx::raw_sql(table).execute(pool).await.map(drop)
-        }
-
-        async fn payment(c: &mut MySqlConnection, sql: &str, args: &[Arg<'_>]) -> Found {
-            query(sql, args).build_query_as().fetch_optional(c).await
-        }
     }
 }

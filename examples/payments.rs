@@ -558,6 +558,11 @@ impl IntoResponse for Problem {
             Self::Failed(outbox::Error::Database(error)) => {
                 return axum_idempotency::TxError::from(error).into_response();
             }
+            // The key's record expired and the key came back with another payment: the charge
+            // it was given downstream is taken, so this is final, never a 500 to retry.
+            Self::Failed(outbox::Error::KeyReused(_)) => {
+                return axum_idempotency::Rejection::KeyReused.into_response();
+            }
             Self::Failed(error) => return Self::Internal(error.into()).into_response(),
             Self::Internal(error) => {
                 tracing::error!(%error, "payment request failed");

@@ -453,3 +453,35 @@ async fn on_mariadb_refuses_what_orders_cannot_apply_and_charges_the_rest_once()
         .await
         .unwrap();
 }
+
+#[tokio::test]
+async fn a_key_back_after_its_record_is_gone_with_another_payment_is_refused_finally() {
+    let scenario = Scenario::new();
+    let http = &scenario.http;
+    let provider = scenario.provider(&[]).await;
+    let payments = scenario.payments(&provider, &[]).await;
+    let first = http.pay(&payments.url, "reused-key", &payment(1)).await;
+    assert_eq!(first.status, StatusCode::ACCEPTED);
+    let charged = http.settled(&payments.url, id_of(&first)).await;
+    assert_eq!(charged["status"], "succeeded");
+
+    // What the purge does once the record's retention has run out.
+    let database = format!("sqlite:{}", scenario.path("payments.db"));
+    let pool = sqlx::SqlitePool::connect(&database).await.unwrap();
+    let purged = sqlx::query("DELETE FROM idempotency_records")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(purged.rows_affected(), 1);
+    pool.close().await;
+
+    // The key's charge downstream is taken by the first payment: a 5xx here would be retried
+    // for ever, so the answer is the final 422 of a reused key, and it is kept for replays.
+    for _ in 0..2 {
+        let other = http.pay(&payments.url, "reused-key", &payment(2)).await;
+        assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(other.json()["code"], "idempotency_key_reused");
+    }
+    let charges = http.charges(&provider.url).await;
+    assert_eq!(charges["count"], 1, "{charges}");
+}

@@ -25,6 +25,13 @@ impl DownstreamKey {
     /// effect within the request (`"charge"`, `"receipt-email"`) so one request may enqueue several
     /// messages, each with its own stable key.
     ///
+    /// The key outlives the request's record: a client that reuses its idempotency key for
+    /// another request once the record has expired gets the same downstream key, and
+    /// [`Outbox::enqueue`](super::Outbox::enqueue) refuses the other payload with
+    /// [`Error::KeyReused`](super::Error::KeyReused). Answer that as the layer answers a reused
+    /// key, with the final [`Rejection::KeyReused`](crate::Rejection::KeyReused) (422), not a
+    /// 5xx the client would retry in vain.
+    ///
     /// ```
     /// use axum_idempotency::outbox::DownstreamKey;
     ///

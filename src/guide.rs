@@ -240,9 +240,12 @@
 /// request head may take for ever. Serve with hyper's builder instead, given a timer:
 /// `hyper::server::conn::http1::Builder` as below, or
 /// `hyper_util::server::conn::auto::Builder` (HTTP/1 and HTTP/2) with
-/// `.http1().timer(TokioTimer::new()).header_read_timeout(..)`. The README's "Use it" program
-/// adds the graceful shutdown to this loop with hyper-util's `GracefulShutdown` (its feature
-/// `server-graceful`).
+/// `.http1().timer(TokioTimer::new()).header_read_timeout(..)`. Or serve with the
+/// `axum-server` crate, which installs a timer itself and drains connections on
+/// `Handle::graceful_shutdown`, as the README's "Use it" program and the examples do:
+/// `axum_server::from_tcp(listener)?.http1_only()`, then
+/// `.http_builder().http1().header_read_timeout(..)` (HTTP/1 only: there the timeout also
+/// closes a connection that sends nothing).
 ///
 /// ```no_run
 /// # async fn run(listener: tokio::net::TcpListener, app: axum::Router) -> std::io::Result<()> {

@@ -15,7 +15,7 @@ use sqlx::{AssertSqlSafe, MySql, Pool, Row, Transaction};
 
 use super::literal::{Statement, Syntax};
 use super::protocol::{BeganClaim, NewRecord, PurgePace};
-use super::sql::{ClaimPath, Dialect, bound, classify, readable};
+use super::sql::{ClaimPath, Dialect, bound, classify, identity_values, lifetime_values};
 use crate::error::Error;
 use crate::migrate;
 use crate::record::StoredResponse;
@@ -60,16 +60,9 @@ fn taken(error: &sqlx::Error) -> bool {
 /// stays small whatever the response, and is always written out.
 fn claim_call<'a>(record: &'a NewRecord<'a>, lock_wait: Duration) -> AssertSqlSafe<String> {
     let mut call = Statement::new(Syntax::MySql);
-    call.sql("CALL axum_idempotency_claim_v2(")
-        .bytes(&record.key.digest()[..])
-        .opt_text(record.scope.principal().map(readable))
-        .text(readable(record.scope.method()))
-        .text(readable(record.scope.route()))
-        .bytes(&record.fingerprint.as_bytes()[..])
-        .int8(record.created_at.column())
-        .int8(record.expires_at.column())
-        .opt_bytes(record.lease.as_ref().map(|lease| &lease.owner[..]))
-        .opt_int8(record.lease.map(|lease| lease.until.column()))
+    call.sql("CALL axum_idempotency_claim_v2(");
+    identity_values(&mut call, record);
+    lifetime_values(&mut call, record)
         .int8(lock_wait_secs(lock_wait))
         .sql(")");
     call.inline("", "")

@@ -153,20 +153,40 @@ pub(super) fn inline_fits(response: Option<&StoredResponse>) -> bool {
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(super) fn record_values<'a>(statement: &mut Statement<'a>, record: &'a NewRecord<'a>) {
     let response = record.response;
+    identity_values(statement, record)
+        .text(record.state.as_str())
+        .opt_int4(response.map(|response| i32::from(response.status.as_u16())))
+        .opt_bytes(response.map(StoredResponse::encode_headers))
+        .opt_bytes(response.map(|response| &response.body[..]));
+    lifetime_values(statement, record);
+}
+
+/// Writes what names the record's intent: key_digest, principal, method, route, fingerprint.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(super) fn identity_values<'s, 'a>(
+    statement: &'s mut Statement<'a>,
+    record: &'a NewRecord<'a>,
+) -> &'s mut Statement<'a> {
     statement
         .bytes(&record.key.digest()[..])
         .opt_text(record.scope.principal().map(readable))
         .text(readable(record.scope.method()))
         .text(readable(record.scope.route()))
         .bytes(&record.fingerprint.as_bytes()[..])
-        .text(record.state.as_str())
-        .opt_int4(response.map(|response| i32::from(response.status.as_u16())))
-        .opt_bytes(response.map(StoredResponse::encode_headers))
-        .opt_bytes(response.map(|response| &response.body[..]))
+}
+
+/// Writes how long the record lives and who leases it: created_at, expires_at, lease_owner,
+/// lease_expires_at.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(super) fn lifetime_values<'s, 'a>(
+    statement: &'s mut Statement<'a>,
+    record: &'a NewRecord<'a>,
+) -> &'s mut Statement<'a> {
+    statement
         .int8(record.created_at.column())
         .int8(record.expires_at.column())
         .opt_bytes(record.lease.as_ref().map(|lease| &lease.owner[..]))
-        .opt_int8(record.lease.map(|lease| lease.until.column()));
+        .opt_int8(record.lease.map(|lease| lease.until.column()))
 }
 
 /// A scope's text as the records table shows it to people: NUL, which PostgreSQL's `text`

@@ -237,38 +237,31 @@
 ///
 /// **The header read timeout.** hyper has one (`header_read_timeout`, 30 s by default), but it
 /// only acts when the connection builder has a timer, and `axum::serve` sets none: under it, a
-/// request head may take for ever. Serve with hyper's builder instead, given a timer:
-/// `hyper::server::conn::http1::Builder` as below, or
-/// `hyper_util::server::conn::auto::Builder` (HTTP/1 and HTTP/2) with
-/// `.http1().timer(TokioTimer::new()).header_read_timeout(..)`. Or serve with the
-/// `axum-server` crate, which installs a timer itself and drains connections on
-/// `Handle::graceful_shutdown`, as the README's "Use it" program and the examples do:
-/// `axum_server::from_tcp(listener)?.http1_only()`, then
-/// `.http_builder().http1().header_read_timeout(..)` (HTTP/1 only: there the timeout also
-/// closes a connection that sends nothing).
+/// request head may take for ever. Serve with the `axum-server` crate instead, which installs a
+/// timer itself and drains connections on `Handle::graceful_shutdown`, as the README's "Use it"
+/// program and the examples do. HTTP/1 only: there the timeout also closes a connection that
+/// sends nothing, where in auto mode the wait for a first byte has none. (With hyper's own
+/// builders, give them `.timer(hyper_util::rt::TokioTimer::new())` first.)
 ///
 /// ```no_run
-/// # async fn run(listener: tokio::net::TcpListener, app: axum::Router) -> std::io::Result<()> {
+/// # async fn run(listener: std::net::TcpListener, app: axum::Router) -> std::io::Result<()> {
 /// use std::time::Duration;
 ///
-/// use hyper_util::rt::{TokioIo, TokioTimer};
-/// use hyper_util::service::TowerToHyperService;
+/// use tokio::signal::unix::{SignalKind, signal};
 ///
-/// let mut http = hyper::server::conn::http1::Builder::new();
-/// http.timer(TokioTimer::new()) // without a timer, hyper applies no timeout at all
+/// let mut terminate = signal(SignalKind::terminate())?;
+/// let handle = axum_server::Handle::new();
+/// let stop = handle.clone();
+/// tokio::spawn(async move {
+///     terminate.recv().await;
+///     stop.graceful_shutdown(None); // stops accepting, answers the requests in flight
+/// });
+/// let mut server = axum_server::from_tcp(listener)?.http1_only().handle(handle);
+/// server
+///     .http_builder()
+///     .http1()
 ///     .header_read_timeout(Duration::from_secs(5));
-/// loop {
-///     let stream = match listener.accept().await {
-///         Ok((stream, _)) => stream,
-///         // Out of file descriptors, say: pause and go on accepting.
-///         Err(_) => {
-///             tokio::time::sleep(Duration::from_millis(100)).await;
-///             continue;
-///         }
-///     };
-///     let service = TowerToHyperService::new(app.clone());
-///     tokio::spawn(http.serve_connection(TokioIo::new(stream), service));
-/// }
+/// server.serve(app.into_make_service()).await
 /// # }
 /// ```
 pub mod layer {}

@@ -237,7 +237,8 @@
 ///
 /// **The header read timeout.** hyper has one (`header_read_timeout`, 30 s by default), but it
 /// only acts when the connection builder has a timer, and `axum::serve` sets none: under it, a
-/// request head may take for ever. Serve with the `axum-server` crate instead, which installs a
+/// request head may take for ever. Serve with the `axum-server` crate instead
+/// (`axum-server = "0.9"`; the signal below needs tokio's `signal` feature), which installs a
 /// timer itself and drains connections on `Handle::graceful_shutdown`, as the README's "Use it"
 /// program and the examples do. HTTP/1 only: there the timeout also closes a connection that
 /// sends nothing, where in auto mode the wait for a first byte has none. (With hyper's own

@@ -35,7 +35,7 @@
 //! succeeded payment also publishes, through the same outbox, the event `{"payment_id",
 //! "order_id", "amount", "currency"}` that the orders example consumes: RabbitMQ topic exchange
 //! `payments`, routing key `payment.succeeded`; NATS stream `PAYMENTS`, subject
-//! `payments.succeeded`. `BROKER_NAMESPACE` prefixes those names (for tests).
+//! `payments.succeeded`. `BROKER_NAMESPACE` prefixes those names (a shared broker, tests).
 //!
 //! Users: `Authorization: Bearer alice-token` or `bob-token`; anything else is 401. It stops on
 //! SIGTERM as on Ctrl-C, after answering the requests in flight and stopping the dispatchers.

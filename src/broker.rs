@@ -40,43 +40,41 @@ pub(crate) async fn declare_exchange(
     connection: &lapin::Connection,
     exchange: &str,
 ) -> Result<(), lapin::Error> {
-    use lapin::ExchangeKind;
     use lapin::options::ExchangeDeclareOptions;
+    use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
     use lapin::types::FieldTable;
+    use lapin::{ErrorKind, ExchangeKind};
 
-    // A passive declare of a missing exchange closes its channel: probe on one of its own.
-    let probe = connection.create_channel().await?;
-    let passive = ExchangeDeclareOptions {
-        passive: true,
-        ..ExchangeDeclareOptions::default()
-    };
-    let found = probe
-        .exchange_declare(
-            exchange.into(),
-            ExchangeKind::Topic,
-            passive,
-            FieldTable::default(),
-        )
-        .await;
-    if found.is_ok() {
-        let _ = probe.close(200, "declared".into()).await;
-        return Ok(());
-    }
+    // Declared outright rather than probed first: the broker refuses a probe for a missing
+    // exchange by closing the channel, which lapin logs as an error, and a missing exchange is
+    // what every first start finds. One that exists with other settings is refused the same
+    // way, and kept.
     let channel = connection.create_channel().await?;
     let durable = ExchangeDeclareOptions {
         durable: true,
         ..ExchangeDeclareOptions::default()
     };
-    channel
+    let declared = channel
         .exchange_declare(
             exchange.into(),
             ExchangeKind::Topic,
             durable,
             FieldTable::default(),
         )
-        .await?;
-    let _ = channel.close(200, "declared".into()).await;
-    Ok(())
+        .await;
+    match declared {
+        Ok(()) => {
+            let _ = channel.close(200, "declared".into()).await;
+            Ok(())
+        }
+        Err(error)
+            if matches!(error.kind(), ErrorKind::ProtocolError(refusal)
+                if *refusal.kind() == AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED)) =>
+        {
+            Ok(())
+        }
+        Err(error) => Err(error),
+    }
 }
 
 /// `uri` asking for a 10 s heartbeat, unless it asks for one already.

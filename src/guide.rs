@@ -755,6 +755,13 @@ pub mod outbox {}
 /// (`payment_provider.db`, `orders.db`, `payments.db`: delete them to start over). Both apps
 /// know the users `alice` (`alice-token`) and `bob` (`bob-token`).
 ///
+/// What the apps declare on the broker is durable and stays there when they stop: the exchange
+/// `payments` and the queues `orders.payment-succeeded`, `orders.payment-succeeded.retry` and
+/// `orders.payment-succeeded.dead` (NATS: the streams `PAYMENTS` and `ORDERS_DEAD`). On a
+/// broker that others use too, give `orders` (its `replay-dead` included) and `payments` the
+/// same `BROKER_NAMESPACE`, say `BROKER_NAMESPACE=demo`: every name then starts with it
+/// (`demo.payments`, `DEMO_PAYMENTS`), and those are the names to delete afterwards.
+///
 /// Alice orders two widgets: `201 Created` with `"id":1` on a fresh `orders.db`.
 ///
 /// ```sh
@@ -789,7 +796,9 @@ pub mod outbox {}
 /// ```
 ///
 /// **A payment for an unknown order.** `payments` does not know the orders: a payment for
-/// order 2, which does not exist yet, is accepted (`202`) and charged like any other. The
+/// order 2, which does not exist yet, is accepted (`202`) and charged like any other. Its id
+/// is 3, not 2: a payment's id is its outbox message's, and the first payment's event took 2.
+/// The
 /// `orders` consumer finds no order 2, so it never applies the event and does not retry it
 /// either: it dead-letters it at once, to the queue `orders.payment-succeeded.dead` (NATS: the
 /// stream `ORDERS_DEAD`), where it waits for an operator. An `order_id` that is neither an

@@ -11,10 +11,10 @@
 //!
 //! Tuning: `ORDERS_CONSUMER_CONCURRENCY` (default 4), `ORDERS_CONSUMER_MAX_ATTEMPTS` (5),
 //! `ORDERS_CONSUMER_BACKOFF_MS` (1000), `ORDERS_CONSUMER_ACK_WAIT_SECS` (NATS, 10).
-//! For tests: `BROKER_NAMESPACE` prefixes every broker name, `ORDERS_CONSUMER_FAIL_PERCENT`
-//! makes that share of attempts write and then fail, `ORDERS_FAILPOINT=after-commit` freezes
-//! the process after its first commit, before the ack, and `ORDERS_CONSUMER_STATS_MS` prints
-//! the inbox's counters that often.
+//! `BROKER_NAMESPACE` prefixes every broker name (a shared broker, tests). For tests:
+//! `ORDERS_CONSUMER_FAIL_PERCENT` makes that share of attempts write and then fail,
+//! `ORDERS_FAILPOINT=after-commit` freezes the process after its first commit, before the ack,
+//! and `ORDERS_CONSUMER_STATS_MS` prints the inbox's counters that often.
 
 use std::fmt::Display;
 use std::time::Duration;

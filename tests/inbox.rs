@@ -305,14 +305,7 @@ where
             report = consumer.replay_dead(handler.clone(), 100).await.unwrap();
             again = consumer.replay_dead(handler, 100).await.unwrap();
             assert_eq!(waiting().await, 0);
-            for q in [queue.clone(), format!("{queue}.retry"), dead.clone()] {
-                let _ = channel
-                    .queue_delete(q.into(), QueueDeleteOptions::default())
-                    .await;
-            }
-            let _ = channel
-                .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
-                .await;
+            delete_rabbitmq(&queue, &exchange).await;
         }
         Kind::Nats => {
             let js = jetstream::new(
@@ -374,6 +367,32 @@ where
     assert!(inbox.is_applied(&Delivery::new("p-poison")).await.unwrap());
     assert_eq!(inbox.stats().dead, 1);
     DB::dispose(db).await;
+}
+
+/// Deletes the queues and the exchange a RabbitMQ test declared, on a connection of its own:
+/// lapin closes a whole connection when the broker's cancel-ok for a consumer being dropped
+/// arrives after it stopped waiting for one, which deleting the queue under that consumer can
+/// cause, so the test's own connection may be gone by now.
+async fn delete_rabbitmq(queue: &str, exchange: &str) {
+    let connection = Connection::connect(AMQP, Default::default())
+        .await
+        .expect("RabbitMQ must be reachable at 127.0.0.1:5672");
+    let channel = connection.create_channel().await.unwrap();
+    for q in [
+        queue.to_owned(),
+        format!("{queue}.retry"),
+        format!("{queue}.dead"),
+    ] {
+        channel
+            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await
+            .unwrap();
+    }
+    channel
+        .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
+        .await
+        .unwrap();
+    let _ = connection.close(200, "cleaned up".into()).await;
 }
 
 async fn eventually<F, Fut>(mut check: F)
@@ -606,18 +625,7 @@ async fn accepts_what_a_publisher_created_first(kind: Kind) {
                 .unwrap();
             eventually(|| async { inbox.stats().processed == 1 }).await;
             running.abort();
-            for q in [
-                queue.clone(),
-                format!("{queue}.retry"),
-                format!("{queue}.dead"),
-            ] {
-                let _ = channel
-                    .queue_delete(q.into(), QueueDeleteOptions::default())
-                    .await;
-            }
-            let _ = channel
-                .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
-                .await;
+            delete_rabbitmq(&queue, &exchange).await;
         }
         Kind::Nats => {
             let js = jetstream::new(
@@ -774,14 +782,7 @@ async fn a_dead_letter_reason_is_logged_and_kept_in_its_header(kind: Kind) {
                     _ => None,
                 }
             });
-            for q in [queue.clone(), format!("{queue}.retry"), dead] {
-                let _ = channel
-                    .queue_delete(q.into(), QueueDeleteOptions::default())
-                    .await;
-            }
-            let _ = channel
-                .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
-                .await;
+            delete_rabbitmq(&queue, &exchange).await;
             header
         }
         Kind::Nats => {

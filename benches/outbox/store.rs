@@ -15,36 +15,29 @@ pub(crate) trait Store: Backend {
 const DELIVERED: &str = "SELECT COUNT(*), CAST(COALESCE(SUM(attempts), 0) AS BIGINT) \
      FROM idempotency_outbox WHERE status = 'delivered'";
 
-impl Store for sqlx::Sqlite {
-    const LABEL: &'static str = "SQLite";
-    async fn clear(pool: &Pool<Self>) {
-        sqlx::query("DELETE FROM idempotency_outbox")
-            .execute(pool)
-            .await
-            .expect("empty the outbox");
-    }
-    async fn delivered(pool: &Pool<Self>) -> (i64, i64) {
-        sqlx::query_as(DELIVERED)
-            .fetch_one(pool)
-            .await
-            .expect("count delivered")
-    }
+/// Implements [`Store`] for one database, naming its concrete sqlx type (a generic impl would
+/// need higher-ranked bounds); `$clear` is how it empties the outbox.
+macro_rules! store {
+    ($db:ty, $label:literal, $clear:literal) => {
+        impl Store for $db {
+            const LABEL: &'static str = $label;
+            async fn clear(pool: &Pool<Self>) {
+                sqlx::query($clear)
+                    .execute(pool)
+                    .await
+                    .expect("empty the outbox");
+            }
+            async fn delivered(pool: &Pool<Self>) -> (i64, i64) {
+                sqlx::query_as(DELIVERED)
+                    .fetch_one(pool)
+                    .await
+                    .expect("count delivered")
+            }
+        }
+    };
 }
 
+store!(sqlx::Sqlite, "SQLite", "DELETE FROM idempotency_outbox");
+// TRUNCATE rather than DELETE: no dead tuples left for the next run's claims to skip.
 #[cfg(feature = "postgres")]
-impl Store for sqlx::Postgres {
-    const LABEL: &'static str = "PostgreSQL";
-    async fn clear(pool: &Pool<Self>) {
-        // TRUNCATE rather than DELETE: no dead tuples left for the next run's claims to skip.
-        sqlx::query("TRUNCATE idempotency_outbox")
-            .execute(pool)
-            .await
-            .expect("empty the outbox");
-    }
-    async fn delivered(pool: &Pool<Self>) -> (i64, i64) {
-        sqlx::query_as(DELIVERED)
-            .fetch_one(pool)
-            .await
-            .expect("count delivered")
-    }
-}
+store!(sqlx::Postgres, "PostgreSQL", "TRUNCATE idempotency_outbox");

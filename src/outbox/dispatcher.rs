@@ -298,10 +298,11 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         let mut settlement = match outcome {
             SendOutcome::Delivered { receipt } => delivered(receipt, now),
             SendOutcome::Rejected { reason } => failed(reason),
-            SendOutcome::Retry { reason, .. } if record.attempts >= self.max_attempts => failed(
+            SendOutcome::Retry { reason, .. } | SendOutcome::Unavailable { reason, .. }
+                if record.attempts >= self.max_attempts => failed(
                 format!("gave up after {} attempts: {reason}", record.attempts),
             ),
-            SendOutcome::Retry { after, reason } => {
+            SendOutcome::Retry { after, reason } | SendOutcome::Unavailable { after, reason } => {
                 let at = now.saturating_add(self.delay(record.attempts, after));
                 retry_at(at, Some(reason), false)
             }

@@ -49,7 +49,20 @@ pub enum SendOutcome {
         /// What the downstream answered.
         receipt: String,
     },
-    /// Definitely not done, worth retrying later (503, 429, connection refused).
+    /// The destination could not be reached, or said it cannot take work now: connection
+    /// refused or reset before the request left, a DNS or connect timeout, a broker connection
+    /// that is down, `503`, `429`. Nothing was done, and this is an outage, not an attempt: it
+    /// consumes none of the message's attempts, and the dispatcher pauses this destination,
+    /// probing it with one message at a time on a jittered backoff (at most about 30 s) until
+    /// it answers, then resumes at full speed.
+    Unavailable {
+        /// The downstream's `Retry-After`, if it gave one; the next probe is never earlier.
+        after: Option<Duration>,
+        /// Kept in the record's `last_error`.
+        reason: String,
+    },
+    /// Reached, and definitely not done, but worth another attempt later (`408`, a `409` that
+    /// says the key's first request is still running). Counts as an attempt.
     Retry {
         /// The downstream's `Retry-After`, if it gave one; the next attempt is never earlier.
         after: Option<Duration>,

@@ -181,6 +181,9 @@ conformance!(
     renewals_racing_settles_report_no_lost_lease,
     a_message_claimed_ahead_and_unsent_at_shutdown_is_not_charged_an_attempt,
     the_lookup_grace_counts_from_the_send_not_the_claim,
+    an_outage_is_not_an_attempt,
+    an_outage_pauses_the_destination_and_probes_one_message_at_a_time,
+    a_message_gives_up_at_its_time_budget_and_says_why,
 );
 
 /// A downstream whose answers are scripted and whose calls are recorded.
@@ -199,6 +202,11 @@ struct Inner {
     delay_ms: AtomicU64,
     delay_ms_by_key: Mutex<HashMap<String, u64>>,
     entered: Notify,
+    /// While set, every send answers `Unavailable` after `delay_ms`.
+    down: AtomicBool,
+    in_flight: AtomicU64,
+    /// The most sends in flight at once since the counter was last reset.
+    most_in_flight: AtomicU64,
 }
 
 impl Downstream {
@@ -235,6 +243,28 @@ impl Sender for Downstream {
             .unwrap()
             .push((message.downstream_key.to_string(), message.attempts));
         self.0.entered.notify_one();
+        let in_flight = self.0.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.0.most_in_flight.fetch_max(in_flight, Ordering::SeqCst);
+        let outcome = self.answer(message).await;
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+        outcome
+    }
+
+    async fn lookup(&self, message: &OutboxRecord) -> LookupOutcome {
+        self.0
+            .lookups
+            .lock()
+            .unwrap()
+            .push(message.downstream_key.to_string());
+        let scripted = self.0.lookup_script.lock().unwrap().pop_front();
+        scripted
+            .or_else(|| self.0.lookup_default.lock().unwrap().clone())
+            .unwrap_or(LookupOutcome::Unsupported)
+    }
+}
+
+impl Downstream {
+    async fn answer(&self, message: &OutboxRecord) -> SendOutcome {
         if self.0.hang.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
@@ -253,22 +283,16 @@ impl Sender for Downstream {
         if max_delay > 0 {
             tokio::time::sleep(Duration::from_millis(fastrand_delay(max_delay))).await;
         }
+        if self.0.down.load(Ordering::SeqCst) {
+            return SendOutcome::Unavailable {
+                after: None,
+                reason: "connection refused".into(),
+            };
+        }
         let scripted = self.0.send_script.lock().unwrap().pop_front();
         scripted.unwrap_or_else(|| SendOutcome::Delivered {
             receipt: format!("receipt-{}", message.id),
         })
-    }
-
-    async fn lookup(&self, message: &OutboxRecord) -> LookupOutcome {
-        self.0
-            .lookups
-            .lock()
-            .unwrap()
-            .push(message.downstream_key.to_string());
-        let scripted = self.0.lookup_script.lock().unwrap().pop_front();
-        scripted
-            .or_else(|| self.0.lookup_default.lock().unwrap().clone())
-            .unwrap_or(LookupOutcome::Unsupported)
     }
 }
 
@@ -306,6 +330,7 @@ fn dispatcher<DB: Backend>(
 ) -> Dispatcher<DB, Downstream> {
     Dispatcher::new(outbox.clone(), downstream.clone())
         .backoff(Backoff::exponential(Duration::ZERO, Duration::ZERO))
+        .probe_backoff(Backoff::exponential(Duration::ZERO, Duration::ZERO))
         .lookup_grace(Duration::ZERO)
         .send_timeout(Duration::from_secs(5))
 }
@@ -425,7 +450,7 @@ async fn retry_after_is_honoured<DB: Backend>(pool: Pool<DB>) {
     enqueue_committed(&pool, &outbox, charge("c", "12.50")).await;
     let downstream = Downstream::answering([SendOutcome::Retry {
         after: Some(Duration::from_secs(3600)),
-        reason: "503 Service Unavailable".into(),
+        reason: "409 the key's first request is still running".into(),
     }]);
     let dispatcher = dispatcher(&outbox, &downstream);
 
@@ -439,7 +464,7 @@ async fn retry_after_is_honoured<DB: Backend>(pool: Pool<DB>) {
     assert!(!waiting.outcome_unknown);
     assert_eq!(
         waiting.last_error.as_deref(),
-        Some("503 Service Unavailable")
+        Some("409 the key's first request is still running")
     );
     assert!(waiting.next_attempt_at >= before + Duration::from_secs(3599));
     assert_eq!(downstream.sends().len(), 1);
@@ -450,7 +475,7 @@ async fn gives_up_after_max_attempts_and_says_why<DB: Backend>(pool: Pool<DB>) {
     enqueue_committed(&pool, &outbox, charge("c", "12.50")).await;
     let unavailable = || SendOutcome::Retry {
         after: None,
-        reason: "503 Service Unavailable".into(),
+        reason: "409 the key's first request is still running".into(),
     };
     let downstream =
         Downstream::answering([unavailable(), unavailable(), unavailable(), unavailable()]);
@@ -466,7 +491,7 @@ async fn gives_up_after_max_attempts_and_says_why<DB: Backend>(pool: Pool<DB>) {
     assert_eq!(failed.attempts, 3);
     assert_eq!(
         failed.last_error.as_deref(),
-        Some("gave up after 3 attempts: 503 Service Unavailable")
+        Some("gave up after 3 attempts: 409 the key's first request is still running")
     );
     let attempts: Vec<u32> = downstream.sends().into_iter().map(|(_, n)| n).collect();
     assert_eq!(attempts, vec![1, 2, 3]);
@@ -860,7 +885,7 @@ async fn a_message_out_of_attempts_fails_without_another_send<DB: Backend>(pool:
     enqueue_committed(&pool, &outbox, charge("c", "12.50")).await;
     let unavailable = || SendOutcome::Retry {
         after: None,
-        reason: "503 Service Unavailable".into(),
+        reason: "409 the key's first request is still running".into(),
     };
     let downstream = Downstream::answering([unavailable(), unavailable()]);
     let patient = dispatcher(&outbox, &downstream).max_attempts(5);
@@ -875,7 +900,7 @@ async fn a_message_out_of_attempts_fails_without_another_send<DB: Backend>(pool:
     assert_eq!(failed.attempts, 2);
     assert_eq!(
         failed.last_error.as_deref(),
-        Some("gave up after 2 attempts: 503 Service Unavailable")
+        Some("gave up after 2 attempts: 409 the key's first request is still running")
     );
     assert_eq!(downstream.sends().len(), 2);
 }
@@ -1181,4 +1206,150 @@ async fn the_lookup_grace_counts_from_the_send_not_the_claim<DB: Backend>(pool: 
         assert_eq!(waiting.next_attempt_at, sent_at + grace, "{name}");
     }
     assert_eq!(downstream.sends().len(), 2);
+}
+
+/// However many times the destination is out of reach, the message keeps its attempts for
+/// answers that refuse or fail the work: twelve outages under a cap of three still deliver.
+async fn an_outage_is_not_an_attempt<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    enqueue_committed(&pool, &outbox, charge("c", "12.50")).await;
+    let unavailable = || SendOutcome::Unavailable {
+        after: None,
+        reason: "connection refused".into(),
+    };
+    let downstream = Downstream::answering((0..12).map(|_| unavailable()));
+    let dispatcher = dispatcher(&outbox, &downstream).max_attempts(3);
+
+    for _ in 0..12 {
+        assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+        let waiting = record(&outbox, "c").await;
+        assert_eq!(waiting.status, Status::Pending);
+        assert_eq!(waiting.attempts, 0, "an outage counted as an attempt");
+        assert!(!waiting.outcome_unknown);
+        assert_eq!(
+            waiting.last_error.as_deref(),
+            Some("unavailable: connection refused")
+        );
+    }
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+
+    let delivered = record(&outbox, "c").await;
+    assert_eq!(delivered.status, Status::Delivered);
+    assert_eq!(delivered.attempts, 1);
+    // Every call carried the same key and saw no attempt spent before it.
+    let sends = downstream.sends();
+    assert_eq!(sends.len(), 13);
+    assert!(
+        sends
+            .iter()
+            .all(|(k, n)| *k == key("c").to_string() && *n == 1)
+    );
+}
+
+/// During an outage the dispatcher stops sending all but one message at a time, the probe, and
+/// resumes at full speed once the destination answers: no message spends an attempt on it.
+async fn an_outage_pauses_the_destination_and_probes_one_message_at_a_time<DB: Backend>(
+    pool: Pool<DB>,
+) {
+    let outbox = outbox(&pool).await;
+    let messages = 24;
+    for n in 0..messages {
+        enqueue_committed(&pool, &outbox, charge(&format!("m{n}"), "1.00")).await;
+    }
+    let downstream = Downstream::default();
+    downstream.0.down.store(true, Ordering::SeqCst);
+    downstream.0.delay_ms.store(20, Ordering::SeqCst);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = dispatcher(&outbox, &downstream)
+        .batch_size(8)
+        .max_attempts(2)
+        .poll_interval(Duration::from_millis(50))
+        .probe_backoff(Backoff::exponential(
+            Duration::from_millis(100),
+            Duration::from_millis(100),
+        ));
+    let task = tokio::spawn(running.run(async {
+        let _ = stopped.await;
+    }));
+
+    // The first window's sends find the outage; from then on, one probe at a time.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    downstream.0.most_in_flight.store(0, Ordering::SeqCst);
+    let calls_before = downstream.sends().len();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let probes = downstream.sends().len() - calls_before;
+    assert_eq!(
+        downstream.0.most_in_flight.load(Ordering::SeqCst),
+        1,
+        "a paused destination got more than one send at a time"
+    );
+    // Waits drawn from 0..=100 ms, each probe taking 20 ms: far fewer than a send per message
+    // and retry, and at least a few.
+    assert!(
+        (3..=75).contains(&probes),
+        "{probes} probes in 1.5 s of outage"
+    );
+    // None spent an attempt on the outage: a message claimed holds the one its claim began
+    // only until it is sent as the probe or put back.
+    for n in 0..messages {
+        let waiting = record(&outbox, &format!("m{n}")).await;
+        assert_eq!(waiting.status, Status::Pending, "m{n}");
+        assert!(waiting.attempts <= 1, "m{n}: {waiting:?}");
+    }
+
+    downstream.0.down.store(false, Ordering::SeqCst);
+    downstream.0.most_in_flight.store(0, Ordering::SeqCst);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut delivered = 0;
+        for n in 0..messages {
+            if record(&outbox, &format!("m{n}")).await.status == Status::Delivered {
+                delivered += 1;
+            }
+        }
+        if delivered == messages {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{delivered} of {messages} delivered 10 s after the destination came back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Resumed at full speed: sends in parallel again.
+    assert!(downstream.0.most_in_flight.load(Ordering::SeqCst) > 1);
+    for n in 0..messages {
+        assert_eq!(record(&outbox, &format!("m{n}")).await.attempts, 1);
+    }
+    let _ = stop.send(());
+    task.await.unwrap();
+}
+
+/// A message that cannot be delivered within its time budget fails for good, and its record
+/// says why; an outage spends the budget, not attempts.
+async fn a_message_gives_up_at_its_time_budget_and_says_why<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    enqueue_committed(&pool, &outbox, charge("c", "12.50")).await;
+    let downstream = Downstream::default();
+    downstream.0.down.store(true, Ordering::SeqCst);
+    let dispatcher = dispatcher(&outbox, &downstream).give_up_after(Duration::from_millis(400));
+
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    assert_eq!(record(&outbox, "c").await.status, Status::Pending);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+
+    let failed = record(&outbox, "c").await;
+    assert_eq!(failed.status, Status::Failed);
+    assert_eq!(failed.attempts, 0);
+    let reason = failed.last_error.unwrap();
+    assert!(
+        reason == "gave up after 400ms, the time budget; last: unavailable: connection refused",
+        "{reason}"
+    );
+    // Requeued once the cause is fixed, it goes out with its key and its budget renewed.
+    downstream.0.down.store(false, Ordering::SeqCst);
+    assert!(outbox.requeue(failed.id).await.unwrap());
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    assert_eq!(record(&outbox, "c").await.status, Status::Delivered);
 }

@@ -1,5 +1,6 @@
 //! The background task that delivers committed messages and records every outcome.
 
+mod metrics;
 mod window;
 
 use std::fmt;
@@ -64,6 +65,8 @@ pub struct Dispatcher<DB: Backend, S> {
     send_timeout: Duration,
     lease: Duration,
     lookup_grace: Duration,
+    give_up_after: Duration,
+    probe_backoff: Backoff,
 }
 
 impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
@@ -81,6 +84,8 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
             send_timeout: Duration::from_secs(30),
             lease: Duration::from_secs(15),
             lookup_grace: Duration::from_secs(60),
+            give_up_after: Duration::from_secs(6 * 60 * 60),
+            probe_backoff: Backoff::exponential(Duration::from_secs(1), Duration::from_secs(30)),
         }
     }
 
@@ -103,8 +108,12 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         self
     }
 
-    /// After how many sender calls a message that still did not go through fails for good;
-    /// default 10.
+    /// After how many attempts a message that still did not go through fails for good;
+    /// default 10. An attempt is a send the destination answered without doing the work
+    /// ([`SendOutcome::Retry`]) or whose outcome is unknown; an outage
+    /// ([`SendOutcome::Unavailable`]) is not one, however long it lasts, so this cap stops a
+    /// poison message, never an intent caught in an outage. The time budget,
+    /// [`give_up_after`](Self::give_up_after), bounds the rest.
     #[must_use]
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts.max(1);
@@ -148,6 +157,31 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     #[must_use]
     pub fn lookup_grace(mut self, grace: Duration) -> Self {
         self.lookup_grace = grace;
+        self
+    }
+
+    /// How long after it was enqueued a message that is still not delivered fails for good;
+    /// default 6 hours. Outages spend this budget, not attempts.
+    ///
+    /// It must stay shorter than the time the downstream remembers an idempotency key (24
+    /// hours at Stripe) and than the consumers' deduplication retention (`Inbox::retention`):
+    /// a message resent after the downstream forgot its key takes effect a second time. Six
+    /// hours outlasts the outages a destination usually has, and leaves a day's key retention
+    /// four times as long. A message past the budget whose last outcome is unknown is looked up
+    /// first (when the sender can) and fails only if the downstream does not hold it.
+    #[must_use]
+    pub fn give_up_after(mut self, budget: Duration) -> Self {
+        self.give_up_after = budget;
+        self
+    }
+
+    /// The wait between probes of a destination that is unavailable: one message is sent, and
+    /// the others wait, until one answers; default [`Backoff::exponential`]`(1 s, 30 s)`, never
+    /// earlier than the destination's `Retry-After`. Those waits spend the time budget, not the
+    /// messages' attempts.
+    #[must_use]
+    pub fn probe_backoff(mut self, backoff: Backoff) -> Self {
+        self.probe_backoff = backoff;
         self
     }
 
@@ -248,33 +282,42 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         &self,
         claimed: Claimed,
         token: i64,
-    ) -> Result<Option<Settlement>, sqlx::Error> {
+    ) -> Result<Option<Attempted>, sqlx::Error> {
         let Claimed {
             mut record,
             attempt_begun,
         } = claimed;
-        if !attempt_begun {
+        if attempt_begun {
+            if let Some(reason) =
+                self.past_budget(&record, now_millis(), record.last_error.as_deref())
+            {
+                // The attempt the claim began is never made: it is not counted.
+                let attempts = record.attempts.saturating_sub(1);
+                return Ok(Some(
+                    Self::give_up(&record, attempts, GiveUp::Budget, reason).into(),
+                ));
+            }
+        } else {
             if record.outcome_unknown
                 && let Some(settlement) = self.look_up(&record).await
             {
-                return Ok(Some(settlement));
+                return Ok(Some(settlement.into()));
+            }
+            if let Some(reason) =
+                self.past_budget(&record, now_millis(), record.last_error.as_deref())
+            {
+                let settlement = Self::give_up(&record, record.attempts, GiveUp::Budget, reason);
+                return Ok(Some(settlement.into()));
             }
             if record.attempts >= self.max_attempts {
-                let last = record.last_error.as_deref().unwrap_or("no error recorded");
-                let reason = if record.outcome_unknown {
-                    format!(
-                        "gave up after {} attempts; the last one's outcome is unknown: {last}",
-                        record.attempts
-                    )
-                } else {
-                    format!("gave up after {} attempts: {last}", record.attempts)
-                };
-                return Ok(Some(failed(reason)));
+                let last = record.last_error.as_deref();
+                let reason = Self::out_of_attempts(&record, record.outcome_unknown, last);
+                let settlement = Self::give_up(&record, record.attempts, GiveUp::Attempts, reason);
+                return Ok(Some(settlement.into()));
             }
-            let now = now_millis();
             let begun = {
                 let _turn = self.outbox.write_turn().await;
-                DB::begin_attempt(self.outbox.pool(), record.id, token, now).await?
+                DB::begin_attempt(self.outbox.pool(), record.id, token, now_millis()).await?
             };
             if !begun {
                 tracing::warn!(message = %record.id, "outbox lease lost before sending");
@@ -294,26 +337,96 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
             .unwrap_or_else(|| SendOutcome::Unknown {
                 reason: format!("no answer within {:?}", self.send_timeout),
             });
-        let now = now_millis();
-        let mut settlement = match outcome {
-            SendOutcome::Delivered { receipt } => delivered(receipt, now),
-            SendOutcome::Rejected { reason } => failed(reason),
-            SendOutcome::Retry { reason, .. } | SendOutcome::Unavailable { reason, .. }
-                if record.attempts >= self.max_attempts => failed(
-                format!("gave up after {} attempts: {reason}", record.attempts),
-            ),
-            SendOutcome::Retry { after, reason } | SendOutcome::Unavailable { after, reason } => {
-                let at = now.saturating_add(self.delay(record.attempts, after));
-                retry_at(at, Some(reason), false)
+        let mut attempted = self.settle_outcome(&record, outcome, now_millis());
+        attempted.settlement.last_attempt_at = Some(started);
+        Ok(Some(attempted))
+    }
+
+    /// What one send's outcome makes of the message.
+    fn settle_outcome(&self, record: &OutboxRecord, outcome: SendOutcome, now: i64) -> Attempted {
+        let attempts = record.attempts;
+        match outcome {
+            SendOutcome::Delivered { receipt } => delivered(receipt, now, attempts).into(),
+            SendOutcome::Rejected { reason } => {
+                Self::give_up(record, attempts, GiveUp::Rejected, reason).into()
             }
-            // Even on the last attempt: the next claim looks it up before deciding to fail.
+            // An outage is not an attempt: the one begun is given back, and the message stays
+            // due for the destination's next probe.
+            SendOutcome::Unavailable { after, reason } => {
+                let reason = format!("unavailable: {reason}");
+                if let Some(reason) = self.past_budget(record, now, Some(&reason)) {
+                    let attempts = attempts.saturating_sub(1);
+                    return Self::give_up(record, attempts, GiveUp::Budget, reason).into();
+                }
+                let at = now.saturating_add(duration_millis(after.unwrap_or_default()));
+                Attempted {
+                    settlement: retry_at(
+                        at,
+                        Some(reason.clone()),
+                        false,
+                        attempts.saturating_sub(1),
+                    ),
+                    outage: Some(Outage { after, reason }),
+                }
+            }
+            SendOutcome::Retry { after, reason } => {
+                if attempts >= self.max_attempts {
+                    let reason = Self::out_of_attempts(record, false, Some(&reason));
+                    return Self::give_up(record, attempts, GiveUp::Attempts, reason).into();
+                }
+                if let Some(reason) = self.past_budget(record, now, Some(&reason)) {
+                    return Self::give_up(record, attempts, GiveUp::Budget, reason).into();
+                }
+                let at = now.saturating_add(self.delay(attempts, after));
+                retry_at(at, Some(reason), false, attempts).into()
+            }
+            // Even on the last attempt or past the budget: the next claim looks it up before
+            // deciding to fail.
             SendOutcome::Unknown { reason } => {
-                let at = now.saturating_add(self.delay(record.attempts, None));
-                retry_at(at, Some(reason), true)
+                let at = now.saturating_add(self.delay(attempts, None));
+                retry_at(at, Some(reason), true, attempts).into()
             }
-        };
-        settlement.last_attempt_at = Some(started);
-        Ok(Some(settlement))
+        }
+    }
+
+    /// Why `record` is past its time budget at `now`, if it is; `last` is the last error seen.
+    fn past_budget(&self, record: &OutboxRecord, now: i64, last: Option<&str>) -> Option<String> {
+        let since = record.requeued_at.unwrap_or(record.created_at);
+        let age = now.saturating_sub(to_millis(since));
+        (age >= duration_millis(self.give_up_after)).then(|| {
+            let last = last.unwrap_or("no error recorded");
+            format!(
+                "gave up after {:?}, the time budget; last: {last}",
+                self.give_up_after
+            )
+        })
+    }
+
+    /// Why a message out of attempts fails; `unknown` when its last outcome is.
+    fn out_of_attempts(record: &OutboxRecord, unknown: bool, last: Option<&str>) -> String {
+        let last = last.unwrap_or("no error recorded");
+        if unknown {
+            format!(
+                "gave up after {} attempts; the last one's outcome is unknown: {last}",
+                record.attempts
+            )
+        } else {
+            format!("gave up after {} attempts: {last}", record.attempts)
+        }
+    }
+
+    /// Fails `record` for good: logged at `ERROR` and counted, so that an operator hears of
+    /// every message that needs a decision.
+    fn give_up(record: &OutboxRecord, attempts: u32, why: GiveUp, reason: String) -> Settlement {
+        tracing::error!(
+            message = %record.id,
+            topic = %record.topic,
+            attempts,
+            %reason,
+            "outbox message failed for good; requeue it once the cause is fixed"
+        );
+        metrics::failed(why);
+        failed(reason, attempts)
     }
 
     /// Asks the downstream about a message whose last outcome is unknown; the outcome to
@@ -331,24 +444,37 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
                     attempts = record.attempts,
                     "outbox message found delivered by a lookup; not resent"
                 );
-                Some(delivered(receipt, now))
+                Some(delivered(receipt, now, record.attempts))
             }
             Some(LookupOutcome::NotFound) => {
                 let last = record.last_attempt_at.map_or(0, to_millis);
                 let grace_ends = last.saturating_add(duration_millis(self.lookup_grace));
-                (now < grace_ends).then(|| retry_at(grace_ends, record.last_error.clone(), true))
+                (now < grace_ends)
+                    .then(|| retry_at(grace_ends, record.last_error.clone(), true, record.attempts))
             }
             Some(LookupOutcome::Unsupported) => None,
             Some(LookupOutcome::Failed { reason }) => {
                 let at = now.saturating_add(self.delay(record.attempts, None));
                 let error = format!("lookup failed: {reason}");
-                Some(retry_at(at, Some(error), true))
+                Some(retry_at(at, Some(error), true, record.attempts))
             }
             None => {
                 let at = now.saturating_add(self.delay(record.attempts, None));
-                Some(retry_at(at, Some("lookup timed out".to_owned()), true))
+                Some(retry_at(
+                    at,
+                    Some("lookup timed out".to_owned()),
+                    true,
+                    record.attempts,
+                ))
             }
         }
+    }
+
+    /// The wait before the next probe of an unavailable destination, never shorter than its
+    /// `Retry-After`.
+    fn probe_wait(&self, probes: u32, outage: &Outage) -> Duration {
+        let wait = self.probe_backoff.delay(probes);
+        wait.max(outage.after.unwrap_or_default())
     }
 
     /// How often the leases held are renewed: every third of a lease, so a renewal that is
@@ -367,11 +493,12 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     }
 }
 
-fn delivered(receipt: String, now: i64) -> Settlement {
+fn delivered(receipt: String, now: i64, attempts: u32) -> Settlement {
     Settlement {
         status: Status::Delivered,
         receipt: Some(receipt),
         last_error: None,
+        attempts,
         outcome_unknown: false,
         next_attempt_at: now,
         finished_at: Some(now),
@@ -379,12 +506,13 @@ fn delivered(receipt: String, now: i64) -> Settlement {
     }
 }
 
-fn failed(reason: String) -> Settlement {
+fn failed(reason: String, attempts: u32) -> Settlement {
     let now = now_millis();
     Settlement {
         status: Status::Failed,
         receipt: None,
         last_error: Some(reason),
+        attempts,
         outcome_unknown: false,
         next_attempt_at: now,
         finished_at: Some(now),
@@ -392,16 +520,55 @@ fn failed(reason: String) -> Settlement {
     }
 }
 
-fn retry_at(at: i64, last_error: Option<String>, outcome_unknown: bool) -> Settlement {
+fn retry_at(
+    at: i64,
+    last_error: Option<String>,
+    outcome_unknown: bool,
+    attempts: u32,
+) -> Settlement {
     Settlement {
         status: Status::Pending,
         receipt: None,
         last_error,
+        attempts,
         outcome_unknown,
         next_attempt_at: at,
         finished_at: None,
         last_attempt_at: None,
     }
+}
+
+/// What an attempt leads to: the outcome to record, and whether it found the destination out
+/// of reach.
+pub(super) struct Attempted {
+    settlement: Settlement,
+    outage: Option<Outage>,
+}
+
+impl From<Settlement> for Attempted {
+    fn from(settlement: Settlement) -> Self {
+        Self {
+            settlement,
+            outage: None,
+        }
+    }
+}
+
+/// Why a message failed for good.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum GiveUp {
+    /// The downstream refused it.
+    Rejected,
+    /// Its attempts ran out.
+    Attempts,
+    /// Its time budget ran out.
+    Budget,
+}
+
+/// A destination that could not be reached, as one send found it.
+pub(super) struct Outage {
+    after: Option<Duration>,
+    reason: String,
 }
 
 impl<DB: Backend, S> fmt::Debug for Dispatcher<DB, S> {
@@ -414,6 +581,8 @@ impl<DB: Backend, S> fmt::Debug for Dispatcher<DB, S> {
             .field("send_timeout", &self.send_timeout)
             .field("lease", &self.lease)
             .field("lookup_grace", &self.lookup_grace)
+            .field("give_up_after", &self.give_up_after)
+            .field("probe_backoff", &self.probe_backoff)
             .finish_non_exhaustive()
     }
 }

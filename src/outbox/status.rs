@@ -97,6 +97,11 @@ pub struct OutboxRecord {
     pub last_attempt_at: Option<SystemTime>,
     /// When the message became delivered or failed.
     pub finished_at: Option<SystemTime>,
+    /// When an operator last put it back after it failed ([`Outbox::requeue`]); its time
+    /// budget counts from then.
+    ///
+    /// [`Outbox::requeue`]: super::Outbox::requeue
+    pub requeued_at: Option<SystemTime>,
 }
 
 impl OutboxRecord {

@@ -124,7 +124,8 @@ impl<DB: Backend> Outbox<DB> {
         }
     }
 
-    /// Puts a failed message back to pending, due now, with its attempts counted afresh,
+    /// Puts a failed message back to pending, due now, with its attempts and its time budget
+    /// counted afresh,
     /// once the cause of its failure is fixed. `false` when it is not failed (pending,
     /// delivered, or unknown). Its downstream key is unchanged, so a downstream that did see
     /// an earlier attempt still applies it once; if its last outcome was unknown, the next

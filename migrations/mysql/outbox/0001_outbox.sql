@@ -16,6 +16,8 @@ CREATE TABLE IF NOT EXISTS idempotency_outbox (
     next_attempt_at BIGINT NOT NULL,
     last_attempt_at BIGINT NULL,
     finished_at BIGINT NULL,
+    -- When an operator last requeued a failed message; its time budget counts from then.
+    requeued_at BIGINT NULL,
     lease_expires_at BIGINT NULL,
     lease_token BIGINT NULL,
     UNIQUE KEY idempotency_outbox_key (downstream_key),

@@ -14,6 +14,8 @@ CREATE TABLE IF NOT EXISTS idempotency_outbox (
     next_attempt_at BIGINT NOT NULL,
     last_attempt_at BIGINT,
     finished_at BIGINT,
+    -- When an operator last requeued a failed message; its time budget counts from then.
+    requeued_at BIGINT,
     lease_expires_at BIGINT,
     lease_token BIGINT
 );

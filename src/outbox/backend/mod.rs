@@ -26,7 +26,7 @@ pub(crate) use private::{Claim, Claimed, Lease, Settlement};
 macro_rules! record_columns {
     () => {
         "id, topic, downstream_key, payload, status, attempts, outcome_unknown, receipt, \
-         last_error, created_at, next_attempt_at, last_attempt_at, finished_at"
+         last_error, created_at, next_attempt_at, last_attempt_at, finished_at, requeued_at"
     };
 }
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
@@ -77,6 +77,9 @@ mod private {
         pub status: Status,
         pub receipt: Option<String>,
         pub last_error: Option<String>,
+        /// The attempts counted once it is written: the claim's count, or one fewer where the
+        /// attempt the claim began turned out to be an outage, which is not an attempt.
+        pub attempts: u32,
         pub outcome_unknown: bool,
         pub next_attempt_at: i64,
         pub finished_at: Option<i64>,
@@ -169,8 +172,8 @@ mod private {
         const RELEASE_UNSENT: BatchSql;
         /// Writes outcomes and releases the leases; a null `last_attempt_at` keeps the
         /// column's value. `Json`: one parameter, the array of `{id, token, status, receipt,
-        /// last_error, outcome_unknown, next_attempt_at, finished_at, last_attempt_at}`;
-        /// `PerRow`: parameters status, receipt, last_error, outcome_unknown, next_attempt_at,
+        /// last_error, attempts, outcome_unknown, next_attempt_at, finished_at, last_attempt_at}`;
+        /// `PerRow`: parameters status, receipt, last_error, attempts, outcome_unknown, next_attempt_at,
         /// finished_at, last_attempt_at, id, lease_token.
         const SETTLE: BatchSql;
 

@@ -54,7 +54,10 @@ impl Dialect for MySql {
     const PURGE_DELIVERED: &'static str = "DELETE FROM idempotency_outbox
         WHERE status = 'delivered' AND finished_at < ? ORDER BY finished_at LIMIT ?";
     const REQUEUE: &'static str = "UPDATE idempotency_outbox
-        SET status = 'pending', attempts = 0, next_attempt_at = ?, finished_at = NULL,
+        SET status = 'pending', attempts = 0, next_attempt_at = ?,
+            -- MySQL assigns left to right: the new value.
+            requeued_at = next_attempt_at,
+            finished_at = NULL,
             lease_expires_at = NULL, lease_token = NULL
         WHERE id = ? AND status = 'failed'";
     // Without UPDATE … RETURNING, a batch could only say how many leases held, not which.
@@ -71,7 +74,7 @@ impl Dialect for MySql {
     );
     const SETTLE: BatchSql = BatchSql::PerRow(
         "UPDATE idempotency_outbox
-        SET status = ?, receipt = ?, last_error = ?, outcome_unknown = ?,
+        SET status = ?, receipt = ?, last_error = ?, attempts = ?, outcome_unknown = ?,
             next_attempt_at = ?, finished_at = ?,
             last_attempt_at = COALESCE(?, last_attempt_at),
             lease_expires_at = NULL, lease_token = NULL

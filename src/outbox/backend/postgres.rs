@@ -79,12 +79,14 @@ impl Dialect for Postgres {
     const SETTLE: BatchSql = BatchSql::Json(
         "UPDATE idempotency_outbox
          SET status = s.status, receipt = s.receipt, last_error = s.last_error,
+             attempts = s.attempts,
              outcome_unknown = s.outcome_unknown, next_attempt_at = s.next_attempt_at,
              finished_at = s.finished_at,
              last_attempt_at = COALESCE(s.last_attempt_at, idempotency_outbox.last_attempt_at),
              lease_expires_at = NULL, lease_token = NULL
          FROM jsonb_to_recordset($1::jsonb) AS s(id bigint, token bigint, status text,
-             receipt text, last_error text, outcome_unknown boolean, next_attempt_at bigint,
+             receipt text, last_error text, attempts bigint, outcome_unknown boolean,
+             next_attempt_at bigint,
              finished_at bigint, last_attempt_at bigint)
          WHERE idempotency_outbox.id = s.id AND lease_token = s.token
            AND idempotency_outbox.id = ANY (ARRAY(
@@ -96,7 +98,8 @@ impl Dialect for Postgres {
         SELECT id FROM idempotency_outbox WHERE status = 'delivered' AND finished_at < $1
         ORDER BY finished_at LIMIT $2)";
     const REQUEUE: &'static str = "UPDATE idempotency_outbox
-        SET status = 'pending', attempts = 0, next_attempt_at = $1, finished_at = NULL,
+        SET status = 'pending', attempts = 0, next_attempt_at = $1, requeued_at = $1,
+            finished_at = NULL,
             lease_expires_at = NULL, lease_token = NULL
         WHERE id = $2 AND status = 'failed'";
     const MIGRATIONS: &'static [(i64, &'static str)] = &[(

@@ -274,6 +274,7 @@ where
                         .bind(settlement.status.as_str())
                         .bind(settlement.receipt.as_deref())
                         .bind(settlement.last_error.as_deref())
+                        .bind(i64::from(settlement.attempts))
                         .bind(settlement.outcome_unknown)
                         .bind(settlement.next_attempt_at)
                         .bind(settlement.finished_at)
@@ -369,6 +370,7 @@ struct Outcome<'a> {
     status: &'static str,
     receipt: Option<&'a str>,
     last_error: Option<&'a str>,
+    attempts: u32,
     outcome_unknown: bool,
     next_attempt_at: i64,
     finished_at: Option<i64>,
@@ -383,6 +385,7 @@ impl<'a> Outcome<'a> {
             status: settlement.status.as_str(),
             receipt: settlement.receipt.as_deref(),
             last_error: settlement.last_error.as_deref(),
+            attempts: settlement.attempts,
             outcome_unknown: settlement.outcome_unknown,
             next_attempt_at: settlement.next_attempt_at,
             finished_at: settlement.finished_at,
@@ -428,6 +431,9 @@ where
             .map(from_millis),
         finished_at: row
             .try_get::<Option<i64>, _>("finished_at")?
+            .map(from_millis),
+        requeued_at: row
+            .try_get::<Option<i64>, _>("requeued_at")?
             .map(from_millis),
     })
 }

@@ -88,13 +88,14 @@ impl Dialect for Sqlite {
     const SETTLE: BatchSql = BatchSql::Json(
         "UPDATE idempotency_outbox
          SET status = s.status, receipt = s.receipt, last_error = s.last_error,
-             outcome_unknown = s.outcome_unknown, next_attempt_at = s.next_attempt_at,
+             attempts = s.attempts, outcome_unknown = s.outcome_unknown, next_attempt_at = s.next_attempt_at,
              finished_at = s.finished_at,
              last_attempt_at = COALESCE(s.last_attempt_at, idempotency_outbox.last_attempt_at),
              lease_expires_at = NULL, lease_token = NULL
          FROM (SELECT value ->> 'id' AS settled_id, value ->> 'token' AS token,
                       value ->> 'status' AS status, value ->> 'receipt' AS receipt,
                       value ->> 'last_error' AS last_error,
+                      value ->> 'attempts' AS attempts,
                       value ->> 'outcome_unknown' AS outcome_unknown,
                       value ->> 'next_attempt_at' AS next_attempt_at,
                       value ->> 'finished_at' AS finished_at,
@@ -107,7 +108,8 @@ impl Dialect for Sqlite {
         SELECT id FROM idempotency_outbox WHERE status = 'delivered' AND finished_at < ?1
         ORDER BY finished_at LIMIT ?2)";
     const REQUEUE: &'static str = "UPDATE idempotency_outbox
-        SET status = 'pending', attempts = 0, next_attempt_at = ?1, finished_at = NULL,
+        SET status = 'pending', attempts = 0, next_attempt_at = ?1, requeued_at = ?1,
+            finished_at = NULL,
             lease_expires_at = NULL, lease_token = NULL
         WHERE id = ?2 AND status = 'failed'";
     const MIGRATIONS: &'static [(i64, &'static str)] = &[(

@@ -18,7 +18,7 @@ use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use tokio::time::Instant;
 
-use super::{Dispatcher, retry_at};
+use super::{Attempted, Dispatcher, metrics, retry_at};
 use crate::Backend;
 use crate::outbox::backend::{Claim, Claimed, Lease, Settlement};
 use crate::outbox::status::{duration_millis, now_millis, to_millis};
@@ -27,7 +27,7 @@ use crate::outbox::{MessageId, Sender};
 type Op<'d, T> = Pin<Box<dyn Future<Output = T> + Send + 'd>>;
 type Written = Result<Vec<MessageId>, sqlx::Error>;
 /// What a send ends with: the outcome to record, `None` when the lease was lost before it.
-type Sent = Result<Option<Settlement>, sqlx::Error>;
+type Sent = Result<Option<Attempted>, sqlx::Error>;
 
 /// What the dispatcher knows of a message it holds a lease on, from its claim until its
 /// outcome is recorded.
@@ -44,11 +44,25 @@ struct Held {
 /// Something that finished.
 pub(super) enum Event {
     Claimed(Claim, Result<Vec<Claimed>, sqlx::Error>),
-    Sent(Lease, Sent),
+    Sent(Lease, String, Sent),
     Settled(Vec<Lease>, Written),
     Renewed(Vec<Lease>, i64, Written),
     Released(Vec<Lease>, Written),
     RenewalDue,
+}
+
+/// A topic whose destination is unavailable. Its messages wait in the database until `until`;
+/// the first claimed after that is the probe, and those claimed while the probe is out wait
+/// for its outcome: sent at once if it got through, put back until the next probe if not.
+struct Paused {
+    since: Instant,
+    /// How many sends found it unavailable: the first outage, then each probe.
+    probes: u32,
+    /// When the next probe may go, in the stored timestamps' milliseconds.
+    until: i64,
+    /// The message being sent as the probe.
+    probe: Option<MessageId>,
+    waiting: Vec<(Lease, Claimed)>,
 }
 
 /// What a finished claim found.
@@ -61,7 +75,7 @@ pub(super) struct Found {
 pub(super) struct Window<'d, DB: Backend, S> {
     dispatcher: &'d Dispatcher<DB, S>,
     held: HashMap<MessageId, Held>,
-    sends: FuturesUnordered<Op<'d, (Lease, Sent)>>,
+    sends: FuturesUnordered<Op<'d, (Lease, String, Sent)>>,
     /// Claimed messages waiting for a send slot, oldest first; their leases are held and
     /// renewed like those being sent.
     ready: VecDeque<(Lease, Claimed)>,
@@ -78,6 +92,8 @@ pub(super) struct Window<'d, DB: Backend, S> {
     /// Shutting down: messages a claim brings that find no free slot are given back.
     stopping: bool,
     next_renewal: Instant,
+    /// Paused topics; a sender may serve several destinations, one per topic.
+    paused: HashMap<String, Paused>,
 }
 
 impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
@@ -96,6 +112,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             releasing: FuturesUnordered::new(),
             stopping: false,
             next_renewal: Instant::now() + dispatcher.renewal_interval(),
+            paused: HashMap::new(),
         }
     }
 
@@ -114,6 +131,14 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// claim found them, lease released.
     pub(super) fn stop(&mut self) {
         self.stopping = true;
+        for paused in self.paused.values_mut() {
+            self.ready.extend(paused.waiting.drain(..));
+        }
+        self.give_back();
+    }
+
+    /// Gives back the messages waiting for a send slot, their attempts not counted.
+    fn give_back(&mut self) {
         let mut unsent = Vec::new();
         for (lease, message) in std::mem::take(&mut self.ready) {
             if message.attempt_begun {
@@ -121,7 +146,12 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             } else {
                 let record = message.record;
                 let due = to_millis(record.next_attempt_at);
-                let unchanged = retry_at(due, record.last_error, record.outcome_unknown);
+                let unchanged = retry_at(
+                    due,
+                    record.last_error,
+                    record.outcome_unknown,
+                    record.attempts,
+                );
                 self.outcomes.push((lease, unchanged));
             }
         }
@@ -180,14 +210,150 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             let Some((lease, message)) = self.ready.pop_front() else {
                 return;
             };
-            if self.held.get(&lease.id).is_none_or(|held| held.lost) {
-                self.held.remove(&lease.id);
-                continue;
+            self.start_send(lease, message);
+        }
+    }
+
+    /// Sends one claimed message, unless its lease was lost meanwhile: its new holder looks it
+    /// up first.
+    fn start_send(&mut self, lease: Lease, message: Claimed) {
+        if self.held.get(&lease.id).is_none_or(|held| held.lost) {
+            self.held.remove(&lease.id);
+            return;
+        }
+        let dispatcher = self.dispatcher;
+        self.sends.push(Box::pin(async move {
+            let topic = message.record.topic.clone();
+            (lease, topic, dispatcher.deliver(message, lease.token).await)
+        }));
+    }
+
+    /// Queues a claimed message for a send slot, unless its topic is paused: then it is the
+    /// probe once the pause is over, waits for the probe while one is out, or goes back to the
+    /// database until the next probe.
+    fn admit(&mut self, lease: Lease, message: Claimed) {
+        let Some(paused) = self.paused.get_mut(&message.record.topic) else {
+            self.ready.push_back((lease, message));
+            return;
+        };
+        if paused.probe.is_some() {
+            paused.waiting.push((lease, message));
+        } else if paused.until <= now_millis() {
+            paused.probe = Some(lease.id);
+            self.ready.push_back((lease, message));
+        } else {
+            let until = paused.until;
+            self.put_back(lease, message, until);
+        }
+    }
+
+    /// Gives a claimed message back to the database, due at `until`, the attempt its claim
+    /// began not counted.
+    fn put_back(&mut self, lease: Lease, message: Claimed, until: i64) {
+        let Claimed {
+            record,
+            attempt_begun,
+        } = message;
+        // An attempt is begun only for a message whose last outcome is known.
+        let (attempts, unknown) = if attempt_begun {
+            (record.attempts.saturating_sub(1), false)
+        } else {
+            (record.attempts, record.outcome_unknown)
+        };
+        let unchanged = retry_at(until, record.last_error, unknown, attempts);
+        self.outcomes.push((lease, unchanged));
+    }
+
+    /// Learns from a finished send whether its topic's destination is reachable: an outage
+    /// pauses the topic, a probe that got an answer resumes it.
+    fn observe(&mut self, id: MessageId, topic: &str, attempted: &mut Attempted) {
+        let Some(outage) = &attempted.outage else {
+            if self.paused.get(topic).is_some_and(|p| p.probe == Some(id)) {
+                self.resume(topic);
             }
-            let dispatcher = self.dispatcher;
-            self.sends.push(Box::pin(async move {
-                (lease, dispatcher.deliver(message, lease.token).await)
-            }));
+            return;
+        };
+        let now = now_millis();
+        let until = match self.paused.get_mut(topic) {
+            None => {
+                tracing::warn!(
+                    topic,
+                    reason = %outage.reason,
+                    "outbox paused: destination unreachable; probing it with one message until it answers"
+                );
+                metrics::paused(true);
+                let wait = self.dispatcher.probe_wait(1, outage);
+                let until = now.saturating_add(duration_millis(wait));
+                self.paused.insert(
+                    topic.to_owned(),
+                    Paused {
+                        since: Instant::now(),
+                        probes: 1,
+                        until,
+                        probe: None,
+                        waiting: Vec::new(),
+                    },
+                );
+                let (held_back, ready) = std::mem::take(&mut self.ready)
+                    .into_iter()
+                    .partition(|(_, message)| message.record.topic == topic);
+                self.ready = ready;
+                for (lease, message) in held_back {
+                    self.put_back(lease, message, until);
+                }
+                until
+            }
+            Some(paused) if paused.probe == Some(id) => {
+                paused.probes += 1;
+                let wait = self.dispatcher.probe_wait(paused.probes, outage);
+                paused.until = now.saturating_add(duration_millis(wait));
+                paused.probe = None;
+                tracing::debug!(topic, probes = paused.probes, reason = %outage.reason, "outbox destination still unreachable");
+                let until = paused.until;
+                for (lease, message) in std::mem::take(&mut paused.waiting) {
+                    self.put_back(lease, message, until);
+                }
+                until
+            }
+            // Sent before the pause began.
+            Some(paused) => paused.until,
+        };
+        let settlement = &mut attempted.settlement;
+        settlement.next_attempt_at = settlement.next_attempt_at.max(until);
+    }
+
+    /// A probe that ended without an answer of the destination (its lease or its write was
+    /// lost): the messages that waited for it go back, due now, and the next one claimed is
+    /// the probe.
+    fn probe_lost(&mut self, id: MessageId, topic: &str) {
+        let Some(paused) = self.paused.get_mut(topic) else {
+            return;
+        };
+        if paused.probe != Some(id) {
+            return;
+        }
+        paused.probe = None;
+        let now = now_millis();
+        for (lease, message) in std::mem::take(&mut paused.waiting) {
+            self.put_back(lease, message, now);
+        }
+    }
+
+    /// The destination answered the probe: its topic goes at full speed again, starting with
+    /// the messages that waited for the probe.
+    fn resume(&mut self, topic: &str) {
+        let Some(paused) = self.paused.remove(topic) else {
+            return;
+        };
+        tracing::info!(
+            topic,
+            paused_for = ?paused.since.elapsed(),
+            probes = paused.probes,
+            "outbox resumed: destination reachable again"
+        );
+        metrics::paused(false);
+        for waiting in paused.waiting.into_iter().rev() {
+            self.ready.push_front(waiting);
         }
     }
 
@@ -247,13 +413,14 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// Waits for the next thing to finish; pending forever when nothing runs.
     pub(super) async fn next(&mut self) -> Event {
         let renewal_due = !self.held.is_empty() && self.renewing.is_none();
+
         tokio::select! {
             Some(event) = self.claims.next(), if !self.claims.is_empty() => event,
             event = finish(&mut self.settling) => event,
             event = finish(&mut self.renewing) => event,
             Some(event) = self.releasing.next(), if !self.releasing.is_empty() => event,
-            Some((lease, sent)) = self.sends.next(), if !self.sends.is_empty() => {
-                Event::Sent(lease, sent)
+            Some((lease, topic, sent)) = self.sends.next(), if !self.sends.is_empty() => {
+                Event::Sent(lease, topic, sent)
             }
             () = tokio::time::sleep_until(self.next_renewal), if renewal_due => Event::RenewalDue,
         }
@@ -296,7 +463,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                             lost: false,
                         },
                     );
-                    self.ready.push_back((lease, message));
+                    self.admit(lease, message);
                 }
                 self.start_sends();
                 if self.stopping {
@@ -304,10 +471,15 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                 }
                 Some(Ok(found))
             }
-            Event::Sent(lease, sent) => {
+            Event::Sent(lease, topic, mut sent) => {
+                if let Ok(Some(attempted)) = &mut sent {
+                    self.observe(lease.id, &topic, attempted);
+                } else {
+                    self.probe_lost(lease.id, &topic);
+                }
                 match sent {
-                    Ok(Some(settlement)) if !self.held.get(&lease.id).is_some_and(|h| h.lost) => {
-                        self.outcomes.push((lease, settlement));
+                    Ok(Some(attempted)) if !self.held.get(&lease.id).is_some_and(|h| h.lost) => {
+                        self.outcomes.push((lease, attempted.settlement));
                         self.start_sends();
                         return None;
                     }
@@ -385,6 +557,15 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                 self.renew();
                 None
             }
+        }
+    }
+}
+
+impl<DB: Backend, S> Drop for Window<'_, DB, S> {
+    /// A dispatcher that stops while paused no longer counts as paused.
+    fn drop(&mut self) {
+        for _ in self.paused.drain() {
+            metrics::paused(false);
         }
     }
 }

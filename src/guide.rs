@@ -671,16 +671,29 @@ pub mod outbox {}
 /// `x-inbox-reason` (RabbitMQ) or `Inbox-Reason` (NATS); the reason is also logged at `WARN` with
 /// the consumer's name, the message id and the attempt, never the payload. The failure is recorded
 /// through the engine in a scope of its own, and the business key stays unclaimed, so `replay_dead`
-/// after the fix (or a fresh copy from the broker) applies it through the same claim, once.
+/// after the fix (or a fresh copy from the broker) applies it through the same claim, once. A dead
+/// letter is counted in `stats().dead` and labelled `outcome="dead"` in the engine's log line and
+/// metrics, never `retryable`.
+///
+/// **Outages are not attempts.** A delivery that fails because the consumer's own database (or a
+/// dependency) is unreachable is retried for as long as the outage lasts and never dead-lettered:
+/// `?` turns a database error that says so (a broken or refused connection, a pool timeout) into
+/// `Failure::Unavailable`, a handler may return `Failure::unavailable(..)` for a dependency, and
+/// the inbox's own store failing to claim or commit counts the same. It counts no attempt, neither
+/// the inbox's nor the broker's (RabbitMQ: through `{queue}.retry` with the count unchanged,
+/// never a `nack` toward the quorum queue's delivery limit; NATS: kept in hand with progress acks,
+/// never `Nak`ed toward a `max_deliver`), and the consumer pauses meanwhile, as the outbox's
+/// dispatcher does, for a jittered backoff of at most 30 s (`Inbox::outage_backoff`).
 ///
 /// **Guarantees and limits.** At-least-once delivery plus the claim in the handler's transaction
 /// gives one effect per business key for what the handler writes through `Tx`; calls it makes to
 /// other systems are not covered (use the outbox). **Ordering is not guaranteed**: retries,
 /// concurrency and several consumers reorder deliveries; a handler that needs order must check it
-/// (a version column, a state machine). Dedupe records are kept by default: retention
-/// (`Inbox::retention`) must outlast the broker's redelivery horizon and the publishers' retry
-/// horizon, or a late copy would apply again. `inbox.stats()` counts processed, duplicate, retried
-/// and dead deliveries; `inbox.is_applied(&delivery)` says whether a key's unexpired record
+/// (a version column, a state machine). Dedupe records are kept by default. **One rule for both
+/// ends:** the inbox's retention (`Inbox::retention`) must exceed the publishers' time budget, the
+/// outbox's time budget (`Dispatcher::give_up_after`, 6 h by default), plus the broker's
+/// redelivery horizon, or a late copy would apply again. `inbox.stats()` counts processed,
+/// duplicate, retried, unavailable (outages) and dead deliveries; `inbox.is_applied(&delivery)` says whether a key's unexpired record
 /// exists. The store that keeps HTTP records keeps the inbox's, and its `purge_expired` or
 /// `spawn_purger` deletes the expired ones of both.
 ///
@@ -917,7 +930,8 @@ pub mod client {}
 /// 12-hex-digit prefix of the scoped key's SHA-256 (`key`), the method and the route, with an
 /// `outcome`: `executed`, `expired` (executed under a key whose old record had expired),
 /// `failed_permanent`, `replayed`, `mismatch`, `in_flight`, `retryable`, `recovered`,
-/// `lease_lost`. Never the key or a body. The database stores the SHA-256 of the scoped key,
+/// `lease_lost`, and for the inbox `dead` (a delivery rolled back and dead-lettered, never
+/// retried). Never the key or a body. The database stores the SHA-256 of the scoped key,
 /// not the key; principal, method and route are kept in clear for operators (a NUL in them,
 /// which PostgreSQL's `text` cannot hold, is shown as U+FFFD on every backend; the digest
 /// covers the exact text).
@@ -937,7 +951,8 @@ pub mod client {}
 /// the number of series stays fixed whatever the traffic. The outcomes map to the questions
 /// operators ask: executions (`executed`, `expired`, `failed_permanent`), replays (`replayed`),
 /// 422s (`mismatch`), in-flight 409s (`in_flight`), rollbacks the client retries
-/// (`retryable`). Duplicates that waited for their original show as `taken` claims with a
+/// (`retryable`), inbox deliveries dead-lettered (`dead`; the failure's note, recorded in a
+/// scope of its own, adds one `failed_permanent`). Duplicates that waited for their original show as `taken` claims with a
 /// latency near the original's duration.
 ///
 /// **Exporting.** Install any `metrics` exporter at start-up. For Prometheus,
@@ -952,6 +967,9 @@ pub mod client {}
 ///
 /// - `outcome="retryable"` rising: handlers or the database are failing (5xx, panics, store
 ///   errors); every one of those is an attempt the client must repeat.
+/// - `outcome="dead"` above zero: the inbox dead-lettered deliveries that can never apply
+///   (malformed, unknown, refused for good); look for their reasons in the `WARN` lines or the
+///   dead letters' headers. An outage of the consumer's database is never counted here.
 /// - `outcome="in_flight"` above zero for long: duplicates give up waiting, so originals take
 ///   longer than `wait_for_in_flight`, or locks are held (a slow handler, a long transaction).
 ///   `result="busy"` claims say the same from the claim's side.

@@ -83,7 +83,7 @@ use http::request::Parts;
 use sqlx::{Database, Pool, Transaction};
 
 use crate::error::Rejection;
-use crate::store::is_conflict_abort;
+use crate::store::{is_conflict_abort, is_unreachable};
 
 /// A handle on the request's database transaction (see the [module docs](crate::tx)).
 ///
@@ -187,6 +187,13 @@ impl TxError {
     /// again.
     pub fn is_conflict(&self) -> bool {
         is_conflict_abort(&self.0)
+    }
+
+    /// Whether the statement failed because the database could not be reached (a broken or
+    /// refused connection, a pool that gave none in time): an outage, not the work's fault.
+    #[cfg_attr(not(feature = "inbox"), allow(dead_code))]
+    pub(crate) fn is_unreachable(&self) -> bool {
+        is_unreachable(&self.0)
     }
 
     /// The database's error.

@@ -918,3 +918,362 @@ async fn nats_a_slow_handler_keeps_its_message_with_progress_acks() {
     assert_eq!(count(&db.pool, "SELECT COUNT(*) FROM effects").await, 1);
     sqlx::Sqlite::dispose(db).await;
 }
+
+// ------------------------------------------------------------------ outages are not attempts
+
+/// The settings of the outage tests: two attempts and a backoff of tens of milliseconds, so an
+/// outage of a few seconds outlasts `max_attempts` × backoff many times over.
+#[cfg(feature = "postgres")]
+fn outage_inbox(store: Store<sqlx::Postgres>) -> Inbox<sqlx::Postgres> {
+    Inbox::new("orders", store)
+        .key_by(by_payload)
+        .max_attempts(2)
+        .backoff(Duration::from_millis(20), Duration::from_millis(50))
+        .outage_backoff(Duration::from_millis(50), Duration::from_millis(300))
+}
+
+/// A pool on the schema of `db` that reaches PostgreSQL through `plug`, giving up on a
+/// connection after 300 ms so that an unplugged link fails fast.
+#[cfg(feature = "postgres")]
+async fn pool_through(plug: &common::link::Plug, db: &Isolated<sqlx::Postgres>) -> sqlx::PgPool {
+    let options = common::postgres_url()
+        .parse::<sqlx::postgres::PgConnectOptions>()
+        .unwrap()
+        .host("127.0.0.1")
+        .port(plug.addr.port())
+        .options([("search_path", db.url.as_str())]);
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_millis(300))
+        .connect_with(options)
+        .await
+        .unwrap()
+}
+
+/// The shared PostgreSQL's address, for a plug in front of it.
+#[cfg(feature = "postgres")]
+fn postgres_addr() -> std::net::SocketAddr {
+    let options = common::postgres_url()
+        .parse::<sqlx::postgres::PgConnectOptions>()
+        .unwrap();
+    let host = match options.get_host() {
+        "localhost" => "127.0.0.1",
+        host => host,
+    };
+    format!("{host}:{}", options.get_port()).parse().unwrap()
+}
+
+/// Applies the payment named by the payload; `?` sorts the database's errors.
+#[cfg(feature = "postgres")]
+async fn apply_payment(mut tx: Tx<sqlx::Postgres>, delivery: Delivery) -> Result<(), Failure> {
+    sqlx::query(<sqlx::Postgres as TestDb>::INSERT)
+        .bind(by_payload(&delivery)?)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
+}
+
+/// The consumer's database is unreachable (the link to it cut) for longer than two attempts
+/// and their backoff, while six deliveries arrive. Each comes back as an outage, never as an
+/// attempt; once the link is back every one is applied exactly once and none was
+/// dead-lettered. The deliveries are driven as a broker adapter drives them: a retry counts
+/// an attempt, an outage does not.
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn postgres_an_unreachable_database_is_an_outage_not_an_attempt() {
+    let (db, _) = setup::<sqlx::Postgres>().await;
+    let plug = common::link::Plug::start(postgres_addr()).await;
+    let inbox = outage_inbox(Store::new(pool_through(&plug, &db).await));
+
+    plug.unplug();
+    let deliveries: Vec<_> = (1..=6)
+        .map(|n| {
+            let inbox = inbox.clone();
+            tokio::spawn(async move {
+                let mut attempt = 1;
+                let mut outages = 0;
+                loop {
+                    let delivery = Delivery::new(format!("p-{n}"))
+                        .message_id(format!("m-{n}"))
+                        .attempt(attempt);
+                    match inbox.handle(delivery, apply_payment).await {
+                        Verdict::Applied => return (outages, None),
+                        Verdict::Retry { after } => {
+                            attempt += 1;
+                            tokio::time::sleep(after).await;
+                        }
+                        Verdict::Unavailable { after, .. } => {
+                            outages += 1;
+                            tokio::time::sleep(after).await;
+                        }
+                        verdict => return (outages, Some(verdict)),
+                    }
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    plug.plug_in();
+    for delivery in deliveries {
+        let (outages, wrong) = tokio::time::timeout(Duration::from_secs(20), delivery)
+            .await
+            .expect("applied within 20 s of the link's return")
+            .unwrap();
+        assert_eq!(wrong, None, "not applied");
+        assert!(outages >= 1, "the outage was not seen");
+    }
+
+    // Exactly once: six rows, and every redelivery is a duplicate.
+    assert_eq!(count(&db.pool, "SELECT COUNT(*) FROM effects").await, 6);
+    assert_eq!(
+        count(&db.pool, "SELECT COUNT(DISTINCT payment_id) FROM effects").await,
+        6
+    );
+    for n in 1..=6 {
+        let again = Delivery::new(format!("p-{n}")).message_id(format!("m-{n}-again"));
+        assert_eq!(inbox.handle(again, apply_payment).await, Verdict::Duplicate);
+    }
+    let stats = inbox.stats();
+    assert_eq!((stats.processed, stats.dead), (6, 0), "{stats:?}");
+    assert!(stats.unavailable >= 6, "{stats:?}");
+    drop(plug);
+    sqlx::Postgres::dispose(db).await;
+}
+
+/// The same outage through a broker adapter, end to end: payments published while the
+/// consumer's database is cut off for longer than two attempts and their backoff are all
+/// applied once after it returns, and the dead-letter queue (stream) stays empty.
+#[cfg(feature = "postgres")]
+async fn an_unreachable_database_dead_letters_nothing(kind: Kind) {
+    let (db, _) = setup::<sqlx::Postgres>().await;
+    let plug = common::link::Plug::start(postgres_addr()).await;
+    let inbox = outage_inbox(Store::new(pool_through(&plug, &db).await));
+    let ns = unique("t");
+    let payments: Vec<String> = (1..=5).map(|n| format!("p-{n}")).collect();
+    plug.unplug();
+    let dead = match kind {
+        Kind::RabbitMq => {
+            let connection = Arc::new(
+                Connection::connect(AMQP, Default::default())
+                    .await
+                    .expect("RabbitMQ must be reachable at 127.0.0.1:5672"),
+            );
+            let queue = format!("{ns}.orders");
+            let exchange = format!("{ns}.payments");
+            let consumer = RabbitMqConsumer::new(inbox.clone(), connection.clone(), &queue)
+                .bind(&exchange, "payment.succeeded")
+                .concurrency(2);
+            consumer.declare().await.unwrap();
+            let dead_queue = consumer.dead_letter_queue();
+            let running = tokio::spawn(consumer.run(apply_payment));
+            let channel = connection.create_channel().await.unwrap();
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .unwrap();
+            for (n, payment) in payments.iter().enumerate() {
+                channel
+                    .basic_publish(
+                        exchange.as_str().into(),
+                        "payment.succeeded".into(),
+                        BasicPublishOptions::default(),
+                        payment.as_bytes(),
+                        BasicProperties::default().with_message_id(format!("m-{n}").into()),
+                    )
+                    .await
+                    .unwrap()
+                    .await
+                    .unwrap();
+            }
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            plug.plug_in();
+            eventually(|| async { count(&db.pool, "SELECT COUNT(*) FROM effects").await == 5 })
+                .await;
+            running.abort();
+            let dead = channel
+                .queue_declare(
+                    dead_queue.as_str().into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap()
+                .message_count();
+            delete_rabbitmq(&queue, &exchange).await;
+            u64::from(dead)
+        }
+        Kind::Nats => {
+            let js = jetstream::new(
+                async_nats::connect(NATS)
+                    .await
+                    .expect("NATS must be reachable at 127.0.0.1:4222"),
+            );
+            let stream = ns.to_uppercase();
+            let dead_stream = format!("{stream}_DEAD");
+            let consumer = NatsConsumer::new(inbox.clone(), js.clone(), &stream, "orders")
+                .stream_subjects([format!("{ns}.payments.>")])
+                .filter_subject(format!("{ns}.payments.succeeded"))
+                .dead_letters(&dead_stream, format!("{ns}.orders.dead"))
+                .ack_wait(Duration::from_secs(1))
+                .concurrency(2);
+            consumer.declare().await.unwrap();
+            let running = tokio::spawn(consumer.run(apply_payment));
+            for (n, payment) in payments.iter().enumerate() {
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert(
+                    async_nats::header::NATS_MESSAGE_ID,
+                    format!("m-{n}").as_str(),
+                );
+                js.publish_with_headers(
+                    format!("{ns}.payments.succeeded"),
+                    headers,
+                    Bytes::from(payment.clone()),
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+            }
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            plug.plug_in();
+            eventually(|| async { count(&db.pool, "SELECT COUNT(*) FROM effects").await == 5 })
+                .await;
+            running.abort();
+            let dead = js
+                .get_stream(&dead_stream)
+                .await
+                .unwrap()
+                .info()
+                .await
+                .unwrap()
+                .state
+                .messages;
+            let _ = js.delete_stream(&stream).await;
+            let _ = js.delete_stream(&dead_stream).await;
+            dead
+        }
+    };
+    assert_eq!(dead, 0, "{kind:?}: dead letters for an outage");
+    assert_eq!(
+        count(&db.pool, "SELECT COUNT(DISTINCT payment_id) FROM effects").await,
+        5,
+        "{kind:?}"
+    );
+    let stats = inbox.stats();
+    assert_eq!((stats.processed, stats.dead), (5, 0), "{kind:?}: {stats:?}");
+    assert!(stats.unavailable >= 1, "{kind:?}: {stats:?}");
+    drop(plug);
+    sqlx::Postgres::dispose(db).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn rabbitmq_postgres_an_unreachable_database_dead_letters_nothing() {
+    an_unreachable_database_dead_letters_nothing(Kind::RabbitMq).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn nats_postgres_an_unreachable_database_dead_letters_nothing() {
+    an_unreachable_database_dead_letters_nothing(Kind::Nats).await;
+}
+
+/// A delivery refused for good is dead-lettered at once, and everything that reports it says
+/// `dead`: the verdict, the inbox's `WARN` line, `stats().dead`, and the engine's log line and
+/// `idempotency_requests_total` counter; never `retryable`. A retryable failure on its last
+/// attempt is dead too; one before its last attempt is a retry and still says `retryable`.
+///
+/// The recorder and the subscriber are this thread's, and the test's runtime runs on it alone.
+#[cfg(feature = "metrics")]
+#[tokio::test(flavor = "current_thread")]
+async fn a_dead_letter_is_logged_and_counted_as_dead_not_retryable() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _recording = metrics::set_default_local_recorder(&recorder);
+    let captured = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(captured.clone())
+        .with_max_level(tracing::Level::INFO)
+        .with_ansi(false)
+        .finish();
+    let _logging = tracing::subscriber::set_default(subscriber);
+    // A snapshot drains the counters: each reads what was counted since the last, by outcome.
+    let requests = || {
+        let mut counted = std::collections::HashMap::<String, u64>::new();
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+            if key.key().name() != "idempotency_requests_total" {
+                continue;
+            }
+            if let (Some(outcome), DebugValue::Counter(n)) =
+                (key.key().labels().find(|l| l.key() == "outcome"), value)
+            {
+                *counted.entry(outcome.value().to_owned()).or_default() += n;
+            }
+        }
+        let of = |outcome: &str| counted.get(outcome).copied().unwrap_or(0);
+        (of("dead"), of("retryable"))
+    };
+
+    let (db, store) = setup::<sqlx::Sqlite>().await;
+    let inbox = Inbox::new("orders-metrics", store)
+        .key_by(by_payload)
+        .max_attempts(2);
+    let refuse = |_tx: Tx<sqlx::Sqlite>, _delivery: Delivery| async {
+        Err::<(), _>(Failure::permanent("order 7 does not exist"))
+    };
+    let verdict = inbox
+        .handle(Delivery::new("p-1").message_id("m-1"), refuse)
+        .await;
+    assert_eq!(
+        verdict,
+        Verdict::Dead {
+            reason: "order 7 does not exist".into()
+        }
+    );
+    // One `dead` for the delivery, none `retryable`. (The failure's note, recorded in a scope
+    // of its own, is a stored refusal: `failed_permanent`.)
+    assert_eq!(requests(), (1, 0), "(dead, retryable)");
+    let logs = captured.text();
+    let engine_lines: Vec<_> = logs
+        .lines()
+        .filter(|line| line.contains("idempotent request"))
+        .collect();
+    assert!(
+        engine_lines
+            .iter()
+            .any(|line| line.contains("outcome=\"dead\"") || line.contains("outcome=dead")),
+        "no engine line says dead:\n{logs}"
+    );
+    assert!(
+        !engine_lines.iter().any(|line| line.contains("retryable")),
+        "an engine line says retryable:\n{logs}"
+    );
+    assert!(
+        logs.lines()
+            .any(|line| line.contains("WARN") && line.contains("inbox dead-lettered a delivery")),
+        "no WARN line:\n{logs}"
+    );
+
+    // Retryable: a retry on attempt 1 (and labelled so), dead on the last attempt.
+    let fail = |_tx: Tx<sqlx::Sqlite>, _delivery: Delivery| async {
+        Err::<(), _>(Failure::retryable("the order service is down"))
+    };
+    let first = inbox
+        .handle(Delivery::new("p-2").message_id("m-2"), fail)
+        .await;
+    assert!(matches!(first, Verdict::Retry { .. }), "{first:?}");
+    assert_eq!(requests(), (0, 1), "(dead, retryable)");
+    let last = inbox
+        .handle(Delivery::new("p-2").message_id("m-2").attempt(2), fail)
+        .await;
+    assert!(matches!(last, Verdict::Dead { .. }), "{last:?}");
+    assert_eq!(requests(), (1, 0), "(dead, retryable)");
+    let stats = inbox.stats();
+    assert_eq!((stats.dead, stats.retried), (2, 1), "{stats:?}");
+    sqlx::Sqlite::dispose(db).await;
+}

@@ -200,7 +200,8 @@ async fn apply<DB: Backend>(
     let (order, amount) = (Arg::Int(order_id), Arg::Int(amount.0));
     let pay = "UPDATE orders SET status = CASE WHEN paid_total + ? >= amount THEN 'paid' \
         ELSE status END, paid_total = paid_total + ? WHERE id = ?";
-    // `?` makes a conflict abort `Failure::Conflict`, run again at once, and any other
+    // `?` makes a conflict abort `Failure::Conflict`, run again at once, an unreachable
+    // database `Failure::Unavailable`, waited out without counting an attempt, and any other
     // database error a retryable failure the broker redelivers later.
     if DB::execute(&mut tx, pay, &[amount, amount, order]).await? == 0 {
         return Err(Failure::permanent(format!(

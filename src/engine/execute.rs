@@ -11,7 +11,7 @@ use http_body_util::{BodyExt, Limited};
 use super::Engine;
 use super::claim::Claim;
 use super::metrics::{self, ClaimResult};
-use super::outcome::{Answer, Classification, Logged, Outcome};
+use super::outcome::{Answer, Classification, DeadLetter, Logged, Outcome};
 use sqlx::Transaction;
 
 use crate::Backend;
@@ -219,11 +219,12 @@ impl<DB: Backend> Engine<DB> {
                 if let Err(error) = tx.rollback().await {
                     return Attempted::Answered(Answer::store_failed(error));
                 }
-                Attempted::Answered(Answer::respond(
-                    response,
-                    Outcome::RolledBack,
-                    Logged::Retryable,
-                ))
+                let logged = if response.extensions().get::<DeadLetter>().is_some() {
+                    Logged::Dead
+                } else {
+                    Logged::Retryable
+                };
+                Attempted::Answered(Answer::respond(response, Outcome::RolledBack, logged))
             }
         }
     }

@@ -89,6 +89,8 @@ mod uncancelled;
 
 pub use lease::Lease;
 pub use operator::Lookup;
+#[cfg_attr(not(feature = "inbox"), allow(unused_imports))]
+pub(crate) use outcome::DeadLetter;
 pub use outcome::{Classification, Execution, Outcome};
 pub(crate) use uncancelled::Uncancelled;
 

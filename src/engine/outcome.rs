@@ -77,6 +77,8 @@ pub(crate) enum Logged {
     /// A lease was taken over and the recovery hook found the work done.
     Recovered,
     LeaseLost,
+    /// Rolled back for good: an inbox delivery that is dead-lettered rather than retried.
+    Dead,
 }
 
 impl Logged {
@@ -91,6 +93,7 @@ impl Logged {
             Self::Retryable => "retryable",
             Self::Recovered => "recovered",
             Self::LeaseLost => "lease_lost",
+            Self::Dead => "dead",
         }
     }
 }
@@ -135,6 +138,12 @@ impl Answer {
         Self::reject(IN_PROGRESS, Logged::InFlight)
     }
 }
+
+/// Marks a rolled-back response whose work will not be retried: the inbox's dead letters. The
+/// engine keeps no record for it, as for any rollback, but logs and counts it as `dead`, so an
+/// alert on rising `retryable` is not set off by deliveries that can never apply.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DeadLetter;
 
 /// A lock wait that ran out means the key's original is still at work.
 pub(crate) const IN_PROGRESS: Rejection = Rejection::InProgress {

@@ -26,10 +26,10 @@
 //!     event["payment_id"].as_str().map(str::to_owned).ok_or_else(|| Failure::permanent("no payment_id"))
 //! });
 //! let apply = |mut tx: Tx<Sqlite>, delivery: Delivery| async move {
+//!     // `?` sorts a database error: an unreachable database is an outage, not an attempt.
 //!     sqlx::query("INSERT INTO paid (payment_id) VALUES ('p-1')")
 //!         .execute(&mut *tx)
-//!         .await
-//!         .map_err(|e| Failure::retryable(e.to_string()))?;
+//!         .await?;
 //!     Ok(())
 //! };
 //!
@@ -61,8 +61,33 @@
 //!   backoff is drawn at random below a ceiling that doubles per attempt
 //!   ([`Inbox::backoff`]), so consumers that failed together in one outage do not all come
 //!   back at the same instant.
+//! - [`Failure::Unavailable`] (the consumer's own database or a dependency cannot be reached):
+//!   an outage, see [below](#outages). Rolled back, redelivered, never dead-lettered.
 //! - [`Failure::Permanent`] (malformed payload, an order that does not exist): rolled back and
 //!   dead-lettered at once ([`Verdict::Dead`]).
+//!
+//! A dead letter is logged at `WARN` with its reason, counted in [`Stats::dead`], and the
+//! engine's own log line and `idempotency_requests_total` counter (feature `metrics`) label it
+//! `outcome="dead"`, never `retryable`: an alert on rising retries is not set off by deliveries
+//! that can never apply.
+//!
+//! # Outages
+//!
+//! A delivery that fails because the consumer's own database (or a dependency it cannot work
+//! without) is unreachable is not at fault, and the same delivery applies once the outage is
+//! over. So it is retried for as long as the outage lasts, and never dead-lettered for it:
+//! [`Verdict::Unavailable`], counted in [`Stats::unavailable`] and never as an attempt, neither
+//! against [`Inbox::max_attempts`] nor against the broker's delivery count. The wait is drawn
+//! at random below a ceiling that doubles per outage met in a row, at most 30 s
+//! ([`Inbox::outage_backoff`]), and the broker adapters pause meanwhile, as the outbox's
+//! dispatcher does: they take no new delivery until the wait has passed, instead of failing
+//! every delivery the broker holds on the same outage.
+//!
+//! What counts as an outage: a handler's [`Failure::Unavailable`], which `?` makes of a database
+//! error that says the database cannot be reached (a broken or refused connection, TLS, a pool
+//! that gave no connection in time or was closed, SQLSTATE class `08` or a server shutting
+//! down); and the inbox's own store failing to claim, commit or roll back. A handler that
+//! panics is a bug, not an outage: it counts as a retryable failure.
 //!
 //! A dead-lettered delivery leaves its business key unclaimed and records the failure in a
 //! scope of its own (its own transaction, same engine), so that once the cause is fixed, an
@@ -85,14 +110,22 @@
 //! At-least-once delivery plus a claim in the handler's transaction gives **one effect per
 //! business key** for everything the handler writes through its [`Tx`]. Calls the handler makes
 //! outside that transaction are not covered (write them to the outbox instead). Ordering is not
-//! guaranteed: retries, several consumers and concurrency reorder deliveries. The dedupe
-//! records are kept by default; a record purged before the broker stops redelivering (its ack
-//! wait and retry horizon) or before publishers stop resending (the outbox's retry horizon)
-//! would let a late copy apply again, so [`Inbox::retention`] must exceed both.
+//! guaranteed: retries, several consumers and concurrency reorder deliveries.
+//!
+//! # Retention
+//!
+//! One rule joins the two ends of the chain: **the inbox's record retention
+//! ([`Inbox::retention`]) must exceed the publishers' time budget, the outbox's time budget
+//! (`Dispatcher::give_up_after`, 6 h by default), plus the broker's redelivery horizon** (its
+//! ack wait, the retry delays, how long a message may wait in the queue). A publisher may
+//! resend an event for as long as its budget lets it, and the broker may hand a copy over
+//! later still; a copy that arrives after its key's record was purged applies again. The
+//! dedupe records are kept by default, which satisfies the rule whatever the budgets; set a
+//! retention only with both horizons in hand.
 
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -103,7 +136,7 @@ use sha2::{Digest, Sha256};
 
 use crate::Backend;
 use crate::backoff::Backoff;
-use crate::engine::{Classification, Engine, Lookup, Outcome};
+use crate::engine::{Classification, DeadLetter, Engine, Lookup, Outcome};
 use crate::error::{Error, Rejection};
 use crate::fingerprint::{Fingerprint, Fingerprinter};
 use crate::key::IdempotencyKey;
@@ -179,11 +212,17 @@ impl fmt::Debug for Delivery {
 ///
 /// `?` converts a statement's `sqlx::Error` (or a [`TxError`]): a conflict
 /// abort becomes [`Failure::Conflict`], run again at once like a request under the layer;
-/// any other database error is [`Failure::Retryable`].
+/// an error that says the database cannot be reached (a broken or refused connection, a pool
+/// that gave no connection in time, a server shutting down) is [`Failure::Unavailable`]; any
+/// other database error is [`Failure::Retryable`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Failure {
-    /// Worth another attempt later (a lock timeout, a downstream that is down).
+    /// Worth another attempt later (a lock timeout, a downstream that refused this request).
     Retryable(String),
+    /// The consumer's own database, or a dependency it cannot work without, cannot be reached
+    /// right now: an outage, not a fault of the delivery. Retried until it passes, never counted
+    /// as an attempt and never dead-lettered (see the [module docs](self#outages)).
+    Unavailable(String),
     /// Will never succeed as it is (malformed, refers to nothing): dead-letter it.
     Permanent(String),
     /// The database aborted the transaction to resolve a conflict with a concurrent one (a
@@ -197,6 +236,8 @@ impl From<TxError> for Failure {
     fn from(error: TxError) -> Self {
         if error.is_conflict() {
             Self::Conflict(error.to_string())
+        } else if error.is_unreachable() {
+            Self::Unavailable(error.to_string())
         } else {
             Self::Retryable(error.to_string())
         }
@@ -219,6 +260,11 @@ impl Failure {
     pub fn permanent(reason: impl Into<String>) -> Self {
         Self::Permanent(reason.into())
     }
+
+    /// An outage: the consumer's database or a dependency cannot be reached right now.
+    pub fn unavailable(reason: impl Into<String>) -> Self {
+        Self::Unavailable(reason.into())
+    }
 }
 
 /// What the broker adapter does with a delivery once the inbox is done with it.
@@ -232,6 +278,15 @@ pub enum Verdict {
     Retry {
         /// The backoff before the next attempt.
         after: Duration,
+    },
+    /// The consumer's database or a dependency could not be reached ([`Failure::Unavailable`]):
+    /// nothing was committed. Deliver it again no sooner than `after` **without counting an
+    /// attempt** (neither the inbox's nor the broker's), and take no new deliveries meanwhile.
+    Unavailable {
+        /// The backoff before the next try ([`Inbox::outage_backoff`]).
+        after: Duration,
+        /// What could not be reached.
+        reason: String,
     },
     /// Failed for good (or out of attempts): dead-letter it, then acknowledge.
     Dead {
@@ -263,6 +318,9 @@ pub struct Stats {
     pub duplicates: u64,
     /// Deliveries rolled back and sent back for another attempt.
     pub retried: u64,
+    /// Deliveries sent back because the consumer's database or a dependency was unreachable:
+    /// outages, which count as no attempt.
+    pub unavailable: u64,
     /// Deliveries dead-lettered.
     pub dead: u64,
 }
@@ -272,7 +330,11 @@ struct Counters {
     processed: AtomicU64,
     duplicates: AtomicU64,
     retried: AtomicU64,
+    unavailable: AtomicU64,
     dead: AtomicU64,
+    /// Outages met one after another, with no delivery getting through in between: the
+    /// outage backoff's attempt number.
+    outages: AtomicU32,
 }
 
 type KeyFn = Arc<dyn Fn(&Delivery) -> Result<String, Failure> + Send + Sync>;
@@ -290,6 +352,10 @@ const KEEP: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 /// (keep no record). A handler's failure itself travels back typed, beside the response.
 const COMMIT: StatusCode = StatusCode::NO_CONTENT;
 const ROLL_BACK: StatusCode = StatusCode::SERVICE_UNAVAILABLE;
+/// An outage is waited out in steps of at most 30 s: long enough not to hammer a database that
+/// is coming back, short enough that a consumer resumes soon after it is back.
+const OUTAGE_BACKOFF: Backoff =
+    Backoff::exponential(Duration::from_secs(1), Duration::from_secs(30));
 
 /// The consumer side of the chain: dedupes deliveries by business key in the handler's
 /// transaction. Cheap to clone; see the [module docs](self).
@@ -301,6 +367,7 @@ pub struct Inbox<DB: Backend> {
     route: &'static str,
     max_attempts: u32,
     backoff: Backoff,
+    outage_backoff: Backoff,
     observer: Option<Observer>,
     counters: Arc<Counters>,
 }
@@ -315,6 +382,7 @@ impl<DB: Backend> Clone for Inbox<DB> {
             route: self.route,
             max_attempts: self.max_attempts,
             backoff: self.backoff,
+            outage_backoff: self.outage_backoff,
             observer: self.observer.clone(),
             counters: Arc::clone(&self.counters),
         }
@@ -328,6 +396,7 @@ impl<DB: Backend> fmt::Debug for Inbox<DB> {
             .field("dedupe", &self.route)
             .field("max_attempts", &self.max_attempts)
             .field("backoff", &self.backoff)
+            .field("outage_backoff", &self.outage_backoff)
             .field("engine", &self.engine)
             .finish_non_exhaustive()
     }
@@ -338,8 +407,8 @@ impl<DB: Backend> Inbox<DB> {
     ///
     /// The name scopes the keys, as principal and route scope HTTP keys: two consumers
     /// applying the same event each apply it once. Defaults: dedupe by message id, 5 attempts,
-    /// a backoff of up to 1 s doubling to at most 60 s, records kept, a 5 s wait on an in-flight
-    /// duplicate.
+    /// a backoff of up to 1 s doubling to at most 60 s, an outage backoff of up to 1 s doubling
+    /// to at most 30 s, records kept, a 5 s wait on an in-flight duplicate.
     pub fn new(name: impl Into<String>, store: Store<DB>) -> Self {
         let name: String = name.into();
         // Only a commit counts as done: a permanent failure must leave the key unclaimed so that
@@ -366,6 +435,7 @@ impl<DB: Backend> Inbox<DB> {
             route: BY_MESSAGE_ID,
             max_attempts: 5,
             backoff: Backoff::exponential(Duration::from_secs(1), Duration::from_secs(60)),
+            outage_backoff: OUTAGE_BACKOFF,
             observer: None,
             counters: Arc::default(),
         }
@@ -398,7 +468,8 @@ impl<DB: Backend> Inbox<DB> {
         inbox
     }
 
-    /// The attempt at which a retryable failure is dead-lettered instead (default 5).
+    /// The attempt at which a retryable failure is dead-lettered instead (default 5). Outages
+    /// ([`Failure::Unavailable`]) count as no attempt.
     #[must_use]
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts.max(1);
@@ -415,8 +486,20 @@ impl<DB: Backend> Inbox<DB> {
         self
     }
 
-    /// How long dedupe records are kept (default: kept). Must exceed the broker's redelivery
-    /// horizon and the publishers' retry horizon, or a late copy applies again.
+    /// Backoff while the consumer's database or a dependency is unreachable
+    /// ([`Failure::Unavailable`]): a wait drawn at random from zero up to `base` doubled per
+    /// outage met in a row, at most `cap` (default 1 s, 30 s). The broker adapters take no new
+    /// deliveries for that long, and the delivery comes back without counting an attempt; the
+    /// cap bounds how long a consumer stays idle once the outage is over.
+    #[must_use]
+    pub fn outage_backoff(mut self, base: Duration, cap: Duration) -> Self {
+        self.outage_backoff = Backoff::exponential(base, cap.max(base));
+        self
+    }
+
+    /// How long dedupe records are kept (default: kept). Must exceed the publishers' time
+    /// budget (how long an outbox keeps resending one message) plus the broker's redelivery
+    /// horizon, or a late copy applies again (see the [module docs](self#retention)).
     ///
     /// Expired records stay in the table until the store purges them:
     /// [`Store::purge_expired`] or [`Store::spawn_purger`] on the store the inbox was made with.
@@ -451,13 +534,14 @@ impl<DB: Backend> Inbox<DB> {
         &self.name
     }
 
-    /// Counts of processed, duplicate, retried and dead deliveries so far.
+    /// Counts of processed, duplicate, retried, unavailable and dead deliveries so far.
     pub fn stats(&self) -> Stats {
         let c = &self.counters;
         Stats {
             processed: c.processed.load(Ordering::Relaxed),
             duplicates: c.duplicates.load(Ordering::Relaxed),
             retried: c.retried.load(Ordering::Relaxed),
+            unavailable: c.unavailable.load(Ordering::Relaxed),
             dead: c.dead.load(Ordering::Relaxed),
         }
     }
@@ -527,27 +611,42 @@ impl<DB: Backend> Inbox<DB> {
         // database aborted its transaction on a conflict, and the last call's failure counts.
         let reported: Arc<Mutex<Option<Failure>>> = Arc::default();
         let report = Arc::clone(&reported);
+        // Set while a call of the handler runs: still set when the engine gives up means the
+        // handler panicked; clear means the store failed around it.
+        let running = Arc::new(AtomicBool::new(false));
+        let in_handler = Arc::clone(&running);
         let mut handler = handler;
         let message = delivery.clone();
+        let (attempt, max_attempts) = (delivery.attempts(), self.max_attempts);
         let run = self
             .engine
             .run(&scope, self.fingerprint(), move |tx| {
+                in_handler.store(true, Ordering::SeqCst);
                 let applied = handler(tx, message.clone());
                 let report = Arc::clone(&report);
+                let in_handler = Arc::clone(&in_handler);
                 async move {
-                    match applied.await {
+                    let applied = applied.await;
+                    in_handler.store(false, Ordering::SeqCst);
+                    match applied {
                         Ok(()) => COMMIT.into_response(),
                         Err(failure) => {
-                            // A conflict abort: the engine runs the handler again, as it does
-                            // for a request under the layer.
-                            let rerun = matches!(failure, Failure::Conflict(_));
+                            let fate = fate(&failure, attempt, max_attempts, replay);
                             // No one reads it if the caller went away meanwhile: the rollback
                             // stands either way, and the broker redelivers.
                             *report.lock().unwrap_or_else(PoisonError::into_inner) = Some(failure);
-                            if rerun {
-                                conflict_aborted()
-                            } else {
-                                ROLL_BACK.into_response()
+                            match fate {
+                                // A conflict abort: the engine runs the handler again, as it
+                                // does for a request under the layer.
+                                Fate::Rerun => conflict_aborted(),
+                                // Rolled back like any failure, but the engine's log line and
+                                // metric say `dead`: it will not come back as a retry.
+                                Fate::Dead => {
+                                    let mut response = ROLL_BACK.into_response();
+                                    response.extensions_mut().insert(DeadLetter);
+                                    response
+                                }
+                                Fate::Retry | Fate::Pause => ROLL_BACK.into_response(),
                             }
                         }
                     }
@@ -558,13 +657,9 @@ impl<DB: Backend> Inbox<DB> {
             Ok(execution) => match execution.outcome {
                 Outcome::Replayed => Verdict::Duplicate,
                 Outcome::RolledBack => {
-                    let failure = reported
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .take()
-                        .unwrap_or_else(|| {
-                            Failure::retryable("the handler's transaction was rolled back")
-                        });
+                    let failure = take(&reported).unwrap_or_else(|| {
+                        Failure::retryable("the handler's transaction was rolled back")
+                    });
                     self.failed(delivery, Some(&key), failure, replay).await
                 }
                 _ => Verdict::Applied,
@@ -575,9 +670,22 @@ impl<DB: Backend> Inbox<DB> {
                 Verdict::Retry { after: retry_after }
             }
             Err(rejection) => {
-                // The store failed or the handler panicked: nothing was committed.
+                let failure = match &rejection {
+                    // The handler panicked (the engine caught it): a bug, which attempts
+                    // bound like any failure.
+                    Rejection::Internal if running.load(Ordering::SeqCst) => Failure::retryable(
+                        format!("not applied, the handler panicked: {rejection}"),
+                    ),
+                    // The store failed before, around or after the handler (a claim, a commit
+                    // or a rollback that could not reach the database): the consumer's own
+                    // database is out, which is no fault of the delivery.
+                    Rejection::Internal => {
+                        Failure::unavailable(format!("not applied: {rejection}"))
+                    }
+                    Rejection::Conflict => Failure::Conflict(format!("not applied: {rejection}")),
+                    _ => Failure::retryable(format!("not applied: {rejection}")),
+                };
                 tracing::warn!(consumer = %self.name, error = %rejection, "inbox could not apply a delivery");
-                let failure = Failure::retryable(format!("not applied: {rejection}"));
                 self.failed(delivery, Some(&key), failure, replay).await
             }
         }
@@ -591,15 +699,31 @@ impl<DB: Backend> Inbox<DB> {
         replay: bool,
     ) -> Verdict {
         let attempt = delivery.attempts();
-        match failure {
-            Failure::Permanent(reason) => self.dead(delivery, key, reason).await,
-            Failure::Retryable(reason) | Failure::Conflict(reason)
-                if replay || attempt >= self.max_attempts =>
-            {
-                let reason = format!("{reason} (attempt {attempt})");
+        let failure = match failure {
+            // The engine's reruns of a conflict abort ran out: one attempt spent.
+            Failure::Conflict(reason) => Failure::Retryable(reason),
+            failure => failure,
+        };
+        match (fate(&failure, attempt, self.max_attempts, replay), failure) {
+            (Fate::Pause, Failure::Unavailable(reason)) => {
+                let outages = self.counters.outages.fetch_add(1, Ordering::Relaxed);
+                let after = self.outage_backoff.delay(outages.saturating_add(1));
+                tracing::warn!(
+                    consumer = %self.name,
+                    message_id = delivery.id(),
+                    reason = %reason,
+                    pause_ms = u64::try_from(after.as_millis()).unwrap_or(u64::MAX),
+                    "inbox paused: the consumer's database or a dependency is unreachable; \
+                     the delivery comes back without counting an attempt"
+                );
+                Verdict::Unavailable { after, reason }
+            }
+            (Fate::Dead, Failure::Permanent(reason)) => self.dead(delivery, key, reason).await,
+            (Fate::Dead, failure) => {
+                let reason = format!("{} (attempt {attempt})", failure.reason());
                 self.dead(delivery, key, reason).await
             }
-            Failure::Retryable(_) | Failure::Conflict(_) => Verdict::Retry {
+            _ => Verdict::Retry {
                 after: self.backoff.delay(attempt),
             },
         }
@@ -636,13 +760,20 @@ impl<DB: Backend> Inbox<DB> {
     }
 
     fn count(&self, verdict: &Verdict) {
+        let c = &self.counters;
         let counter = match verdict {
-            Verdict::Applied => &self.counters.processed,
-            Verdict::Duplicate => &self.counters.duplicates,
-            Verdict::Retry { .. } => &self.counters.retried,
-            Verdict::Dead { .. } => &self.counters.dead,
+            Verdict::Applied => &c.processed,
+            Verdict::Duplicate => &c.duplicates,
+            Verdict::Retry { .. } => &c.retried,
+            Verdict::Unavailable { .. } => &c.unavailable,
+            Verdict::Dead { .. } => &c.dead,
         };
         counter.fetch_add(1, Ordering::Relaxed);
+        if !matches!(verdict, Verdict::Unavailable { .. }) {
+            // Something got through (or failed on its own account): the next outage backs off
+            // from the start.
+            c.outages.store(0, Ordering::Relaxed);
+        }
     }
 
     fn scope(&self, verb: &str, key: &str) -> Result<Scope, Failure> {
@@ -659,6 +790,81 @@ impl<DB: Backend> Inbox<DB> {
     fn fingerprint(&self) -> Fingerprint {
         Fingerprinter::new().fingerprint_value("inbox", self.name.as_bytes())
     }
+}
+
+/// A broker adapter's pause while the consumer's database or a dependency is out: after a
+/// [`Verdict::Unavailable`], no delivery is handled before its backoff has passed, so that an
+/// outage costs one try per backoff instead of one failure per delivery the broker has.
+/// Shared by the deliveries one consumer handles at once.
+#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
+#[derive(Debug, Default)]
+pub(crate) struct Pause {
+    until: Mutex<Option<tokio::time::Instant>>,
+}
+
+#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
+impl Pause {
+    /// Takes no new delivery for `after` from now (a pause already running longer stands).
+    pub(crate) fn hold(&self, after: Duration) {
+        let until = tokio::time::Instant::now() + after;
+        let mut slot = self.until.lock().unwrap_or_else(PoisonError::into_inner);
+        if slot.is_none_or(|current| current < until) {
+            *slot = Some(until);
+        }
+    }
+
+    /// Waits out the pause as it stands now. A pause extended meanwhile is not waited for
+    /// again: each delivery waits at most one backoff here, so one kept unacknowledged in the
+    /// meantime never outlives the broker's patience.
+    pub(crate) async fn wait(&self) {
+        let until = *self.until.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(until) = until {
+            tokio::time::sleep_until(until).await;
+        }
+    }
+}
+
+/// What becomes of a delivery whose handler (or key function, or store) failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fate {
+    /// The database aborted the transaction on a conflict: run the handler again at once.
+    Rerun,
+    /// Deliver it again after the backoff; this attempt counts.
+    Retry,
+    /// An outage: deliver it again after the outage backoff, counting no attempt.
+    Pause,
+    /// Dead-letter it.
+    Dead,
+}
+
+/// The inbox's rule, apart from any I/O: a permanent failure dies at once; an outage is waited
+/// out however long it lasts, since the delivery is not at fault; any other failure is retried
+/// until the attempts run out (at once on an operator's replay, which is a single attempt).
+/// A conflict abort is run again at once inside one attempt; once the engine's reruns run out,
+/// the caller hands it in as a retryable failure.
+fn fate(failure: &Failure, attempt: u32, max_attempts: u32, replay: bool) -> Fate {
+    match failure {
+        Failure::Conflict(_) => Fate::Rerun,
+        Failure::Permanent(_) => Fate::Dead,
+        Failure::Unavailable(_) => Fate::Pause,
+        Failure::Retryable(_) if replay || attempt >= max_attempts => Fate::Dead,
+        Failure::Retryable(_) => Fate::Retry,
+    }
+}
+
+impl Failure {
+    fn reason(&self) -> &str {
+        match self {
+            Self::Retryable(reason)
+            | Self::Unavailable(reason)
+            | Self::Permanent(reason)
+            | Self::Conflict(reason) => reason,
+        }
+    }
+}
+
+fn take(slot: &Mutex<Option<Failure>>) -> Option<Failure> {
+    slot.lock().unwrap_or_else(PoisonError::into_inner).take()
 }
 
 /// A business key as an [`IdempotencyKey`]: its SHA-256 in hex, so that any key (longer than the

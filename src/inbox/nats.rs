@@ -11,6 +11,12 @@
 //!
 //! - Retry: `Nak` with the inbox's backoff as delay; the attempt count is JetStream's own
 //!   delivery count.
+//! - Outage ([`Verdict::Unavailable`]: the consumer's database or a dependency unreachable):
+//!   no `Nak`, since every redelivery raises the delivery count (the inbox's attempt count, and
+//!   what a `max_deliver` set on a durable consumer made elsewhere would run out of). The
+//!   consumer keeps the message with progress acks, pauses for the outage backoff (the other
+//!   messages in hand wait too), and handles it again, with the same attempt count, until the
+//!   outage is over. The durable consumer this adapter creates has no `max_deliver`.
 //! - Dead letter: the message is published to the dead-letter stream (by default
 //!   `{DURABLE}_DEAD`, subjects `{durable}.dead.>`) with its `Nats-Msg-Id`, then acked. The
 //!   copy carries why it died in the header **`Inbox-Reason`** (the reason is also logged at
@@ -59,7 +65,7 @@ use async_nats::jetstream::message::AckKind;
 use async_nats::jetstream::{Context, stream};
 use futures_util::StreamExt;
 
-use super::{Delivery, Failure, Inbox, ReplayReport, Verdict};
+use super::{Delivery, Failure, Inbox, Pause, ReplayReport, Verdict};
 use crate::Backend;
 use crate::broker;
 use crate::tx::Tx;
@@ -256,13 +262,15 @@ impl<DB: Backend> NatsConsumer<DB> {
             .max_messages_per_batch(self.concurrency)
             .messages()
             .await?;
+        let pause = Pause::default();
         messages
             .for_each_concurrent(self.concurrency, |message| {
                 let handler = handler.clone();
                 let this = &self;
+                let pause = &pause;
                 async move {
                     let outcome = match message {
-                        Ok(message) => this.process(message, handler).await,
+                        Ok(message) => this.process(message, pause, handler).await,
                         Err(error) => Err(error.into()),
                     };
                     if let Err(error) = outcome {
@@ -277,10 +285,11 @@ impl<DB: Backend> NatsConsumer<DB> {
     async fn process<H, Fut>(
         &self,
         message: async_nats::jetstream::Message,
+        pause: &Pause,
         handler: H,
     ) -> Result<(), async_nats::Error>
     where
-        H: Fn(Tx<DB>, Delivery) -> Fut + Send + 'static,
+        H: Fn(Tx<DB>, Delivery) -> Fut + Clone + Send + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
         let attempt = message
@@ -288,12 +297,30 @@ impl<DB: Backend> NatsConsumer<DB> {
             .map(|info| u32::try_from(info.delivered.max(1)).unwrap_or(u32::MAX))
             .unwrap_or(1);
         let delivery = delivery_of(message.headers.as_ref(), message.payload.clone(), attempt);
+        // An outage is waited out with the message in hand rather than `Nak`ed: each `Nak` is
+        // a delivery to JetStream, which would raise the count the inbox reads its attempts
+        // from and, on a durable consumer made elsewhere with `max_deliver`, end its
+        // deliveries for good. Progress acks keep it from redelivery meanwhile, and the other
+        // messages in hand wait at the pause instead of each failing on the outage.
         let verdict = self
-            .keeping_alive(&message, self.inbox.handle(delivery, handler))
+            .keeping_alive(&message, async {
+                loop {
+                    pause.wait().await;
+                    match self.inbox.handle(delivery.clone(), handler.clone()).await {
+                        Verdict::Unavailable { after, .. } => pause.hold(after),
+                        verdict => break verdict,
+                    }
+                }
+            })
             .await;
         match verdict {
             Verdict::Applied | Verdict::Duplicate => message.ack().await?,
             Verdict::Retry { after } => message.ack_with(AckKind::Nak(Some(after))).await?,
+            // Not reached (the loop above ends on any other verdict); were it, a delayed `Nak`
+            // would still bring the message back.
+            Verdict::Unavailable { after, .. } => {
+                message.ack_with(AckKind::Nak(Some(after))).await?;
+            }
             Verdict::Dead { reason } => {
                 self.dead_letter(&message, &reason).await?;
                 message.ack().await?;
@@ -373,7 +400,7 @@ impl<DB: Backend> NatsConsumer<DB> {
             match self.inbox.replay(delivery, handler.clone()).await {
                 Verdict::Applied => report.applied += 1,
                 Verdict::Duplicate => report.duplicates += 1,
-                Verdict::Retry { .. } | Verdict::Dead { .. } => {
+                Verdict::Retry { .. } | Verdict::Unavailable { .. } | Verdict::Dead { .. } => {
                     report.still_dead += 1;
                     continue;
                 }

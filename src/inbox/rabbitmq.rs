@@ -19,7 +19,15 @@
 //!
 //! The attempt count is the sum of a header the consumer maintains on retried copies
 //! (`x-inbox-attempts`) and the quorum queue's `x-delivery-count` (redeliveries after a
-//! consumer died or a channel closed), plus one. A delivery whose consumer died is redelivered
+//! consumer died or a channel closed), plus one.
+//!
+//! An outage of the consumer's own database ([`Verdict::Unavailable`]) is no attempt: the
+//! delivery goes through `{queue}.retry` like a retry, with its attempt count unchanged, and
+//! never back to the queue with a `nack`, which would count toward the quorum queue's delivery
+//! limit and so end in `{queue}.dead`. Meanwhile the consumer pauses: the deliveries it holds
+//! wait out the outage backoff before they are handled, so the outage is probed once per
+//! backoff by each of the [`concurrency`](RabbitMqConsumer::concurrency) slots rather than
+//! hit by every delivery in the queue. A delivery whose consumer died is redelivered
 //! as soon as the broker notices the closed connection: at once when the process dies, within
 //! about two heartbeat intervals when its host vanishes (`connect` asks for a 10 s heartbeat
 //! unless the URI sets `?heartbeat=…`, which keeps that under 30 s; the server's default is
@@ -72,13 +80,15 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 
-use super::{Delivery, Failure, Inbox, ReplayReport, Verdict};
+use super::{Delivery, Failure, Inbox, Pause, ReplayReport, Verdict};
 use crate::Backend;
 use crate::broker;
 use crate::tx::Tx;
 
 /// The header a retried copy carries: attempts made before it.
 const ATTEMPTS: &str = "x-inbox-attempts";
+/// The header a quorum queue sets on a redelivery: earlier deliveries of this copy.
+const DELIVERY_COUNT: &str = "x-delivery-count";
 /// The header a dead letter carries: why it died.
 const REASON: &str = "x-inbox-reason";
 /// A consumer that ran this long before it failed starts its reconnection backoff over.
@@ -308,15 +318,17 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
             )
             .await?;
         let failed = std::sync::Mutex::new(None);
+        let pause = Pause::default();
         consumer
             .for_each_concurrent(usize::from(self.concurrency), |delivery| {
                 let handler = handler.clone();
                 let channel = channel.clone();
                 let failed = &failed;
+                let pause = &pause;
                 let this = self;
                 async move {
                     let outcome = match delivery {
-                        Ok(delivery) => this.process(&channel, delivery, handler).await,
+                        Ok(delivery) => this.process(&channel, delivery, pause, handler).await,
                         Err(error) => Err(error),
                     };
                     if let Err(error) = outcome {
@@ -338,6 +350,7 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
         &self,
         channel: &Channel,
         delivery: lapin::message::Delivery,
+        pause: &Pause,
         handler: H,
     ) -> Result<(), lapin::Error>
     where
@@ -345,27 +358,34 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
         let headers = delivery.properties.headers().clone().unwrap_or_default();
-        let attempt = 1u32
-            .saturating_add(header_count(&headers, ATTEMPTS))
-            .saturating_add(header_count(&headers, "x-delivery-count"));
+        // Attempts before this one: those the retried copies counted, and this copy's own
+        // redeliveries (a consumer that died, a channel that closed).
+        let before =
+            header_count(&headers, ATTEMPTS).saturating_add(header_count(&headers, DELIVERY_COUNT));
+        let attempt = before.saturating_add(1);
         let mut message = Delivery::new(delivery.data.clone()).attempt(attempt);
         if let Some(id) = delivery.properties.message_id() {
             message = message.message_id(id.as_str());
         }
+        // While the consumer's database is out, deliveries wait here (unacknowledged, held
+        // from other consumers) rather than each fail on it in turn.
+        pause.wait().await;
         let verdict = self.inbox.handle(message, handler).await;
         match verdict {
             Verdict::Applied | Verdict::Duplicate => {
                 delivery.acker.ack(BasicAckOptions::default()).await?;
             }
             Verdict::Retry { after } => {
-                let mut headers = headers;
-                headers.insert(ATTEMPTS.into(), AMQPValue::LongUInt(attempt));
-                let properties = delivery
-                    .properties
-                    .clone()
-                    .with_headers(headers)
-                    .with_expiration(after.as_millis().max(1).to_string().into());
-                self.forward(channel, &delivery, &self.retry_queue(), properties)
+                self.retry_later(channel, &delivery, headers, attempt, after)
+                    .await?;
+            }
+            Verdict::Unavailable { after, .. } => {
+                // An outage counts no attempt: the copy carries the count this delivery came
+                // with. It goes through the delay queue rather than back with a `nack`, which
+                // would raise the quorum queue's delivery count toward its delivery limit,
+                // past which the broker itself dead-letters the message.
+                pause.hold(after);
+                self.retry_later(channel, &delivery, headers, before, after)
                     .await?;
             }
             Verdict::Dead { reason } => {
@@ -377,6 +397,30 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
             }
         }
         Ok(())
+    }
+
+    /// Sends `delivery` through the delay queue, to come back after `after` counting `attempts`
+    /// attempts made.
+    async fn retry_later(
+        &self,
+        channel: &Channel,
+        delivery: &lapin::message::Delivery,
+        headers: FieldTable,
+        attempts: u32,
+        after: Duration,
+    ) -> Result<(), lapin::Error> {
+        let mut headers = headers.inner().clone();
+        // The copy is a new message whose own redeliveries the broker counts afresh; the ones
+        // of this copy are in `attempts` already.
+        headers.remove(DELIVERY_COUNT);
+        headers.insert(ATTEMPTS.into(), AMQPValue::LongUInt(attempts));
+        let properties = delivery
+            .properties
+            .clone()
+            .with_headers(FieldTable::from(headers))
+            .with_expiration(after.as_millis().max(1).to_string().into());
+        self.forward(channel, delivery, &self.retry_queue(), properties)
+            .await
     }
 
     /// Publishes a copy of `delivery` to `queue` and acks the original once the broker
@@ -464,7 +508,9 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
                     report.duplicates += 1;
                     delivery.acker.ack(BasicAckOptions::default()).await?;
                 }
-                verdict @ (Verdict::Retry { .. } | Verdict::Dead { .. }) => {
+                verdict @ (Verdict::Retry { .. }
+                | Verdict::Unavailable { .. }
+                | Verdict::Dead { .. }) => {
                     report.still_dead += 1;
                     let mut properties = delivery.properties.clone();
                     if let Verdict::Dead { reason } = verdict {

@@ -219,6 +219,25 @@ impl<DB: Backend> fmt::Debug for Store<DB> {
 
 pub(crate) use sealed::Records;
 
+/// Whether `error` says the database cannot be reached right now rather than that a statement
+/// failed: the connection broke or was refused (I/O, TLS), no connection could be had in time,
+/// the pool was closed, or the server reported a connection failure or its own shutdown
+/// (SQLSTATE class `08`, `57P01`–`57P03`). Nothing about the work is wrong; the same work
+/// succeeds once the database is back, so callers treat it as an outage, not as an attempt.
+pub(crate) fn is_unreachable(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(database) => database.code().is_some_and(|code| {
+            code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03")
+        }),
+        _ => false,
+    }
+}
+
 /// Whether the database aborted the transaction `error` came from to resolve a conflict with a
 /// concurrent one (a serialization failure, a deadlock, a Galera certification conflict), as
 /// the backends in this build recognise it; SQLite, one writer at a time, has no such aborts.

@@ -100,3 +100,68 @@ async fn lagging(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, lag: Duration)
     };
     tokio::join!(read, write);
 }
+
+/// A loopback TCP link that can be unplugged and plugged back in, standing in for a network
+/// partition between a consumer and its database: unplugged, every connection is closed and
+/// each new one is closed as soon as it is accepted (a connection reset to the client).
+pub(crate) struct Plug {
+    pub(crate) addr: SocketAddr,
+    state: std::sync::Arc<std::sync::Mutex<Plugged>>,
+    accept: JoinHandle<()>,
+}
+
+struct Plugged {
+    open: bool,
+    /// Closes the connections carried since the link was last plugged in.
+    cut: watch::Sender<bool>,
+}
+
+impl Plug {
+    /// Listens on a free loopback port, plugged in; each connection reaches `target`.
+    pub(crate) async fn start(target: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let state = std::sync::Arc::new(std::sync::Mutex::new(Plugged {
+            open: true,
+            cut: watch::channel(false).0,
+        }));
+        let accepting = state.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let cut = {
+                    let state = accepting.lock().unwrap();
+                    state.open.then(|| state.cut.subscribe())
+                };
+                match cut {
+                    Some(cut) => drop(tokio::spawn(carry(client, target, Duration::ZERO, cut))),
+                    None => drop(client),
+                }
+            }
+        });
+        Self {
+            addr,
+            state,
+            accept,
+        }
+    }
+
+    /// Closes every connection and refuses new ones until [`plug_in`](Self::plug_in).
+    pub(crate) fn unplug(&self) {
+        let mut state = self.state.lock().unwrap();
+        state.open = false;
+        state.cut.send_replace(true);
+        state.cut = watch::channel(false).0;
+    }
+
+    /// Carries new connections again.
+    pub(crate) fn plug_in(&self) {
+        self.state.lock().unwrap().open = true;
+    }
+}
+
+impl Drop for Plug {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.unplug();
+    }
+}

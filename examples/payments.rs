@@ -397,7 +397,10 @@ impl<DB: Backend> Sender for Routed<DB> {
         if message.topic == EVENT_TOPIC {
             return match &self.broker {
                 Some(broker) => broker.send(message).await,
-                None => SendOutcome::Retry {
+                // An event enqueued by a run that had a broker: this process cannot reach one,
+                // which is an outage of the destination, not a fault of the message. It waits,
+                // spending none of its attempts, for a run started with BROKER_URL.
+                None => SendOutcome::Unavailable {
                     after: None,
                     reason: "no BROKER_URL configured".into(),
                 },

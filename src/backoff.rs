@@ -96,6 +96,35 @@ pub(crate) fn retry_after(
     Some(date.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
+/// The `code` member of the server's problem document for a duplicate still in flight.
+#[cfg(any(feature = "client", feature = "outbox"))]
+const IN_PROGRESS_CODE: &str = "idempotency_request_in_progress";
+
+/// How that document's `type` ends: the docs anchor of `Rejection::InProgress`, whichever
+/// version of the docs the link names.
+#[cfg(any(feature = "client", feature = "outbox"))]
+const IN_PROGRESS_TYPE: &str = "/axum_idempotency/error/enum.Rejection.html#variant.InProgress";
+
+/// Whether a `409` body is this crate's "same key still in flight" problem document (its
+/// `code`, or its `type`). The client's retries and the outbox's HTTP sender read it alike.
+#[cfg(any(feature = "client", feature = "outbox"))]
+pub(crate) fn is_in_progress_conflict(body: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Problem<'a> {
+        // Borrowed where it can be, owned where the JSON escapes a character (`\/`).
+        #[serde(borrow)]
+        code: Option<std::borrow::Cow<'a, str>>,
+        #[serde(borrow, rename = "type")]
+        kind: Option<std::borrow::Cow<'a, str>>,
+    }
+    serde_json::from_slice::<Problem<'_>>(body).is_ok_and(|problem| {
+        problem.code.as_deref() == Some(IN_PROGRESS_CODE)
+            || problem
+                .kind
+                .is_some_and(|kind| kind.ends_with(IN_PROGRESS_TYPE))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -110,6 +139,19 @@ mod tests {
         // Full jitter spreads the waits: 200 draws all on one side would be a broken RNG.
         assert!(draws.iter().any(|d| *d < Duration::from_millis(200)));
         assert!(draws.iter().any(|d| *d > Duration::from_millis(200)));
+    }
+
+    #[cfg(any(feature = "client", feature = "outbox"))]
+    #[test]
+    fn an_in_progress_conflict_is_known_by_its_code_or_its_type() {
+        let by_code =
+            br#"{"type":"https://example.test/p","code":"idempotency_request_in_progress"}"#;
+        assert!(is_in_progress_conflict(by_code));
+        let by_type = br#"{"type":"https:\/\/docs.rs\/axum-idempotency\/0.1.0\/axum_idempotency\/error\/enum.Rejection.html#variant.InProgress"}"#;
+        assert!(is_in_progress_conflict(by_type));
+        let lease = br#"{"type":"https://docs.rs/axum-idempotency/latest/axum_idempotency/error/enum.Rejection.html#variant.LeaseLost","code":"idempotency_lease_lost"}"#;
+        assert!(!is_in_progress_conflict(lease));
+        assert!(!is_in_progress_conflict(br#"{"code":"out_of_stock"}"#));
     }
 
     #[test]

@@ -709,15 +709,16 @@ pub mod outbox {}
 /// - **RabbitMQ.** `RabbitMqConsumer::connect(inbox, uri, queue)` and
 ///   `RabbitMqSender::connect(uri, exchange)` keep the URI and reconnect by themselves, for as
 ///   long as they run, waiting a jittered backoff between attempts (up to 100 ms, the ceiling
-///   doubling to 5 s, so a fleet does not come back at one instant; each failed attempt is
-///   logged at `WARN`). The consumer first finishes the deliveries in hand: their acks are
+///   doubling to 5 s, so a fleet does not come back at one instant; the consumer logs each
+///   failed attempt at `WARN`). The consumer first finishes the deliveries in hand: their acks are
 ///   lost with the connection, the broker redelivers them, and the inbox finds their claims
 ///   and skips them. It then declares its queues again (a broker that lost them gets them
-///   back) and consumes on. The sender reconnects inside a send, which the dispatcher's send
-///   timeout bounds; a send cut short counts as an unknown outcome and goes again later under
-///   the same `message_id`. On a connection of your own (`RabbitMqConsumer::new`,
-///   `RabbitMqSender::with_connection`) neither reconnects: `run` returns the error, and sends
-///   are retried while the connection is down. Both ask for a 10 s heartbeat unless the URI
+///   back) and consumes on. The sender reconnects in the background, logging one `WARN` when
+///   it finds the connection lost and one `INFO` when it is back; meanwhile every send answers
+///   unavailable at once, and a publish whose confirm was lost with the connection is an
+///   unknown outcome, sent again later under the same `message_id`. On a connection of your own
+///   (`RabbitMqConsumer::new`, `RabbitMqSender::with_connection`) neither reconnects: `run`
+///   returns the error, and sends are unavailable while the connection is down. Both ask for a 10 s heartbeat unless the URI
 ///   sets one (`?heartbeat=…`), so a broker host that vanishes without closing its sockets is
 ///   noticed within about 20 s; on a connection of your own, put `?heartbeat=10` in its URI.
 /// - **NATS.** The async-nats client reconnects by itself, for as long as it runs, and a
@@ -725,19 +726,54 @@ pub mod outbox {}
 ///   `NatsSender` go on as they are. Made with `NatsConsumer::connect(inbox, url, stream,
 ///   durable)` and `NatsSender::connect(url)`, their client waits the same jittered backoff
 ///   between attempts as RabbitMQ's (a client of your own waits async-nats' default: the same
-///   for every client, doubling from nothing to 4 s). A
-///   publish whose ack is lost in the outage is an unknown outcome, sent again later with the
+///   for every client, doubling from nothing to 4 s). While the client is disconnected a send
+///   publishes nothing and answers unavailable. A publish whose ack is lost in the outage is an unknown outcome, sent again later with the
 ///   same `Nats-Msg-Id`, which the stream's duplicate window drops; a message whose ack was
 ///   lost comes back after the ack wait and is skipped as a duplicate.
-/// - **The outbox's attempts.** A send that waits for the broker spends one of the
-///   dispatcher's attempts each send timeout (plus the backoff). Give event messages enough
-///   `max_attempts` to outlast the longest broker outage you plan for; past them a message
-///   fails and waits in the outbox for an operator, never lost.
+/// - **The outbox's attempts.** A send that finds the broker away is
+///   [`Unavailable`](crate::outbox::SendOutcome::Unavailable): it spends none of the message's
+///   attempts, however long the outage lasts; the dispatcher pauses the destination and probes
+///   it until it answers. A refusal from a broker that is up (a RabbitMQ nack, a message no
+///   queue is bound for) is a retry and does count.
 /// - **Deleted, not restarted.** Durable queues, streams and consumers survive a restart. A
 ///   queue or durable consumer deleted from outside is not an outage to wait out: `run` ends
 ///   (`Ok(())` when RabbitMQ cancels the consumer; on NATS the pull stream ends with "consumer
 ///   deleted"), and the `orders` example exits 1 for its supervisor to restart it, which
 ///   declares them again.
+///
+/// # What a broker's acknowledgement survives
+///
+/// The outbox marks a message delivered when the broker acknowledged the publish: RabbitMQ's
+/// publisher confirm (the sender publishes persistent and `mandatory`, so a confirm means a
+/// queue took it), JetStream's publish ack. From then on the message is the broker's to keep;
+/// the outbox never sends it again. What the acknowledgement survives is the broker's setting,
+/// not the crate's:
+///
+/// - **JetStream.** A file-storage stream acknowledges a publish once it is written, before it
+///   is on disk: by default the server syncs every 2 minutes (`sync_interval` in its
+///   `jetstream` configuration). A killed `nats-server` process loses nothing (the operating
+///   system still has the write); a power loss or kernel crash of its host can erase what was
+///   acknowledged since the last sync, and with it messages the outbox marked delivered.
+///   `sync_interval: always` syncs each write before the ack, at a cost in throughput. With
+///   replicas (`num_replicas: 3`) an ack means a quorum of servers has the message, so one
+///   host that loses power loses nothing the others hold; without `always`, a power loss of
+///   several at once (a rack, a data centre) or one host's crash combined with pauses or
+///   partitions can still erase acknowledged messages, as Jepsen's analysis of NATS 2.12.1
+///   (December 2025) showed. `NatsSender::declare_stream` makes a stream with the defaults
+///   (file storage, one replica); a stream made beforehand with other settings is used as it
+///   is.
+/// - **RabbitMQ.** A persistent message routed to a quorum queue is confirmed once a majority
+///   of the queue's replicas has written it to disk (fsync): it survives a process kill and,
+///   with three replicas, the power loss of any one host. The inbox's `RabbitMqConsumer`
+///   declares quorum queues. A classic durable queue writes persistent messages to disk too,
+///   but may confirm one before it is synced (or without writing it at all, once a consumer
+///   has taken and acked it): a process kill loses nothing confirmed, a host's power loss can
+///   erase the last messages it confirmed. A message that is not persistent, or routed to a
+///   queue that is not durable, survives neither.
+///
+/// A message erased after its acknowledgement is not resent by the outbox: it reads as
+/// delivered, with the broker's receipt. Where that matters, choose the settings that sync
+/// before acknowledging, or keep the receipts to compare with what the consumers applied.
 ///
 /// # The example chain: payments → broker → orders
 ///

@@ -6,8 +6,9 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
-use axum::response::IntoResponse;
+use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use axum_idempotency::error::Rejection;
 use axum_idempotency::outbox::{
     DownstreamKey, HttpSender, LookupOutcome, Message, Outbox, OutboxRecord, SendOutcome, Sender,
 };
@@ -23,8 +24,9 @@ use tokio::net::TcpListener;
 type Seen = Arc<Mutex<Option<(HeaderMap, String)>>>;
 
 /// A downstream answering `POST /charges` with the status its `x-answer` header asks for (a
-/// charge id on success, `Retry-After: 7` on 429), and `GET /charges?key=` with the charge of
-/// that key: found for `found`, missing for `missing`, a 500 otherwise.
+/// charge id on success, `Retry-After: 7` on 429, the `Retry-After` an `x-retry-after` header
+/// asks for), and `GET /charges?key=` with the charge of that key: found for `found`, missing
+/// for `missing`, a 500 otherwise.
 async fn downstream(seen: Seen) -> String {
     async fn charge(
         State(seen): State<Seen>,
@@ -36,11 +38,14 @@ async fn downstream(seen: Seen) -> String {
             .unwrap()
             .parse::<u16>()
             .unwrap();
-        *seen.lock().unwrap() = Some((headers, body));
+        *seen.lock().unwrap() = Some((headers.clone(), body));
         let status = StatusCode::from_u16(status).unwrap();
         let mut answer_headers = HeaderMap::new();
         if status == StatusCode::TOO_MANY_REQUESTS {
             answer_headers.insert("retry-after", HeaderValue::from_static("7"));
+        }
+        if let Some(after) = headers.get("x-retry-after") {
+            answer_headers.insert("retry-after", after.clone());
         }
         let body = if status.is_success() {
             r#"{"id":"ch_1"}"#
@@ -131,12 +136,26 @@ async fn answers_become_the_outcomes_the_dispatcher_acts_on() {
         after,
         reason: format!("answered {status}"),
     };
+    let unavailable = |after, status: &str| SendOutcome::Unavailable {
+        after,
+        reason: format!("answered {status}"),
+    };
     assert_eq!(
         outcome("429").await,
-        retry(Some(Duration::from_secs(7)), "429 Too Many Requests")
+        unavailable(Some(Duration::from_secs(7)), "429 Too Many Requests")
     );
-    assert_eq!(outcome("503").await, retry(None, "503 Service Unavailable"));
-    assert_eq!(outcome("409").await, retry(None, "409 Conflict"));
+    assert_eq!(
+        outcome("503").await,
+        unavailable(None, "503 Service Unavailable")
+    );
+    let busy = sender(&base, "503").header(
+        HeaderName::from_static("x-retry-after"),
+        HeaderValue::from_static("3"),
+    );
+    assert_eq!(
+        busy.send(&record).await,
+        unavailable(Some(Duration::from_secs(3)), "503 Service Unavailable")
+    );
     assert_eq!(outcome("408").await, retry(None, "408 Request Timeout"));
     for maybe_applied in ["500", "502", "504"] {
         assert!(
@@ -157,15 +176,26 @@ async fn answers_become_the_outcomes_the_dispatcher_acts_on() {
 }
 
 #[tokio::test]
-async fn a_refused_connection_is_retried_and_a_lost_answer_is_unknown() {
+async fn an_unreachable_downstream_is_unavailable_and_a_lost_answer_is_unknown() {
     let (record, _dir) = record("charge-3").await;
     let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let refusing = format!("http://{}", closed.local_addr().unwrap());
     drop(closed);
     let refused = sender(&refusing, "201").send(&record).await;
+    let SendOutcome::Unavailable {
+        after: None,
+        reason,
+    } = refused
+    else {
+        panic!("a refused connection is an outage: {refused:?}");
+    };
+    assert!(reason.contains("refused"), "{reason}");
+
+    // `.invalid` never resolves (RFC 6761): the request cannot have left either.
+    let unresolved = sender("http://charges.invalid", "201").send(&record).await;
     assert!(
-        matches!(refused, SendOutcome::Retry { after: None, .. }),
-        "{refused:?}"
+        matches!(unresolved, SendOutcome::Unavailable { after: None, .. }),
+        "{unresolved:?}"
     );
 
     // Reads the request, then hangs up without a word: the charge may have been made.
@@ -206,4 +236,141 @@ async fn looks_a_message_up_by_its_percent_encoded_key() {
     let without = HttpSender::new(client, format!("{base}/charges").parse().unwrap());
     let unsupported = without.lookup(&record("found&1").await.0).await;
     assert_eq!(unsupported, LookupOutcome::Unsupported);
+}
+
+/// A downstream answering the first `POST /charges` with `answer`; the sender posting to it.
+async fn answering(answer: Response) -> HttpSender<HttpClient> {
+    let answer = Arc::new(Mutex::new(Some(answer)));
+    let app = Router::new().route(
+        "/charges",
+        post(move || async move { answer.lock().unwrap().take().unwrap() }),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    HttpSender::new(client, format!("http://{address}/charges").parse().unwrap())
+}
+
+/// A `409` problem document with `code`.
+fn problem(code: &str) -> Response {
+    let body = serde_json::json!({
+        "type": format!("https://example.test/{code}"),
+        "title": "conflict",
+        "status": 409,
+        "code": code,
+    });
+    let content_type = [("content-type", "application/problem+json")];
+    (StatusCode::CONFLICT, content_type, body.to_string()).into_response()
+}
+
+#[tokio::test]
+async fn a_conflict_is_retried_only_while_the_key_is_in_flight() {
+    let (record, _dir) = record("charge-409").await;
+    let retry = |after| SendOutcome::Retry {
+        after,
+        reason: "answered 409 Conflict".into(),
+    };
+
+    // This crate's own layer, asked while the key's first request runs.
+    let in_flight = Rejection::InProgress {
+        retry_after: Duration::from_secs(2),
+    };
+    let sent = answering(in_flight.into_response())
+        .await
+        .send(&record)
+        .await;
+    assert_eq!(sent, retry(Some(Duration::from_secs(2))));
+
+    // The same document after a proxy dropped its `Retry-After`: the body alone says so.
+    let mut stripped = Rejection::InProgress {
+        retry_after: Duration::from_secs(2),
+    }
+    .into_response();
+    assert!(stripped.headers_mut().remove("retry-after").is_some());
+    let sent = answering(stripped).await.send(&record).await;
+    assert_eq!(sent, retry(None));
+
+    // Another server's way of saying it: a bare `Retry-After`.
+    let bare = (StatusCode::CONFLICT, [("retry-after", "5")], "busy").into_response();
+    let sent = answering(bare).await.send(&record).await;
+    assert_eq!(sent, retry(Some(Duration::from_secs(5))));
+
+    // A business conflict is the downstream's answer to this request, not a reason to resend.
+    let sent = answering(problem("out_of_stock")).await.send(&record).await;
+    let SendOutcome::Rejected { reason } = sent else {
+        panic!("a business 409 is final: {sent:?}");
+    };
+    assert!(
+        reason.starts_with("answered 409 Conflict: {") && reason.contains("out_of_stock"),
+        "{reason}"
+    );
+    let sent = answering((StatusCode::CONFLICT, "duplicate order").into_response())
+        .await
+        .send(&record)
+        .await;
+    assert_eq!(
+        sent,
+        SendOutcome::Rejected {
+            reason: "answered 409 Conflict: duplicate order".into()
+        }
+    );
+}
+
+#[tokio::test]
+async fn the_users_rules_come_before_the_default_table() {
+    let (record, _dir) = record("charge-rules").await;
+    let rules = |status: StatusCode, headers: &HeaderMap, body: &[u8]| match status {
+        StatusCode::LOCKED => Some(SendOutcome::Retry {
+            after: Some(Duration::from_secs(60)),
+            reason: format!("locked: {}", String::from_utf8_lossy(body)),
+        }),
+        // This downstream's 503 with `x-maintenance` means the request was taken in part.
+        StatusCode::SERVICE_UNAVAILABLE if headers.contains_key("x-maintenance") => {
+            Some(SendOutcome::Unknown {
+                reason: "maintenance".into(),
+            })
+        }
+        _ => None,
+    };
+
+    let locked = (StatusCode::LOCKED, "migrating").into_response();
+    let sent = answering(locked).await.classify(rules).send(&record).await;
+    assert_eq!(
+        sent,
+        SendOutcome::Retry {
+            after: Some(Duration::from_secs(60)),
+            reason: "locked: migrating".into()
+        }
+    );
+    let maintenance = (
+        StatusCode::SERVICE_UNAVAILABLE,
+        [("x-maintenance", "1")],
+        "",
+    )
+        .into_response();
+    let sent = answering(maintenance)
+        .await
+        .classify(rules)
+        .send(&record)
+        .await;
+    assert_eq!(
+        sent,
+        SendOutcome::Unknown {
+            reason: "maintenance".into()
+        }
+    );
+    // What the rules leave alone follows the table.
+    let declined = (StatusCode::PAYMENT_REQUIRED, "card declined").into_response();
+    let sent = answering(declined)
+        .await
+        .classify(rules)
+        .send(&record)
+        .await;
+    assert_eq!(
+        sent,
+        SendOutcome::Rejected {
+            reason: "answered 402 Payment Required: card declined".into()
+        }
+    );
 }

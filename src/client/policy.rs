@@ -5,10 +5,7 @@ use std::time::Duration;
 use http::StatusCode;
 
 use crate::backoff::Backoff;
-pub(crate) use crate::backoff::retry_after;
-
-/// The `code` member of the server's problem document for a duplicate still in flight.
-const IN_PROGRESS_CODE: &str = "idempotency_request_in_progress";
+pub(crate) use crate::backoff::{is_in_progress_conflict, retry_after};
 
 /// When a call is tried again, and when it stops.
 ///
@@ -145,17 +142,6 @@ pub(crate) enum Verdict {
     Retry,
     /// A `409` is final unless its body is the in-progress problem document.
     InspectConflict,
-}
-
-/// Whether a `409` body is the server's "same key still in flight" problem document.
-pub(crate) fn is_in_progress_conflict(body: &[u8]) -> bool {
-    #[derive(serde::Deserialize)]
-    struct Problem<'a> {
-        #[serde(borrow)]
-        code: Option<&'a str>,
-    }
-    serde_json::from_slice::<Problem<'_>>(body)
-        .is_ok_and(|problem| problem.code == Some(IN_PROGRESS_CODE))
 }
 
 #[cfg(test)]

@@ -2,10 +2,11 @@
 
 use std::error::Error as StdError;
 use std::fmt;
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use bytes::Bytes;
-use http::header::{CONTENT_TYPE, HeaderName, HeaderValue};
+use http::header::{CONTENT_TYPE, HeaderName, HeaderValue, RETRY_AFTER};
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
 use http_body::Body;
 use http_body_util::{BodyExt, Full, Limited};
@@ -27,11 +28,22 @@ type BoxError = Box<dyn StdError + Send + Sync>;
 /// | answer | outcome |
 /// |---|---|
 /// | `2xx` | delivered; the receipt is the string or number at [`receipt`](Self::receipt) in the JSON body (default `/id`), else the status |
-/// | `408`, `409` (the key's first request still running), `429`, `503` | retry, never before the answer's `Retry-After` (seconds or a date) |
+/// | `429`, `503` | unavailable, never probed again before the answer's `Retry-After` (seconds or a date) |
+/// | `408` | retry, never before the answer's `Retry-After` |
+/// | `409` with a `Retry-After`, or with this crate's problem document for a key still in flight (`code` `idempotency_request_in_progress`) | retry, never before the answer's `Retry-After`: the key's first request is still running |
+/// | any other `409` | rejected for good: the downstream's answer to this request (a business conflict) |
 /// | any other `5xx` | unknown: the request may have been applied, so it is looked up first |
 /// | any other status | rejected for good, with the status and the start of the body |
-/// | connection refused | retry: the request never left |
+/// | no connection: refused, or reset, timed out or unresolved while connecting | unavailable: the request never left |
 /// | any other transport error | unknown |
+///
+/// A downstream whose answers mean something else (a `423` while an account is migrated, a
+/// `409` that is always worth another attempt) gets its own rules with
+/// [`classify`](Self::classify), consulted before this table.
+///
+/// Whether a request left is known from hyper-util's client, which tells an error while
+/// connecting from one later; with another client, only a refused connection counts as
+/// unsent.
 ///
 /// Without [`lookup_url`](Self::lookup_url), an unknown outcome is resent at once under the
 /// same key, which is safe with an API that deduplicates by it. With it, the dispatcher first
@@ -62,7 +74,11 @@ pub struct HttpSender<C> {
     headers: HeaderMap,
     lookup: Option<String>,
     receipt: String,
+    classify: Option<Classify>,
 }
+
+/// The user's rules for answers, asked before the default table.
+type Classify = Arc<dyn Fn(StatusCode, &HeaderMap, &[u8]) -> Option<SendOutcome> + Send + Sync>;
 
 impl<C> fmt::Debug for HttpSender<C> {
     /// Header values are left out: they usually hold the API's credentials.
@@ -72,6 +88,7 @@ impl<C> fmt::Debug for HttpSender<C> {
             .field("headers", &self.headers.keys().collect::<Vec<_>>())
             .field("lookup", &self.lookup)
             .field("receipt", &self.receipt)
+            .field("classify", &self.classify.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -87,6 +104,7 @@ impl<C> HttpSender<C> {
             headers,
             lookup: None,
             receipt: "/id".into(),
+            classify: None,
         }
     }
 
@@ -115,6 +133,73 @@ impl<C> HttpSender<C> {
         self
     }
 
+    /// Classifies answers by `rules` first: an answer they map to `Some(outcome)` ends that
+    /// way, one they map to `None` follows the [default table](Self). Given the status, the
+    /// headers and the body (up to 1 MiB) of each answer to a send, not to a lookup. A second
+    /// call replaces the first one's rules.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use axum_idempotency::outbox::{HttpSender, SendOutcome};
+    /// use http::{StatusCode, Uri};
+    /// use hyper_util::client::legacy::Client;
+    /// use hyper_util::rt::TokioExecutor;
+    ///
+    /// let client = Client::builder(TokioExecutor::new()).build_http();
+    /// let url = Uri::from_static("http://127.0.0.1:4000/charges");
+    /// // This provider answers 423 while it migrates an account: nothing was done, try later.
+    /// let provider = HttpSender::new(client, url).classify(|status, _headers, _body| {
+    ///     (status == StatusCode::LOCKED).then(|| SendOutcome::Retry {
+    ///         after: Some(Duration::from_secs(60)),
+    ///         reason: "account being migrated".into(),
+    ///     })
+    /// });
+    /// # let _: HttpSender<hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>>> = provider;
+    /// ```
+    #[must_use]
+    pub fn classify<F>(mut self, rules: F) -> Self
+    where
+        F: Fn(StatusCode, &HeaderMap, &[u8]) -> Option<SendOutcome> + Send + Sync + 'static,
+    {
+        self.classify = Some(Arc::new(rules));
+        self
+    }
+
+    /// The outcome of an answer to a send: the user's rules, else the default table.
+    fn outcome(&self, status: StatusCode, headers: &HeaderMap, body: &[u8]) -> SendOutcome {
+        if let Some(outcome) = self
+            .classify
+            .as_ref()
+            .and_then(|rules| rules(status, headers, body))
+        {
+            return outcome;
+        }
+        let after = || crate::backoff::retry_after(headers, SystemTime::now());
+        let reason = format!("answered {status}");
+        match status.as_u16() {
+            200..=299 => SendOutcome::Delivered {
+                receipt: self.receipt_of(status, body),
+            },
+            429 | 503 => SendOutcome::Unavailable {
+                after: after(),
+                reason,
+            },
+            408 => retry(after(), reason),
+            // The Idempotency-Key draft's answer while the key's first request runs; nothing
+            // marks it but a `Retry-After` or the problem document, so any other 409 is the
+            // downstream's verdict on this request.
+            409 if headers.contains_key(RETRY_AFTER)
+                || crate::backoff::is_in_progress_conflict(body) =>
+            {
+                retry(after(), reason)
+            }
+            // Possibly applied before the failure: only a lookup or a resend with the same key
+            // can tell.
+            500..=599 => SendOutcome::Unknown { reason },
+            _ => rejected(format!("{reason}: {}", excerpt(body))),
+        }
+    }
+
     /// The receipt in `body`, or the status when the body has none.
     fn receipt_of(&self, status: StatusCode, body: &[u8]) -> String {
         let json = serde_json::from_slice::<serde_json::Value>(body).ok();
@@ -139,13 +224,13 @@ where
     B::Error: Into<BoxError>,
 {
     /// Makes one call. `Err((sent, reason))`, where `sent` is false when the request certainly
-    /// never left (the connection was refused).
+    /// never left (no connection was made).
     async fn call(&self, request: Request<Full<Bytes>>) -> Result<Answer, (bool, String)> {
         let response = match self.client.clone().oneshot(request).await {
             Ok(response) => response,
             Err(error) => {
                 let error: BoxError = error.into();
-                return Err((!refused(&*error), error.to_string()));
+                return Err((!never_sent(&*error), causes(&*error)));
             }
         };
         let (parts, body) = response.into_parts();
@@ -181,28 +266,15 @@ where
         if let Ok(key) = HeaderValue::try_from(message.downstream_key.as_str()) {
             request.headers_mut().insert(IDEMPOTENCY_KEY, key);
         }
-        let (status, headers, body) = match self.call(request).await {
-            Ok(answer) => answer,
-            Err((false, reason)) => return retry(None, format!("unreachable: {reason}")),
-            Err((true, reason)) => {
-                return SendOutcome::Unknown {
-                    reason: format!("no answer: {reason}"),
-                };
-            }
-        };
-        let reason = format!("answered {status}");
-        match status.as_u16() {
-            200..=299 => SendOutcome::Delivered {
-                receipt: self.receipt_of(status, &body),
+        match self.call(request).await {
+            Ok((status, headers, body)) => self.outcome(status, &headers, &body),
+            Err((false, reason)) => SendOutcome::Unavailable {
+                after: None,
+                reason: format!("unreachable: {reason}"),
             },
-            408 | 409 | 429 | 503 => {
-                let after = crate::backoff::retry_after(&headers, SystemTime::now());
-                retry(after, reason)
-            }
-            // Possibly applied before the failure: only a lookup or a resend with the same key
-            // can tell.
-            500..=599 => SendOutcome::Unknown { reason },
-            _ => rejected(format!("{reason}: {}", excerpt(&body))),
+            Err((true, reason)) => SendOutcome::Unknown {
+                reason: format!("no answer: {reason}"),
+            },
         }
     }
 
@@ -244,18 +316,37 @@ fn rejected(reason: String) -> SendOutcome {
     SendOutcome::Rejected { reason }
 }
 
-/// Whether `error` says the connection was refused: then nothing was sent.
-fn refused(error: &(dyn StdError + 'static)) -> bool {
+/// Whether `error` says no connection was made, so nothing was sent: hyper-util's client
+/// failed while connecting (refused, reset or timed out before the request was written, a
+/// name that does not resolve), or, from any client, the connection was refused.
+fn never_sent(error: &(dyn StdError + 'static)) -> bool {
     let mut cause = Some(error);
     while let Some(error) = cause {
-        if let Some(io) = error.downcast_ref::<std::io::Error>()
-            && io.kind() == std::io::ErrorKind::ConnectionRefused
-        {
+        let connecting = error
+            .downcast_ref::<hyper_util::client::legacy::Error>()
+            .is_some_and(hyper_util::client::legacy::Error::is_connect);
+        let refused = error
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused);
+        if connecting || refused {
             return true;
         }
         cause = error.source();
     }
     false
+}
+
+/// `error` and its causes, for the record's `last_error`: hyper-util's own message names only
+/// the phase ("client error (Connect)"), its causes say what happened.
+fn causes(error: &(dyn StdError + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(error) = cause {
+        text.push_str(": ");
+        text.push_str(&error.to_string());
+        cause = error.source();
+    }
+    text
 }
 
 /// The start of a refusal's body, for the record's `last_error`.

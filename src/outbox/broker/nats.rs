@@ -3,7 +3,9 @@
 use std::collections::HashMap;
 
 use async_nats::HeaderMap;
+use async_nats::connection::State;
 use async_nats::jetstream::Context;
+use async_nats::jetstream::context::PublishErrorKind;
 
 use crate::outbox::{OutboxRecord, SendOutcome, Sender};
 
@@ -15,13 +17,16 @@ use crate::outbox::{OutboxRecord, SendOutcome, Sender};
 /// side's dedupe (see the `inbox` module) still applies it once. Keep the stream's duplicate
 /// window (2 minutes by default) above the dispatcher's send timeout plus its backoff, so the
 /// usual resends fall inside it. The subject is the message's topic, or what
-/// [`route`](Self::route) maps it to; a subject no stream captures is retried later.
+/// [`route`](Self::route) maps it to.
 ///
 /// A server that restarts is waited out: the async-nats client reconnects by itself (a
 /// sender made with [`connect`](Self::connect) with a jittered backoff, up to 100 ms doubling
-/// to 5 s), and a publish whose ack does not come meanwhile (within the JetStream context's
-/// timeout, 5 s by default) is an unknown outcome, sent again later with the same
-/// `Nats-Msg-Id`.
+/// to 5 s). While the client is not connected, a send publishes nothing and answers
+/// [`SendOutcome::Unavailable`] at once (a publish queued then would leave whenever the client
+/// is back); so does a publish that no stream answers (no responders: no stream captures the
+/// subject, or its stream has no leader) and one the client could not queue in time. A
+/// publish whose ack does not come (within the JetStream context's timeout, 5 s by default)
+/// is an unknown outcome, sent again later with the same `Nats-Msg-Id`.
 ///
 /// ```no_run
 /// # async fn run(outbox: axum_idempotency::outbox::Outbox<sqlx::Sqlite>) -> Result<(), async_nats::Error> {
@@ -92,6 +97,13 @@ impl Sender for NatsSender {
             .get(&message.topic)
             .cloned()
             .unwrap_or_else(|| message.topic.clone());
+        let state = self.jetstream.client().connection_state();
+        if state != State::Connected {
+            return SendOutcome::Unavailable {
+                after: None,
+                reason: format!("the NATS client is not connected ({state})"),
+            };
+        }
         let mut headers = HeaderMap::new();
         headers.insert(
             async_nats::header::NATS_MESSAGE_ID,
@@ -103,6 +115,18 @@ impl Sender for NatsSender {
             .await;
         let ack = match published {
             Ok(ack) => ack,
+            // Not handed to the connection in time, or the connection went meanwhile: nothing
+            // left. (Other errors here are the client's own refusals: a subject it rejects,
+            // too many acks pending, a payload over the server's maximum.)
+            Err(error)
+                if error.kind() == PublishErrorKind::TimedOut
+                    || self.jetstream.client().connection_state() != State::Connected =>
+            {
+                return SendOutcome::Unavailable {
+                    after: None,
+                    reason: format!("publish failed: {error}"),
+                };
+            }
             Err(error) => {
                 return SendOutcome::Retry {
                     after: None,
@@ -114,6 +138,13 @@ impl Sender for NatsSender {
             Ok(ack) => SendOutcome::Delivered {
                 receipt: format!("{}:{}", ack.stream, ack.sequence),
             },
+            // No responders: the server answered that no stream took it, so nothing was stored.
+            Err(error) if error.kind() == PublishErrorKind::StreamNotFound => {
+                SendOutcome::Unavailable {
+                    after: None,
+                    reason: format!("no stream took it: {error}"),
+                }
+            }
             // Possibly stored: a resend with the same Nats-Msg-Id is dropped by the stream if so.
             Err(error) => SendOutcome::Unknown {
                 reason: format!("no ack from the stream: {error}"),

@@ -2,7 +2,8 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Channel, Connection};
@@ -22,16 +23,18 @@ use crate::outbox::{OutboxRecord, SendOutcome, Sender};
 ///
 /// # When the broker goes away
 ///
-/// A sender made with [`connect`](Self::connect) keeps its URI and reconnects by itself: a
-/// send that finds the connection lost connects again, with a jittered backoff between
-/// attempts (up to 100 ms, doubling to at most 5 s), until the broker is back or the
-/// dispatcher's send timeout ends the attempt (an unknown outcome: the message is sent again
-/// later under the same message id, and the inbox applies it once). Sends waiting for the
-/// broker spend the dispatcher's attempts slowly, one per send timeout plus backoff; give
-/// event messages enough [`max_attempts`](crate::outbox::Dispatcher::max_attempts) to outlast
-/// the longest broker outage you plan for. A sender made with
-/// [`with_connection`](Self::with_connection) on the caller's connection only opens new
-/// channels on it, and retries its sends while that connection is down.
+/// A send that finds the connection down answers [`SendOutcome::Unavailable`] at once,
+/// without waiting for the broker: the dispatcher pauses the exchange and probes it, and no
+/// message spends an attempt on the outage. A sender made with [`connect`](Self::connect)
+/// keeps its URI and reconnects by itself meanwhile, in the background, with a jittered
+/// backoff between attempts (up to 100 ms, doubling to at most 5 s); it logs one warning when
+/// it finds the connection lost and one info line when it is back, and each failed attempt
+/// only at debug level. A sender made with [`with_connection`](Self::with_connection) on the
+/// caller's connection only opens new channels on it, and answers unavailable while that
+/// connection is down.
+///
+/// A publish whose confirm is lost with the connection is an unknown outcome: it is sent
+/// again later under the same message id, and the inbox applies it once.
 ///
 /// ```no_run
 /// # async fn run(outbox: axum_idempotency::outbox::Outbox<sqlx::Sqlite>) -> Result<(), lapin::Error> {
@@ -45,8 +48,9 @@ use crate::outbox::{OutboxRecord, SendOutcome, Sender};
 /// ```
 pub struct RabbitMqSender {
     // Its channel is replaced after the broker closes it (a failed publish closes an AMQP
-    // channel), its connection after that is lost, if the sender has a URI.
-    link: Mutex<Link>,
+    // channel), its connection after that is lost, if the sender has a URI; shared with the
+    // task that reconnects, which holds it weakly so a dropped sender ends that task.
+    link: Arc<Mutex<Link>>,
     uri: Option<String>,
     exchange: String,
     routes: HashMap<String, String>,
@@ -56,6 +60,14 @@ pub struct RabbitMqSender {
 struct Link {
     connection: Arc<Connection>,
     channel: Channel,
+    /// Set while a task reconnects: since when, and why the last attempt failed.
+    down: Option<Down>,
+}
+
+/// An outage as the reconnecting task sees it.
+struct Down {
+    since: Instant,
+    last_error: String,
 }
 
 impl fmt::Debug for RabbitMqSender {
@@ -83,17 +95,18 @@ impl RabbitMqSender {
 
     /// A sender publishing to `exchange` on a channel of its own, in confirm mode, on the
     /// caller's `connection`. It never opens another connection: while this one is down,
-    /// every send is a retry.
+    /// every send is [unavailable](SendOutcome::Unavailable).
     pub async fn with_connection(
         connection: Arc<Connection>,
         exchange: impl Into<String>,
     ) -> Result<Self, lapin::Error> {
         let channel = confirming_channel(&connection).await?;
         Ok(Self {
-            link: Mutex::new(Link {
+            link: Arc::new(Mutex::new(Link {
                 connection,
                 channel,
-            }),
+                down: None,
+            })),
             uri: None,
             exchange: exchange.into(),
             routes: HashMap::new(),
@@ -115,45 +128,99 @@ impl RabbitMqSender {
         broker::declare_exchange(&connection, &self.exchange).await
     }
 
-    /// The channel to publish on: the current one, a new one on a live connection, or, with
-    /// a URI, one on a new connection. Concurrent sends wait here for one reconnection
-    /// rather than each opening a connection.
-    async fn channel(&self) -> Result<Channel, lapin::Error> {
+    /// The channel to publish on: the current one, or a new one on a live connection. With
+    /// the connection down, `Err` at once, after starting the reconnecting task if the sender
+    /// has a URI and none runs yet: a send never waits for the broker to come back.
+    async fn channel(&self) -> Result<Channel, String> {
         let mut link = self.link.lock().await;
         if link.channel.status().connected() {
             return Ok(link.channel.clone());
         }
-        let uri = match &self.uri {
-            Some(uri) if !link.connection.status().connected() => uri,
-            _ => {
-                link.channel = confirming_channel(&link.connection).await?;
-                return Ok(link.channel.clone());
-            }
-        };
-        // The dispatcher's send timeout bounds this loop by dropping the send.
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let reconnected = async {
-                let connection = Arc::new(broker::rabbitmq(uri).await?);
-                let channel = confirming_channel(&connection).await?;
-                Ok::<_, lapin::Error>(Link {
-                    connection,
-                    channel,
-                })
+        if link.connection.status().connected() {
+            // Bounded: a connection whose broker just vanished still looks alive until the
+            // heartbeat notices, and a send must not sit out the dispatcher's send timeout.
+            let opened = tokio::time::timeout(OPEN_CHANNEL, confirming_channel(&link.connection));
+            return match opened.await {
+                Ok(Ok(channel)) => {
+                    link.channel = channel.clone();
+                    Ok(channel)
+                }
+                Ok(Err(error)) => Err(format!("no RabbitMQ channel: {error}")),
+                Err(_) => Err(format!("no RabbitMQ channel within {OPEN_CHANNEL:?}")),
             };
-            match reconnected.await {
-                Ok(new) => {
-                    tracing::info!(exchange = %self.exchange, attempt, "RabbitMQ sender reconnected");
-                    *link = new;
-                    return Ok(link.channel.clone());
-                }
-                Err(error) => {
-                    tracing::warn!(exchange = %self.exchange, attempt, %error, "RabbitMQ sender could not reconnect");
+        }
+        let Some(uri) = &self.uri else {
+            return Err("the RabbitMQ connection is down".into());
+        };
+        if let Some(down) = &link.down {
+            return Err(format!(
+                "the RabbitMQ connection is down for {:?}, reconnecting: {}",
+                down.since.elapsed(),
+                down.last_error
+            ));
+        }
+        tracing::warn!(
+            exchange = %self.exchange,
+            "RabbitMQ sender lost its connection; sends are unavailable until it is back"
+        );
+        link.down = Some(Down {
+            since: Instant::now(),
+            last_error: "connection lost".into(),
+        });
+        tokio::spawn(reconnect(
+            Arc::downgrade(&self.link),
+            uri.clone(),
+            self.exchange.clone(),
+        ));
+        Err("the RabbitMQ connection is down, reconnecting".into())
+    }
+}
+
+/// How long a send waits for a new channel on a connection that looks alive.
+const OPEN_CHANNEL: Duration = Duration::from_secs(2);
+
+/// Connects `link` again to `uri`, with a jittered backoff between attempts, until it is back
+/// or the sender is gone. One task per outage: the sender starts it only when none runs.
+///
+/// The schedule is this loop's alone. lapin's own automatic recovery stays off (this crate's
+/// connections use lapin's default properties): it would retry on its own schedule, logging
+/// each failed attempt at error level, then give up for good after its 16 attempts, where an
+/// outage of any length must end in a reconnection; and it would replay pending confirms on the
+/// new connection, where this sender needs a lost confirm to read as an unknown outcome. Each
+/// attempt here is one short-lived lapin connection, and lapin logs one error line for an
+/// attempt the broker's host accepts and then closes (its connection backoff allows no retry),
+/// so the attempts are spaced by a backoff that grows over the whole outage.
+async fn reconnect(link: Weak<Mutex<Link>>, uri: String, exchange: String) {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let reconnected = async {
+            let connection = Arc::new(broker::rabbitmq(&uri).await?);
+            let channel = confirming_channel(&connection).await?;
+            Ok::<_, lapin::Error>((connection, channel))
+        };
+        let result = reconnected.await;
+        let Some(link) = link.upgrade() else {
+            return;
+        };
+        let mut link = link.lock().await;
+        match result {
+            Ok((connection, channel)) => {
+                let down_for = link.down.take().map(|down| down.since.elapsed());
+                tracing::info!(%exchange, attempts = attempt, ?down_for, "RabbitMQ sender reconnected");
+                link.connection = connection;
+                link.channel = channel;
+                return;
+            }
+            Err(error) => {
+                tracing::debug!(%exchange, attempt, %error, "RabbitMQ sender could not reconnect yet");
+                if let Some(down) = &mut link.down {
+                    down.last_error = error.to_string();
                 }
             }
-            tokio::time::sleep(broker::RECONNECT.delay(attempt)).await;
         }
+        drop(link);
+        tokio::time::sleep(broker::RECONNECT.delay(attempt)).await;
     }
 }
 
@@ -169,10 +236,10 @@ impl Sender for RabbitMqSender {
     async fn send(&self, message: &OutboxRecord) -> SendOutcome {
         let channel = match self.channel().await {
             Ok(channel) => channel,
-            Err(error) => {
-                return SendOutcome::Retry {
+            Err(reason) => {
+                return SendOutcome::Unavailable {
                     after: None,
-                    reason: format!("no RabbitMQ channel: {error}"),
+                    reason,
                 };
             }
         };
@@ -197,9 +264,10 @@ impl Sender for RabbitMqSender {
             .await;
         let confirm = match published {
             Ok(confirm) => confirm,
-            // Never reached the broker's socket: certainly not published.
+            // Never reached the broker's socket: certainly not published, and the channel or its
+            // connection is gone (the next send finds out which).
             Err(error) => {
-                return SendOutcome::Retry {
+                return SendOutcome::Unavailable {
                     after: None,
                     reason: format!("publish failed: {error}"),
                 };
@@ -215,6 +283,7 @@ impl Sender for RabbitMqSender {
                     reason: format!("no queue is bound for {}/{routing_key} yet", self.exchange),
                 },
             },
+            // The broker answered: not an outage, an attempt that did not take.
             Ok(_) => SendOutcome::Retry {
                 after: None,
                 reason: "the broker refused the message (nack)".into(),

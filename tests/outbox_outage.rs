@@ -1,0 +1,227 @@
+//! The broker senders through an outage: the test's own forwarder stands between each sender
+//! and the shared broker, and is pointed at a dead address to cut the link (open connections
+//! are reset, new ones accepted and reset at once, as behind a load balancer whose broker is
+//! down) and back to restore it. Every name on the shared brokers is the test's own.
+
+mod common;
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum_idempotency::outbox::{
+    DownstreamKey, Message, NatsSender, Outbox, OutboxRecord, RabbitMqSender, SendOutcome, Sender,
+};
+use common::vip::Vip;
+use lapin::options::{
+    ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+use tracing_subscriber::fmt::MakeWriter;
+
+const RABBITMQ: &str = "127.0.0.1:5672";
+const NATS: &str = "127.0.0.1:4222";
+
+/// How long a send may take while the broker is away: it must not wait for the broker.
+const PROMPT: Duration = Duration::from_secs(3);
+
+/// A stored outbox message of `topic`, as the dispatcher hands it to a sender.
+async fn record(topic: &str) -> (OutboxRecord, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!(
+        "sqlite://{}?mode=rwc",
+        dir.path().join("outbox.db").display()
+    );
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    let outbox = Outbox::new(pool.clone());
+    outbox.migrate().await.unwrap();
+    let key = DownstreamKey::new(common::unique("outage")).unwrap();
+    let message = Message::json(topic, key, &serde_json::json!({ "amount": 1250 })).unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let id = outbox.enqueue(&mut conn, message).await.unwrap();
+    (outbox.status(id).await.unwrap().unwrap(), dir)
+}
+
+/// An address where nothing listens.
+async fn dead_address() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    listener.local_addr().unwrap()
+}
+
+/// One send, which must end within `PROMPT`.
+async fn send_promptly(sender: &impl Sender, record: &OutboxRecord) -> SendOutcome {
+    let started = Instant::now();
+    let outcome = tokio::time::timeout(PROMPT, sender.send(record))
+        .await
+        .unwrap_or_else(|_| panic!("a send during the outage took over {PROMPT:?}"));
+    assert!(started.elapsed() < PROMPT);
+    outcome
+}
+
+/// Cuts the link under `sender`, then checks that its sends are unavailable, promptly and
+/// every time, and that once the link is back a send is delivered.
+async fn through_an_outage(
+    vip: &Vip,
+    broker: SocketAddr,
+    sender: &impl Sender,
+    record: &OutboxRecord,
+) {
+    let delivered = sender.send(record).await;
+    assert!(
+        matches!(delivered, SendOutcome::Delivered { .. }),
+        "{delivered:?}"
+    );
+
+    vip.move_to(dead_address().await);
+    // The reset reaches the client at once; give its I/O a moment to see it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let outage = Instant::now();
+    while outage.elapsed() < Duration::from_secs(3) {
+        let outcome = send_promptly(sender, record).await;
+        assert!(
+            matches!(outcome, SendOutcome::Unavailable { after: None, .. }),
+            "{outcome:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    vip.move_to(broker);
+    let back = Instant::now();
+    loop {
+        match send_promptly(sender, record).await {
+            SendOutcome::Delivered { .. } => break,
+            SendOutcome::Unavailable { .. } => {}
+            other => panic!("after the outage: {other:?}"),
+        }
+        assert!(
+            back.elapsed() < Duration::from_secs(20),
+            "not delivered within 20 s of the broker's return"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The lines a test's subscriber wrote.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Captured {
+    fn lines(&self, containing: &str) -> usize {
+        let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
+        text.lines()
+            .filter(|line| line.contains(containing))
+            .count()
+    }
+}
+
+impl Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> MakeWriter<'a> for Captured {
+    type Writer = Captured;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+/// The sender's reconnecting task runs on the test's current-thread runtime, so the
+/// subscriber set for this thread sees its lines (lapin's I/O thread is not watched here).
+#[tokio::test]
+async fn rabbitmq_sends_during_an_outage_are_unavailable_and_one_warning_and_one_info_are_logged() {
+    let captured = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(captured.clone())
+        .with_max_level(tracing::Level::INFO)
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let broker: SocketAddr = RABBITMQ.parse().unwrap();
+    let admin = Connection::connect(
+        &format!("amqp://guest:guest@{RABBITMQ}/%2f"),
+        ConnectionProperties::default(),
+    )
+    .await
+    .expect("RabbitMQ at 127.0.0.1:5672");
+    let exchange = common::unique("outbox.outage");
+    let queue = common::unique("outbox.outage");
+    let vip = Vip::start(broker).await;
+    let sender = RabbitMqSender::connect(
+        &format!("amqp://guest:guest@{}/%2f?heartbeat=5", vip.addr),
+        exchange.as_str(),
+    )
+    .await
+    .unwrap();
+    sender.declare().await.unwrap();
+    let channel = admin.create_channel().await.unwrap();
+    let declare = QueueDeclareOptions {
+        auto_delete: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .queue_declare(queue.as_str().into(), declare, FieldTable::default())
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            queue.as_str().into(),
+            exchange.as_str().into(),
+            "payment.succeeded".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let (record, _dir) = record("payment.succeeded").await;
+
+    through_an_outage(&vip, broker, &sender, &record).await;
+
+    assert_eq!(captured.lines("RabbitMQ sender lost its connection"), 1);
+    assert_eq!(captured.lines("RabbitMQ sender reconnected"), 1);
+    assert_eq!(captured.lines("could not reconnect"), 0);
+
+    channel
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    channel
+        .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn nats_sends_during_an_outage_are_unavailable_and_deliver_once_it_is_back() {
+    let broker: SocketAddr = NATS.parse().unwrap();
+    let vip = Vip::start(broker).await;
+    let stream = common::unique("OUTBOX_OUTAGE");
+    let subject = format!("{stream}.paid");
+    let sender = NatsSender::connect(&format!("nats://{}", vip.addr))
+        .await
+        .unwrap()
+        .route("payment.succeeded", subject.as_str());
+    sender
+        .declare_stream(&stream, [format!("{stream}.>")])
+        .await
+        .unwrap();
+    let (record, _dir) = record("payment.succeeded").await;
+
+    through_an_outage(&vip, broker, &sender, &record).await;
+
+    let admin = async_nats::connect(format!("nats://{NATS}")).await.unwrap();
+    let jetstream = async_nats::jetstream::new(admin);
+    jetstream.delete_stream(&stream).await.unwrap();
+}

@@ -610,6 +610,43 @@ pub mod jobs {}
 /// the URL you give it. The [`outbox`](crate::outbox) module documents the dispatcher's
 /// options, the outcomes a sender reports and the backends; the `payments` example in the
 /// repository is a complete app with a provider and a broker behind one outbox.
+///
+/// # Outages: what the outbox waits out
+///
+/// An intent the API accepted must end done, however long its destination is away. The
+/// dispatcher therefore tells an outage from an attempt:
+///
+/// - **An outage** is a destination that cannot be reached or says it cannot take work now:
+///   connection refused or reset before the request left, a DNS or connect timeout, a broker
+///   connection that is down, `503`, `429`. The sender reports
+///   [`SendOutcome::Unavailable`](crate::outbox::SendOutcome::Unavailable). It spends none of
+///   the message's attempts. The dispatcher pauses that destination (the message's topic: one
+///   sender may serve several, and the others keep flowing), leaves its messages waiting in the
+///   database, and probes it with one real message at a time on a jittered backoff
+///   ([`Dispatcher::probe_backoff`](crate::outbox::Dispatcher::probe_backoff), 1 s doubling to
+///   30 s, never earlier than a `Retry-After`). The first probe that gets an answer resumes the
+///   topic at full speed. A pause is one `WARN` line ("outbox paused: destination
+///   unreachable"), its end one `INFO` line, not one line per message.
+/// - **An attempt** is a send the destination answered without doing the work (a `Retry`, such
+///   as a `409` for a key still in flight) or whose outcome is unknown (a timeout after the
+///   request left). Attempts stay capped by
+///   [`Dispatcher::max_attempts`](crate::outbox::Dispatcher::max_attempts) (10), so a poison
+///   message stops; a refusal (`Rejected`) fails at once.
+/// - **The time budget.** A message that is still not delivered
+///   [`give_up_after`](crate::outbox::Dispatcher::give_up_after) its enqueue (6 hours by
+///   default) fails for good, outages included. The rule for choosing it: **the budget must be
+///   shorter than the time the downstream keeps idempotency keys (Stripe: 24 hours) and than the
+///   consumers' deduplication retention
+///   ([`Inbox::retention`](crate::inbox::Inbox::retention))**. A message resent after the
+///   downstream forgot its key, or an event delivered after the consumer purged its record,
+///   takes effect a second time. Six hours outlasts the outages a provider or a broker usually
+///   has and leaves a day's key retention four times as long.
+/// - **A message that fails says why**: in its record's `last_error` ("gave up after 6h, the time
+///   budget; last: unavailable: …", "gave up after 10 attempts: …", or the refusal), in an
+///   `ERROR` line with its id and topic, and in the `idempotency_outbox_failed_total` counter
+///   (labels below). [`Outbox::requeue`](crate::outbox::Outbox::requeue) puts it back once the
+///   cause is fixed, its attempts and its budget counted afresh (from the record's
+///   `requeued_at`), its downstream key unchanged.
 #[cfg(feature = "outbox")]
 pub mod outbox {}
 
@@ -991,6 +1028,13 @@ pub mod client {}
 /// scope of its own, adds one `failed_permanent`). Duplicates that waited for their original show as `taken` claims with a
 /// latency near the original's duration.
 ///
+/// The outbox's dispatchers add two:
+///
+/// | name | kind | labels | what it counts |
+/// |---|---|---|---|
+/// | `idempotency_outbox_failed_total` | counter | `reason` | messages that failed for good: `rejected` (the downstream refused), `attempts` (out of attempts), `budget` (past the time budget) |
+/// | `idempotency_outbox_paused_destinations` | gauge | none | destinations (a dispatcher's topics) paused right now because they are unavailable, summed over the process's dispatchers |
+///
 /// **Exporting.** Install any `metrics` exporter at start-up. For Prometheus,
 /// `metrics-exporter-prometheus`'s `PrometheusBuilder::new().install()` serves them for
 /// scraping. For OpenTelemetry, install a recorder that forwards the facade to a `Meter` of
@@ -1006,6 +1050,10 @@ pub mod client {}
 /// - `outcome="dead"` above zero: the inbox dead-lettered deliveries that can never apply
 ///   (malformed, unknown, refused for good); look for their reasons in the `WARN` lines or the
 ///   dead letters' headers. An outage of the consumer's database is never counted here.
+/// - `idempotency_outbox_failed_total` above zero: an accepted intent will not happen without
+///   a person; the `ERROR` line and the record's `last_error` say why, and `requeue` resumes it.
+/// - `idempotency_outbox_paused_destinations` above zero for longer than your downstream's
+///   usual outages: messages are waiting and spending their time budget.
 /// - `outcome="in_flight"` above zero for long: duplicates give up waiting, so originals take
 ///   longer than `wait_for_in_flight`, or locks are held (a slow handler, a long transaction).
 ///   `result="busy"` claims say the same from the claim's side.

@@ -12,12 +12,17 @@
 //! through your [`Sender`] and records each outcome in the message's [`OutboxRecord`]:
 //!
 //! - **delivered**, with what the downstream answered (a charge id);
+//! - **unavailable**: the destination is out of reach or says so (refused, `503`, `429`, a
+//!   broker connection down). An outage is not an attempt: the message's topic is paused and
+//!   probed with one message at a time until it answers, then resumes at full speed;
 //! - **retry later**, with exponential backoff and full jitter, never before a `Retry-After`;
 //! - **unknown** (timeout, reset, a dispatcher that died mid-send): before resending, the
 //!   dispatcher asks the sender to [look the message up](Sender::lookup) — found means
 //!   delivered; not found within the lookup grace means wait, the first attempt may still be
 //!   running; not found after it means resend;
-//! - **failed** for good after a refusal or `max_attempts` attempts.
+//! - **failed** for good after a refusal, `max_attempts` attempts, or past its time budget
+//!   ([`Dispatcher::give_up_after`], 6 hours by default), which must stay shorter than the
+//!   downstream's key retention. Each is logged at `ERROR` with its reason.
 //!
 //! Nothing is dropped silently: the app reads the outcome with [`Outbox::status`] or
 //! [`Outbox::status_by_key`].

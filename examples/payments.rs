@@ -356,7 +356,8 @@ async fn show<DB: Backend>(
             body["status"] = "succeeded".into();
             body["charge_id"] = record.receipt.into();
         }
-        Status::Failed => {
+        // A skipped charge was set aside by an operator after it failed: never made either.
+        Status::Failed | Status::Skipped => {
             body["status"] = "failed".into();
             body["reason"] = record.last_error.into();
         }

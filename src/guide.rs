@@ -607,7 +607,19 @@ pub mod jobs {}
 /// [`HttpSender`](crate::outbox::HttpSender) is that sender: it posts each message with the
 /// key as `Idempotency-Key`, turns the answer (`2xx`, `429` and `Retry-After`, `5xx`, a refused
 /// connection) into the outcome the dispatcher acts on, and looks a message up by its key on
-/// the URL you give it. The [`outbox`](crate::outbox) module documents the dispatcher's
+/// the URL you give it.
+///
+/// Messages go out concurrently, in no particular order. Where order matters (an order's
+/// "paid" before its "refunded"), give them the same
+/// [`Message::ordering_key`](crate::outbox::Message::ordering_key), the order id: they are then
+/// delivered in commit order, one in flight per key, and a message that waits for a retry
+/// holds back only its own key. A message of the key that **fails for good holds the key**:
+/// the later ones wait until an operator [requeues](crate::outbox::Outbox::requeue) it or
+/// [skips](crate::outbox::Outbox::skip) it, and
+/// [`Outbox::blocked_by`](crate::outbox::Outbox::blocked_by) names it from any message behind
+/// it. The outbox module's [Order per key](crate::outbox#order-per-key) has the details.
+///
+/// The [`outbox`](crate::outbox) module documents the dispatcher's
 /// options, the outcomes a sender reports and the backends; the `payments` example in the
 /// repository is a complete app with a provider and a broker behind one outbox.
 ///

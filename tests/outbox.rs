@@ -184,6 +184,12 @@ conformance!(
     an_outage_is_not_an_attempt,
     an_outage_pauses_the_destination_and_probes_one_message_at_a_time,
     a_message_gives_up_at_its_time_budget_and_says_why,
+    messages_of_one_ordering_key_arrive_in_enqueue_order_one_at_a_time_through_faults,
+    a_failed_message_holds_its_key_until_requeued_or_skipped,
+    a_message_waiting_for_a_retry_holds_back_only_its_own_key,
+    an_earlier_message_locked_by_another_claim_still_holds_its_key_back,
+    enqueues_of_one_ordering_key_commit_in_id_order,
+    an_ordering_key_must_be_1_to_255_characters,
 );
 
 /// A downstream whose answers are scripted and whose calls are recorded.
@@ -1352,4 +1358,669 @@ async fn a_message_gives_up_at_its_time_budget_and_says_why<DB: Backend>(pool: P
     assert!(outbox.requeue(failed.id).await.unwrap());
     assert_eq!(dispatcher.run_once().await.unwrap(), 1);
     assert_eq!(record(&outbox, "c").await.status, Status::Delivered);
+}
+
+/// One keyed message as the ordering tests enqueue it: its key and its place in the key's
+/// line. Unkeyed messages carry no key.
+fn ordered(key: Option<&str>, seq: usize) -> Message {
+    let name = format!("{}-{seq}", key.unwrap_or("free"));
+    let message = Message::json(
+        "orders",
+        DownstreamKey::new(common::unique(&name)).unwrap(),
+        &serde_json::json!({ "key": key, "seq": seq }),
+    )
+    .unwrap();
+    match key {
+        Some(key) => message.ordering_key(key),
+        None => message,
+    }
+}
+
+/// A downstream that records, per ordering key, the order in which it first applied each
+/// message, checks that no two sends of one key overlap, and (when `faulty`) answers at random
+/// with retries, lost answers (applied or not), outages and delays.
+#[derive(Clone, Default)]
+struct OrderedDownstream(Arc<OrderedInner>);
+
+#[derive(Default)]
+struct OrderedInner {
+    faulty: bool,
+    /// Per ordering key ("" for none): the `seq`s in the order first applied.
+    applied: Mutex<HashMap<String, Vec<u64>>>,
+    /// The downstream keys applied at least once.
+    seen: Mutex<std::collections::HashSet<String>>,
+    /// Sends in flight per ordering key.
+    in_flight: Mutex<HashMap<String, usize>>,
+    /// Two sends of one key that overlapped.
+    overlaps: Mutex<Vec<String>>,
+    free_in_flight: AtomicU64,
+    most_free_in_flight: AtomicU64,
+    /// Downstream keys answered `Rejected` on their next send.
+    reject: Mutex<std::collections::HashSet<String>>,
+    /// Downstream keys answered `Retry` (in a minute) on their next send.
+    retry: Mutex<std::collections::HashSet<String>>,
+    sends: Mutex<Vec<String>>,
+}
+
+impl OrderedDownstream {
+    fn faulty() -> Self {
+        Self(Arc::new(OrderedInner {
+            faulty: true,
+            ..OrderedInner::default()
+        }))
+    }
+
+    fn applied(&self, key: &str) -> Vec<u64> {
+        self.0
+            .applied
+            .lock()
+            .unwrap()
+            .get(key)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    fn sends(&self) -> Vec<String> {
+        self.0.sends.lock().unwrap().clone()
+    }
+
+    fn apply(&self, message: &OutboxRecord) {
+        let key = message.downstream_key.to_string();
+        if self.0.seen.lock().unwrap().insert(key) {
+            let payload: serde_json::Value = message.payload_json().unwrap();
+            let ordering = message.ordering_key.clone().unwrap_or_default();
+            let seq = payload["seq"].as_u64().unwrap();
+            self.0
+                .applied
+                .lock()
+                .unwrap()
+                .entry(ordering)
+                .or_default()
+                .push(seq);
+        }
+    }
+}
+
+impl Sender for OrderedDownstream {
+    async fn send(&self, message: &OutboxRecord) -> SendOutcome {
+        let key = message.downstream_key.to_string();
+        self.0.sends.lock().unwrap().push(key.clone());
+        let ordering = message.ordering_key.clone();
+        match &ordering {
+            Some(ordering) => {
+                let mut in_flight = self.0.in_flight.lock().unwrap();
+                let sends = in_flight.entry(ordering.clone()).or_default();
+                *sends += 1;
+                if *sends > 1 {
+                    self.0.overlaps.lock().unwrap().push(ordering.clone());
+                }
+            }
+            None => {
+                let now = self.0.free_in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+                self.0.most_free_in_flight.fetch_max(now, Ordering::SeqCst);
+            }
+        }
+        let outcome = self.answer(message).await;
+        match &ordering {
+            Some(ordering) => {
+                *self.0.in_flight.lock().unwrap().get_mut(ordering).unwrap() -= 1;
+            }
+            None => {
+                self.0.free_in_flight.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        outcome
+    }
+}
+
+impl OrderedDownstream {
+    async fn answer(&self, message: &OutboxRecord) -> SendOutcome {
+        let key = message.downstream_key.to_string();
+        if self.0.reject.lock().unwrap().remove(&key) {
+            return SendOutcome::Rejected {
+                reason: "refused".into(),
+            };
+        }
+        if self.0.retry.lock().unwrap().remove(&key) {
+            return SendOutcome::Retry {
+                after: Some(Duration::from_secs(60)),
+                reason: "busy".into(),
+            };
+        }
+        if !self.0.faulty {
+            self.apply(message);
+            return SendOutcome::Delivered { receipt: key };
+        }
+        tokio::time::sleep(Duration::from_millis(fastrand::u64(0..15))).await;
+        match fastrand::u8(0..100) {
+            0..15 => SendOutcome::Retry {
+                after: None,
+                reason: "busy".into(),
+            },
+            15..25 => SendOutcome::Unavailable {
+                after: None,
+                reason: "connection refused".into(),
+            },
+            // The answer is lost after the downstream applied the message: the resend is a
+            // duplicate, which must not count as a later delivery.
+            25..35 => {
+                self.apply(message);
+                SendOutcome::Unknown {
+                    reason: "answer lost".into(),
+                }
+            }
+            35..42 => SendOutcome::Unknown {
+                reason: "request lost".into(),
+            },
+            _ => {
+                self.apply(message);
+                SendOutcome::Delivered { receipt: key }
+            }
+        }
+    }
+}
+
+async fn enqueue_all<DB: Backend>(
+    pool: &Pool<DB>,
+    outbox: &Outbox<DB>,
+    messages: Vec<Message>,
+) -> Vec<outbox::MessageId> {
+    let mut ids = Vec::new();
+    for message in messages {
+        let mut tx = pool.begin().await.unwrap();
+        ids.push(outbox.enqueue(&mut tx, message).await.unwrap());
+        tx.commit().await.unwrap();
+    }
+    ids
+}
+
+/// Two dispatchers, a downstream that retries, loses answers, goes away and answers late:
+/// each key's messages are applied in the order they were enqueued, never two at once, while
+/// messages without a key still go out side by side.
+async fn messages_of_one_ordering_key_arrive_in_enqueue_order_one_at_a_time_through_faults<
+    DB: Backend,
+>(
+    pool: Pool<DB>,
+) {
+    let outbox = outbox(&pool).await;
+    let keys = ["order-1", "order-2", "order-3"];
+    let per_key = 12;
+    let free = 12;
+    let mut messages = Vec::new();
+    for seq in 0..per_key {
+        for key in keys {
+            messages.push(ordered(Some(key), seq));
+        }
+        if seq < free {
+            messages.push(ordered(None, seq));
+        }
+    }
+    let ids = enqueue_all(&pool, &outbox, messages).await;
+    let downstream = OrderedDownstream::faulty();
+
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let mut stopped = stopped.clone();
+        let dispatcher = Dispatcher::new(outbox.clone(), downstream.clone())
+            .backoff(Backoff::exponential(
+                Duration::ZERO,
+                Duration::from_millis(5),
+            ))
+            .probe_backoff(Backoff::exponential(
+                Duration::ZERO,
+                Duration::from_millis(5),
+            ))
+            .lookup_grace(Duration::ZERO)
+            .max_attempts(100)
+            .batch_size(4)
+            .poll_interval(Duration::from_millis(10));
+        runs.push(tokio::spawn(dispatcher.run(async move {
+            let _ = stopped.wait_for(|stop| *stop).await;
+        })));
+    }
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let mut delivered = 0;
+        for id in &ids {
+            if outbox.status(*id).await.unwrap().unwrap().status == Status::Delivered {
+                delivered += 1;
+            }
+        }
+        if delivered == ids.len() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {delivered} of {} delivered",
+            ids.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.send(true).unwrap();
+    for run in runs {
+        tokio::time::timeout(Duration::from_secs(10), run)
+            .await
+            .expect("run() returns after shutdown")
+            .unwrap();
+    }
+
+    let in_order: Vec<u64> = (0..per_key as u64).collect();
+    for key in keys {
+        assert_eq!(downstream.applied(key), in_order, "order of {key}");
+    }
+    assert_eq!(downstream.applied("").len(), free);
+    assert_eq!(*downstream.0.overlaps.lock().unwrap(), Vec::<String>::new());
+    assert!(
+        downstream.0.most_free_in_flight.load(Ordering::SeqCst) > 1,
+        "messages without a key went one at a time"
+    );
+    // The faults did happen: more sends than messages.
+    assert!(downstream.sends().len() > ids.len());
+}
+
+/// A message that failed for good holds the later messages of its key, and only those, until
+/// an operator requeues it (it goes first) or skips it (the next one goes).
+async fn a_failed_message_holds_its_key_until_requeued_or_skipped<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    let messages = vec![
+        ordered(Some("a"), 0),
+        ordered(Some("a"), 1),
+        ordered(Some("a"), 2),
+        ordered(Some("b"), 0),
+        ordered(Some("b"), 1),
+    ];
+    let keys: Vec<String> = messages.iter().map(|m| m.key().to_string()).collect();
+    let ids = enqueue_all(&pool, &outbox, messages).await;
+    let (a0, a1, a2) = (ids[0], ids[1], ids[2]);
+    let downstream = OrderedDownstream::default();
+    downstream.0.reject.lock().unwrap().insert(keys[0].clone());
+    let dispatcher = Dispatcher::new(outbox.clone(), downstream.clone());
+
+    // a0 fails; b's messages go on, one after the other.
+    assert_eq!(dispatcher.run_once().await.unwrap(), 2);
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    assert_eq!(dispatcher.run_once().await.unwrap(), 0);
+    assert_eq!(downstream.applied("b"), [0, 1]);
+    assert_eq!(downstream.applied("a"), Vec::<u64>::new());
+    let failed = outbox.status(a0).await.unwrap().unwrap();
+    assert_eq!(failed.status, Status::Failed);
+    assert_eq!(failed.ordering_key.as_deref(), Some("a"));
+
+    // `blocked_by` names the failed message, for each message behind it.
+    for held in [a1, a2] {
+        let blocker = outbox.blocked_by(held).await.unwrap().unwrap();
+        assert_eq!((blocker.id, blocker.status), (a0, Status::Failed));
+        assert_eq!(
+            outbox.status(held).await.unwrap().unwrap().status,
+            Status::Pending
+        );
+    }
+    assert!(outbox.blocked_by(a0).await.unwrap().is_none());
+    assert!(outbox.blocked_by(ids[4]).await.unwrap().is_none());
+
+    // Requeued, it goes first, alone; then a1, which fails too.
+    assert!(outbox.requeue(a0).await.unwrap());
+    downstream.0.reject.lock().unwrap().insert(keys[1].clone());
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    assert_eq!(downstream.applied("a"), [0]);
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    assert_eq!(
+        outbox.status(a1).await.unwrap().unwrap().status,
+        Status::Failed
+    );
+    assert_eq!(outbox.blocked_by(a2).await.unwrap().unwrap().id, a1);
+    assert_eq!(dispatcher.run_once().await.unwrap(), 0);
+
+    // Skipped, a1 is never sent again, and a2 goes.
+    assert!(
+        !outbox.skip(a2).await.unwrap(),
+        "only a failed message is skipped"
+    );
+    assert!(outbox.skip(a1).await.unwrap());
+    assert!(!outbox.skip(a1).await.unwrap());
+    assert!(!outbox.requeue(a1).await.unwrap());
+    let skipped = outbox.status(a1).await.unwrap().unwrap();
+    assert_eq!(skipped.status, Status::Skipped);
+    assert!(skipped.finished_at.is_some());
+    assert!(outbox.blocked_by(a2).await.unwrap().is_none());
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    assert_eq!(downstream.applied("a"), [0, 2]);
+    assert_eq!(
+        downstream.sends().iter().filter(|k| **k == keys[1]).count(),
+        1
+    );
+    assert!(
+        !outbox.skip(a2).await.unwrap(),
+        "a delivered message is not skipped"
+    );
+}
+
+/// A message that waits for its retry holds its own key's later messages, and nothing else.
+async fn a_message_waiting_for_a_retry_holds_back_only_its_own_key<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    let messages = vec![
+        ordered(Some("a"), 0),
+        ordered(Some("a"), 1),
+        ordered(Some("b"), 0),
+        ordered(Some("b"), 1),
+        ordered(None, 0),
+        ordered(None, 1),
+    ];
+    let keys: Vec<String> = messages.iter().map(|m| m.key().to_string()).collect();
+    let ids = enqueue_all(&pool, &outbox, messages).await;
+    let downstream = OrderedDownstream::default();
+    downstream.0.retry.lock().unwrap().insert(keys[0].clone());
+    let dispatcher = Dispatcher::new(outbox.clone(), downstream.clone());
+
+    // a0, b0 and both unkeyed go at once; a0 is told to come back in a minute.
+    assert_eq!(dispatcher.run_once().await.unwrap(), 4);
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    assert_eq!(dispatcher.run_once().await.unwrap(), 0);
+    assert_eq!(downstream.applied("b"), [0, 1]);
+    assert_eq!(downstream.applied("").len(), 2);
+    assert_eq!(downstream.applied("a"), Vec::<u64>::new());
+
+    let waiting = outbox.status(ids[0]).await.unwrap().unwrap();
+    assert_eq!((waiting.status, waiting.attempts), (Status::Pending, 1));
+    let held = outbox.status(ids[1]).await.unwrap().unwrap();
+    assert_eq!((held.status, held.attempts), (Status::Pending, 0));
+    assert_eq!(outbox.blocked_by(ids[1]).await.unwrap().unwrap().id, ids[0]);
+}
+
+/// SKIP LOCKED must not let a later message of a key overtake an earlier one that another
+/// dispatcher's claim holds locked: the ordering rule reads the earlier row without locking,
+/// so it sees it. Here the test holds that lock. (SQLite has no row locks; its single writer
+/// runs one claim at a time.)
+async fn an_earlier_message_locked_by_another_claim_still_holds_its_key_back<DB: Backend>(
+    pool: Pool<DB>,
+) where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+{
+    if <DB as sqlx::Database>::NAME == "SQLite" {
+        return;
+    }
+    let outbox = outbox(&pool).await;
+    let messages = vec![
+        ordered(Some("a"), 0),
+        ordered(Some("a"), 1),
+        ordered(Some("b"), 0),
+    ];
+    let ids = enqueue_all(&pool, &outbox, messages).await;
+    let mut other_claim = pool.begin().await.unwrap();
+    let lock = format!(
+        "SELECT id FROM idempotency_outbox WHERE id = {} FOR UPDATE",
+        ids[0].get()
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(lock))
+        .execute(&mut *other_claim)
+        .await
+        .unwrap();
+
+    let downstream = OrderedDownstream::default();
+    let dispatcher = Dispatcher::new(outbox.clone(), downstream.clone());
+    // a0 is skipped as locked; a1 waits behind it; b0 goes.
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    assert_eq!(downstream.applied("b"), [0]);
+    assert_eq!(downstream.applied("a"), Vec::<u64>::new());
+
+    other_claim.rollback().await.unwrap();
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+    assert_eq!(downstream.applied("a"), [0, 1]);
+}
+
+/// Two transactions enqueuing for one key: the second waits for the first to end, so the
+/// message committed first has the lower id and goes first.
+async fn enqueues_of_one_ordering_key_commit_in_id_order<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    let mut first = pool.begin().await.unwrap();
+    let first_id = outbox
+        .enqueue(&mut first, ordered(Some("a"), 0))
+        .await
+        .unwrap();
+
+    let second = tokio::spawn({
+        let (pool, outbox) = (pool.clone(), outbox.clone());
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            let id = outbox
+                .enqueue(&mut tx, ordered(Some("a"), 1))
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            id
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !second.is_finished(),
+        "the second enqueue did not wait for the first"
+    );
+    first.commit().await.unwrap();
+    let second_id = tokio::time::timeout(Duration::from_secs(10), second)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(first_id < second_id);
+}
+
+async fn an_ordering_key_must_be_1_to_255_characters<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    let mut conn = pool.acquire().await.unwrap();
+    for bad in [String::new(), "é".repeat(256)] {
+        let message = ordered(None, 0).ordering_key(bad);
+        assert!(matches!(
+            outbox.enqueue(&mut conn, message).await,
+            Err(outbox::Error::InvalidOrderingKey)
+        ));
+    }
+    let longest = ordered(None, 1).ordering_key("é".repeat(255));
+    let id = outbox.enqueue(&mut conn, longest).await.unwrap();
+    let stored = outbox.status(id).await.unwrap().unwrap();
+    assert_eq!(stored.ordering_key, Some("é".repeat(255)));
+}
+
+/// End to end through a real broker: two dispatchers on PostgreSQL publish keyed messages to
+/// RabbitMQ, each through a link of its own that keeps dropping every connection (publishes
+/// lost, confirms lost, reconnects refused), and the consumer side finds each key's messages
+/// in the queue in the order they were enqueued (a resend after a lost confirm is a duplicate
+/// of a message already there, dropped by message id as the inbox does).
+#[cfg(all(feature = "rabbitmq", feature = "postgres"))]
+mod through_a_broker {
+    use std::collections::{HashMap, HashSet};
+    use std::net::SocketAddr;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use axum_idempotency::outbox::{
+        Backoff, Dispatcher, Outbox, OutboxRecord, RabbitMqSender, SendOutcome, Sender, Status,
+    };
+    use lapin::options::{
+        BasicGetOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+        QueueDeleteOptions,
+    };
+    use lapin::types::FieldTable;
+    use lapin::{Connection, ConnectionProperties};
+
+    use crate::common::link::Plug;
+
+    const RABBITMQ: &str = "127.0.0.1:5672";
+
+    /// The broker sender, a few milliseconds late at random, so the two dispatchers' sends
+    /// interleave differently on every run.
+    /// It counts the sends the faults spoiled.
+    struct Jittered(RabbitMqSender, std::sync::Arc<AtomicUsize>);
+
+    impl Sender for Jittered {
+        async fn send(&self, message: &OutboxRecord) -> SendOutcome {
+            tokio::time::sleep(Duration::from_millis(fastrand::u64(0..10))).await;
+            let outcome = self.0.send(message).await;
+            if !matches!(outcome, SendOutcome::Delivered { .. }) {
+                self.1.fetch_add(1, Ordering::SeqCst);
+            }
+            outcome
+        }
+    }
+
+    /// Drops every connection through `plug` every 100-300 ms, for 20-80 ms, until aborted.
+    fn keep_dropping(plug: std::sync::Arc<Plug>) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(fastrand::u64(100..300))).await;
+                plug.unplug();
+                tokio::time::sleep(Duration::from_millis(fastrand::u64(20..80))).await;
+                plug.plug_in();
+            }
+        })
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn keyed_messages_reach_the_queue_in_enqueue_order_through_a_lossy_link() {
+        let (pool, schema) = crate::databases::postgres().await;
+        let outbox = Outbox::new(pool.clone());
+        outbox.migrate().await.unwrap();
+        let keys = ["order-1", "order-2", "order-3"];
+        let per_key = 10;
+        let mut messages = Vec::new();
+        for seq in 0..per_key {
+            for key in keys {
+                messages.push(super::ordered(Some(key), seq));
+            }
+        }
+        let ids = super::enqueue_all(&pool, &outbox, messages).await;
+
+        let admin = Connection::connect(
+            &format!("amqp://guest:guest@{RABBITMQ}/%2f"),
+            ConnectionProperties::default(),
+        )
+        .await
+        .expect("RabbitMQ at 127.0.0.1:5672");
+        let channel = admin.create_channel().await.unwrap();
+        let exchange = crate::common::unique("outbox.order");
+        let queue = crate::common::unique("outbox.order");
+        let broker: SocketAddr = RABBITMQ.parse().unwrap();
+        let mut plugs = Vec::new();
+        let mut faults = Vec::new();
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let mut runs = Vec::new();
+        let spoiled = std::sync::Arc::new(AtomicUsize::new(0));
+        for n in 0..2 {
+            let plug = std::sync::Arc::new(Plug::start(broker).await);
+            let uri = format!("amqp://guest:guest@{}/%2f?heartbeat=5", plug.addr);
+            let sender = RabbitMqSender::connect(&uri, exchange.as_str())
+                .await
+                .unwrap();
+            if n == 0 {
+                sender.declare().await.unwrap();
+                let declare = QueueDeclareOptions::default();
+                channel
+                    .queue_declare(queue.as_str().into(), declare, FieldTable::default())
+                    .await
+                    .unwrap();
+                channel
+                    .queue_bind(
+                        queue.as_str().into(),
+                        exchange.as_str().into(),
+                        "orders".into(),
+                        QueueBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .unwrap();
+            }
+            faults.push(keep_dropping(plug.clone()));
+            plugs.push(plug);
+            let mut stopped = stopped.clone();
+            let dispatcher = Dispatcher::new(outbox.clone(), Jittered(sender, spoiled.clone()))
+                .backoff(Backoff::exponential(
+                    Duration::ZERO,
+                    Duration::from_millis(20),
+                ))
+                .probe_backoff(Backoff::exponential(
+                    Duration::from_millis(10),
+                    Duration::from_millis(50),
+                ))
+                .send_timeout(Duration::from_secs(2))
+                .max_attempts(1000)
+                .batch_size(4)
+                .poll_interval(Duration::from_millis(10));
+            runs.push(tokio::spawn(dispatcher.run(async move {
+                let _ = stopped.wait_for(|stop| *stop).await;
+            })));
+        }
+
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+        loop {
+            let mut delivered = 0;
+            for id in &ids {
+                if outbox.status(*id).await.unwrap().unwrap().status == Status::Delivered {
+                    delivered += 1;
+                }
+            }
+            if delivered == ids.len() {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "only {delivered} of {} delivered",
+                ids.len()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        stop.send(true).unwrap();
+        for run in runs {
+            tokio::time::timeout(Duration::from_secs(10), run)
+                .await
+                .expect("run() returns after shutdown")
+                .unwrap();
+        }
+        for fault in faults {
+            fault.abort();
+        }
+
+        // The consumer's side: every message in the queue, duplicates dropped by message id.
+        let mut seen = HashSet::new();
+        let mut order: HashMap<String, Vec<u64>> = HashMap::new();
+        let mut copies = 0;
+        while let Some(message) = channel
+            .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+        {
+            copies += 1;
+            let id = message.properties.message_id().clone().unwrap().to_string();
+            if !seen.insert(id) {
+                continue;
+            }
+            let event: serde_json::Value = serde_json::from_slice(&message.data).unwrap();
+            let key = event["key"].as_str().unwrap().to_owned();
+            order
+                .entry(key)
+                .or_default()
+                .push(event["seq"].as_u64().unwrap());
+        }
+        let in_order: Vec<u64> = (0..per_key as u64).collect();
+        for key in keys {
+            assert_eq!(
+                order.get(key),
+                Some(&in_order),
+                "order of {key} ({copies} copies)"
+            );
+        }
+        let spoiled = spoiled.load(Ordering::SeqCst);
+        assert!(spoiled > 0, "the link dropped no send");
+
+        channel
+            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+            .await
+            .unwrap();
+        channel
+            .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+            .await
+            .unwrap();
+        crate::databases::drop_postgres(pool, schema).await;
+    }
 }

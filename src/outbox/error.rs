@@ -13,4 +13,8 @@ pub enum Error {
     /// intents were given the same key, and sending either would be wrong for the other.
     #[error("downstream key {0} is already enqueued with another topic or payload")]
     KeyReused(DownstreamKey),
+    /// The message's [ordering key](super::Message::ordering_key) is empty or longer than 255
+    /// characters; nothing was written.
+    #[error("an ordering key must be 1-255 characters")]
+    InvalidOrderingKey,
 }

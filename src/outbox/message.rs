@@ -104,6 +104,7 @@ pub struct Message {
     topic: String,
     key: DownstreamKey,
     payload: Vec<u8>,
+    ordering_key: Option<String>,
 }
 
 impl Message {
@@ -114,7 +115,35 @@ impl Message {
             topic: topic.into(),
             key,
             payload: payload.into(),
+            ordering_key: None,
         }
+    }
+
+    /// Delivers this message after every message enqueued earlier with the same ordering key,
+    /// and only once each of those is delivered (or skipped by an operator): for example the
+    /// order id, so that "paid" never overtakes "created" and "refunded" never overtakes
+    /// "paid". Messages of one key go out one at a time, across all dispatchers; messages of
+    /// other keys, and those without one, go on concurrently. Without it (the default) a
+    /// message is sent as soon as it is due, in no particular order with the others.
+    ///
+    /// The key is compared byte for byte, across topics, and must be 1–255 characters:
+    /// [`Outbox::enqueue`](super::Outbox::enqueue) refuses another with
+    /// [`Error::InvalidOrderingKey`](super::Error::InvalidOrderingKey). [Order per
+    /// key](super#order-per-key) says what the order means and what holds a key back.
+    ///
+    /// ```
+    /// use axum_idempotency::outbox::{DownstreamKey, Message};
+    ///
+    /// let key = DownstreamKey::new("order-1042-refunded")?;
+    /// // Enqueued after the order's "paid" message, delivered after it.
+    /// let refund = Message::new("orders.refunded", key, r#"{"order":1042}"#).ordering_key("1042");
+    /// # let _ = refund;
+    /// # Ok::<(), axum_idempotency::outbox::InvalidDownstreamKey>(())
+    /// ```
+    #[must_use]
+    pub fn ordering_key(mut self, key: impl Into<String>) -> Self {
+        self.ordering_key = Some(key.into());
+        self
     }
 
     /// A message whose payload is `payload` serialized as JSON.
@@ -140,6 +169,19 @@ impl Message {
     pub fn payload(&self) -> &[u8] {
         &self.payload
     }
+
+    /// The ordering key given with [`ordering_key`](Self::ordering_key), if any.
+    pub(crate) fn ordering(&self) -> Option<&str> {
+        self.ordering_key.as_deref()
+    }
+}
+
+/// The longest ordering key, in characters: MySQL's indexed column holds 255.
+pub(crate) const MAX_ORDERING_KEY_CHARS: usize = 255;
+
+/// Whether `key` is an ordering key every backend stores and compares as given.
+pub(crate) fn valid_ordering_key(key: &str) -> bool {
+    !key.is_empty() && key.chars().count() <= MAX_ORDERING_KEY_CHARS
 }
 
 #[cfg(test)]

@@ -75,9 +75,44 @@
 //! to a broker (an event per committed business change), the downstream key as the broker's
 //! message id (`message_id`, `Nats-Msg-Id`); the `inbox` module is their consumer side.
 //!
+//! # Order per key
+//!
+//! By default messages go out concurrently, in no particular order: two events about one
+//! order ("paid", then "refunded") may arrive either way round. Give them the same
+//! [`Message::ordering_key`] (the order id) and they are delivered in commit order, one at a
+//! time:
+//!
+//! - **Order.** Messages with one ordering key are sent in the order of their ids, and a
+//!   message is first sent only once every earlier message of its key is delivered (or
+//!   skipped). Ids follow commit order within a key: enqueuing a keyed message holds the key
+//!   until the enqueuing transaction ends (PostgreSQL: a transaction-scoped advisory lock on
+//!   the key's hash; MySQL/MariaDB: a row per key in `idempotency_outbox_order_locks`, locked
+//!   for the transaction; SQLite: its single writer), so a second transaction enqueuing for
+//!   the key waits for the first to commit or roll back. Enqueue inside a transaction, as a
+//!   handler does: on a connection in autocommit mode the lock ends with its own statement.
+//!   Keys are compared byte for byte and span topics; order between keys is not kept.
+//! - **One in flight per key**, across all dispatchers: a claim only takes a keyed message
+//!   when no earlier message of its key is pending (due, waiting for a retry, or in flight) or
+//!   failed. Messages without a key, and other keys, keep their concurrency.
+//! - **A retry holds back only its own key**: a message that waits for its retry, a lookup or
+//!   a paused destination keeps the later messages of its key waiting, and nothing else.
+//! - **A message that failed for good holds its key** until an operator decides:
+//!   [`Outbox::requeue`] sends it again (first), [`Outbox::skip`] sets it aside as
+//!   [`Status::Skipped`] so the next one goes. [`Outbox::blocked_by`] names the message a
+//!   pending one waits behind, and [`OutboxRecord::ordering_key`] shows the key. Alert on
+//!   failed messages: the dispatcher logs each at `ERROR`.
+//!
+//! What the downstream sees is at-least-once, as always: the first delivery of each message
+//! comes in order, but a resend after an unknown outcome, or a send that a dispatcher kept
+//! running after it lost its lease (stalled longer than [`Dispatcher::lease`]), may arrive
+//! again later, after a later message of its key. It carries its own downstream key, so a
+//! deduplicating consumer drops it. Messages waiting behind a failed one stay due, and every
+//! claim passes over them: do not leave a busy key blocked for long.
+//!
 //! # Operators
 //!
-//! [`Outbox::requeue`] puts a failed message back once its cause is fixed, and
+//! [`Outbox::requeue`] puts a failed message back once its cause is fixed, [`Outbox::skip`]
+//! sets it aside so the later messages of its ordering key go on, and
 //! [`Outbox::purge_delivered`] deletes delivered rows past a retention in bounded batches.
 //!
 //! # Backends

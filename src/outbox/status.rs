@@ -32,8 +32,9 @@ impl fmt::Display for MessageId {
 
 /// Where a message stands.
 ///
-/// Only `Delivered` and `Failed` are final; a pending message is retried until one of them is
-/// reached, so nothing leaves the outbox without a recorded outcome.
+/// A pending message is retried until it is `Delivered` or `Failed`, so nothing leaves the
+/// outbox without a recorded outcome. `Delivered` and `Skipped` are final; `Failed` is final
+/// unless an operator requeues or skips it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Status {
     /// Not delivered yet: waiting for its first attempt, for a retry, or for a lookup.
@@ -41,8 +42,14 @@ pub enum Status {
     /// The downstream accepted it; [`OutboxRecord::receipt`] holds what it answered.
     Delivered,
     /// Given up on: rejected by the downstream or out of attempts; [`OutboxRecord::last_error`]
-    /// says why.
+    /// says why. A failed message with an [ordering key](OutboxRecord::ordering_key) holds the
+    /// later messages of its key back until an operator requeues or skips it.
     Failed,
+    /// Failed, then set aside by an operator ([`Outbox::skip`]) so that the later messages of
+    /// its ordering key go on; never sent again.
+    ///
+    /// [`Outbox::skip`]: super::Outbox::skip
+    Skipped,
 }
 
 impl Status {
@@ -51,6 +58,7 @@ impl Status {
             Self::Pending => "pending",
             Self::Delivered => "delivered",
             Self::Failed => "failed",
+            Self::Skipped => "skipped",
         }
     }
 
@@ -59,6 +67,7 @@ impl Status {
             "pending" => Some(Self::Pending),
             "delivered" => Some(Self::Delivered),
             "failed" => Some(Self::Failed),
+            "skipped" => Some(Self::Skipped),
             _ => None,
         }
     }
@@ -95,13 +104,19 @@ pub struct OutboxRecord {
     /// outcome it is the claim's time, a little before the send for a message that waits for
     /// a send slot.
     pub last_attempt_at: Option<SystemTime>,
-    /// When the message became delivered or failed.
+    /// When the message became delivered, failed or skipped.
     pub finished_at: Option<SystemTime>,
     /// When an operator last put it back after it failed ([`Outbox::requeue`]); its time
     /// budget counts from then.
     ///
     /// [`Outbox::requeue`]: super::Outbox::requeue
     pub requeued_at: Option<SystemTime>,
+    /// The [ordering key](super::Message::ordering_key) given at enqueue time. While an earlier
+    /// message of the same key is pending or failed, this one waits behind it, however due:
+    /// [`Outbox::blocked_by`] names that message.
+    ///
+    /// [`Outbox::blocked_by`]: super::Outbox::blocked_by
+    pub ordering_key: Option<String>,
 }
 
 impl OutboxRecord {

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use sqlx::Pool;
 
+use super::message::valid_ordering_key;
 use super::status::{duration_millis, now_millis};
 use super::{DownstreamKey, Error, Message, MessageId, OutboxRecord};
 use crate::Backend;
@@ -65,11 +66,21 @@ impl<DB: Backend> Outbox<DB> {
     /// whose downstream key is already present returns the existing message's id when topic and
     /// payload are the same (a replayed job enqueues nothing new), and
     /// [`Error::KeyReused`] when they differ.
+    ///
+    /// A message with an [ordering key](Message::ordering_key) holds that key until `conn`'s
+    /// transaction ends, so that ids follow commit order within a key (see [Order per
+    /// key](super#order-per-key)); an invalid ordering key is [`Error::InvalidOrderingKey`].
     pub async fn enqueue(
         &self,
         conn: &mut DB::Connection,
         message: Message,
     ) -> Result<MessageId, Error> {
+        if message
+            .ordering()
+            .is_some_and(|key| !valid_ordering_key(key))
+        {
+            return Err(Error::InvalidOrderingKey);
+        }
         if let Some(id) = DB::insert(conn, &message, now_millis()).await? {
             return Ok(id);
         }
@@ -132,6 +143,39 @@ impl<DB: Backend> Outbox<DB> {
     /// attempt looks it up first.
     pub async fn requeue(&self, id: MessageId) -> Result<bool, Error> {
         Ok(DB::requeue(&self.pool, id, now_millis()).await?)
+    }
+
+    /// Sets a failed message aside for good, as [`Status::Skipped`], so that the later
+    /// messages of its [ordering key](Message::ordering_key) go on without it; `false` when it
+    /// is not failed. It is never sent again: skip only a message whose effect is no longer
+    /// wanted or was brought about another way, and [`requeue`](Self::requeue) one that
+    /// should still happen.
+    ///
+    /// ```
+    /// # async fn run(outbox: axum_idempotency::outbox::Outbox<sqlx::Sqlite>, id: axum_idempotency::outbox::MessageId) -> Result<(), axum_idempotency::outbox::Error> {
+    /// // The order's "paid" event failed for good, and the order was settled by hand:
+    /// // its "refunded" event may go.
+    /// if let Some(blocker) = outbox.blocked_by(id).await? {
+    ///     outbox.skip(blocker.id).await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// [`Status::Skipped`]: super::Status::Skipped
+    pub async fn skip(&self, id: MessageId) -> Result<bool, Error> {
+        Ok(DB::skip(&self.pool, id, now_millis()).await?)
+    }
+
+    /// The message that holds `id` back, if one does: the first message enqueued before it
+    /// with the same [ordering key](Message::ordering_key) that is still pending (due,
+    /// waiting for a retry, or being sent) or failed. `None` for a message without an ordering
+    /// key, for one first in its key's line, and for an unknown id.
+    ///
+    /// A failed blocker waits for an operator: [`requeue`](Self::requeue) it, or
+    /// [`skip`](Self::skip) it.
+    pub async fn blocked_by(&self, id: MessageId) -> Result<Option<OutboxRecord>, Error> {
+        let mut conn = self.pool.acquire().await?;
+        Ok(DB::fetch_blocker(&mut conn, id).await?)
     }
 
     pub(crate) fn pool(&self) -> &Pool<DB> {

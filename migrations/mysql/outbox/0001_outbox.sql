@@ -20,6 +20,16 @@ CREATE TABLE IF NOT EXISTS idempotency_outbox (
     requeued_at BIGINT NULL,
     lease_expires_at BIGINT NULL,
     lease_token BIGINT NULL,
+    -- Messages with the same ordering key are delivered one at a time, in id order. Binary
+    -- collation: keys are compared byte for byte, as on the other backends.
+    ordering_key VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
     UNIQUE KEY idempotency_outbox_key (downstream_key),
-    KEY idempotency_outbox_due (status, next_attempt_at)
+    KEY idempotency_outbox_due (status, next_attempt_at),
+    -- Serves the claim's check for an earlier unfinished message of the same ordering key.
+    KEY idempotency_outbox_ordering (ordering_key, status, id)
+) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4;
+-- One row per ordering key ever enqueued: enqueue locks it for the rest of its transaction,
+-- so two transactions enqueuing for one key take their ids in the order they commit.
+CREATE TABLE IF NOT EXISTS idempotency_outbox_order_locks (
+    ordering_key VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL PRIMARY KEY
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4;

@@ -17,7 +17,12 @@ CREATE TABLE IF NOT EXISTS idempotency_outbox (
     -- When an operator last requeued a failed message; its time budget counts from then.
     requeued_at BIGINT,
     lease_expires_at BIGINT,
-    lease_token BIGINT
+    lease_token BIGINT,
+    -- Messages with the same ordering key are delivered one at a time, in id order.
+    ordering_key TEXT
 );
 CREATE INDEX IF NOT EXISTS idempotency_outbox_due
     ON idempotency_outbox (status, next_attempt_at);
+-- Serves the claim's check for an earlier unfinished message of the same ordering key.
+CREATE INDEX IF NOT EXISTS idempotency_outbox_ordering
+    ON idempotency_outbox (ordering_key, status, id) WHERE ordering_key IS NOT NULL;

@@ -26,11 +26,43 @@ pub(crate) use private::{Claim, Claimed, Lease, Settlement};
 macro_rules! record_columns {
     () => {
         "id, topic, downstream_key, payload, status, attempts, outcome_unknown, receipt, \
-         last_error, created_at, next_attempt_at, last_attempt_at, finished_at, requeued_at"
+         last_error, created_at, next_attempt_at, last_attempt_at, finished_at, requeued_at, \
+         ordering_key"
     };
 }
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 use record_columns;
+
+/// The claim's ordering rule, for the message row named `$message`: a message without an
+/// ordering key is always free to go; one with a key only when no earlier message (lower id) of
+/// that key is pending (due, waiting for a retry, or leased and in flight) or failed. Only the
+/// first unfinished message of a key can pass, so a claim takes at most one per key, and no
+/// two dispatchers hold messages of one key at once.
+///
+/// The subquery is a plain read, even inside a statement that locks with `FOR UPDATE SKIP
+/// LOCKED`: a locking clause covers the rows of its own `FROM`, not a subquery's, so an earlier
+/// message another dispatcher has locked is still seen, and still holds the later ones back
+/// (`tests/outbox.rs` pins this on PostgreSQL and MariaDB). Its snapshot may be older than the
+/// rows the claim locks; that only errs towards waiting, as a message of a key never turns
+/// from finished to pending, and no earlier id of a key commits after a later one (see
+/// `Dialect::ORDER_LOCK`).
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+macro_rules! in_key_order {
+    ($message:literal) => {
+        concat!(
+            "(",
+            $message,
+            ".ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM idempotency_outbox AS earlier \
+             WHERE earlier.ordering_key = ",
+            $message,
+            ".ordering_key AND earlier.id < ",
+            $message,
+            ".id AND earlier.status IN ('pending', 'failed')))"
+        )
+    };
+}
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+use in_key_order;
 
 mod private {
     use super::*;
@@ -144,14 +176,24 @@ mod private {
     /// every dialect. Sealed the same way as [`Ops`].
     #[allow(unreachable_pub)]
     pub trait Dialect: sqlx::Database {
-        /// Parameters: topic, downstream_key, payload, created_at, next_attempt_at.
+        /// Parameters: topic, downstream_key, payload, created_at, next_attempt_at,
+        /// ordering_key.
         const INSERT: &'static str;
+        /// Run before inserting a message with an ordering key, in the caller's transaction:
+        /// holds the key until that transaction ends, so two transactions enqueuing for one key
+        /// take their ids in the order they commit, and a later id of a key is never visible
+        /// before an earlier one. `None` where the database's single writer already does.
+        /// Parameter: ordering_key.
+        const ORDER_LOCK: Option<&'static str> = None;
         /// How [`INSERT`](Dialect::INSERT) reports the new id.
         const NEW_ID: NewId<Self>;
         /// Parameter: id. Columns: `record_columns!()`.
         const FETCH_BY_ID: &'static str;
         /// Parameter: downstream_key. Columns: `record_columns!()`.
         const FETCH_BY_KEY: &'static str;
+        /// The first pending or failed message with the ordering key of a message and a lower
+        /// id. Parameters: id, id. Columns: `record_columns!()`.
+        const FETCH_BLOCKER: &'static str;
         /// Run before a claim to tell whether anything is due, where a claim that finds
         /// nothing still costs something (a lock). Parameter: now.
         const CLAIM_PROBE: Option<&'static str> = None;
@@ -204,6 +246,8 @@ mod private {
         /// unknown-outcome flag stays, so a resend still looks the message up first.
         /// Parameters: now, id.
         const REQUEUE: &'static str;
+        /// Sets a failed message aside as skipped, finished now. Parameters: now, id.
+        const SKIP: &'static str;
 
         /// How many rows a statement affected.
         fn rows_affected(result: &Self::QueryResult) -> u64;
@@ -216,7 +260,8 @@ mod private {
         /// Applies the schema versions not yet applied; safe when run by two instances at once.
         fn migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
-        /// Inserts a pending message; `None` when its downstream key is already present.
+        /// Inserts a pending message, after taking its ordering key's lock if it has one;
+        /// `None` when its downstream key is already present.
         fn insert(
             conn: &mut Self::Connection,
             message: &Message,
@@ -283,6 +328,19 @@ mod private {
             id: MessageId,
             now: i64,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+        /// Sets a failed message aside as skipped; `false` when it is not failed.
+        fn skip(
+            pool: &Pool<Self>,
+            id: MessageId,
+            now: i64,
+        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+        /// The message that holds `id` back in its key's order, if any.
+        fn fetch_blocker(
+            conn: &mut Self::Connection,
+            id: MessageId,
+        ) -> impl Future<Output = Result<Option<OutboxRecord>, sqlx::Error>> + Send;
 
         /// Writes outcomes and releases their leases, in one write; returns the messages whose
         /// lease still held (the others were left as they were).

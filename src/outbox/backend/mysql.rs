@@ -7,12 +7,20 @@ use sqlx::mysql::MySqlRow;
 use sqlx::{MySql, Row};
 
 use super::private::{BatchSql, ClaimSql, Dialect, NewId};
-use super::record_columns;
+use super::{in_key_order, record_columns};
 
 impl Dialect for MySql {
     const INSERT: &'static str = "INSERT INTO idempotency_outbox
-            (topic, downstream_key, payload, status, created_at, next_attempt_at)
-        VALUES (?, ?, ?, 'pending', ?, ?)";
+            (topic, downstream_key, payload, status, created_at, next_attempt_at, ordering_key)
+        VALUES (?, ?, ?, 'pending', ?, ?, ?)";
+    // An exclusive lock on the key's own row, held to the end of the caller's transaction
+    // (InnoDB locks the duplicate row of an `ON DUPLICATE KEY UPDATE` exclusively, even when
+    // nothing changes). A gap or next-key lock on the outbox's own index would not do: two of
+    // them do not conflict, and the two inserts would then deadlock.
+    const ORDER_LOCK: Option<&'static str> = Some(
+        "INSERT INTO idempotency_outbox_order_locks (ordering_key) VALUES (?)
+         ON DUPLICATE KEY UPDATE ordering_key = ordering_key",
+    );
     // A duplicate key only undoes this statement in InnoDB, not the caller's transaction.
     const NEW_ID: NewId<Self> = NewId::LastInsertId(MySqlQueryResult::last_insert_id);
     const FETCH_BY_ID: &'static str = concat!(
@@ -25,13 +33,29 @@ impl Dialect for MySql {
         record_columns!(),
         " FROM idempotency_outbox WHERE downstream_key = ?"
     );
+    const FETCH_BLOCKER: &'static str = concat!(
+        "SELECT ",
+        record_columns!(),
+        " FROM idempotency_outbox
+         WHERE ordering_key = (SELECT ordering_key FROM idempotency_outbox WHERE id = ?)
+           AND id < ? AND status IN ('pending', 'failed')
+         ORDER BY id
+         LIMIT 1"
+    );
+    // `FOR UPDATE` locks the rows of `m`; the ordering rule's subquery is a consistent read
+    // (MySQL: "a locking read clause in an outer statement does not lock the rows of a table
+    // in a nested subquery"; MariaDB alike), so it sees, and waits behind, an earlier message
+    // of the key another claim holds locked rather than skipping it.
     const CLAIM: ClaimSql = ClaimSql::LockThenLease {
         select: concat!(
             "SELECT ",
             record_columns!(),
-            " FROM idempotency_outbox
+            " FROM idempotency_outbox AS m
              WHERE status = 'pending' AND next_attempt_at <= ?
                AND (lease_expires_at IS NULL OR lease_expires_at <= ?)
+               AND ",
+            in_key_order!("m"),
+            "
              ORDER BY next_attempt_at, id
              LIMIT ?
              FOR UPDATE SKIP LOCKED"
@@ -59,6 +83,9 @@ impl Dialect for MySql {
             requeued_at = next_attempt_at,
             finished_at = NULL,
             lease_expires_at = NULL, lease_token = NULL
+        WHERE id = ? AND status = 'failed'";
+    const SKIP: &'static str = "UPDATE idempotency_outbox
+        SET status = 'skipped', finished_at = ?, lease_expires_at = NULL, lease_token = NULL
         WHERE id = ? AND status = 'failed'";
     // Without UPDATE … RETURNING, a batch could only say how many leases held, not which.
     // Releasing the lease always changes the row, so MySQL's "changed rows" count is 1 exactly

@@ -5,16 +5,21 @@
 use sqlx::Postgres;
 
 use super::private::{BatchSql, ClaimSql, Dialect, NewId};
-use super::record_columns;
+use super::{in_key_order, record_columns};
 
 impl Dialect for Postgres {
     // ON CONFLICT rather than catching the unique violation: an error would abort the caller's
     // whole transaction.
     const INSERT: &'static str = "INSERT INTO idempotency_outbox
-            (topic, downstream_key, payload, status, created_at, next_attempt_at)
-        VALUES ($1, $2, $3, 'pending', $4, $5)
+            (topic, downstream_key, payload, status, created_at, next_attempt_at, ordering_key)
+        VALUES ($1, $2, $3, 'pending', $4, $5, $6)
         ON CONFLICT (downstream_key) DO NOTHING
         RETURNING id";
+    // A transaction-scoped advisory lock on the key's hash, in the two-key space (apart from
+    // the migration lock's one-key space), under the outbox's own class ("axob" in ASCII). Two
+    // keys with one hash only queue behind each other.
+    const ORDER_LOCK: Option<&'static str> =
+        Some("SELECT 1 FROM pg_advisory_xact_lock(1635282786, hashtext($1))");
     const NEW_ID: NewId<Self> = NewId::Returning;
     const FETCH_BY_ID: &'static str = concat!(
         "SELECT ",
@@ -26,6 +31,15 @@ impl Dialect for Postgres {
         record_columns!(),
         " FROM idempotency_outbox WHERE downstream_key = $1"
     );
+    const FETCH_BLOCKER: &'static str = concat!(
+        "SELECT ",
+        record_columns!(),
+        " FROM idempotency_outbox
+         WHERE ordering_key = (SELECT ordering_key FROM idempotency_outbox WHERE id = $1)
+           AND id < $2 AND status IN ('pending', 'failed')
+         ORDER BY id
+         LIMIT 1"
+    );
     // The CTE sees each row as it was, so the one statement both decides which messages are
     // sent now and tells the dispatcher which attempts it began. Ordered by the due index
     // alone (ties in heap order): with `id` as a second key the plan sorts every due row
@@ -34,12 +48,18 @@ impl Dialect for Postgres {
     // Here and in the batched writes below, `id = ANY (ARRAY(…))` repeats the join on the
     // primary key as an index condition: the generic plan of a prepared statement guesses a
     // hundred rows on the other side, and without it joins them by hashing the whole table.
+    //
+    // `FOR UPDATE` locks the rows of `m` only; the ordering rule's subquery reads without
+    // locking, so it sees an earlier message of the key that another claim holds locked.
     const CLAIM: ClaimSql = ClaimSql::OneStatement(concat!(
         "WITH due AS (
              SELECT id AS due_id, NOT outcome_unknown AND attempts < $5 AS begins
-             FROM idempotency_outbox
+             FROM idempotency_outbox AS m
              WHERE status = 'pending' AND next_attempt_at <= $3
                AND (lease_expires_at IS NULL OR lease_expires_at <= $3)
+               AND ",
+        in_key_order!("m"),
+        "
              ORDER BY next_attempt_at
              LIMIT $4
              FOR UPDATE SKIP LOCKED)
@@ -101,6 +121,9 @@ impl Dialect for Postgres {
         SET status = 'pending', attempts = 0, next_attempt_at = $1, requeued_at = $1,
             finished_at = NULL,
             lease_expires_at = NULL, lease_token = NULL
+        WHERE id = $2 AND status = 'failed'";
+    const SKIP: &'static str = "UPDATE idempotency_outbox
+        SET status = 'skipped', finished_at = $1, lease_expires_at = NULL, lease_token = NULL
         WHERE id = $2 AND status = 'failed'";
     const MIGRATIONS: &'static [(i64, &'static str)] = &[(
         1,

@@ -54,12 +54,16 @@ where
         message: &Message,
         now: i64,
     ) -> Result<Option<MessageId>, sqlx::Error> {
+        if let (Some(lock), Some(key)) = (DB::ORDER_LOCK, message.ordering()) {
+            sqlx::query(lock).bind(key).execute(&mut *conn).await?;
+        }
         let query = sqlx::query(DB::INSERT)
             .bind(message.topic())
             .bind(message.key().as_str())
             .bind(message.payload())
             .bind(now)
-            .bind(now);
+            .bind(now)
+            .bind(message.ordering());
         let id = match DB::NEW_ID {
             NewId::Returning => match query.fetch_optional(conn).await? {
                 Some(row) => Some(row.try_get::<i64, _>(0)?),
@@ -245,6 +249,27 @@ where
             .execute(pool)
             .await?;
         Ok(DB::rows_affected(&done) == 1)
+    }
+
+    async fn skip(pool: &Pool<Self>, id: MessageId, now: i64) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(DB::SKIP)
+            .bind(now)
+            .bind(id.get())
+            .execute(pool)
+            .await?;
+        Ok(DB::rows_affected(&done) == 1)
+    }
+
+    async fn fetch_blocker(
+        conn: &mut DB::Connection,
+        id: MessageId,
+    ) -> Result<Option<OutboxRecord>, sqlx::Error> {
+        let row = sqlx::query(DB::FETCH_BLOCKER)
+            .bind(id.get())
+            .bind(id.get())
+            .fetch_optional(conn)
+            .await?;
+        row.as_ref().map(record_from_row).transpose()
     }
 
     async fn settle(
@@ -435,5 +460,6 @@ where
         requeued_at: row
             .try_get::<Option<i64>, _>("requeued_at")?
             .map(from_millis),
+        ordering_key: row.try_get("ordering_key")?,
     })
 }

@@ -4,12 +4,12 @@
 use sqlx::Sqlite;
 
 use super::private::{BatchSql, ClaimSql, Dialect, NewId};
-use super::record_columns;
+use super::{in_key_order, record_columns};
 
 impl Dialect for Sqlite {
     const INSERT: &'static str = "INSERT INTO idempotency_outbox
-            (topic, downstream_key, payload, status, created_at, next_attempt_at)
-        VALUES (?1, ?2, ?3, 'pending', ?4, ?5)
+            (topic, downstream_key, payload, status, created_at, next_attempt_at, ordering_key)
+        VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6)
         ON CONFLICT (downstream_key) DO NOTHING
         RETURNING id";
     const NEW_ID: NewId<Self> = NewId::Returning;
@@ -23,14 +23,26 @@ impl Dialect for Sqlite {
         record_columns!(),
         " FROM idempotency_outbox WHERE downstream_key = ?1"
     );
+    const FETCH_BLOCKER: &'static str = concat!(
+        "SELECT ",
+        record_columns!(),
+        " FROM idempotency_outbox
+         WHERE ordering_key = (SELECT ordering_key FROM idempotency_outbox WHERE id = ?1)
+           AND id < ?2 AND status IN ('pending', 'failed')
+         ORDER BY id
+         LIMIT 1"
+    );
     // An UPDATE takes the database's write lock even when it matches nothing; reading first
     // keeps an idle dispatcher from queueing behind (and stalling) the app's transactions.
-    const CLAIM_PROBE: Option<&'static str> = Some(
+    const CLAIM_PROBE: Option<&'static str> = Some(concat!(
         "SELECT EXISTS (
-             SELECT 1 FROM idempotency_outbox
+             SELECT 1 FROM idempotency_outbox AS m
              WHERE status = 'pending' AND next_attempt_at <= ?1
-               AND (lease_expires_at IS NULL OR lease_expires_at <= ?1))",
-    );
+               AND (lease_expires_at IS NULL OR lease_expires_at <= ?1)
+               AND ",
+        in_key_order!("m"),
+        ")"
+    ));
     // RETURNING sees only the row as updated, so one statement could not tell a message whose
     // attempt it began from one whose last outcome was already unknown. The lease columns are
     // not among the record's, so `hold`, which writes nothing else, returns the rows as they
@@ -40,9 +52,12 @@ impl Dialect for Sqlite {
         hold: concat!(
             "UPDATE idempotency_outbox SET lease_expires_at = ?1, lease_token = ?2
              WHERE id IN (
-                 SELECT id FROM idempotency_outbox
+                 SELECT id FROM idempotency_outbox AS m
                  WHERE status = 'pending' AND next_attempt_at <= ?3
                    AND (lease_expires_at IS NULL OR lease_expires_at <= ?3)
+                   AND ",
+            in_key_order!("m"),
+            "
                  ORDER BY next_attempt_at, id
                  LIMIT ?4)
                AND (outcome_unknown OR attempts >= ?5)
@@ -54,10 +69,13 @@ impl Dialect for Sqlite {
              SET lease_expires_at = ?1, lease_token = ?2,
                  attempts = attempts + 1, last_attempt_at = ?3, outcome_unknown = TRUE
              WHERE id IN (
-                 SELECT id FROM idempotency_outbox
+                 SELECT id FROM idempotency_outbox AS m
                  WHERE status = 'pending' AND next_attempt_at <= ?3
                    AND (lease_expires_at IS NULL OR lease_expires_at <= ?3)
                    AND NOT outcome_unknown AND attempts < ?5
+                   AND ",
+            in_key_order!("m"),
+            "
                  ORDER BY next_attempt_at, id
                  LIMIT ?4)
              RETURNING ",
@@ -111,6 +129,9 @@ impl Dialect for Sqlite {
         SET status = 'pending', attempts = 0, next_attempt_at = ?1, requeued_at = ?1,
             finished_at = NULL,
             lease_expires_at = NULL, lease_token = NULL
+        WHERE id = ?2 AND status = 'failed'";
+    const SKIP: &'static str = "UPDATE idempotency_outbox
+        SET status = 'skipped', finished_at = ?1, lease_expires_at = NULL, lease_token = NULL
         WHERE id = ?2 AND status = 'failed'";
     const MIGRATIONS: &'static [(i64, &'static str)] = &[(
         1,

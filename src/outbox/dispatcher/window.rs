@@ -9,6 +9,11 @@
 //! outcome that finished meanwhile, one renewal extends every lease held. At most two claims, one
 //! settle and one renewal run at a time; on a database with one writer they queue in the process,
 //! not in the database's lock wait.
+//!
+//! Nothing here can reorder two messages of one ordering key: a claim never hands out a
+//! message while an earlier one of its key is still pending, and each way a held message goes
+//! back (put back for a pause, given back unsent at shutdown, settled for a retry) writes it
+//! pending again, so it keeps its key's later messages in the database until it is delivered.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;

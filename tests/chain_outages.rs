@@ -10,10 +10,12 @@
 //! Scaled: the outage, the settings that wait it out (the outbox's probe backoff cap and the
 //! inbox's outage backoff cap, 30 s) and the 60 s bound are shortened by one factor: 1/15 for
 //! the provider and the broker (40 s down, 2 s caps, drained within 4 s) and 1/4 for the
-//! databases (30 s down, 7.5 s caps, within 15 s). The rest stays at the examples' defaults,
-//! which fail a message after its 10th failed attempt: 10 to 20 s of an outage counted in
-//! attempts. The broker clients' reconnection backoff (at most 5 s, fixed in the crate) does
-//! not scale, so the broker's bound adds it.
+//! databases (30 s down, 7.5 s caps, within 15 s). For the broker the dispatcher's send
+//! timeout is scaled too (5 s to 333 ms): a sender that waits for a broker that is down spends
+//! one attempt per timeout. The rest stays at the examples' defaults, which fail a message after
+//! its 10th failed attempt: 10 to 20 s of an outage counted in attempts. The broker clients'
+//! reconnection backoff (at most 5 s, fixed in the crate) does not scale, so the broker's bound
+//! adds it.
 //!
 //! Each dependency is taken away by a [`Plug`] of the test's own between it and the apps: the
 //! provider and the broker refuse connections (a service down), a database drops them and
@@ -78,6 +80,10 @@ struct Scaled {
     cap: Duration,
     /// How soon after the return the backlog must be drained (60 s in the contract).
     drain: Duration,
+    /// The dispatcher's send timeout (5 s by default), where the outage is met by waiting it
+    /// out: a send to a broker that is down did so before the broker senders answered
+    /// `Unavailable` at once.
+    send_timeout: Option<Duration>,
 }
 
 impl Outage {
@@ -88,18 +94,21 @@ impl Outage {
                 outage: Duration::from_secs(40),
                 cap: Duration::from_secs(2),
                 drain: Duration::from_secs(4),
+                send_timeout: None,
             },
             // The same, plus the broker clients' reconnection backoff cap, which is not scaled.
             Outage::Broker => Scaled {
                 outage: Duration::from_secs(40),
                 cap: Duration::from_secs(2),
                 drain: Duration::from_secs(4 + 5),
+                send_timeout: Some(Duration::from_millis(5_000 / 15)),
             },
             // 2 minutes, 30 s caps, 60 s: divided by 4.
             Outage::PaymentsDb | Outage::OrdersDb => Scaled {
                 outage: Duration::from_secs(30),
                 cap: Duration::from_millis(7_500),
                 drain: Duration::from_secs(15),
+                send_timeout: None,
             },
         }
     }
@@ -169,6 +178,7 @@ impl Chain {
         };
         let broker = kind.url(broker_addr);
         let cap = scaled.cap.as_millis().to_string();
+        let send_timeout = scaled.send_timeout.map(|t| t.as_millis().to_string());
         let orders = Process::start(
             "orders",
             &[
@@ -183,20 +193,20 @@ impl Chain {
             ],
         )
         .await;
-        let payments = Process::start(
-            "payments",
-            &[
-                (
-                    "DATABASE_URL",
-                    &through(&payments_db.url, outage == Outage::PaymentsDb),
-                ),
-                ("PROVIDER_URL", &provider_url),
-                ("BROKER_URL", &broker),
-                ("BROKER_NAMESPACE", &ns),
-                ("OUTBOX_PROBE_MAX_MS", &cap),
-            ],
-        )
-        .await;
+        let payments_url = through(&payments_db.url, outage == Outage::PaymentsDb);
+        let mut env = vec![
+            ("DATABASE_URL", payments_url.as_str()),
+            ("PROVIDER_URL", &provider_url),
+            ("BROKER_URL", &broker),
+            ("BROKER_NAMESPACE", &ns),
+            ("OUTBOX_PROBE_MAX_MS", &cap),
+        ];
+        env.extend(
+            send_timeout
+                .as_deref()
+                .map(|t| ("OUTBOX_SEND_TIMEOUT_MS", t)),
+        );
+        let payments = Process::start("payments", &env).await;
         let mut chain = Self {
             dir,
             http: Http::new(),
@@ -298,10 +308,13 @@ impl Chain {
                     missing.push(self.payment(id).await);
                 }
                 let unanswered = backlog.iter().filter(|p| p.answer.is_none()).count();
+                let unapplied = ids.iter().filter(|id| !applied.contains(id)).count();
+                let dead = common::brokers::dead_letters(&self.broker_url, &self.ns).await;
                 panic!(
-                    "backlog not drained: {unanswered} posts unanswered, {} of {} accepted \
-                     payments applied; missing, for instance: {missing:?}",
-                    applied.len(),
+                    "backlog not drained: of {} payments posted before the return, \
+                     {unanswered} unanswered, {unapplied} of {} accepted not applied \
+                     ({dead} dead letters); for instance: {missing:?}",
+                    backlog.len(),
                     ids.len()
                 );
             }
@@ -454,7 +467,7 @@ async fn the_chain_converges_through(outage: Outage, kind: Kind, db: Db) {
     for id in &all {
         let payment = chain.payment(id).await;
         let status = payment["status"].as_str().unwrap_or("?").to_owned();
-        if status != "succeeded" && states.get(&status).is_none() {
+        if status != "succeeded" && !states.contains_key(&status) {
             eprintln!("  the first payment {status}: {payment}");
         }
         *states.entry(status).or_insert(0) += 1;

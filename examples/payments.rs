@@ -29,7 +29,12 @@
 //! outcome without looking the charge up first), `DISPATCHERS` (default 1; 0 only accepts
 //! payments), and `OUTBOX_POLL_MS`, `OUTBOX_SEND_TIMEOUT_MS`, `OUTBOX_LEASE_MS` (15 000: how
 //! soon a dead dispatcher's message is taken over), `OUTBOX_LOOKUP_GRACE_MS`,
-//! `OUTBOX_MAX_ATTEMPTS`, `OUTBOX_BACKOFF_MS` for the dispatcher.
+//! `OUTBOX_MAX_ATTEMPTS`, `OUTBOX_BACKOFF_MS` for the dispatcher. An outage of the provider
+//! or the broker (refused, unreachable, 503, 429, connection down) spends no attempt: the
+//! destination is probed with one message at a time, at most `OUTBOX_PROBE_MAX_MS` (30 000)
+//! apart, and its backlog resumes at full speed once it answers. Only `OUTBOX_GIVE_UP_AFTER_MS`
+//! (21 600 000: 6 hours) fails a payment caught in an outage, so a provider or broker down for
+//! minutes, or hours, fails none, and each goes within about 30 s of its return.
 //!
 //! With `BROKER_URL=amqp://…` (`--features rabbitmq`) or `nats://…` (`--features nats`), each
 //! succeeded payment also publishes, through the same outbox, the event `{"payment_id",
@@ -123,13 +128,19 @@ async fn run<DB: Backend>(
             pool: pool.clone(),
         };
         let backoff = millis("OUTBOX_BACKOFF_MS", 200)?;
+        let probe = millis("OUTBOX_PROBE_MAX_MS", 30_000)?;
         let dispatcher = Dispatcher::new(outbox.clone(), routed)
             .poll_interval(millis("OUTBOX_POLL_MS", 500)?)
             .send_timeout(millis("OUTBOX_SEND_TIMEOUT_MS", 5_000)?)
             .lease(millis("OUTBOX_LEASE_MS", 15_000)?)
             .lookup_grace(millis("OUTBOX_LOOKUP_GRACE_MS", 10_000)?)
             .max_attempts(setting("OUTBOX_MAX_ATTEMPTS", 10)?)
-            .backoff(Backoff::exponential(backoff, Duration::from_secs(10)));
+            .backoff(Backoff::exponential(backoff, Duration::from_secs(10)))
+            .give_up_after(millis("OUTBOX_GIVE_UP_AFTER_MS", 6 * 3_600_000)?)
+            .probe_backoff(Backoff::exponential(
+                probe.min(Duration::from_secs(1)),
+                probe,
+            ));
         wakers.push(dispatcher.waker());
         let mut stopped = stopped.clone();
         let shutdown = async move { drop(stopped.wait_for(|stop| *stop).await) };

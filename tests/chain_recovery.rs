@@ -41,42 +41,6 @@ fn namespace() -> String {
     common::unique("t").replace('_', "x")
 }
 
-/// Deletes what the examples declared under `ns` on a shared broker.
-async fn cleanup_broker(kind: Kind, url: &str, ns: &str) {
-    match kind {
-        Kind::RabbitMq => {
-            use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
-            let connection = lapin::Connection::connect(url, Default::default())
-                .await
-                .unwrap();
-            let channel = connection.create_channel().await.unwrap();
-            let queue = format!("{ns}.orders.payment-succeeded");
-            for queue in [
-                queue.clone(),
-                format!("{queue}.retry"),
-                format!("{queue}.dead"),
-            ] {
-                let _ = channel
-                    .queue_delete(queue.into(), QueueDeleteOptions::default())
-                    .await;
-            }
-            let exchange = format!("{ns}.payments");
-            let _ = channel
-                .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
-                .await;
-            let _ = connection.close(200, "cleaned up".into()).await;
-        }
-        Kind::Nats => {
-            let js = async_nats::jetstream::new(async_nats::connect(url).await.unwrap());
-            for stream in ["PAYMENTS", "ORDERS_DEAD"] {
-                let _ = js
-                    .delete_stream(format!("{}_{stream}", ns.to_uppercase()))
-                    .await;
-            }
-        }
-    }
-}
-
 /// The three processes of the chain and what they run on.
 struct Chain {
     dir: tempfile::TempDir,
@@ -276,14 +240,14 @@ impl Chain {
         assert_eq!(applied, expected, "each payment applied exactly once");
     }
 
-    async fn stop(self, kind: Kind, shared_broker: bool) {
+    async fn stop(self, shared_broker: bool) {
         self.orders.kill().await;
         if let Some(payments) = self.payments {
             payments.kill().await;
         }
         self.provider.kill().await;
         if shared_broker {
-            cleanup_broker(kind, &self.broker_url, &self.ns).await;
+            common::brokers::delete_namespace(&self.broker_url, &self.ns).await;
         }
         self.payments_db.cleanup().await;
         self.orders_db.cleanup().await;
@@ -366,7 +330,7 @@ async fn payments_killed_mid_charge_converges_within_30_s_of_its_restart(kind: K
         recovery <= CONVERGENCE,
         "converged {recovery:?} after the restart, over {CONVERGENCE:?}"
     );
-    chain.stop(kind, true).await;
+    chain.stop(true).await;
 }
 
 /// A private broker to restart.
@@ -533,7 +497,7 @@ async fn a_restarted_broker_is_waited_out_and_the_chain_converges_within_30_s(ki
         convergence <= CONVERGENCE,
         "converged {convergence:?} after the broker's return, over {CONVERGENCE:?}"
     );
-    chain.stop(kind, false).await;
+    chain.stop(false).await;
     broker.stop().await;
 }
 

@@ -10,7 +10,10 @@
 //! restart declares what is missing again.
 //!
 //! Tuning: `ORDERS_CONSUMER_CONCURRENCY` (default 4), `ORDERS_CONSUMER_MAX_ATTEMPTS` (5),
-//! `ORDERS_CONSUMER_BACKOFF_MS` (1000), `ORDERS_CONSUMER_ACK_WAIT_SECS` (NATS, 10).
+//! `ORDERS_CONSUMER_BACKOFF_MS` (1000), `ORDERS_CONSUMER_ACK_WAIT_SECS` (NATS, 10), and
+//! `ORDERS_CONSUMER_OUTAGE_MAX_MS` (30 000): while the orders database is unreachable the
+//! consumer pauses, at most this long at a time, spending no attempt, so an outage of any
+//! length dead-letters nothing and the consumer resumes within this long of its end.
 //! `BROKER_NAMESPACE` prefixes every broker name (a shared broker, tests). For tests:
 //! `ORDERS_CONSUMER_FAIL_PERCENT` makes that share of attempts write and then fail,
 //! `ORDERS_FAILPOINT=after-commit` freezes the process after its first commit, before the ack,
@@ -34,12 +37,14 @@ pub(crate) async fn spawn<DB: Backend>(store: Store<DB>, broker_url: &str) -> Re
     let fail_percent: u32 = setting("ORDERS_CONSUMER_FAIL_PERCENT", 0)?;
     let handler = move |tx: Tx<DB>, delivery| apply(tx, delivery, fail_percent);
     let backoff = Duration::from_millis(setting("ORDERS_CONSUMER_BACKOFF_MS", 1000)?);
+    let outage = Duration::from_millis(setting("ORDERS_CONSUMER_OUTAGE_MAX_MS", 30_000)?);
     // Keyed by the payment id, not the message id: a payment applies once whatever its
     // message ids.
     let mut inbox = Inbox::new("orders", store)
         .key_by(|delivery: &Delivery| Ok(parse(delivery.payload())?.0))
         .max_attempts(setting("ORDERS_CONSUMER_MAX_ATTEMPTS", 5)?)
-        .backoff(backoff, Duration::from_secs(60));
+        .backoff(backoff, Duration::from_secs(60))
+        .outage_backoff(outage.min(Duration::from_secs(1)), outage);
     if std::env::var("ORDERS_FAILPOINT").as_deref() == Ok("after-commit") {
         inbox = inbox.on_verdict(freeze_after_commit);
     }

@@ -267,3 +267,69 @@ impl Drop for PrivateRabbitMq {
         }
     }
 }
+
+/// The dead letters waiting under the namespace `ns` (`BROKER_NAMESPACE`) on the broker at
+/// `url`: the orders example's dead-letter queue (RabbitMQ) or stream (NATS); none when it was
+/// never declared.
+pub async fn dead_letters(url: &str, ns: &str) -> u64 {
+    if url.starts_with("amqp") {
+        use lapin::options::QueueDeclareOptions;
+        let connection = lapin::Connection::connect(url, Default::default())
+            .await
+            .expect("RabbitMQ is reachable");
+        let channel = connection.create_channel().await.expect("a channel");
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let queue = format!("{ns}.orders.payment-succeeded.dead");
+        let declared = channel
+            .queue_declare(queue.into(), passive, Default::default())
+            .await;
+        let _ = connection.close(200, "counted".into()).await;
+        declared.map_or(0, |queue| u64::from(queue.message_count()))
+    } else {
+        let client = async_nats::connect(url).await.expect("NATS is reachable");
+        let js = async_nats::jetstream::new(client);
+        let stream = format!("{}_ORDERS_DEAD", ns.to_uppercase());
+        match js.get_stream(stream).await {
+            Ok(mut stream) => stream.info().await.map_or(0, |info| info.state.messages),
+            Err(_) => 0,
+        }
+    }
+}
+
+/// Deletes what the chain's examples declared under the namespace `ns` on the shared broker
+/// at `url`: RabbitMQ's exchange and queues, or NATS's streams.
+pub async fn delete_namespace(url: &str, ns: &str) {
+    if url.starts_with("amqp") {
+        use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+        let connection = lapin::Connection::connect(url, Default::default())
+            .await
+            .expect("RabbitMQ is reachable");
+        let channel = connection.create_channel().await.expect("a channel");
+        let queue = format!("{ns}.orders.payment-succeeded");
+        for queue in [
+            queue.clone(),
+            format!("{queue}.retry"),
+            format!("{queue}.dead"),
+        ] {
+            let _ = channel
+                .queue_delete(queue.into(), QueueDeleteOptions::default())
+                .await;
+        }
+        let exchange = format!("{ns}.payments");
+        let _ = channel
+            .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
+            .await;
+        let _ = connection.close(200, "cleaned up".into()).await;
+    } else {
+        let client = async_nats::connect(url).await.expect("NATS is reachable");
+        let js = async_nats::jetstream::new(client);
+        for stream in ["PAYMENTS", "ORDERS_DEAD"] {
+            let _ = js
+                .delete_stream(format!("{}_{stream}", ns.to_uppercase()))
+                .await;
+        }
+    }
+}

@@ -103,11 +103,15 @@ async fn lagging(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, lag: Duration)
 
 /// A loopback TCP link that can be unplugged and plugged back in, standing in for a network
 /// partition between a consumer and its database: unplugged, every connection is closed and
-/// each new one is closed as soon as it is accepted (a connection reset to the client).
+/// each new one is closed as soon as it is accepted (a connection reset to the client). Made
+/// with [`start_refusing`](Self::start_refusing), it stands in for a service that is down
+/// instead: unplugged, it closes its port too, and a new connection is refused.
 pub(crate) struct Plug {
     pub(crate) addr: SocketAddr,
+    target: SocketAddr,
+    refuse: bool,
     state: std::sync::Arc<std::sync::Mutex<Plugged>>,
-    accept: JoinHandle<()>,
+    accept: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
 struct Plugged {
@@ -119,49 +123,94 @@ struct Plugged {
 impl Plug {
     /// Listens on a free loopback port, plugged in; each connection reaches `target`.
     pub(crate) async fn start(target: SocketAddr) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        Self::listen(target, false)
+    }
+
+    /// Like [`start`](Self::start), but unplugged its port is closed: connection refused.
+    pub(crate) async fn start_refusing(target: SocketAddr) -> Self {
+        Self::listen(target, true)
+    }
+
+    fn listen(target: SocketAddr, refuse: bool) -> Self {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("addr");
         let state = std::sync::Arc::new(std::sync::Mutex::new(Plugged {
             open: true,
             cut: watch::channel(false).0,
         }));
-        let accepting = state.clone();
-        let accept = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let cut = {
-                    let state = accepting.lock().unwrap();
-                    state.open.then(|| state.cut.subscribe())
-                };
-                match cut {
-                    Some(cut) => drop(tokio::spawn(carry(client, target, Duration::ZERO, cut))),
-                    None => drop(client),
-                }
-            }
-        });
+        let accept = accepting(listener, target, state.clone());
         Self {
             addr,
+            target,
+            refuse,
             state,
-            accept,
+            accept: std::sync::Mutex::new(Some(accept)),
         }
     }
 
     /// Closes every connection and refuses new ones until [`plug_in`](Self::plug_in).
     pub(crate) fn unplug(&self) {
+        if self.refuse
+            && let Some(accept) = self.accept.lock().unwrap().take()
+        {
+            accept.abort();
+        }
         let mut state = self.state.lock().unwrap();
         state.open = false;
         state.cut.send_replace(true);
         state.cut = watch::channel(false).0;
     }
 
-    /// Carries new connections again.
+    /// Carries new connections again (on the same port).
     pub(crate) fn plug_in(&self) {
         self.state.lock().unwrap().open = true;
+        let mut accept = self.accept.lock().unwrap();
+        if accept.is_none() {
+            // The aborted accept loop drops its listener as the runtime gets to it.
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            let listener = loop {
+                match std::net::TcpListener::bind(self.addr) {
+                    Ok(listener) => break listener,
+                    Err(error) if std::time::Instant::now() >= deadline => {
+                        panic!("cannot listen on {} again: {error}", self.addr)
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
+            };
+            *accept = Some(accepting(listener, self.target, self.state.clone()));
+        }
     }
+}
+
+/// Accepts on `listener`: carried to `target` while plugged in, closed at once otherwise.
+fn accepting(
+    listener: std::net::TcpListener,
+    target: SocketAddr,
+    state: std::sync::Arc<std::sync::Mutex<Plugged>>,
+) -> JoinHandle<()> {
+    listener.set_nonblocking(true).expect("nonblocking");
+    let listener = TcpListener::from_std(listener).expect("a tokio listener");
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let cut = {
+                let state = state.lock().unwrap();
+                state.open.then(|| state.cut.subscribe())
+            };
+            match cut {
+                Some(cut) => drop(tokio::spawn(carry(client, target, Duration::ZERO, cut))),
+                None => drop(client),
+            }
+        }
+    })
 }
 
 impl Drop for Plug {
     fn drop(&mut self) {
-        self.accept.abort();
-        self.unplug();
+        if let Some(accept) = self.accept.lock().unwrap().take() {
+            accept.abort();
+        }
+        let mut state = self.state.lock().unwrap();
+        state.open = false;
+        state.cut.send_replace(true);
     }
 }

@@ -9,7 +9,8 @@
 //! - [`galera`]: a private three-node MariaDB Galera cluster, for the cluster suite.
 //! - [`lossy`]: an in-memory idempotent server behind a proxy that loses answers, for the client.
 //! - [`pg_cluster`]: a private PostgreSQL primary and hot standby, to kill and promote.
-//! - [`link`]: a TCP link with a fixed lag between the two, cut when the primary dies.
+//! - [`link`]: a TCP link with a fixed lag between the two, cut when the primary dies; and a
+//!   plug to pull between an app and what it depends on.
 //! - [`vip`]: a TCP forwarder standing in for a virtual IP that moves between servers.
 //! - [`brokers`]: a private NATS server and RabbitMQ node, to stop and start again.
 
@@ -22,7 +23,6 @@ pub(crate) mod brokers;
 pub(crate) mod example_db;
 #[cfg(feature = "mysql")]
 pub(crate) mod galera;
-#[cfg(feature = "postgres")]
 pub(crate) mod link;
 pub(crate) mod lossy;
 pub(crate) mod markdown;

@@ -95,6 +95,7 @@ mod message;
 mod sender;
 mod status;
 mod store;
+mod wake;
 
 pub use crate::backoff::Backoff;
 pub(crate) use backend::Ops;
@@ -109,3 +110,4 @@ pub use message::{DownstreamKey, InvalidDownstreamKey, Message};
 pub use sender::{LookupOutcome, SendOutcome, Sender};
 pub use status::{MessageId, OutboxRecord, Status};
 pub use store::Outbox;
+pub use wake::EnqueueTarget;

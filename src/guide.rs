@@ -610,6 +610,16 @@ pub mod jobs {}
 /// the URL you give it. The [`outbox`](crate::outbox) module documents the dispatcher's
 /// options, the outcomes a sender reports and the backends; the `payments` example in the
 /// repository is a complete app with a provider and a broker behind one outbox.
+///
+/// Enqueue on the `Tx` itself (`&mut tx`, as above): the layer's commit then wakes the
+/// outbox's dispatchers in this process, and the message goes out within a few milliseconds
+/// rather than at the next poll. A job that enqueues on a transaction of its own calls
+/// [`Outbox::wake`](crate::outbox::Outbox::wake) after its commit. Dispatchers of other
+/// processes poll; on PostgreSQL, an outbox built with `notify_on_commit()` and dispatchers
+/// built with `listen()` wake them through `LISTEN/NOTIFY`. That does not pass a
+/// transaction-mode pooler (PgBouncer's `pool_mode = transaction`): behind one, no
+/// notification arrives and the dispatchers only poll. Each listening dispatcher holds one
+/// connection of its own.
 #[cfg(feature = "outbox")]
 pub mod outbox {}
 

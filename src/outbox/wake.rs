@@ -150,13 +150,17 @@ pub(crate) use unlistened::Listen;
 mod unlistened {
     use std::time::Duration;
 
-    /// Without PostgreSQL a dispatcher hears only its own process.
+    /// Without PostgreSQL a dispatcher hears only its own process: there is nothing to listen
+    /// with, as the `Infallible` says.
     #[derive(Debug, Clone, Default)]
-    pub(crate) struct Listen;
+    pub(crate) struct Listen(Option<std::convert::Infallible>);
 
     impl Listen {
         pub(crate) fn start(&self, _retry: Duration) -> Heard {
-            Heard
+            match self.0 {
+                Some(never) => match never {},
+                None => Heard,
+            }
         }
     }
 

@@ -45,6 +45,8 @@ pub(crate) struct Latency {
     /// Its first part, commit → the sender called (the wake, the claim, a free send slot),
     /// sorted; the rest is the broker's round trip.
     pub(crate) to_send: Vec<Duration>,
+    /// Its last part, the sender called → the broker's confirmation, sorted.
+    pub(crate) in_send: Vec<Duration>,
     /// The machine's 1-minute load average before and after the measurement.
     pub(crate) load: (String, String),
     /// How late a 1 ms timer of this process fired during the measurement, sorted: how long
@@ -147,6 +149,7 @@ pub(crate) async fn measure<DB: Store>(
         paced: 0.0,
         latencies: Vec::new(),
         to_send: Vec::new(),
+        in_send: Vec::new(),
         load: (load(), String::new()),
         lag: Vec::new(),
         errors: Vec::new(),
@@ -252,6 +255,11 @@ pub(crate) async fn measure<DB: Store>(
         .filter_map(|(key, at)| Some(sends.get(key)?.saturating_duration_since(*at)))
         .collect();
     row.to_send.sort();
+    row.in_send = sends
+        .iter()
+        .filter_map(|(key, at)| Some(acks.get(key)?.saturating_duration_since(*at)))
+        .collect();
+    row.in_send.sort();
     let expected = (0..n).map(|i| key(&run, i).as_str().to_owned()).collect();
     if let Err(error) = broker.verify_and_empty(&expected).await {
         row.errors.push(error);

@@ -94,9 +94,9 @@ pub(crate) fn print_latency(rows: &[Latency], settings: &Settings) {
     );
     println!(
         "| store | broker | top commit msg/s | paced msg/s | p50 ms | p99 ms | max ms | target \
-         p50 / p99 | met | to send p50 / p99 ms | timer lag p50 / p99 ms | load before / after |"
+         p50 / p99 | met | to send p50 / p99 ms | send → ack p50 / p99 ms | timer lag p50 / p99 ms | load before / after |"
     );
-    println!("|---|---|---:|---:|---:|---:|---:|---|---|---|---|---|");
+    println!("|---|---|---:|---:|---:|---:|---:|---|---|---|---|---|---|");
     for row in rows {
         let (p50, p99) = (row.quantile(0.5), row.quantile(0.99));
         let met = match p50.zip(p99) {
@@ -106,7 +106,7 @@ pub(crate) fn print_latency(rows: &[Latency], settings: &Settings) {
             None => "–",
         };
         println!(
-            "| {} | {} | {:.0} | {:.0} | {} | {} | {} | ≤ {} / ≤ {} | {met} | {} / {} | {} / {} | {} / {} |",
+            "| {} | {} | {:.0} | {:.0} | {} | {} | {} | ≤ {} / ≤ {} | {met} | {} / {} | {} / {} | {} / {} | {} / {} |",
             row.store,
             row.broker,
             row.top,
@@ -118,6 +118,8 @@ pub(crate) fn print_latency(rows: &[Latency], settings: &Settings) {
             P99_TARGET.as_millis(),
             millis(quantile(&row.to_send, 0.5)),
             millis(quantile(&row.to_send, 0.99)),
+            millis(quantile(&row.in_send, 0.5)),
+            millis(quantile(&row.in_send, 0.99)),
             millis(quantile(&row.lag, 0.5)),
             millis(quantile(&row.lag, 0.99)),
             row.load.0,

@@ -54,8 +54,8 @@ use axum::extract::{FromRequestParts, Path, State};
 use axum::http::{StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router, middleware};
-use axum_idempotency::outbox::{self, Backoff, DispatchWaker, Dispatcher, DownstreamKey};
+use axum::{Json, Router};
+use axum_idempotency::outbox::{self, Backoff, Dispatcher, DownstreamKey};
 use axum_idempotency::outbox::{HttpSender, LookupOutcome, Message, MessageId, Outbox};
 use axum_idempotency::outbox::{OutboxRecord, SendOutcome, Sender, Status};
 use axum_idempotency::{Backend, IdempotencyContext, IdempotencyLayer, Principal, Store, Tx};
@@ -119,7 +119,7 @@ async fn run<DB: Backend>(
     let millis =
         |name: &str, default| Ok::<_, Error>(Duration::from_millis(setting(name, default)?));
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let (mut dispatchers, mut wakers) = (Vec::new(), Vec::new());
+    let mut dispatchers = Vec::new();
     for _ in 0..setting("DISPATCHERS", 1)? {
         let routed = Routed {
             provider: provider.clone(),
@@ -141,7 +141,6 @@ async fn run<DB: Backend>(
                 probe.min(Duration::from_secs(1)),
                 probe,
             ));
-        wakers.push(dispatcher.waker());
         let mut stopped = stopped.clone();
         let shutdown = async move { drop(stopped.wait_for(|stop| *stop).await) };
         dispatchers.push(tokio::spawn(dispatcher.run(shutdown)));
@@ -149,14 +148,6 @@ async fn run<DB: Backend>(
     let app = Router::new()
         .route("/payments", post(create::<DB>))
         .route_layer(IdempotencyLayer::new(store).principal::<AuthUser>())
-        // Outside the idempotency layer, so it runs after the commit: a dispatcher woken
-        // earlier would find nothing to send yet.
-        .route_layer(middleware::map_response(move |response: Response| {
-            if response.status() == StatusCode::ACCEPTED {
-                wakers.iter().for_each(DispatchWaker::wake);
-            }
-            std::future::ready(response)
-        }))
         .route("/payments/{id}", get(show::<DB>))
         .with_state(outbox);
     serve(app).await?;
@@ -333,6 +324,7 @@ async fn create<DB: Backend>(
     let key = DownstreamKey::for_request(&context.scoped_key_digest(), CHARGE_TOPIC, "charge");
     let message =
         Message::json(CHARGE_TOPIC, key, &charge).map_err(|e| Problem::Internal(e.into()))?;
+    // On the request's `Tx`: its commit wakes the dispatchers, so the charge goes out at once.
     let id = outbox.enqueue(&mut tx, message).await?;
     let location = [(header::LOCATION, format!("/payments/{id}"))];
     let body = Json(json!({ "id": id.get(), "status": "pending" }));
@@ -397,9 +389,11 @@ impl<DB: Backend> Routed<DB> {
         let event = json!({ "payment_id": charge.id.to_string(), "order_id": order_id, "amount": amount, "currency": currency });
         let key = DownstreamKey::new(format!("payment-succeeded-{}", charge.downstream_key))?;
         let message = Message::json(EVENT_TOPIC, key, &event)?;
+        // Outside any transaction, so committed as it returns: the dispatchers are woken now.
         self.outbox
-            .enqueue(&mut *self.pool.acquire().await?, message)
+            .enqueue(&mut self.pool.acquire().await?, message)
             .await?;
+        self.outbox.wake();
         Ok(())
     }
 }

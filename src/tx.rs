@@ -100,6 +100,14 @@ impl<DB: Database> Tx<DB> {
         Self { slot, tx: Some(tx) }
     }
 
+    /// Runs `action` once this transaction has committed, never before and never after a
+    /// rollback: what was written becomes visible to others only at the commit, so anything
+    /// that tells them to look (the outbox waking its dispatchers) must wait for it.
+    #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
+    pub(crate) fn after_commit(&mut self, action: impl FnOnce() + Send + 'static) {
+        self.slot.after_commit(Box::new(action));
+    }
+
     fn transaction(&self) -> &Transaction<'static, DB> {
         self.tx
             .as_ref()
@@ -249,8 +257,28 @@ pub(crate) fn conflict_aborted() -> Response {
     response
 }
 
-/// The request extension a [`Tx`] is taken from and handed back to.
-pub(crate) struct TxSlot<DB: Database>(Arc<Mutex<SlotState<DB>>>);
+/// The request extension a [`Tx`] is taken from and handed back to, with what is to run once
+/// its transaction has committed.
+pub(crate) struct TxSlot<DB: Database>(Arc<Shared<DB>>);
+
+struct Shared<DB: Database> {
+    state: Mutex<SlotState<DB>>,
+    after_commit: Mutex<AfterCommit>,
+}
+
+/// What to run once a transaction has committed; dropped unrun when it rolls back.
+#[derive(Default)]
+pub(crate) struct AfterCommit(Vec<Box<dyn FnOnce() + Send>>);
+
+impl AfterCommit {
+    /// Runs the actions, in the order they were registered. Call it only after a commit that
+    /// succeeded.
+    pub(crate) fn run(self) {
+        for action in self.0 {
+            action();
+        }
+    }
+}
 
 enum SlotState<DB: Database> {
     /// Not begun yet: a request without a key, whose handler may never need it.
@@ -266,11 +294,28 @@ pub(crate) struct StillHeld;
 
 impl<DB: Database> TxSlot<DB> {
     pub(crate) fn ready(tx: Transaction<'static, DB>) -> Self {
-        Self(Arc::new(Mutex::new(SlotState::Ready(tx))))
+        Self::with(SlotState::Ready(tx))
     }
 
     pub(crate) fn lazy(pool: Pool<DB>) -> Self {
-        Self(Arc::new(Mutex::new(SlotState::Lazy(pool))))
+        Self::with(SlotState::Lazy(pool))
+    }
+
+    fn with(state: SlotState<DB>) -> Self {
+        Self(Arc::new(Shared {
+            state: Mutex::new(state),
+            after_commit: Mutex::new(AfterCommit::default()),
+        }))
+    }
+
+    /// What the work asked to run after the commit; the caller runs it once its commit
+    /// succeeded, and drops it otherwise.
+    pub(crate) fn take_after_commit(&self) -> AfterCommit {
+        std::mem::take(&mut *relock(&self.0.after_commit))
+    }
+
+    fn after_commit(&self, action: Box<dyn FnOnce() + Send>) {
+        relock(&self.0.after_commit).0.push(action);
     }
 
     /// Takes the transaction back for resolution; `None` if it was never begun.
@@ -295,10 +340,14 @@ impl<DB: Database> TxSlot<DB> {
     }
 
     fn lock(&self) -> MutexGuard<'_, SlotState<DB>> {
-        // A panic while the lock was held cannot leave the state half-written (every change is
-        // one assignment), so a poisoned lock is still sound to use.
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        relock(&self.0.state)
     }
+}
+
+/// Locks `mutex`, poisoned or not: a panic while either lock of a slot was held cannot leave
+/// its value half-written (every change is one assignment or one push), so it is still sound.
+fn relock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl<DB: Database> Clone for TxSlot<DB> {

@@ -190,6 +190,8 @@ conformance!(
     an_earlier_message_locked_by_another_claim_still_holds_its_key_back,
     enqueues_of_one_ordering_key_commit_in_id_order,
     an_ordering_key_must_be_1_to_255_characters,
+    a_request_that_enqueued_wakes_the_dispatchers_when_the_layer_commits,
+    a_rolled_back_request_sends_nothing_and_a_job_of_its_own_wakes_with_outbox_wake,
 );
 
 /// A downstream whose answers are scripted and whose calls are recorded.
@@ -2023,4 +2025,239 @@ mod through_a_broker {
             .unwrap();
         crate::databases::drop_postgres(pool, schema).await;
     }
+}
+
+/// How soon a woken dispatcher must have sent: a few round trips, with room for a machine
+/// shared with other builds, and far below the 30 s poll of the dispatchers below, which is
+/// what a dispatcher nothing wakes would wait.
+const WOKEN_WITHIN: Duration = Duration::from_secs(2);
+const LONG_POLL: Duration = Duration::from_secs(30);
+
+/// Runs a dispatcher with a 30 s poll until the returned sender is dropped or sent to; it has
+/// made its first claim (which finds nothing) and sleeps once this returns.
+async fn sleeping_dispatcher<DB: Backend>(
+    dispatcher: Dispatcher<DB, Downstream>,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(dispatcher.poll_interval(LONG_POLL).run(async {
+        let _ = stopped.await;
+    }));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    (stop, run)
+}
+
+/// Waits until `downstream` was sent `sends` messages; panics after `within`.
+async fn sent_within(downstream: &Downstream, sends: usize, within: Duration, what: &str) {
+    let started = tokio::time::Instant::now();
+    while downstream.sends().len() < sends {
+        assert!(
+            started.elapsed() < within,
+            "{what}: not sent within {within:?} of the commit"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A handler that enqueues on the request's `Tx`, then answers `status`, after `linger` (the
+/// transaction still open meanwhile).
+async fn enqueue_in_handler<DB: Backend>(
+    axum::extract::State((outbox, status, linger)): axum::extract::State<(
+        Outbox<DB>,
+        axum::http::StatusCode,
+        Duration,
+    )>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+    mut tx: axum_idempotency::Tx<DB>,
+) -> axum::http::StatusCode {
+    outbox.enqueue(&mut tx, charge(&id, "12.50")).await.unwrap();
+    tokio::time::sleep(linger).await;
+    status
+}
+
+fn app<DB: Backend>(
+    store: axum_idempotency::Store<DB>,
+    outbox: &Outbox<DB>,
+    status: axum::http::StatusCode,
+    linger: Duration,
+) -> axum::Router {
+    axum::Router::new()
+        .route(
+            "/charges/{id}",
+            axum::routing::post(enqueue_in_handler::<DB>),
+        )
+        // Without a key a request still gets a `Tx`, which the layer commits by the status.
+        .route_layer(
+            axum_idempotency::IdempotencyLayer::new(store)
+                .allow_anonymous()
+                .allow_missing_key(),
+        )
+        .with_state((outbox.clone(), status, linger))
+}
+
+async fn post(app: &axum::Router, id: &str, key: Option<&str>) -> axum::http::StatusCode {
+    use tower::ServiceExt;
+    let mut request = axum::http::Request::post(format!("/charges/{id}"));
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    let request = request.body(axum::body::Body::empty()).unwrap();
+    app.clone().oneshot(request).await.unwrap().status()
+}
+
+/// A handler enqueues on its `Tx` and nothing else: the layer's commit wakes the dispatcher,
+/// asleep for 30 s, and the message goes out at once, keyed request or not. The handler
+/// lingers before answering, its transaction open: a dispatcher woken at the enqueue rather
+/// than at the commit would find nothing and sleep through the message.
+async fn a_request_that_enqueued_wakes_the_dispatchers_when_the_layer_commits<DB: Backend>(
+    pool: Pool<DB>,
+) {
+    let store = axum_idempotency::Store::new(pool.clone());
+    store.migrate().await.unwrap();
+    let outbox = outbox(&pool).await;
+    let downstream = Downstream::default();
+    let (stop, run) = sleeping_dispatcher(dispatcher(&outbox, &downstream)).await;
+    let app = app(
+        store,
+        &outbox,
+        axum::http::StatusCode::ACCEPTED,
+        Duration::from_millis(300),
+    );
+
+    let keyed = post(&app, "keyed", Some("6d1c8a52-3f0e-4b7a-9c2d-5e8f1a4b7c90")).await;
+    assert_eq!(keyed, axum::http::StatusCode::ACCEPTED);
+    sent_within(&downstream, 1, WOKEN_WITHIN, "keyed request").await;
+    assert_eq!(downstream.sends()[0].0, key("keyed").to_string());
+
+    let unkeyed = post(&app, "unkeyed", None).await;
+    assert_eq!(unkeyed, axum::http::StatusCode::ACCEPTED);
+    sent_within(&downstream, 2, WOKEN_WITHIN, "request without a key").await;
+    assert_eq!(downstream.sends()[1].0, key("unkeyed").to_string());
+
+    stop.send(()).unwrap();
+    run.await.unwrap();
+}
+
+/// A request that rolls back leaves no message and wakes nobody into sending anything; a job
+/// that enqueues on a transaction of its own wakes the dispatchers with `Outbox::wake` after
+/// its commit; a job under `Engine::run` needs nothing, like a request.
+async fn a_rolled_back_request_sends_nothing_and_a_job_of_its_own_wakes_with_outbox_wake<
+    DB: Backend,
+>(
+    pool: Pool<DB>,
+) {
+    let store = axum_idempotency::Store::new(pool.clone());
+    store.migrate().await.unwrap();
+    let outbox = outbox(&pool).await;
+    let downstream = Downstream::default();
+    let (stop, run) = sleeping_dispatcher(dispatcher(&outbox, &downstream)).await;
+
+    let failing = app(
+        store.clone(),
+        &outbox,
+        axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+        Duration::ZERO,
+    );
+    let keyed = post(
+        &failing,
+        "rolled-back",
+        Some("0f2c7a1e-5b3d-4e8f-9a6c-1d2e3f4a5b6c"),
+    )
+    .await;
+    assert_eq!(keyed, axum::http::StatusCode::INTERNAL_SERVER_ERROR);
+    let unkeyed = post(&failing, "rolled-back-too", None).await;
+    assert_eq!(unkeyed, axum::http::StatusCode::INTERNAL_SERVER_ERROR);
+    for rolled_back in ["rolled-back", "rolled-back-too"] {
+        let found = outbox.status_by_key(&key(rolled_back)).await.unwrap();
+        assert!(found.is_none(), "{rolled_back} left a message");
+    }
+
+    // Woken before its commit, the dispatcher would find nothing and sleep 30 s.
+    let mut tx = pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut tx, charge("job", "1.00"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    outbox.wake();
+    sent_within(&downstream, 1, WOKEN_WITHIN, "a job's own transaction").await;
+
+    let engine = axum_idempotency::Engine::new(store);
+    let scope = axum_idempotency::Scope::new(
+        "nightly",
+        "POST",
+        "/jobs/charge",
+        "1f0e7c52-8f1d-4d55-a8b3-0c7f6a2b9e41".parse().unwrap(),
+    );
+    let job_outbox = outbox.clone();
+    let ran = engine
+        .run(
+            &scope,
+            axum_idempotency::Fingerprint::from([7; 32]),
+            move |mut tx: axum_idempotency::Tx<DB>| {
+                let outbox = job_outbox.clone();
+                async move {
+                    outbox
+                        .enqueue(&mut tx, charge("engine-job", "2.00"))
+                        .await
+                        .unwrap();
+                    axum::http::StatusCode::CREATED
+                }
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(ran.response.status(), axum::http::StatusCode::CREATED);
+    sent_within(&downstream, 2, WOKEN_WITHIN, "a job under Engine::run").await;
+
+    let sent: Vec<_> = downstream.sends().into_iter().map(|(key, _)| key).collect();
+    assert_eq!(
+        sent,
+        [key("job").to_string(), key("engine-job").to_string()]
+    );
+    stop.send(()).unwrap();
+    run.await.unwrap();
+}
+
+/// On PostgreSQL another process hears the commit: a dispatcher on an outbox of its own, on a
+/// pool of its own, asleep for 30 s, listens; a commit through another pool's outbox that
+/// notifies wakes it, with no wake in this process.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_in_another_process_wakes_a_listening_dispatcher_on_postgres() {
+    let (pool, schema) = databases::postgres().await;
+    let producing = outbox(&pool).await.notify_on_commit();
+    // What another process would have: its own pool and its own outbox on the same tables.
+    let elsewhere = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let consuming = Outbox::new(elsewhere.clone());
+    let downstream = Downstream::default();
+    let (stop, run) = sleeping_dispatcher(dispatcher(&consuming, &downstream).listen()).await;
+
+    let mut tx = pool.begin().await.unwrap();
+    producing
+        .enqueue(&mut tx, charge("elsewhere", "3.00"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    sent_within(&downstream, 1, WOKEN_WITHIN, "a commit of another process").await;
+
+    // A transaction that rolls back notifies nobody, and leaves nothing to send.
+    let mut tx = pool.begin().await.unwrap();
+    producing
+        .enqueue(&mut tx, charge("rolled-back", "4.00"))
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+
+    stop.send(()).unwrap();
+    run.await.unwrap();
+    assert_eq!(downstream.sends().len(), 1);
+    elsewhere.close().await;
+    databases::drop_postgres(pool, schema).await;
 }

@@ -154,6 +154,31 @@ async fn killed_after_commit_and_before_dispatch_charges_once_after_restart() {
     assert_eq!(http.charges(&provider.url).await["count"], 1);
 }
 
+/// The example has no wake-up code of its own: the commit of the request that enqueued the
+/// charge wakes its dispatcher, which polls only every 30 s, and the charge is made at once.
+#[tokio::test]
+async fn a_payment_is_charged_at_once_though_the_dispatcher_polls_every_30_s() {
+    let scenario = Scenario::new();
+    let http = &scenario.http;
+    let provider = scenario.provider(&[]).await;
+    let payments = scenario
+        .payments(&provider, &[("OUTBOX_POLL_MS", "30000")])
+        .await;
+    // Its first claim found nothing: from now on it sleeps 30 s unless woken.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let accepted = http.pay(&payments.url, "wake-key-1", &payment(1)).await;
+    assert_eq!(accepted.status, StatusCode::ACCEPTED);
+    let committed = tokio::time::Instant::now();
+    while http.charges(&provider.url).await["count"] != 1 {
+        assert!(
+            committed.elapsed() < Duration::from_secs(2),
+            "not charged within 2 s of the answer"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 #[tokio::test]
 async fn dropped_answer_is_resent_with_the_same_key_and_charged_once() {
     let scenario = Scenario::new();

@@ -1,8 +1,8 @@
 //! The brokers: a destination of the run's own, the crate's senders, the bare publisher.
 
-use std::collections::HashSet;
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer::pull, stream};
@@ -135,7 +135,11 @@ impl Broker {
                 PublishTo::Nats(NatsSender::new(js.clone()).route(TOPIC, subject.clone()))
             }
         };
-        Publish { to, confirmed }
+        Publish {
+            to,
+            confirmed,
+            acks: None,
+        }
     }
 
     /// Publishes `messages` straight to the broker, `window` at a time, each waiting for its
@@ -364,6 +368,20 @@ impl Broker {
 pub(crate) struct Publish {
     to: PublishTo,
     confirmed: Arc<AtomicUsize>,
+    /// When each send began, and when each confirmation came back.
+    acks: Option<(Acks, Acks)>,
+}
+
+/// An instant per message, by downstream key.
+pub(crate) type Acks = Arc<Mutex<HashMap<String, Instant>>>;
+
+impl Publish {
+    /// Also records when each send began, in `sends`, and when its confirmation came back, in
+    /// `acks`.
+    pub(crate) fn recording(mut self, sends: Acks, acks: Acks) -> Self {
+        self.acks = Some((sends, acks));
+        self
+    }
 }
 
 enum PublishTo {
@@ -375,6 +393,11 @@ enum PublishTo {
 
 impl Sender for Publish {
     async fn send(&self, message: &OutboxRecord) -> SendOutcome {
+        if let Some((sends, _)) = &self.acks {
+            let at = Instant::now();
+            let key = message.downstream_key.as_str().to_owned();
+            sends.lock().expect("sends").insert(key, at);
+        }
         let outcome = match &self.to {
             PublishTo::RabbitMq(sender) => sender.send(message).await,
             PublishTo::Nats(sender) => sender.send(message).await,
@@ -383,6 +406,11 @@ impl Sender for Publish {
             },
         };
         if matches!(outcome, SendOutcome::Delivered { .. }) {
+            if let Some((_, acks)) = &self.acks {
+                let at = Instant::now();
+                let key = message.downstream_key.as_str().to_owned();
+                acks.lock().expect("acks").insert(key, at);
+            }
             self.confirmed.fetch_add(1, Ordering::Relaxed);
         }
         outcome

@@ -26,6 +26,11 @@
 //!   leaves the dispatcher's own database work (claims, attempts, settlements): where it is
 //!   close to `relay`, the database side is what limits the relay, not the broker.
 //!
+//! - `latency` (PostgreSQL only, see [`latency`]): commit → delivered per message, requests
+//!   through the idempotency layer enqueuing on their `Tx` at half the producers' top rate,
+//!   one dispatcher with the defaults woken by the commits alone; p50 and p99 against 5 ms and
+//!   50 ms.
+//!
 //! Every run is verified before its figure counts: the outbox holds N delivered messages with
 //! N attempts in all (no resend), and the broker holds exactly the N expected message ids (the
 //! queue's depth is N and a consumer reads back each id once; the stream holds N messages and
@@ -44,6 +49,9 @@
 //! - `OUTBOX_BENCH_PRODUCERS` (default 8) concurrent committing tasks.
 //! - `OUTBOX_BENCH_PAYLOAD` (default 256) payload bytes per message (a JSON object).
 //! - `OUTBOX_BENCH_LIVE` (default `true`): also measure the end-to-end `live` scenario.
+//! - `OUTBOX_BENCH_THROUGHPUT` (default `true`): measure the throughput rows above.
+//! - `OUTBOX_BENCH_LATENCY` (default `true`): measure `latency` on PostgreSQL with each broker
+//!   (`OUTBOX_BENCH_MESSAGES` messages, `OUTBOX_BENCH_PRODUCERS` tasks for the top rate).
 //! - `OUTBOX_BENCH_TUNED` (default `64x1`): one more row per store and broker with
 //!   `batch_size` × dispatchers as given (`BATCHxDISPATCHERS`; `0` or empty for none), the
 //!   other settings at their defaults and the bare window sized to match. On SQLite the tuned
@@ -60,6 +68,7 @@
 //!   its own (named after the process id) and deletes them at the end.
 
 mod broker;
+mod latency;
 mod report;
 mod run;
 mod store;
@@ -70,7 +79,8 @@ use axum_idempotency::outbox::DownstreamKey;
 use futures_util::FutureExt;
 
 use broker::Broker;
-use report::print;
+use latency::Latency;
+use report::{print, print_latency};
 use run::{Row, measure_store};
 
 /// The routing key (RabbitMQ) and the topic every message carries.
@@ -100,6 +110,8 @@ struct Settings {
     producers: usize,
     payload: usize,
     live: bool,
+    throughput: bool,
+    latency: bool,
 }
 
 /// The dispatcher settings of one table row.
@@ -202,6 +214,8 @@ async fn main() {
         producers: env_or("OUTBOX_BENCH_PRODUCERS", 8usize).max(1),
         payload: env_or("OUTBOX_BENCH_PAYLOAD", 256usize),
         live: env_or("OUTBOX_BENCH_LIVE", true),
+        throughput: env_or("OUTBOX_BENCH_THROUGHPUT", true),
+        latency: env_or("OUTBOX_BENCH_LATENCY", true),
     };
     let tag = std::process::id();
     let mut brokers = Vec::new();
@@ -212,26 +226,37 @@ async fn main() {
             other => eprintln!("unknown broker {other:?} skipped (rabbitmq, nats)"),
         }
     }
-    let mut rows = Vec::new();
+    let (mut rows, mut latencies) = (Vec::new(), Vec::new());
     // Caught so the queues, streams and schema of this run are deleted whatever happens.
-    let measured = AssertUnwindSafe(measure_stores(&brokers, &settings, tag, &mut rows))
-        .catch_unwind()
-        .await;
+    let measuring = measure_stores(&brokers, &settings, tag, &mut rows, &mut latencies);
+    let measured = AssertUnwindSafe(measuring).catch_unwind().await;
     for broker in brokers {
         broker.delete().await;
     }
     if let Err(panic) = measured {
         std::panic::resume_unwind(panic);
     }
-    print(&rows, &settings);
-    if rows.iter().any(|row| !row.errors.is_empty()) {
+    if settings.throughput {
+        print(&rows, &settings);
+    }
+    print_latency(&latencies, &settings);
+    if rows.iter().any(|row| !row.errors.is_empty())
+        || latencies.iter().any(|row| !row.errors.is_empty())
+    {
         std::process::exit(1);
     }
 }
 
-async fn measure_stores(brokers: &[Broker], settings: &Settings, tag: u32, rows: &mut Vec<Row>) {
+async fn measure_stores(
+    brokers: &[Broker],
+    settings: &Settings,
+    tag: u32,
+    rows: &mut Vec<Row>,
+    latencies: &mut Vec<Latency>,
+) {
     for store in env_list("OUTBOX_BENCH_STORES", "sqlite,postgres") {
         match store.as_str() {
+            "sqlite" if !settings.throughput => {}
             "sqlite" => {
                 let dir = tempfile::tempdir().expect("tempdir");
                 let options = sqlx::sqlite::SqliteConnectOptions::new()
@@ -269,7 +294,22 @@ async fn measure_stores(brokers: &[Broker], settings: &Settings, tag: u32, rows:
                         .connect_with(options)
                         .await
                         .expect("PostgreSQL");
-                    measure_store(&pool, brokers, &profiles(None), settings, tag, rows).await;
+                    if settings.throughput {
+                        measure_store(&pool, brokers, &profiles(None), settings, tag, rows).await;
+                    }
+                    if settings.latency {
+                        for broker in brokers {
+                            let measured = latency::measure(&pool, broker, settings, tag).await;
+                            eprintln!(
+                                "measured latency {} × {}: p50 {:?}, p99 {:?}",
+                                measured.store,
+                                measured.broker,
+                                measured.quantile(0.5),
+                                measured.quantile(0.99)
+                            );
+                            latencies.push(measured);
+                        }
+                    }
                     pool.close().await;
                 })
                 .catch_unwind()

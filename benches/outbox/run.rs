@@ -45,7 +45,7 @@ pub(crate) async fn produce<DB: Store>(
                 for i in (p..n).step_by(producers) {
                     let message = Message::new(TOPIC, key(&run, i), payload(i, size));
                     let mut tx = pool.begin().await.expect("begin");
-                    outbox.enqueue(&mut *tx, message).await.expect("enqueue");
+                    outbox.enqueue(&mut tx, message).await.expect("enqueue");
                     tx.commit().await.expect("commit");
                     wakers.iter().for_each(DispatchWaker::wake);
                 }

@@ -169,7 +169,8 @@ impl<DB: Backend> Engine<DB> {
                     ..record
                 };
                 match self.store.protocol().commit_record(tx, &completed).await {
-                    Ok(()) => {}
+                    // Only now can others see the work's writes, so only now is it told.
+                    Ok(()) => slot.take_after_commit().run(),
                     Err(Error::Conflict) => return Attempted::Conflicted,
                     Err(error) => return Attempted::Answered(Answer::store_failed(error)),
                 }

@@ -285,12 +285,20 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 }
             };
             // The same rule as for keyed requests: only a completed answer keeps its writes.
-            let resolved = match engine.classification(response.status()) {
-                Classification::Completed => tx.commit().await,
-                Classification::FailedPermanent | Classification::Retryable => tx.rollback().await,
+            let completed = engine.classification(response.status()) == Classification::Completed;
+            let resolved = if completed {
+                tx.commit().await
+            } else {
+                tx.rollback().await
             };
             match resolved {
-                Ok(()) => response,
+                Ok(()) => {
+                    // After a commit only: never for a rollback, whose writes nobody sees.
+                    if completed {
+                        slot.take_after_commit().run();
+                    }
+                    response
+                }
                 Err(error) => {
                     tracing::error!(%error, "resolving the request's transaction failed");
                     Rejection::Internal.into_response()

@@ -8,11 +8,11 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::backend::{Claim, Claimed, Settlement};
 use super::status::{duration_millis, from_millis, now_millis, to_millis};
+use super::wake::{Listen, Wake};
 use super::{Error, LookupOutcome, Outbox, OutboxRecord, SendOutcome, Sender, Status};
 use crate::Backend;
 use crate::backoff::{Backoff, random_u64};
@@ -34,6 +34,11 @@ use window::{Found, Window};
 /// and the leases held are renewed in one write. On SQLite, the dispatchers of one [`Outbox`] (and
 /// its clones) write one at a time, queueing in the process rather than in SQLite's lock wait.
 ///
+/// The dispatchers of one [`Outbox`] and its clones share its wake signal: a message enqueued on
+/// the handler's [`Tx`](crate::Tx) wakes them when its transaction commits, so they pick it up
+/// at once however long their [`poll_interval`](Self::poll_interval); see
+/// [`Outbox::wake`] for messages enqueued on transactions of your own.
+///
 /// ```no_run
 /// # use axum_idempotency::outbox::{Dispatcher, Outbox, OutboxRecord, SendOutcome, Sender};
 /// # struct Provider;
@@ -46,7 +51,6 @@ use window::{Found, Window};
 /// let dispatcher = Dispatcher::new(outbox, Provider)
 ///     .poll_interval(Duration::from_millis(500))
 ///     .max_attempts(10);
-/// let waker = dispatcher.waker(); // call waker.wake() after a commit that enqueued
 /// let task = tokio::spawn(dispatcher.run(async {
 ///     let _ = tokio::signal::ctrl_c().await;
 /// }));
@@ -57,7 +61,7 @@ use window::{Found, Window};
 pub struct Dispatcher<DB: Backend, S> {
     outbox: Outbox<DB>,
     sender: Arc<S>,
-    wake: Arc<Notify>,
+    listen: Listen,
     poll_interval: Duration,
     batch_size: u32,
     max_attempts: u32,
@@ -76,7 +80,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         Self {
             outbox,
             sender: Arc::new(sender),
-            wake: Arc::new(Notify::new()),
+            listen: Listen::default(),
             poll_interval: Duration::from_secs(1),
             batch_size: 16,
             max_attempts: 10,
@@ -89,8 +93,11 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         }
     }
 
-    /// How long to sleep when no message is due; default 1 s. A [`waker`](Self::waker) cuts
-    /// the sleep short.
+    /// How long to sleep when no message is due; default 1 s. A commit that enqueued on the
+    /// handler's [`Tx`](crate::Tx), or [`Outbox::wake`], cuts the sleep short; the interval is
+    /// what bounds the wait for messages nothing woke the dispatcher for (those of other
+    /// processes, unless it [listens](Self::listen) on PostgreSQL), and the retry of a claim
+    /// that failed.
     #[must_use]
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.poll_interval = interval;
@@ -185,12 +192,29 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         self
     }
 
-    /// A handle that makes the running dispatcher poll now instead of at the end of its sleep.
+    /// A handle that makes the running dispatchers of this dispatcher's outbox (and its
+    /// clones) poll now instead of at the end of their sleep: the same as [`Outbox::wake`],
+    /// for code that holds the dispatcher rather than the outbox.
     ///
-    /// Wake it after the commit of a transaction that enqueued: woken earlier, it finds
-    /// nothing yet and the message waits for the next poll.
+    /// Messages enqueued on the handler's [`Tx`](crate::Tx) need no wake of yours: its commit
+    /// wakes the dispatchers. After the commit of a transaction of your own, wake them; woken
+    /// before it, they find nothing yet and the message waits for the next poll.
+    ///
+    /// ```
+    /// # use axum_idempotency::outbox::{Dispatcher, Outbox, OutboxRecord, SendOutcome, Sender};
+    /// # struct Provider;
+    /// # impl Sender for Provider {
+    /// #     async fn send(&self, _: &OutboxRecord) -> SendOutcome { unimplemented!() }
+    /// # }
+    /// # fn run(outbox: Outbox<sqlx::Sqlite>) {
+    /// let dispatcher = Dispatcher::new(outbox, Provider);
+    /// let waker = dispatcher.waker();
+    /// // … after a commit of your own that enqueued:
+    /// waker.wake();
+    /// # }
+    /// ```
     pub fn waker(&self) -> DispatchWaker {
-        DispatchWaker(self.wake.clone())
+        DispatchWaker(self.outbox.wake_signal().clone())
     }
 
     /// Delivers messages until `shutdown` completes.
@@ -203,6 +227,9 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// errors are logged and retried after the poll interval; they never end the loop.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) {
         let mut shutdown = std::pin::pin!(shutdown);
+        // Subscribed before the first claim, so a commit after that claim's read is seen.
+        let mut woken = self.outbox.wake_signal().subscribe();
+        let heard = self.listen.start(self.poll_interval);
         let mut window = Window::new(&self);
         let mut stopping = false;
         // Set when a claim found less than it asked for (nothing more is due) or failed: no
@@ -233,7 +260,9 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
                         resting = Some(Instant::now() + self.poll_interval);
                     }
                 },
-                () = self.wake.notified(), if rest.is_some() => resting = None,
+                // The outbox's sender lives as long as `self.outbox`: this never fails.
+                _ = woken.changed(), if rest.is_some() => resting = None,
+                () = heard.notified(), if rest.is_some() => resting = None,
                 () = sleep_until(rest), if rest.is_some() => resting = None,
             }
         }
@@ -571,6 +600,39 @@ pub(super) struct Outage {
     reason: String,
 }
 
+#[cfg(feature = "postgres")]
+impl<S: Sender> Dispatcher<sqlx::Postgres, S> {
+    /// Also wakes on the commits of other processes: the dispatcher holds a connection of its
+    /// own that `LISTEN`s for the notifications of outboxes built with
+    /// [`Outbox::notify_on_commit`], and polls as soon as one arrives. Off by default.
+    ///
+    /// It costs one database connection per listening dispatcher, outside the outbox's pool.
+    /// It needs a direct connection or a session-mode pooler: behind a transaction-mode pooler
+    /// (PgBouncer's `pool_mode = transaction`) no notification arrives, and the dispatcher
+    /// finds messages at its [`poll_interval`](Self::poll_interval) as without listening.
+    /// When the connection fails, the dispatcher logs a warning and polls until it has
+    /// listened again, which it tries after at most the poll interval (or a second); it then
+    /// claims once, for what was notified meanwhile.
+    ///
+    /// ```
+    /// # use axum_idempotency::outbox::{Dispatcher, Outbox, OutboxRecord, SendOutcome, Sender};
+    /// # struct Provider;
+    /// # impl Sender for Provider {
+    /// #     async fn send(&self, _: &OutboxRecord) -> SendOutcome { unimplemented!() }
+    /// # }
+    /// # fn run(pool: sqlx::PgPool) {
+    /// let outbox = Outbox::new(pool).notify_on_commit();
+    /// let dispatcher = Dispatcher::new(outbox, Provider).listen();
+    /// # let _ = dispatcher;
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn listen(mut self) -> Self {
+        self.listen = Listen::postgres(self.outbox.pool().connect_options());
+        self
+    }
+}
+
 impl<DB: Backend, S> fmt::Debug for Dispatcher<DB, S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Dispatcher")
@@ -587,14 +649,15 @@ impl<DB: Backend, S> fmt::Debug for Dispatcher<DB, S> {
     }
 }
 
-/// Makes a running [`Dispatcher`] poll now; cheap to clone.
+/// Makes the running [`Dispatcher`]s of one outbox poll now (see [`Dispatcher::waker`]); cheap
+/// to clone.
 #[derive(Debug, Clone)]
-pub struct DispatchWaker(Arc<Notify>);
+pub struct DispatchWaker(Wake);
 
 impl DispatchWaker {
     /// Asks for a poll; wakes of a dispatcher that is busy collapse into one poll after it.
     pub fn wake(&self) {
-        self.0.notify_one();
+        self.0.wake();
     }
 }
 

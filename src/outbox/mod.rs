@@ -57,14 +57,28 @@
 //! outbox.migrate().await?;
 //! tokio::spawn(Dispatcher::new(outbox.clone(), Provider).run(std::future::pending()));
 //!
-//! // In the handler, on the request's transaction:
+//! // A transaction of your own here; in a handler, the request's `Tx` (`&mut tx`), whose
+//! // commit wakes the dispatchers by itself.
 //! let mut tx = pool.begin().await?;
 //! let key = DownstreamKey::for_request(scoped_key_digest, "charges", "charge");
 //! let charge = serde_json::json!({ "amount": "12.50", "currency": "EUR" });
 //! let id = outbox.enqueue(&mut tx, Message::json("charges", key, &charge)?).await?;
 //! tx.commit().await?;
+//! outbox.wake();
 //! # Ok(()) }
 //! ```
+//!
+//! # Waking the dispatchers
+//!
+//! A dispatcher sleeps [`poll_interval`](Dispatcher::poll_interval) when nothing is due, but a
+//! commit that enqueued wakes the dispatchers of its outbox (and its clones) in its process at
+//! once, with no code of yours: a message enqueued on the handler's [`Tx`](crate::Tx) is
+//! announced by whatever commits that transaction (the layer, [`Engine::run`](crate::Engine::run),
+//! the inbox), only after the commit succeeded. On a transaction of your own, call
+//! [`Outbox::wake`] after its commit (see [`EnqueueTarget`]). Dispatchers in other processes
+//! find the message at their next poll; on PostgreSQL, `Outbox::notify_on_commit` and
+//! `Dispatcher::listen` wake them too, through `LISTEN/NOTIFY`, unless a transaction-mode
+//! pooler sits between them and the database.
 //!
 //! For an HTTP API that deduplicates by `Idempotency-Key` (most payment providers do),
 //! [`HttpSender`] is that sender, with an optional lookup by key.
@@ -135,6 +149,7 @@ mod message;
 mod sender;
 mod status;
 mod store;
+mod wake;
 
 pub use crate::backoff::Backoff;
 pub(crate) use backend::Ops;
@@ -149,3 +164,4 @@ pub use message::{DownstreamKey, InvalidDownstreamKey, Message};
 pub use sender::{LookupOutcome, SendOutcome, Sender};
 pub use status::{MessageId, OutboxRecord, Status};
 pub use store::Outbox;
+pub use wake::EnqueueTarget;

@@ -8,7 +8,8 @@ use sqlx::Pool;
 
 use super::message::valid_ordering_key;
 use super::status::{duration_millis, now_millis};
-use super::{DownstreamKey, Error, Message, MessageId, OutboxRecord};
+use super::wake::{Notify, Wake};
+use super::{DownstreamKey, EnqueueTarget, Error, Message, MessageId, OutboxRecord};
 use crate::Backend;
 
 /// Handle on the `idempotency_outbox` table of one database; cheap to clone.
@@ -27,16 +28,35 @@ use crate::Backend;
 /// let key = DownstreamKey::new("nightly-report-2024-05-01")?;
 /// let id = outbox.enqueue(&mut tx, Message::new("reports", key, "payload")).await?;
 /// tx.commit().await?; // only now can a dispatcher see the message
+/// outbox.wake(); // a transaction of your own: the dispatchers are told after its commit
 ///
 /// let record = outbox.status(id).await?;
 /// # Ok(()) }
 /// ```
+///
+/// # Waking the dispatchers
+///
+/// The [`Dispatcher`](super::Dispatcher)s of an outbox and of its clones share one wake
+/// signal. A message enqueued on the handler's [`Tx`](crate::Tx) (`outbox.enqueue(&mut tx,
+/// …)`) wakes them as soon as whatever commits that transaction (the layer, the engine, the
+/// inbox) has committed it, never before, so it is sent within a database round trip or two of
+/// the commit rather than at the next poll. A message enqueued on a transaction of your own
+/// needs [`wake`](Self::wake) after its commit. Other processes find it at their next poll,
+/// unless they listen (PostgreSQL, below).
+#[cfg_attr(
+    feature = "postgres",
+    doc = "\nOn PostgreSQL, [`notify_on_commit`](Self::notify_on_commit) and \
+           [`Dispatcher::listen`](super::Dispatcher::listen) wake the dispatchers of every \
+           process."
+)]
 pub struct Outbox<DB: Backend> {
     pool: Pool<DB>,
     // One purge at a time per outbox (and its clones): two would only race for the same rows.
     purging: Arc<tokio::sync::Mutex<()>>,
     // The dispatchers' writes, one at a time on a database with one writer.
     writing: Arc<tokio::sync::Mutex<()>>,
+    wake: Wake,
+    notify: Option<Notify<DB>>,
 }
 
 impl<DB: Backend> Outbox<DB> {
@@ -47,6 +67,8 @@ impl<DB: Backend> Outbox<DB> {
             pool,
             purging: Arc::default(),
             writing: Arc::default(),
+            wake: Wake::new(),
+            notify: None,
         }
     }
 
@@ -59,20 +81,24 @@ impl<DB: Backend> Outbox<DB> {
         Ok(())
     }
 
-    /// Writes `message` as pending on `conn`, inside whatever transaction `conn` is in.
+    /// Writes `message` as pending on `target`, inside whatever transaction `target` is in.
     ///
-    /// Pass the handler's transaction (`&mut *tx`): the message then commits or rolls back with
-    /// the business rows, and no dispatcher can see it before the commit. Enqueuing a message
-    /// whose downstream key is already present returns the existing message's id when topic and
-    /// payload are the same (a replayed job enqueues nothing new), and
-    /// [`Error::KeyReused`] when they differ.
+    /// Pass the handler's [`Tx`](crate::Tx) (`&mut tx`): the message then commits or rolls
+    /// back with the business rows, no dispatcher can see it before the commit, and the
+    /// commit wakes this outbox's dispatchers in this process. On a transaction or connection
+    /// of your own, call [`wake`](Self::wake) after its commit (see [`EnqueueTarget`]).
     ///
-    /// A message with an [ordering key](Message::ordering_key) holds that key until `conn`'s
-    /// transaction ends, so that ids follow commit order within a key (see [Order per
-    /// key](super#order-per-key)); an invalid ordering key is [`Error::InvalidOrderingKey`].
+    /// Enqueuing a message whose downstream key is already present returns the existing
+    /// message's id when topic and payload are the same (a replayed job enqueues nothing new),
+    /// and [`Error::KeyReused`] when they differ.
+    ///
+    /// A message with an [ordering key](Message::ordering_key) holds that key until
+    /// `target`'s transaction ends, so that ids follow commit order within a key (see [Order
+    /// per key](super#order-per-key)); an invalid ordering key is
+    /// [`Error::InvalidOrderingKey`].
     pub async fn enqueue(
         &self,
-        conn: &mut DB::Connection,
+        target: impl EnqueueTarget<DB>,
         message: Message,
     ) -> Result<MessageId, Error> {
         if message
@@ -81,7 +107,14 @@ impl<DB: Backend> Outbox<DB> {
         {
             return Err(Error::InvalidOrderingKey);
         }
+        let mut target = target;
+        let conn = target.connection();
         if let Some(id) = DB::insert(conn, &message, now_millis()).await? {
+            if let Some(notify) = self.notify {
+                notify(conn).await?;
+            }
+            let wake = self.wake.clone();
+            target.after_commit(move || wake.wake());
             return Ok(id);
         }
         match DB::fetch_by_key(conn, message.key()).await? {
@@ -136,8 +169,7 @@ impl<DB: Backend> Outbox<DB> {
     }
 
     /// Puts a failed message back to pending, due now, with its attempts and its time budget
-    /// counted afresh,
-    /// once the cause of its failure is fixed. `false` when it is not failed (pending,
+    /// counted afresh, once the cause of its failure is fixed. `false` when it is not failed (pending,
     /// delivered, or unknown). Its downstream key is unchanged, so a downstream that did see
     /// an earlier attempt still applies it once; if its last outcome was unknown, the next
     /// attempt looks it up first.
@@ -178,8 +210,30 @@ impl<DB: Backend> Outbox<DB> {
         Ok(DB::fetch_blocker(&mut conn, id).await?)
     }
 
+    /// Makes the [`Dispatcher`](super::Dispatcher)s of this outbox and its clones in this
+    /// process poll now: call it after committing a transaction of your own that enqueued.
+    /// Messages enqueued on the handler's [`Tx`](crate::Tx) need no call.
+    ///
+    /// Never call it before the commit: a dispatcher woken then finds nothing yet, and the
+    /// message waits for its next poll. A wake that comes while a dispatcher is busy makes it
+    /// claim once more when it is done.
+    ///
+    /// ```
+    /// # fn run(outbox: axum_idempotency::outbox::Outbox<sqlx::Sqlite>) {
+    /// // … `tx.commit().await?` of a transaction that enqueued …
+    /// outbox.wake();
+    /// # }
+    /// ```
+    pub fn wake(&self) {
+        self.wake.wake();
+    }
+
     pub(crate) fn pool(&self) -> &Pool<DB> {
         &self.pool
+    }
+
+    pub(crate) fn wake_signal(&self) -> &Wake {
+        &self.wake
     }
 
     /// Waits for the dispatchers' turn to write, on a database that takes one writer at a time
@@ -200,7 +254,39 @@ impl<DB: Backend> Clone for Outbox<DB> {
             pool: self.pool.clone(),
             purging: Arc::clone(&self.purging),
             writing: Arc::clone(&self.writing),
+            wake: self.wake.clone(),
+            notify: self.notify,
         }
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Outbox<sqlx::Postgres> {
+    /// Also wakes the dispatchers of other processes: each enqueue issues PostgreSQL's
+    /// `NOTIFY` in its transaction, which PostgreSQL delivers only when that transaction
+    /// commits (several messages of one transaction make one notification), to the
+    /// dispatchers built with [`Dispatcher::listen`](super::Dispatcher::listen). Off by
+    /// default.
+    ///
+    /// It does not pass a transaction-mode pooler (PgBouncer's `pool_mode = transaction`, and
+    /// the poolers that work alike): the notification is sent, but a listener behind such a
+    /// pooler hears nothing, and its dispatchers fall back to polling. Listening dispatchers
+    /// connect to the database directly or through a session-mode pooler. Each commit that
+    /// notifies also takes PostgreSQL's notification queue lock briefly, which serializes the
+    /// commits that notify.
+    ///
+    /// ```
+    /// # fn run(pool: sqlx::PgPool) {
+    /// use axum_idempotency::outbox::Outbox;
+    ///
+    /// let outbox = Outbox::new(pool).notify_on_commit();
+    /// # let _ = outbox;
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn notify_on_commit(mut self) -> Self {
+        self.notify = Some(super::wake::pg_notify);
+        self
     }
 }
 

@@ -623,6 +623,16 @@ pub mod jobs {}
 /// options, the outcomes a sender reports and the backends; the `payments` example in the
 /// repository is a complete app with a provider and a broker behind one outbox.
 ///
+/// Enqueue on the `Tx` itself (`&mut tx`, as above): the layer's commit then wakes the
+/// outbox's dispatchers in this process, and the message goes out within a few milliseconds
+/// rather than at the next poll. A job that enqueues on a transaction of its own calls
+/// [`Outbox::wake`](crate::outbox::Outbox::wake) after its commit. Dispatchers of other
+/// processes poll; on PostgreSQL, an outbox built with `notify_on_commit()` and dispatchers
+/// built with `listen()` wake them through `LISTEN/NOTIFY`. That does not pass a
+/// transaction-mode pooler (PgBouncer's `pool_mode = transaction`): behind one, no
+/// notification arrives and the dispatchers only poll. Each listening dispatcher holds one
+/// connection of its own.
+///
 /// # Outages: what the outbox waits out
 ///
 /// An intent the API accepted must end done, however long its destination is away. The
@@ -659,15 +669,6 @@ pub mod jobs {}
 ///   (labels below). [`Outbox::requeue`](crate::outbox::Outbox::requeue) puts it back once the
 ///   cause is fixed, its attempts and its budget counted afresh (from the record's
 ///   `requeued_at`), its downstream key unchanged.
-/// Enqueue on the `Tx` itself (`&mut tx`, as above): the layer's commit then wakes the
-/// outbox's dispatchers in this process, and the message goes out within a few milliseconds
-/// rather than at the next poll. A job that enqueues on a transaction of its own calls
-/// [`Outbox::wake`](crate::outbox::Outbox::wake) after its commit. Dispatchers of other
-/// processes poll; on PostgreSQL, an outbox built with `notify_on_commit()` and dispatchers
-/// built with `listen()` wake them through `LISTEN/NOTIFY`. That does not pass a
-/// transaction-mode pooler (PgBouncer's `pool_mode = transaction`): behind one, no
-/// notification arrives and the dispatchers only poll. Each listening dispatcher holds one
-/// connection of its own.
 #[cfg(feature = "outbox")]
 pub mod outbox {}
 

@@ -1867,11 +1867,14 @@ mod through_a_broker {
         }
     }
 
-    /// Drops every connection through `plug` every 100-300 ms, for 20-80 ms, until aborted.
+    /// Drops every connection through `plug` every 100-300 ms, for 20-80 ms, until aborted;
+    /// the first drop comes within 50 ms, so that a quick run still meets one.
     fn keep_dropping(plug: std::sync::Arc<Plug>) -> tokio::task::JoinHandle<()> {
         tokio::spawn(async move {
+            let mut wait = fastrand::u64(10..50);
             loop {
-                tokio::time::sleep(Duration::from_millis(fastrand::u64(100..300))).await;
+                tokio::time::sleep(Duration::from_millis(wait)).await;
+                wait = fastrand::u64(100..300);
                 plug.unplug();
                 tokio::time::sleep(Duration::from_millis(fastrand::u64(20..80))).await;
                 plug.plug_in();
@@ -1885,7 +1888,7 @@ mod through_a_broker {
         let outbox = Outbox::new(pool.clone());
         outbox.migrate().await.unwrap();
         let keys = ["order-1", "order-2", "order-3"];
-        let per_key = 10;
+        let per_key = 20;
         let mut messages = Vec::new();
         for seq in 0..per_key {
             for key in keys {

@@ -108,26 +108,37 @@ impl Process {
     }
 }
 
-/// The outbox's rows by what became of them.
+/// The outbox's rows still to be delivered, and those given up.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Counts {
     pub(crate) pending: u64,
-    pub(crate) delivered_charges: u64,
-    pub(crate) delivered_events: u64,
+    /// Pending charges: the payments not yet charged.
+    pub(crate) pending_charges: u64,
     pub(crate) failed: u64,
 }
 
-const COUNTS: &str =
-    "SELECT status, topic, COUNT(*) FROM idempotency_outbox GROUP BY status, topic";
+/// What the bench polls: only the pending and failed rows, through the outbox's
+/// `(status, next_attempt_at)` index. A count of every row (the delivered ones too, which the
+/// example never purges) scanned the whole table at each poll and slowed the relay it measured.
+const COUNTS: &str = "SELECT topic, status, COUNT(*) FROM idempotency_outbox \
+     WHERE status IN ('pending', 'failed') GROUP BY topic, status";
+
+/// The delivered rows by topic (charges, events): a scan of the table, for the end of a step.
+const DELIVERED: &str = "SELECT \
+     COUNT(CASE WHEN topic = 'payments.charge' THEN 1 END), \
+     COUNT(CASE WHEN topic <> 'payments.charge' THEN 1 END) \
+     FROM idempotency_outbox WHERE status = 'delivered'";
 
 fn tally(rows: Vec<(String, String, i64)>) -> Counts {
     let mut counts = Counts::default();
-    for (status, topic, n) in rows {
+    for (topic, status, n) in rows {
         let n = u64::try_from(n).unwrap_or_default();
-        match (status.as_str(), topic.as_str()) {
-            ("pending", _) => counts.pending += n,
-            ("delivered", "payments.charge") => counts.delivered_charges += n,
-            ("delivered", _) => counts.delivered_events += n,
+        match status.as_str() {
+            "pending" if topic == "payments.charge" => {
+                counts.pending += n;
+                counts.pending_charges += n;
+            }
+            "pending" => counts.pending += n,
             _ => counts.failed += n,
         }
     }
@@ -224,6 +235,27 @@ impl Database {
                 )
             }
         }
+    }
+
+    /// The delivered charges and events.
+    pub(crate) async fn delivered(&mut self) -> (u64, u64) {
+        let _ = self.counts().await;
+        let row: Result<(i64, i64), _> = match self {
+            Self::Sqlite { pool, .. } => {
+                let pool = pool.as_ref().expect("connected");
+                sqlx::query_as(DELIVERED).fetch_one(pool).await
+            }
+            #[cfg(feature = "postgres")]
+            Self::Postgres { pool, .. } => {
+                let pool = pool.as_ref().expect("connected");
+                sqlx::query_as(DELIVERED).fetch_one(pool).await
+            }
+        };
+        let (charges, events) = row.unwrap_or_default();
+        (
+            u64::try_from(charges).unwrap_or_default(),
+            u64::try_from(events).unwrap_or_default(),
+        )
     }
 
     pub(crate) async fn cleanup(self) {

@@ -173,7 +173,7 @@ async fn until(
         if since.elapsed() > limit {
             return None;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
@@ -202,15 +202,23 @@ async fn accept_and_relay(settings: &Settings, store: &str, broker: &str) -> f64
     let started = Instant::now();
     let payments = run.payments(&direct, settings.dispatchers).await;
     let limit = Duration::from_secs(600);
+    // The relay has begun once the first charge left the pending rows (an event is enqueued
+    // only when its charge is delivered, so no pending row at all means every event is out).
     let charged = until(&mut run.db, started, limit, |c| {
-        c.delivered_charges >= backlog || c.failed > 0
+        c.pending_charges == 0 || c.failed > 0
     })
     .await;
     let delivered = until(&mut run.db, started, limit, |c| {
-        c.delivered_events >= backlog || c.failed > 0
+        c.pending == 0 || c.failed > 0
     })
     .await;
     let after = run.db.counts().await;
+    let (charges, events_delivered) = run.db.delivered().await;
+    assert_eq!(
+        (charges, events_delivered),
+        (backlog, backlog),
+        "every payment relayed once"
+    );
     let at_broker = events.count().await;
     payments.stop().await;
     let relay = delivered.map_or(0.0, |t| backlog as f64 / t.as_secs_f64());
@@ -277,19 +285,19 @@ async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
     let at_return = run.db.counts().await;
     proxy.restore();
     let restored = Instant::now();
-    let events_then = at_return.delivered_events;
+    let (_, events_then) = run.db.delivered().await;
+    let pending_then = at_return.pending;
     let first_event = until(&mut run.db, restored, settings.drain_limit, |c| {
-        c.delivered_events > events_then
+        c.pending < pending_then
     })
     .await;
     let mut next_report = Duration::from_secs(5);
     let drained = until(&mut run.db, restored, settings.drain_limit, |c| {
         if restored.elapsed() >= next_report {
             eprintln!(
-                "{store} {broker}: {} s after the return, {} pending, {} events delivered",
+                "{store} {broker}: {} s after the return, {} pending",
                 next_report.as_secs(),
                 c.pending,
-                c.delivered_events
             );
             next_report += Duration::from_secs(5);
         }
@@ -305,6 +313,7 @@ async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
     })
     .await;
     let end = run.db.counts().await;
+    let (end_charges, end_events) = run.db.delivered().await;
     let at_broker = events.count().await;
     payments.stop().await;
     println!(
@@ -317,7 +326,7 @@ async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
     );
     println!(
         "{store:<8} {broker:<8} outage: broker cut for {} s; at its return {} pending ({} events \
-         delivered before the cut); first event delivered {} after the return; backlog back to \
+         delivered by then); the pending rows first fell {} after the return; backlog back to \
          {steady_max} pending {} after the return",
         settings.outage.as_secs(),
         at_return.pending,
@@ -332,8 +341,8 @@ async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
         load.tally.refused.load(Ordering::Relaxed),
         load.tally.late.load(Ordering::Relaxed),
         seconds(all),
-        end.delivered_charges,
-        end.delivered_events,
+        end_charges,
+        end_events,
         at_broker,
         end.failed,
     );

@@ -1,12 +1,21 @@
-//! Throughput of the inbox consumer against a plain consumer that does the same business write
-//! without dedupe, on JetStream: `cargo bench --bench inbox --all-features`.
+//! Throughput of the inbox consumer against a hand-written dedupe consumer, on JetStream, on
+//! SQLite and PostgreSQL: `cargo bench --bench inbox --all-features`.
 //!
-//! Three consumers read the same number of messages from fresh streams, the same number at a
+//! Four consumers read the same number of messages from fresh streams, the same number at a
 //! time, with the same pull batch: *bare* only acks; *plain* inserts one row in a transaction,
+//! commits, then acks, with no dedupe; *dedupe* is what a careful user writes by hand: in one
+//! transaction it inserts the message id into a processed-ids table (its primary key makes a
+//! duplicate insert nothing, and a duplicate is rolled back and acked), inserts the same row,
 //! commits, then acks; *inbox* claims the message's business key in the transaction it inserts
-//! the same row in, commits, then acks. The figure that matters is inbox / plain, the price of
-//! the dedupe. The same two are also run without a broker (the rows committed by tasks fed
-//! from memory), which splits that price into the database's part and the consumer's.
+//! the same row in, commits, then acks. The figure that matters is inbox / dedupe, what the
+//! inbox costs over the dedupe a user would otherwise write; plain and bare are context. The
+//! consumers with a database are also run without a broker (rows committed by tasks fed from
+//! memory), which splits the price into the database's part and the consumer's.
+//!
+//! The databases: SQLite (a WAL file in a temporary directory) always, PostgreSQL when the
+//! bench is built with the `postgres` feature (`TEST_POSTGRES_URL`, default
+//! `postgres://postgres@127.0.0.1:5432/test`, in a schema of its own). `INBOX_BENCH_DATABASES`
+//! (default `sqlite,postgres`) narrows that to a list.
 //!
 //! Each round runs every scenario once, in turn, so a change in the machine's load hits them
 //! alike; the medians of the rounds are printed with the range of the per-round ratios.
@@ -24,6 +33,9 @@ use futures_util::StreamExt;
 
 const NATS: &str = "nats://127.0.0.1:4222";
 const INSERT: &str = "INSERT INTO effects (key) VALUES ($1)";
+/// The hand-written dedupe's claim: a row for a new id, nothing for a processed one.
+const PROCESSED: &str =
+    "INSERT INTO processed (id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING id";
 /// Publishes awaited at most at once: the client holds back a publish past its own limit of
 /// unconfirmed ones (5 000 by default) until one is confirmed, so the bench must await them
 /// as it goes or hang on a larger run.
@@ -158,6 +170,81 @@ where
     tx.commit().await.expect("commit");
 }
 
+/// The hand-written dedupe: the processed id and the business row in one transaction; a
+/// processed id inserts nothing, and the transaction is rolled back. Returns whether the
+/// message was applied.
+async fn dedupe_committed<DB>(pool: &sqlx::Pool<DB>, id: String, key: String) -> bool
+where
+    DB: Backend,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    let mut tx = pool.begin().await.expect("begin");
+    let new = sqlx::query(PROCESSED)
+        .bind(id)
+        .fetch_optional(&mut *tx)
+        .await
+        .expect("processed id")
+        .is_some();
+    if !new {
+        tx.rollback().await.expect("rollback");
+        return false;
+    }
+    sqlx::query(INSERT)
+        .bind(key)
+        .execute(&mut *tx)
+        .await
+        .expect("insert");
+    tx.commit().await.expect("commit");
+    true
+}
+
+/// A consumer deduping by hand: [`dedupe_committed`] with the message's id (the stream's name
+/// before it, as the inbox scopes its keys by its name), then the ack.
+async fn dedupe<DB>(
+    js: &jetstream::Context,
+    pool: sqlx::Pool<DB>,
+    name: &str,
+    messages: usize,
+    concurrency: usize,
+) -> f64
+where
+    DB: Backend,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    let consumer = filled(js, name, messages).await;
+    let started = Instant::now();
+    consumer
+        .stream()
+        .max_messages_per_batch(concurrency)
+        .messages()
+        .await
+        .expect("messages")
+        .take(messages)
+        .for_each_concurrent(concurrency, |message| {
+            let pool = pool.clone();
+            async move {
+                let message = message.expect("message");
+                let id = message
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
+                    .map(|id| format!("{name}/{}", id.as_str()))
+                    .expect("a message id");
+                let key = String::from_utf8_lossy(&message.payload).into_owned();
+                assert!(dedupe_committed(&pool, id, key).await, "a fresh message");
+                let _ = message.ack().await;
+            }
+        })
+        .await;
+    let rate = messages as f64 / started.elapsed().as_secs_f64();
+    let _ = js.delete_stream(name).await;
+    rate
+}
+
 fn keyed_inbox<DB: Backend>(name: &str, store: Store<DB>) -> Inbox<DB> {
     Inbox::new(name.to_owned(), store).key_by(|d: &Delivery| {
         String::from_utf8(d.payload().to_vec()).map_err(|_| Failure::permanent("not UTF-8"))
@@ -237,6 +324,33 @@ where
     messages as f64 / started.elapsed().as_secs_f64()
 }
 
+/// The hand-written dedupe's work without a broker.
+async fn dedupe_direct<DB>(
+    pool: sqlx::Pool<DB>,
+    name: &str,
+    messages: usize,
+    concurrency: usize,
+) -> f64
+where
+    DB: Backend,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    let started = Instant::now();
+    futures_util::stream::iter(0..messages)
+        .for_each_concurrent(concurrency, |n| {
+            let pool = pool.clone();
+            async move {
+                let applied =
+                    dedupe_committed(&pool, format!("{name}/m-{n}"), format!("{name}-{n}")).await;
+                assert!(applied, "a fresh message");
+            }
+        })
+        .await;
+    messages as f64 / started.elapsed().as_secs_f64()
+}
+
 /// The inbox's work without a broker: deliveries handed to `Inbox::handle` by `concurrency`
 /// tasks.
 async fn inbox_direct<DB>(store: Store<DB>, name: &str, messages: usize, concurrency: usize) -> f64
@@ -264,8 +378,10 @@ where
 #[derive(Default)]
 struct Rates {
     plain: Vec<f64>,
+    dedupe: Vec<f64>,
     inbox: Vec<f64>,
     plain_direct: Vec<f64>,
+    dedupe_direct: Vec<f64>,
     inbox_direct: Vec<f64>,
 }
 
@@ -287,31 +403,44 @@ impl Rates {
         let (m, c) = (messages, concurrency);
         self.plain
             .push(plain(js, pool.clone(), &format!("{name}_PLAIN"), m, c).await);
+        self.dedupe
+            .push(dedupe(js, pool.clone(), &format!("{name}_DEDUPE"), m, c).await);
         self.inbox
             .push(inbox(js, store.clone(), &format!("{name}_INBOX"), m, c).await);
         self.plain_direct
-            .push(plain_direct(pool, &format!("{name}_PLAIN_DIRECT"), m, c).await);
+            .push(plain_direct(pool.clone(), &format!("{name}_PLAIN_DIRECT"), m, c).await);
+        self.dedupe_direct
+            .push(dedupe_direct(pool, &format!("{name}_DEDUPE_DIRECT"), m, c).await);
         self.inbox_direct
             .push(inbox_direct(store.clone(), &format!("{name}_INBOX_DIRECT"), m, c).await);
     }
 
     fn print(&self, database: &str) {
+        let row = |label: &str, rates: &[f64]| {
+            format!("{database:<11} {label:<22} {:>6.0} msg/s", median(rates))
+        };
+        println!("{}", row("plain insert + ack:", &self.plain));
         println!(
-            "{database:<11} plain insert + ack:   {:>6.0} msg/s",
-            median(&self.plain)
+            "{}  dedupe / plain {}",
+            row("hand-written dedupe:", &self.dedupe),
+            ratios(&self.dedupe, &self.plain)
         );
         println!(
-            "{database:<11} inbox consumer:       {:>6.0} msg/s  inbox / plain {}",
-            median(&self.inbox),
+            "{}  inbox / dedupe {}  inbox / plain {}",
+            row("inbox consumer:", &self.inbox),
+            ratios(&self.inbox, &self.dedupe),
             ratios(&self.inbox, &self.plain)
         );
+        println!("{}", row("no broker, plain:", &self.plain_direct));
         println!(
-            "{database:<11} no broker, plain:     {:>6.0} msg/s",
-            median(&self.plain_direct)
+            "{}  dedupe / plain {}",
+            row("no broker, dedupe:", &self.dedupe_direct),
+            ratios(&self.dedupe_direct, &self.plain_direct)
         );
         println!(
-            "{database:<11} no broker, inbox:     {:>6.0} msg/s  inbox / plain {}",
-            median(&self.inbox_direct),
+            "{}  inbox / dedupe {}  inbox / plain {}",
+            row("no broker, inbox:", &self.inbox_direct),
+            ratios(&self.inbox_direct, &self.dedupe_direct),
             ratios(&self.inbox_direct, &self.plain_direct)
         );
     }
@@ -357,6 +486,10 @@ async fn main() {
             .expect("NATS must be reachable at 127.0.0.1:4222"),
     );
     let tag = std::process::id();
+    let databases = std::env::var("INBOX_BENCH_DATABASES")
+        .unwrap_or_else(|_| "sqlite,postgres".into())
+        .to_lowercase();
+    let on = |database: &str| databases.split(',').any(|d| d.trim() == database);
 
     let dir = tempfile::tempdir().expect("tempdir");
     let options = sqlx::sqlite::SqliteConnectOptions::new()
@@ -366,10 +499,12 @@ async fn main() {
     let sqlite = sqlx::SqlitePool::connect_with(options)
         .await
         .expect("sqlite");
-    sqlx::query("CREATE TABLE effects (key TEXT NOT NULL)")
-        .execute(&sqlite)
-        .await
-        .expect("table");
+    sqlx::raw_sql(
+        "CREATE TABLE effects (key TEXT NOT NULL); CREATE TABLE processed (id TEXT PRIMARY KEY)",
+    )
+    .execute(&sqlite)
+    .await
+    .expect("tables");
     let sqlite = axum_idempotency::SqliteStore::new(sqlite);
     sqlite.migrate().await.expect("migrate");
 
@@ -381,7 +516,8 @@ async fn main() {
         let schema = format!("t_{tag}_bench");
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}; \
-             CREATE TABLE {schema}.effects (key TEXT NOT NULL)"
+             CREATE TABLE {schema}.effects (key TEXT NOT NULL); \
+             CREATE TABLE {schema}.processed (id TEXT PRIMARY KEY)"
         )))
         .execute(&admin)
         .await
@@ -403,19 +539,19 @@ async fn main() {
     for round in 0..rounds {
         let name = format!("BENCH_{tag}_{round}");
         bare_rates.push(bare(&js, &format!("{name}_BARE"), messages, concurrency).await);
-        sqlite_rates
-            .round(
-                &js,
-                &sqlite,
-                &format!("{name}_SQLITE"),
-                messages,
-                concurrency,
-            )
-            .await;
+        if on("sqlite") {
+            let name = format!("{name}_SQLITE");
+            sqlite_rates
+                .round(&js, &sqlite, &name, messages, concurrency)
+                .await;
+        }
         #[cfg(feature = "postgres")]
-        postgres_rates
-            .round(&js, &postgres, &format!("{name}_PG"), messages, concurrency)
-            .await;
+        if on("postgres") {
+            let name = format!("{name}_PG");
+            postgres_rates
+                .round(&js, &postgres, &name, messages, concurrency)
+                .await;
+        }
         eprintln!("round {} of {rounds} done", round + 1);
     }
 
@@ -424,10 +560,14 @@ async fn main() {
         "bare consumer (ack only):          {:>6.0} msg/s",
         median(&bare_rates)
     );
-    sqlite_rates.print("SQLite");
+    if on("sqlite") {
+        sqlite_rates.print("SQLite");
+    }
     #[cfg(feature = "postgres")]
     {
-        postgres_rates.print("PostgreSQL");
+        if on("postgres") {
+            postgres_rates.print("PostgreSQL");
+        }
         let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
             .execute(&admin)
             .await;

@@ -1,0 +1,402 @@
+//! The chain's processes (the payments example and its provider), the database payments runs
+//! on, and the broker names of one run.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// The examples this bench drives, built with the bench's own profile and features, so the
+/// library is compiled once for both.
+pub(crate) fn build_examples() {
+    if std::env::var("CHAIN_BENCH_BUILD").as_deref() == Ok("0") {
+        return;
+    }
+    let features: Vec<&str> = [
+        ("sqlite", cfg!(feature = "sqlite")),
+        ("postgres", cfg!(feature = "postgres")),
+        ("mysql", cfg!(feature = "mysql")),
+        ("outbox", cfg!(feature = "outbox")),
+        ("inbox", cfg!(feature = "inbox")),
+        ("rabbitmq", cfg!(feature = "rabbitmq")),
+        ("nats", cfg!(feature = "nats")),
+        ("client", cfg!(feature = "client")),
+        ("reqwest", cfg!(feature = "reqwest")),
+        ("metrics", cfg!(feature = "metrics")),
+        ("test-util", cfg!(feature = "test-util")),
+    ]
+    .into_iter()
+    .filter_map(|(name, on)| on.then_some(name))
+    .collect();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = std::process::Command::new(cargo)
+        .args(["build", "--profile", "bench", "--example", "payments"])
+        .args([
+            "--example",
+            "payment_provider",
+            "--features",
+            &features.join(","),
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status()
+        .expect("cargo runs");
+    assert!(status.success(), "building the examples failed");
+}
+
+fn example(name: &str) -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
+    let path = target.join("release").join("examples").join(name);
+    assert!(path.exists(), "{} is missing", path.display());
+    path
+}
+
+/// A running example, killed when dropped.
+pub(crate) struct Process {
+    child: Child,
+    pub(crate) url: String,
+}
+
+impl Process {
+    pub(crate) async fn start(name: &str, env: &[(&str, &str)]) -> Self {
+        let mut command = Command::new(example(name));
+        command
+            .env("BIND", "127.0.0.1:0")
+            .env("RUST_LOG", "error")
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        let mut child = command.spawn().expect("spawn an example");
+        let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+        let url = tokio::time::timeout(Duration::from_secs(30), async {
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Some(rest) = line.split("listening on ").nth(1) {
+                    return rest
+                        .split_whitespace()
+                        .next()
+                        .unwrap_or_default()
+                        .to_owned();
+                }
+            }
+            panic!("{name} exited before listening");
+        })
+        .await
+        .expect("the example listens within 30 s");
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Self { child, url }
+    }
+
+    /// SIGTERM, then waits for the exit: the requests in flight are answered, the dispatchers
+    /// stop.
+    pub(crate) async fn stop(mut self) {
+        if let Some(pid) = self.child.id() {
+            let _ = std::process::Command::new("kill")
+                .arg("-TERM")
+                .arg(pid.to_string())
+                .status();
+        }
+        if tokio::time::timeout(Duration::from_secs(30), self.child.wait())
+            .await
+            .is_err()
+        {
+            let _ = self.child.kill().await;
+        }
+    }
+}
+
+/// The outbox's rows still to be delivered, and those given up.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Counts {
+    pub(crate) pending: u64,
+    /// Pending charges: the payments not yet charged.
+    pub(crate) pending_charges: u64,
+    pub(crate) failed: u64,
+}
+
+/// What the bench polls: only the pending and failed rows, through the outbox's
+/// `(status, next_attempt_at)` index. A count of every row (the delivered ones too, which the
+/// example never purges) scanned the whole table at each poll and slowed the relay it measured.
+const COUNTS: &str = "SELECT topic, status, COUNT(*) FROM idempotency_outbox \
+     WHERE status IN ('pending', 'failed') GROUP BY topic, status";
+
+/// The delivered rows by topic (charges, events): a scan of the table, for the end of a step.
+const DELIVERED: &str = "SELECT \
+     COUNT(CASE WHEN topic = 'payments.charge' THEN 1 END), \
+     COUNT(CASE WHEN topic <> 'payments.charge' THEN 1 END) \
+     FROM idempotency_outbox WHERE status = 'delivered'";
+
+fn tally(rows: Vec<(String, String, i64)>) -> Counts {
+    let mut counts = Counts::default();
+    for (topic, status, n) in rows {
+        let n = u64::try_from(n).unwrap_or_default();
+        match status.as_str() {
+            "pending" if topic == "payments.charge" => {
+                counts.pending += n;
+                counts.pending_charges += n;
+            }
+            "pending" => counts.pending += n,
+            _ => counts.failed += n,
+        }
+    }
+    counts
+}
+
+/// A database of one run's own for payments, and a connection to read its outbox.
+pub(crate) enum Database {
+    Sqlite {
+        url: String,
+        _dir: tempfile::TempDir,
+        pool: Option<sqlx::SqlitePool>,
+    },
+    #[cfg(feature = "postgres")]
+    Postgres {
+        url: String,
+        admin: sqlx::PgPool,
+        schema: String,
+        pool: Option<sqlx::PgPool>,
+    },
+}
+
+impl Database {
+    pub(crate) async fn new(kind: &str, name: &str) -> Self {
+        match kind {
+            "sqlite" => {
+                let dir = tempfile::tempdir().expect("tempdir");
+                let url = format!("sqlite://{}", dir.path().join("payments.db").display());
+                Self::Sqlite {
+                    url,
+                    _dir: dir,
+                    pool: None,
+                }
+            }
+            #[cfg(feature = "postgres")]
+            "postgres" => {
+                let base = std::env::var("TEST_POSTGRES_URL")
+                    .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+                let admin = sqlx::PgPool::connect(&base).await.expect("PostgreSQL");
+                let schema = format!("t_{name}");
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                    "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
+                )))
+                .execute(&admin)
+                .await
+                .expect("schema");
+                let url = format!("{base}?options=-c%20search_path%3D{schema}");
+                Self::Postgres {
+                    url,
+                    admin,
+                    schema,
+                    pool: None,
+                }
+            }
+            other => panic!("no database {other:?} in this build (see --features)"),
+        }
+    }
+
+    pub(crate) fn url(&self) -> &str {
+        match self {
+            Self::Sqlite { url, .. } => url,
+            #[cfg(feature = "postgres")]
+            Self::Postgres { url, .. } => url,
+        }
+    }
+
+    /// The outbox's counts; zero before payments created its table.
+    pub(crate) async fn counts(&mut self) -> Counts {
+        match self {
+            Self::Sqlite { url, pool, .. } => {
+                if pool.is_none() {
+                    *pool = Some(sqlx::SqlitePool::connect(url).await.expect("SQLite"));
+                }
+                let pool = pool.as_ref().expect("connected");
+                tally(
+                    sqlx::query_as(COUNTS)
+                        .fetch_all(pool)
+                        .await
+                        .unwrap_or_default(),
+                )
+            }
+            #[cfg(feature = "postgres")]
+            Self::Postgres { url, pool, .. } => {
+                if pool.is_none() {
+                    let options = sqlx::postgres::PgPoolOptions::new().max_connections(1);
+                    *pool = Some(options.connect(url).await.expect("PostgreSQL"));
+                }
+                let pool = pool.as_ref().expect("connected");
+                tally(
+                    sqlx::query_as(COUNTS)
+                        .fetch_all(pool)
+                        .await
+                        .unwrap_or_default(),
+                )
+            }
+        }
+    }
+
+    /// The delivered charges and events.
+    pub(crate) async fn delivered(&mut self) -> (u64, u64) {
+        let _ = self.counts().await;
+        let row: Result<(i64, i64), _> = match self {
+            Self::Sqlite { pool, .. } => {
+                let pool = pool.as_ref().expect("connected");
+                sqlx::query_as(DELIVERED).fetch_one(pool).await
+            }
+            #[cfg(feature = "postgres")]
+            Self::Postgres { pool, .. } => {
+                let pool = pool.as_ref().expect("connected");
+                sqlx::query_as(DELIVERED).fetch_one(pool).await
+            }
+        };
+        let (charges, events) = row.unwrap_or_default();
+        (
+            u64::try_from(charges).unwrap_or_default(),
+            u64::try_from(events).unwrap_or_default(),
+        )
+    }
+
+    pub(crate) async fn cleanup(self) {
+        match self {
+            Self::Sqlite { pool, .. } => {
+                if let Some(pool) = pool {
+                    pool.close().await;
+                }
+            }
+            #[cfg(feature = "postgres")]
+            Self::Postgres {
+                admin,
+                schema,
+                pool,
+                ..
+            } => {
+                if let Some(pool) = pool {
+                    pool.close().await;
+                }
+                let drop = format!("DROP SCHEMA IF EXISTS {schema} CASCADE");
+                let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
+                    .execute(&admin)
+                    .await;
+            }
+        }
+    }
+}
+
+pub(crate) const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+pub(crate) const NATS: &str = "nats://127.0.0.1:4222";
+
+/// The events that reached the broker under one run's namespace `ns`: on RabbitMQ a queue of
+/// the bench's own bound to payments' exchange (bound before the first event is sent), on
+/// NATS payments' stream.
+pub(crate) enum Events {
+    RabbitMq {
+        connection: lapin::Connection,
+        channel: lapin::Channel,
+        ns: String,
+    },
+    Nats {
+        js: async_nats::jetstream::Context,
+        ns: String,
+    },
+}
+
+impl Events {
+    /// Call it once payments has declared its exchange or stream.
+    pub(crate) async fn watch(broker: &str, ns: &str) -> Self {
+        match broker {
+            "rabbitmq" => {
+                use lapin::options::{QueueBindOptions, QueueDeclareOptions};
+                let connection = lapin::Connection::connect(AMQP, Default::default())
+                    .await
+                    .expect("RabbitMQ");
+                let channel = connection.create_channel().await.expect("channel");
+                let queue = format!("{ns}.bench.events");
+                channel
+                    .queue_declare(
+                        queue.as_str().into(),
+                        QueueDeclareOptions::default(),
+                        Default::default(),
+                    )
+                    .await
+                    .expect("queue");
+                channel
+                    .queue_bind(
+                        queue.as_str().into(),
+                        format!("{ns}.payments").as_str().into(),
+                        "payment.succeeded".into(),
+                        QueueBindOptions::default(),
+                        Default::default(),
+                    )
+                    .await
+                    .expect("bind");
+                Self::RabbitMq {
+                    connection,
+                    channel,
+                    ns: ns.to_owned(),
+                }
+            }
+            _ => {
+                let client = async_nats::connect(NATS).await.expect("NATS");
+                Self::Nats {
+                    js: async_nats::jetstream::new(client),
+                    ns: ns.to_owned(),
+                }
+            }
+        }
+    }
+
+    /// How many events the broker holds.
+    pub(crate) async fn count(&self) -> u64 {
+        match self {
+            Self::RabbitMq { channel, ns, .. } => {
+                use lapin::options::QueueDeclareOptions;
+                let passive = QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                };
+                let queue = format!("{ns}.bench.events");
+                channel
+                    .queue_declare(queue.as_str().into(), passive, Default::default())
+                    .await
+                    .map(|q| u64::from(q.message_count()))
+                    .unwrap_or_default()
+            }
+            Self::Nats { js, ns } => {
+                let name = format!("{}_PAYMENTS", ns.to_uppercase());
+                match js.get_stream(name).await {
+                    Ok(mut stream) => stream.info().await.map(|i| i.state.messages).unwrap_or(0),
+                    Err(_) => 0,
+                }
+            }
+        }
+    }
+
+    /// Deletes what payments and the bench declared under the namespace.
+    pub(crate) async fn cleanup(self) {
+        match self {
+            Self::RabbitMq {
+                connection,
+                channel,
+                ns,
+            } => {
+                use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+                let queue = format!("{ns}.bench.events");
+                let _ = channel
+                    .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                    .await;
+                let exchange = format!("{ns}.payments");
+                let _ = channel
+                    .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+                    .await;
+                let _ = connection.close(200, "bench done".into()).await;
+            }
+            Self::Nats { js, ns } => {
+                let _ = js
+                    .delete_stream(format!("{}_PAYMENTS", ns.to_uppercase()))
+                    .await;
+            }
+        }
+    }
+}

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use axum_idempotency::Backend;
-use axum_idempotency::outbox::{DispatchWaker, Dispatcher, Message, Outbox};
+use axum_idempotency::outbox::{Dispatcher, Message, Outbox};
 use sqlx::Pool;
 use tokio::sync::oneshot;
 
@@ -23,31 +23,33 @@ pub(crate) struct Tables<DB: Backend> {
 }
 
 /// Commits `n` messages of `run`, one per transaction as a handler does, from `producers`
-/// concurrent tasks, waking `wakers` after each commit; returns the time taken.
+/// concurrent tasks, waking the dispatchers of `wake` after each commit; returns the time taken.
 pub(crate) async fn produce<DB: Store>(
     tables: &Tables<DB>,
     run: &str,
     settings: &Settings,
-    wakers: Vec<DispatchWaker>,
+    wake: Option<Outbox<DB>>,
 ) -> Duration {
     let (n, producers, size) = (
         settings.messages,
         settings.producers.max(1),
         settings.payload,
     );
-    let (run, wakers): (Arc<str>, Arc<[DispatchWaker]>) = (run.into(), wakers.into());
+    let run: Arc<str> = run.into();
     let started = Instant::now();
     let tasks: Vec<_> = (0..producers)
         .map(|p| {
             let (outbox, pool) = (tables.outbox.clone(), tables.pool.clone());
-            let (run, wakers) = (run.clone(), wakers.clone());
+            let (run, wake) = (run.clone(), wake.clone());
             tokio::spawn(async move {
                 for i in (p..n).step_by(producers) {
                     let message = Message::new(TOPIC, key(&run, i), payload(i, size));
                     let mut tx = pool.begin().await.expect("begin");
                     outbox.enqueue(&mut tx, message).await.expect("enqueue");
                     tx.commit().await.expect("commit");
-                    wakers.iter().for_each(DispatchWaker::wake);
+                    if let Some(wake) = &wake {
+                        wake.wake();
+                    }
                 }
             })
         })
@@ -72,14 +74,13 @@ pub(crate) async fn relay<DB: Store>(
 ) -> Result<Duration, String> {
     let n = settings.messages;
     let confirmed = Arc::new(AtomicUsize::new(0));
-    let (mut dispatchers, mut wakers, mut stops) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut dispatchers, mut stops) = (Vec::new(), Vec::new());
     for _ in 0..profile.dispatchers {
         let sender = broker.sender(confirmed.clone(), nowhere).await;
         let mut dispatcher = Dispatcher::new(tables.dispatching.clone(), sender);
         if let Some(batch) = profile.batch {
             dispatcher = dispatcher.batch_size(batch);
         }
-        wakers.push(dispatcher.waker());
         let (stop, stopped) = oneshot::channel::<()>();
         stops.push(stop);
         dispatchers.push(dispatcher.run(async {
@@ -90,7 +91,7 @@ pub(crate) async fn relay<DB: Store>(
     let running: Vec<_> = dispatchers.into_iter().map(tokio::spawn).collect();
     let producing = async {
         if let Some(run) = live {
-            produce(tables, run, settings, wakers).await;
+            produce(tables, run, settings, Some(tables.dispatching.clone())).await;
         }
     };
     // Generous: a relay this slow is a finding in itself, but the run must still end.
@@ -239,7 +240,7 @@ pub(crate) async fn measure<DB: Store>(
                 }
                 Scenario::Relay => {
                     DB::clear(pool).await;
-                    let committing = produce(&tables, &run, settings, Vec::new()).await;
+                    let committing = produce(&tables, &run, settings, None).await;
                     row.commit.push(n as f64 / committing.as_secs_f64());
                     relay(&tables, broker, profile, settings, None, false)
                         .await
@@ -253,7 +254,7 @@ pub(crate) async fn measure<DB: Store>(
                 }
                 Scenario::Nowhere => {
                     DB::clear(pool).await;
-                    produce(&tables, &run, settings, Vec::new()).await;
+                    produce(&tables, &run, settings, None).await;
                     relay(&tables, broker, profile, settings, None, true)
                         .await
                         .map(|elapsed| (&mut row.nowhere, elapsed))

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use super::backend::{Claim, Claimed, Settlement};
 use super::status::{duration_millis, from_millis, now_millis, to_millis};
-use super::wake::{Listen, Wake};
+use super::wake::Listen;
 use super::{Error, LookupOutcome, Outbox, OutboxRecord, SendOutcome, Sender, Status};
 use crate::Backend;
 use crate::backoff::{Backoff, random_u64};
@@ -190,31 +190,6 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     pub fn probe_backoff(mut self, backoff: Backoff) -> Self {
         self.probe_backoff = backoff;
         self
-    }
-
-    /// A handle that makes the running dispatchers of this dispatcher's outbox (and its
-    /// clones) poll now instead of at the end of their sleep: the same as [`Outbox::wake`],
-    /// for code that holds the dispatcher rather than the outbox.
-    ///
-    /// Messages enqueued on the handler's [`Tx`](crate::Tx) need no wake of yours: its commit
-    /// wakes the dispatchers. After the commit of a transaction of your own, wake them; woken
-    /// before it, they find nothing yet and the message waits for the next poll.
-    ///
-    /// ```
-    /// # use axum_idempotency::outbox::{Dispatcher, Outbox, OutboxRecord, SendOutcome, Sender};
-    /// # struct Provider;
-    /// # impl Sender for Provider {
-    /// #     async fn send(&self, _: &OutboxRecord) -> SendOutcome { unimplemented!() }
-    /// # }
-    /// # fn run(outbox: Outbox<sqlx::Sqlite>) {
-    /// let dispatcher = Dispatcher::new(outbox, Provider);
-    /// let waker = dispatcher.waker();
-    /// // … after a commit of your own that enqueued:
-    /// waker.wake();
-    /// # }
-    /// ```
-    pub fn waker(&self) -> DispatchWaker {
-        DispatchWaker(self.outbox.wake_signal().clone())
     }
 
     /// Delivers messages until `shutdown` completes.
@@ -646,18 +621,6 @@ impl<DB: Backend, S> fmt::Debug for Dispatcher<DB, S> {
             .field("give_up_after", &self.give_up_after)
             .field("probe_backoff", &self.probe_backoff)
             .finish_non_exhaustive()
-    }
-}
-
-/// Makes the running [`Dispatcher`]s of one outbox poll now (see [`Dispatcher::waker`]); cheap
-/// to clone.
-#[derive(Debug, Clone)]
-pub struct DispatchWaker(Wake);
-
-impl DispatchWaker {
-    /// Asks for a poll; wakes of a dispatcher that is busy collapse into one poll after it.
-    pub fn wake(&self) {
-        self.0.wake();
     }
 }
 

@@ -157,7 +157,7 @@ pub(crate) use backend::Ops;
 pub use broker::NatsSender;
 #[cfg(feature = "rabbitmq")]
 pub use broker::RabbitMqSender;
-pub use dispatcher::{DispatchWaker, Dispatcher};
+pub use dispatcher::Dispatcher;
 pub use error::Error;
 pub use http::HttpSender;
 pub use message::{DownstreamKey, InvalidDownstreamKey, Message};

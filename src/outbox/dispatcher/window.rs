@@ -149,15 +149,8 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             if message.attempt_begun {
                 unsent.push(lease);
             } else {
-                let record = message.record;
-                let due = to_millis(record.next_attempt_at);
-                let unchanged = retry_at(
-                    due,
-                    record.last_error,
-                    record.outcome_unknown,
-                    record.attempts,
-                );
-                self.outcomes.push((lease, unchanged));
+                let due = to_millis(message.record.next_attempt_at);
+                self.put_back(lease, message, due);
             }
         }
         if unsent.is_empty() {

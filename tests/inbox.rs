@@ -6,9 +6,8 @@
 //! Every test uses broker names and a database of its own and deletes both at the end. An
 //! unreachable broker or database fails the test.
 
-use std::io::Write;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -17,6 +16,7 @@ use axum_idempotency::inbox::nats::NatsConsumer;
 use axum_idempotency::inbox::rabbitmq::RabbitMqConsumer;
 use axum_idempotency::inbox::{Delivery, Failure, Inbox, ReplayReport, Verdict};
 use bytes::Bytes;
+use common::logs::Captured;
 use lapin::options::{
     BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions,
     QueueDeclareOptions, QueueDeleteOptions,
@@ -24,7 +24,6 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Connection};
 use sqlx::{Database, Pool};
-use tracing_subscriber::fmt::MakeWriter;
 
 mod common;
 
@@ -679,35 +678,6 @@ async fn nats_accepts_a_stream_a_publisher_created_first() {
 }
 
 // ------------------------------------------------------------------ where a dead letter's reason is
-
-/// The log lines written while a test runs on this thread.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Captured {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().expect("log buffer")).into_owned()
-    }
-}
-
-impl Write for Captured {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().expect("log buffer").extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> MakeWriter<'a> for Captured {
-    type Writer = Captured;
-
-    fn make_writer(&'a self) -> Self::Writer {
-        self.clone()
-    }
-}
 
 /// A refused delivery's reason is where an operator looks: in a `WARN` line naming the
 /// consumer, the message id and the attempt (never the payload), and in the dead letter's

@@ -3,34 +3,9 @@
 
 mod common;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
-
 use axum_idempotency::{IdempotencyKey, Scope};
+use common::logs::Captured;
 use common::{Backend, serve};
-use tracing_subscriber::fmt::MakeWriter;
-
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().expect("log buffer").extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> MakeWriter<'a> for Captured {
-    type Writer = Captured;
-
-    fn make_writer(&'a self) -> Self::Writer {
-        self.clone()
-    }
-}
 
 // A current-thread runtime keeps every task (server, engine) on the thread that owns the
 // subscriber set below.
@@ -57,8 +32,7 @@ async fn logs_carry_a_digest_of_the_key_never_the_key_or_a_body() {
     )
     .await;
 
-    let logs =
-        String::from_utf8(captured.0.lock().expect("log buffer").clone()).expect("utf-8 logs");
+    let logs = captured.text();
     let digest = Scope::new(
         "alice",
         "POST",

@@ -5,14 +5,13 @@
 
 mod common;
 
-use std::io::Write;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum_idempotency::outbox::{
     DownstreamKey, Message, NatsSender, Outbox, OutboxRecord, RabbitMqSender, SendOutcome, Sender,
 };
+use common::logs::Captured;
 use common::vip::Vip;
 use lapin::options::{
     ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
@@ -21,7 +20,6 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
-use tracing_subscriber::fmt::MakeWriter;
 
 const RABBITMQ: &str = "127.0.0.1:5672";
 const NATS: &str = "127.0.0.1:4222";
@@ -102,38 +100,6 @@ async fn through_an_outage(
             "not delivered within 20 s of the broker's return"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-/// The lines a test's subscriber wrote.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Captured {
-    fn lines(&self, containing: &str) -> usize {
-        let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
-        text.lines()
-            .filter(|line| line.contains(containing))
-            .count()
-    }
-}
-
-impl Write for Captured {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> MakeWriter<'a> for Captured {
-    type Writer = Captured;
-
-    fn make_writer(&'a self) -> Self::Writer {
-        self.clone()
     }
 }
 

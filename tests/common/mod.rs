@@ -7,6 +7,7 @@
 //! - [`process`]: the examples run as real processes, and an HTTP client to talk to them.
 //! - [`markdown`]: the fenced code blocks of the README.
 //! - [`galera`]: a private three-node MariaDB Galera cluster, for the cluster suite.
+//! - [`logs`]: the log lines a test's own subscriber writes.
 //! - [`lossy`]: an in-memory idempotent server behind a proxy that loses answers, for the client.
 //! - [`pg_cluster`]: a private PostgreSQL primary and hot standby, to kill and promote.
 //! - [`link`]: a TCP link with a fixed lag between the two, cut when the primary dies; and a
@@ -24,6 +25,7 @@ pub(crate) mod example_db;
 #[cfg(feature = "mysql")]
 pub(crate) mod galera;
 pub(crate) mod link;
+pub(crate) mod logs;
 pub(crate) mod lossy;
 pub(crate) mod markdown;
 pub(crate) mod names;

@@ -58,7 +58,9 @@ use axum::{Json, Router};
 use axum_idempotency::outbox::{self, Backoff, Dispatcher, DownstreamKey};
 use axum_idempotency::outbox::{HttpSender, LookupOutcome, Message, MessageId, Outbox};
 use axum_idempotency::outbox::{OutboxRecord, SendOutcome, Sender, Status};
-use axum_idempotency::{Backend, IdempotencyContext, IdempotencyLayer, Principal, Store, Tx};
+use axum_idempotency::{
+    Backend, IdempotencyContext, IdempotencyLayer, Principal, Store, Tx, TxError,
+};
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -511,9 +513,10 @@ enum Problem {
     /// `about:blank` and codes outside the crate's `idempotency_` prefix, so a client tells
     /// them from the crate's answers without reading the status alone.
     Refused(StatusCode, &'static str, &'static str),
-    /// The outbox failed: the layer runs a conflict abort again; anything else is a retryable
-    /// 500, its details logged, never shown.
-    Failed(outbox::Error),
+    /// The outbox failed: the layer runs a conflict abort again, a downstream key taken by
+    /// another payment is final; anything else is a retryable 500, its details logged, never
+    /// shown.
+    Failed(TxError),
     /// Anything else that failed: logged, answered as a retryable 500.
     Internal(Error),
 }
@@ -556,7 +559,7 @@ impl From<PathRejection> for Problem {
 
 impl From<outbox::Error> for Problem {
     fn from(error: outbox::Error) -> Self {
-        Self::Failed(error)
+        Self::Failed(error.into())
     }
 }
 
@@ -564,15 +567,7 @@ impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let (status, code, detail) = match self {
             Self::Refused(status, code, detail) => (status, code, detail),
-            Self::Failed(outbox::Error::Database(error)) => {
-                return axum_idempotency::TxError::from(error).into_response();
-            }
-            // The key's record expired and the key came back with another payment: the charge
-            // it was given downstream is taken, so this is final, never a 500 to retry.
-            Self::Failed(outbox::Error::KeyReused(_)) => {
-                return axum_idempotency::Rejection::KeyReused.into_response();
-            }
-            Self::Failed(error) => return Self::Internal(error.into()).into_response(),
+            Self::Failed(error) => return error.into_response(),
             Self::Internal(error) => {
                 tracing::error!(%error, "payment request failed");
                 return axum_idempotency::Rejection::Internal.into_response();

@@ -20,6 +20,7 @@
 //! | the store failed or the handler panicked (rolled back) | 500 + `Retry-After` | `idempotency_internal_error` |
 //! | no answer within the layer's deadline (the database is silent or saturated) | 503 + `Retry-After` | `idempotency_timeout` |
 //! | the database kept aborting the transaction on conflicts with concurrent ones, past the re-runs | 503 + `Retry-After` | `idempotency_conflict` |
+//! | a `Tx` extracted on a route no layer of its database wraps (a router mistake; the detail names the fix) | 500 | `idempotency_layer_missing` |
 //!
 //! The 5xx are retryable with the same key: nothing of the attempt was committed, or, after
 //! `idempotency_timeout`, whatever still commits is what the retry replays. Database details
@@ -141,6 +142,18 @@ pub enum Rejection {
         "the request kept conflicting with concurrent ones; nothing was committed, retry it with the same idempotency key"
     )]
     Conflict,
+    /// A [`Tx`](crate::Tx) was extracted on a route that no [`IdempotencyLayer`] of its
+    /// database wraps: a mistake in the router, which a retry cannot cure. Add the layer with
+    /// [`Router::route_layer`](axum::Router::route_layer), on a store of the same database.
+    ///
+    /// [`IdempotencyLayer`]: crate::IdempotencyLayer
+    #[error(
+        "Tx<{database}> needs an IdempotencyLayer on a {database} store around the route; add one with Router::route_layer"
+    )]
+    LayerMissing {
+        /// The database of the `Tx` (as sqlx names it).
+        database: &'static str,
+    },
 }
 
 /// Everything a rejection's answer is made of, written once per variant.
@@ -171,6 +184,20 @@ impl Rejection {
             | Self::Conflict => Some(Duration::from_secs(1)),
             _ => None,
         }
+    }
+
+    /// Answered by the layer before a claim, so the engine never saw (nor logged) the request.
+    pub(crate) fn is_before_claim(&self) -> bool {
+        matches!(
+            self,
+            Self::KeyMissing
+                | Self::KeyInvalid(_)
+                | Self::PrincipalMissing
+                | Self::PrincipalUnavailable
+                | Self::BodyTooLarge { .. }
+                | Self::BodyUnreadable
+                | Self::BodyTimeout
+        )
     }
 
     /// The stable `code` member of the problem document.
@@ -269,6 +296,12 @@ impl Rejection {
                 "idempotency_conflict",
                 "Conflict",
                 "Conflicts with concurrent requests",
+            ),
+            Self::LayerMissing { .. } => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "idempotency_layer_missing",
+                "LayerMissing",
+                "Idempotency layer missing",
             ),
         };
         Description {

@@ -154,11 +154,9 @@ impl<DB: Database, S: Send + Sync> FromRequestParts<S> for Tx<DB> {
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
         let Some(slot) = parts.extensions.get::<TxSlot<DB>>().cloned() else {
-            tracing::error!(
-                "Tx<{}> extracted on a route without IdempotencyLayer for that database",
-                DB::NAME
-            );
-            return Err(Rejection::Internal);
+            let missing = Rejection::LayerMissing { database: DB::NAME };
+            tracing::error!("{missing}");
+            return Err(missing);
         };
         let state = std::mem::replace(&mut *slot.lock(), SlotState::Taken);
         match state {
@@ -181,66 +179,105 @@ impl<DB: Database, S: Send + Sync> FromRequestParts<S> for Tx<DB> {
 
 /// A statement of the request's transaction failed: the handler's error for database work
 /// through [`Tx`] (see the [module docs](crate::tx#conflicts-are-run-again)). `?` converts any
-/// `sqlx::Error` into it.
+/// `sqlx::Error` into it, and, with the `outbox` feature, any error of
+/// [`Outbox::enqueue`](crate::outbox::Outbox::enqueue).
 ///
 /// As a response, a conflict abort tells the layer to run the request again (the client never
-/// sees it); any other error is a retryable `500 idempotency_internal_error`, logged with its
-/// details, which never reach the client.
+/// sees it); a downstream key already enqueued for another intent is the final `422
+/// idempotency_key_reused`; any other error is a retryable `500 idempotency_internal_error`,
+/// logged with its details, which never reach the client.
 #[derive(Debug)]
-pub struct TxError(sqlx::Error);
+pub struct TxError(Cause);
+
+#[derive(Debug)]
+enum Cause {
+    Database(sqlx::Error),
+    /// An outbox error other than a database one.
+    #[cfg(feature = "outbox")]
+    Outbox(crate::outbox::Error),
+}
 
 impl TxError {
     /// Whether the database aborted the transaction to resolve a conflict with a concurrent
     /// one (a serialization failure, a deadlock, a certification conflict): the request is run
     /// again.
     pub fn is_conflict(&self) -> bool {
-        is_conflict_abort(&self.0)
+        self.database_error().is_some_and(is_conflict_abort)
     }
 
     /// Whether the statement failed because the database could not be reached (a broken or
     /// refused connection, a pool that gave none in time): an outage, not the work's fault.
     #[cfg_attr(not(feature = "inbox"), allow(dead_code))]
     pub(crate) fn is_unreachable(&self) -> bool {
-        is_unreachable(&self.0)
+        self.database_error().is_some_and(is_unreachable)
     }
 
-    /// The database's error.
-    pub fn into_inner(self) -> sqlx::Error {
-        self.0
+    /// The database's error, when the database failed the statement.
+    pub fn database_error(&self) -> Option<&sqlx::Error> {
+        match &self.0 {
+            Cause::Database(error) => Some(error),
+            #[cfg(feature = "outbox")]
+            Cause::Outbox(_) => None,
+        }
     }
 }
 
 impl From<sqlx::Error> for TxError {
     fn from(error: sqlx::Error) -> Self {
-        Self(error)
+        Self(Cause::Database(error))
+    }
+}
+
+#[cfg(feature = "outbox")]
+impl From<crate::outbox::Error> for TxError {
+    fn from(error: crate::outbox::Error) -> Self {
+        match error {
+            crate::outbox::Error::Database(error) => Self(Cause::Database(error)),
+            other => Self(Cause::Outbox(other)),
+        }
     }
 }
 
 impl fmt::Display for TxError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "a statement of the request's transaction failed: {}",
-            self.0
-        )
+        match &self.0 {
+            Cause::Database(error) => {
+                write!(
+                    f,
+                    "a statement of the request's transaction failed: {error}"
+                )
+            }
+            #[cfg(feature = "outbox")]
+            Cause::Outbox(error) => write!(f, "enqueueing in the outbox failed: {error}"),
+        }
     }
 }
 
 impl std::error::Error for TxError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&self.0)
+        match &self.0 {
+            Cause::Database(error) => Some(error),
+            #[cfg(feature = "outbox")]
+            Cause::Outbox(error) => Some(error),
+        }
     }
 }
 
 impl IntoResponse for TxError {
     fn into_response(self) -> Response {
         if self.is_conflict() {
-            tracing::debug!(error = %self.0, "the transaction was aborted on a conflict");
-            conflict_aborted()
-        } else {
-            tracing::error!(error = %self.0, "a statement of the request's transaction failed");
-            Rejection::Internal.into_response()
+            tracing::debug!(error = %self, "the transaction was aborted on a conflict");
+            return conflict_aborted();
         }
+        // The key's record expired and the key came back with another intent: the downstream
+        // key it was given is taken, so a retry can never succeed.
+        #[cfg(feature = "outbox")]
+        if let Cause::Outbox(crate::outbox::Error::KeyReused(key)) = &self.0 {
+            tracing::warn!(%key, "the downstream key is already enqueued for another intent");
+            return Rejection::KeyReused.into_response();
+        }
+        tracing::error!(error = %self, "a statement of the request's transaction failed");
+        Rejection::Internal.into_response()
     }
 }
 

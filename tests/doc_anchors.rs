@@ -39,6 +39,7 @@ fn every_rejection() -> Vec<Rejection> {
         Rejection::Timeout,
         Rejection::BodyTimeout,
         Rejection::Conflict,
+        Rejection::LayerMissing { database: "SQLite" },
     ]
 }
 

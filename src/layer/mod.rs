@@ -61,13 +61,14 @@ use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
 use tokio::sync::Semaphore;
+use tower_layer::Layer;
 
 use crate::Backend;
 use crate::engine::{Classification, Engine};
 use crate::fingerprint::Fingerprinter;
 use crate::store::Store;
 
-pub use service::IdempotencyService;
+pub use service::{IdempotencyService, ResponseFuture};
 
 use principal::PrincipalFn;
 
@@ -102,6 +103,14 @@ impl<DB: Backend> Clone for IdempotencyLayer<DB> {
             engine: self.engine.clone(),
             config: Arc::clone(&self.config),
         }
+    }
+}
+
+impl<DB: Backend, S> Layer<S> for IdempotencyLayer<DB> {
+    type Service = IdempotencyService<S, DB>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService::new(inner, self.clone())
     }
 }
 

@@ -3,6 +3,7 @@
 use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -10,41 +11,31 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::extract::MatchedPath;
 use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
 use http::Request;
 use http::request::Parts;
 use http_body::Body as _;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tokio::time::Instant;
 use tower::ServiceExt;
-use tower_layer::Layer;
 use tower_service::Service;
 
 use super::IdempotencyLayer;
 use super::principal::BoxFuture;
 use crate::Backend;
-use crate::engine::{Classification, Intent, Uncancelled};
+use crate::engine::{Classification, Execution, Intent, Uncancelled};
 use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Fingerprinter, Verbatim};
 use crate::key::IdempotencyKey;
 use crate::scope::Scope;
 use crate::tx::TxSlot;
 
-impl<DB: Backend, S> Layer<S> for IdempotencyLayer<DB> {
-    type Service = IdempotencyService<S, DB>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        IdempotencyService {
-            inner,
-            layer: Arc::new(self.clone()),
-        }
-    }
-}
-
 /// A keyed request as the layer received it, body buffered, for the engine to compare with its
 /// key's record and to hand back for the handler.
 struct Received {
     fingerprinter: Fingerprinter,
     parts: Parts,
-    body: bytes::Bytes,
+    body: Bytes,
 }
 
 impl Intent for Received {
@@ -68,6 +59,30 @@ pub struct IdempotencyService<S, DB: Backend> {
     layer: Arc<IdempotencyLayer<DB>>,
 }
 
+impl<S, DB: Backend> IdempotencyService<S, DB> {
+    pub(super) fn new(inner: S, layer: IdempotencyLayer<DB>) -> Self {
+        Self {
+            inner,
+            layer: Arc::new(layer),
+        }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the service this one wraps.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
 impl<S: Clone, DB: Backend> Clone for IdempotencyService<S, DB> {
     fn clone(&self) -> Self {
         Self {
@@ -85,6 +100,26 @@ impl<S, DB: Backend> fmt::Debug for IdempotencyService<S, DB> {
     }
 }
 
+/// The response future of [`IdempotencyService`]: the handler's answer, a replay, or the
+/// problem the layer answered with.
+pub struct ResponseFuture {
+    inner: BoxFuture<'static, Result<Response, Infallible>>,
+}
+
+impl Future for ResponseFuture {
+    type Output = Result<Response, Infallible>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+impl fmt::Debug for ResponseFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
 impl<S, DB> Service<Request<Body>> for IdempotencyService<S, DB>
 where
     DB: Backend,
@@ -94,7 +129,7 @@ where
 {
     type Response = Response;
     type Error = Infallible;
-    type Future = BoxFuture<'static, Result<Response, Infallible>>;
+    type Future = ResponseFuture;
 
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         // The inner service is readied in `call` (on the clone that will be used), as axum's
@@ -105,35 +140,44 @@ where
     fn call(&mut self, request: Request<Body>) -> Self::Future {
         let inner = self.inner.clone();
         let layer = Arc::clone(&self.layer);
-        Box::pin(async move {
-            Ok(match layer.handle(inner, request).await {
-                Ok(response) => response,
-                Err(rejection) => {
-                    // The engine logs every request it saw; these never reached it.
-                    if matches!(
-                        rejection,
-                        Rejection::KeyMissing
-                            | Rejection::KeyInvalid(_)
-                            | Rejection::PrincipalMissing
-                            | Rejection::PrincipalUnavailable
-                            | Rejection::BodyTooLarge { .. }
-                            | Rejection::BodyUnreadable
-                            | Rejection::BodyTimeout
-                    ) {
-                        tracing::info!(
-                            status = rejection.status().as_u16(),
-                            code = rejection.code(),
-                            "idempotent request rejected before its claim"
-                        );
+        ResponseFuture {
+            inner: Box::pin(async move {
+                Ok(match layer.handle(inner, request).await {
+                    Ok(response) => response,
+                    Err(rejection) => {
+                        // The engine logs every request it saw; these never reached it.
+                        if rejection.is_before_claim() {
+                            tracing::info!(
+                                status = rejection.status().as_u16(),
+                                code = rejection.code(),
+                                "idempotent request rejected before its claim"
+                            );
+                        }
+                        rejection.into_response()
                     }
-                    rejection.into_response()
-                }
-            })
-        })
+                })
+            }),
+        }
+    }
+}
+
+/// What is left of the layer's deadline for one keyed request.
+#[derive(Clone, Copy)]
+struct Deadline {
+    started: Instant,
+    limit: Option<Duration>,
+}
+
+impl Deadline {
+    fn remaining(self) -> Option<Duration> {
+        self.limit
+            .map(|limit| limit.saturating_sub(self.started.elapsed()))
     }
 }
 
 impl<DB: Backend> IdempotencyLayer<DB> {
+    /// The pipeline: the key, then (within the deadline) the principal, the body, the claim and
+    /// the handler.
     async fn handle<S>(&self, inner: S, request: Request<Body>) -> Result<Response, Rejection>
     where
         S: Service<Request<Body>, Error = Infallible> + Clone + Send + 'static,
@@ -142,27 +186,11 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     {
         let config = &self.config;
         let (mut parts, body) = request.into_parts();
-        let key = if config.keyed_methods.contains(&parts.method) {
-            IdempotencyKey::from_headers(&parts.headers, &config.header)?
-        } else {
-            None
+        let Some(key) = self.key_of(&parts)? else {
+            return self
+                .unclaimed(inner, Request::from_parts(parts, body))
+                .await;
         };
-        let Some(key) = key else {
-            let keyed = config.keyed_methods.contains(&parts.method);
-            if keyed && !config.allow_missing_key {
-                return Err(Rejection::KeyMissing);
-            }
-            let passed = self.pass_through(inner, Request::from_parts(parts, body));
-            // The other methods (GET, PUT, DELETE, …) are bounded too: retrying them is safe by
-            // their HTTP semantics even if the attempt still commits after the 503. A keyed
-            // method sent without a key is not: a retry after a late commit would run it twice,
-            // so it waits for its outcome instead.
-            if keyed {
-                return Ok(passed.await);
-            }
-            return within(config.deadline, passed).await;
-        };
-
         // A body declared larger than the limit (hyper reads `Content-Length` into the size
         // hint) is refused before anything waits for it.
         let limit = config.max_request_body;
@@ -172,91 +200,128 @@ impl<DB: Backend> IdempotencyLayer<DB> {
         // The deadline runs from here: finding the principal (its extractor may wait on the
         // database), the client sending its body (a slow one must not hold a connection and a
         // claim slot open-ended), and the engine.
-        let started = tokio::time::Instant::now();
-        let remaining = || {
-            config
-                .deadline
-                .map(|deadline| deadline.saturating_sub(started.elapsed()))
+        let deadline = Deadline {
+            started: Instant::now(),
+            limit: config.deadline,
         };
-        let principal = match &config.principal {
-            Some(source) => within(remaining(), source(&mut parts)).await??,
-            None => None,
-        };
-        if principal.is_none() && !config.allow_anonymous {
-            return Err(Rejection::PrincipalMissing);
-        }
+        let principal = self.principal_of(&mut parts, deadline).await?;
+        let body = read_body(body, limit, deadline).await?;
         let route = parts
             .extensions
             .get::<MatchedPath>()
             .map_or_else(|| parts.uri.path().to_owned(), |m| m.as_str().to_owned());
-
-        let read = within(remaining(), Limited::new(body, limit).collect())
-            .await
-            .map_err(|_elapsed| Rejection::BodyTimeout)?;
-        let bytes = match read {
-            Ok(collected) => collected.to_bytes(),
-            Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
-                return Err(Rejection::BodyTooLarge { limit });
-            }
-            Err(error) => {
-                tracing::debug!(%error, "could not read the request body");
-                return Err(Rejection::BodyUnreadable);
-            }
-        };
         let method = parts.method.as_str().to_owned();
         let scope = match principal {
             Some(principal) => Scope::new(principal, method, route, key),
             None => Scope::anonymous(method, route, key),
         };
-
         let received = Received {
             fingerprinter: config.fingerprinter.clone(),
             parts,
-            body: bytes,
+            body,
         };
-        let run = async {
-            // Held here until the outcome is recorded, and shared with the work: if the
-            // deadline leaves the work running on its own, the permit stays taken until its
-            // handler is done.
-            let permit = match &config.claims {
-                Some(claims) => match Arc::clone(claims).acquire_owned().await {
-                    Ok(permit) => Some(Arc::new(permit)),
-                    Err(_closed) => return Err(Rejection::Internal),
-                },
-                None => None,
-            };
-            let _held = permit.clone();
-            self.engine
-                .run_in_slot(&scope, received, move |received, slot, context| {
-                    // Built here, not before: a replay answered from the cache never needs it.
-                    // Built from copies, since a transaction aborted on a conflict runs again.
-                    let mut request = Request::from_parts(
-                        received.parts.clone(),
-                        Body::from(received.body.clone()),
-                    );
-                    request.extensions_mut().insert(context);
-                    request.extensions_mut().insert(slot);
-                    let inner = inner.clone();
-                    let permit = permit.clone();
-                    async move {
-                        let _permit = permit;
-                        match inner.oneshot(request).await {
-                            Ok(response) => response.into_response(),
-                            Err(never) => match never {},
-                        }
-                    }
-                })
-                .await
-        };
-        let execution = match within(remaining(), run).await {
-            Ok(ran) => ran?,
+        match within(deadline.remaining(), self.claimed(inner, &scope, received)).await {
+            Ok(ran) => Ok(ran?.response.map(Body::from)),
             Err(timeout) => {
                 tracing::warn!(key = %scope.scoped_key(),
                     "no answer within the deadline; answered 503, the attempt finishes on its own");
-                return Err(timeout);
+                Err(timeout)
             }
+        }
+    }
+
+    /// The request's key; `None` when it passes through unclaimed: a method the layer does not
+    /// key, or a keyed one sent without a key where that is allowed.
+    fn key_of(&self, parts: &Parts) -> Result<Option<IdempotencyKey>, Rejection> {
+        let config = &self.config;
+        if !config.keyed_methods.contains(&parts.method) {
+            return Ok(None);
+        }
+        match IdempotencyKey::from_headers(&parts.headers, &config.header)? {
+            Some(key) => Ok(Some(key)),
+            None if config.allow_missing_key => Ok(None),
+            None => Err(Rejection::KeyMissing),
+        }
+    }
+
+    /// A request the layer does not claim, bounded by the deadline where a retry is safe.
+    async fn unclaimed<S>(&self, inner: S, request: Request<Body>) -> Result<Response, Rejection>
+    where
+        S: Service<Request<Body>, Error = Infallible> + Send + 'static,
+        S::Response: IntoResponse,
+        S::Future: Send + 'static,
+    {
+        let keyed = self.config.keyed_methods.contains(request.method());
+        let passed = self.pass_through(inner, request);
+        // The other methods (GET, PUT, DELETE, …) are bounded too: retrying them is safe by
+        // their HTTP semantics even if the attempt still commits after the 503. A keyed method
+        // sent without a key is not: a retry after a late commit would run it twice, so it
+        // waits for its outcome instead.
+        if keyed {
+            return Ok(passed.await);
+        }
+        within(self.config.deadline, passed).await
+    }
+
+    /// The caller, from the configured source; `None` for an anonymous request where that is
+    /// allowed.
+    async fn principal_of(
+        &self,
+        parts: &mut Parts,
+        deadline: Deadline,
+    ) -> Result<Option<String>, Rejection> {
+        let principal = match &self.config.principal {
+            Some(source) => within(deadline.remaining(), source(parts)).await??,
+            None => None,
         };
-        Ok(execution.response.map(Body::from))
+        if principal.is_none() && !self.config.allow_anonymous {
+            return Err(Rejection::PrincipalMissing);
+        }
+        Ok(principal)
+    }
+
+    /// Claims the key and runs the handler in its transaction, within the bound on concurrent
+    /// claims.
+    async fn claimed<S>(
+        &self,
+        inner: S,
+        scope: &Scope,
+        received: Received,
+    ) -> Result<Execution, Rejection>
+    where
+        S: Service<Request<Body>, Error = Infallible> + Clone + Send + 'static,
+        S::Response: IntoResponse,
+        S::Future: Send + 'static,
+    {
+        // Held here until the outcome is recorded, and shared with the work: if the deadline
+        // leaves the work running on its own, the permit stays taken until its handler is done.
+        let permit = match &self.config.claims {
+            Some(claims) => match Arc::clone(claims).acquire_owned().await {
+                Ok(permit) => Some(Arc::new(permit)),
+                Err(_closed) => return Err(Rejection::Internal),
+            },
+            None => None,
+        };
+        let _held = permit.clone();
+        self.engine
+            .run_in_slot(scope, received, move |received, slot, context| {
+                // Built here, not before: a replay answered from the cache never needs it.
+                // Built from copies, since a transaction aborted on a conflict runs again.
+                let mut request =
+                    Request::from_parts(received.parts.clone(), Body::from(received.body.clone()));
+                request.extensions_mut().insert(context);
+                request.extensions_mut().insert(slot);
+                let inner = inner.clone();
+                let permit = permit.clone();
+                async move {
+                    let _permit = permit;
+                    match inner.oneshot(request).await {
+                        Ok(response) => response.into_response(),
+                        Err(never) => match never {},
+                    }
+                }
+            })
+            .await
     }
 
     /// A request without a key: no claim, but `Tx` still works, resolved by the status.
@@ -309,6 +374,23 @@ impl<DB: Backend> IdempotencyLayer<DB> {
             tracing::error!("the handler panicked; rolled back");
             Rejection::Internal.into_response()
         })
+    }
+}
+
+/// The body, read within the deadline and at most `limit` bytes.
+async fn read_body(body: Body, limit: usize, deadline: Deadline) -> Result<Bytes, Rejection> {
+    let read = within(deadline.remaining(), Limited::new(body, limit).collect())
+        .await
+        .map_err(|_elapsed| Rejection::BodyTimeout)?;
+    match read {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
+            Err(Rejection::BodyTooLarge { limit })
+        }
+        Err(error) => {
+            tracing::debug!(%error, "could not read the request body");
+            Err(Rejection::BodyUnreadable)
+        }
     }
 }
 

@@ -1,0 +1,102 @@
+//! What a handler's `Tx` answers when it is misused or when the outbox refuses a message: a
+//! route without the layer is told the fix, and `?` on an enqueue keeps the crate's answers.
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::routing::post;
+use axum_idempotency::outbox::{DownstreamKey, Message, Outbox};
+use axum_idempotency::{IdempotencyLayer, SqliteStore, Tx, TxError};
+use http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use sqlx::{Sqlite, SqlitePool};
+use tower::ServiceExt;
+
+async fn pool() -> SqlitePool {
+    // One connection: every handle of the pool sees the same in-memory database.
+    sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect("sqlite::memory:")
+        .await
+        .unwrap()
+}
+
+async fn call(app: Router, key: &str, body: &'static str) -> (StatusCode, serde_json::Value) {
+    let request = Request::post("/charges")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Body::from(body))
+        .unwrap();
+    let response = app.oneshot(request).await.unwrap();
+    let status = response.status();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let body = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+    (status, body)
+}
+
+#[tokio::test]
+async fn a_tx_on_a_route_without_the_layer_is_answered_with_the_fix() {
+    async fn charge(mut tx: Tx<Sqlite>) -> Result<StatusCode, TxError> {
+        sqlx::query("SELECT 1").execute(&mut *tx).await?;
+        Ok(StatusCode::CREATED)
+    }
+    let app = Router::new().route("/charges", post(charge));
+    let (status, problem) = call(app, "k1", "{}").await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(problem["code"], "idempotency_layer_missing");
+    let detail = problem["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("IdempotencyLayer") && detail.contains("route_layer"),
+        "the detail names the fix: {detail}"
+    );
+}
+
+/// One charge per request, to a downstream key every request shares: the second request's key
+/// is taken by another intent.
+async fn charge(
+    State(outbox): State<Outbox<Sqlite>>,
+    mut tx: Tx<Sqlite>,
+    body: String,
+) -> Result<StatusCode, TxError> {
+    sqlx::query("INSERT INTO charges (body) VALUES (?)")
+        .bind(&body)
+        .execute(&mut *tx)
+        .await?;
+    let key = DownstreamKey::new("charge-shared").expect("a valid key");
+    outbox
+        .enqueue(&mut tx, Message::new("charges", key, body.into_bytes()))
+        .await?;
+    Ok(StatusCode::ACCEPTED)
+}
+
+#[tokio::test]
+async fn an_enqueue_refused_for_a_reused_downstream_key_is_final_and_commits_nothing() {
+    let pool = pool().await;
+    sqlx::query("CREATE TABLE charges (body TEXT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let store = SqliteStore::new(pool.clone());
+    store.migrate().await.unwrap();
+    let outbox = Outbox::new(pool.clone());
+    outbox.migrate().await.unwrap();
+    let app = Router::new()
+        .route("/charges", post(charge))
+        .route_layer(IdempotencyLayer::new(store).allow_anonymous())
+        .with_state(outbox);
+
+    let (first, _) = call(app.clone(), "k1", r#"{"amount":1}"#).await;
+    assert_eq!(first, StatusCode::ACCEPTED);
+    let (second, problem) = call(app.clone(), "k2", r#"{"amount":2}"#).await;
+    assert_eq!(second, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(problem["code"], "idempotency_key_reused");
+    let charges: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(charges, 1, "the refused request's own write rolled back");
+    // Final, so stored: a retry of the refused request replays the refusal.
+    let (again, problem) = call(app, "k2", r#"{"amount":2}"#).await;
+    assert_eq!(again, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(problem["code"], "idempotency_key_reused");
+}

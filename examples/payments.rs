@@ -323,7 +323,7 @@ async fn create<DB: Backend>(
     let charge = payment.check(user.0).map_err(invalid)?;
     // Derived from the request's scoped key, so every retry of this intent carries the same
     // key downstream.
-    let key = DownstreamKey::for_request(&context.scoped_key_digest(), CHARGE_TOPIC, "charge");
+    let key = DownstreamKey::for_request(context.scoped_key(), CHARGE_TOPIC, "charge");
     let message =
         Message::json(CHARGE_TOPIC, key, &charge).map_err(|e| Problem::Internal(e.into()))?;
     // On the request's `Tx`: its commit wakes the dispatchers, so the charge goes out at once.

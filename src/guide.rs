@@ -588,7 +588,7 @@ pub mod jobs {}
 /// ) -> StatusCode {
 ///     // The payment row is inserted here, with `&mut *tx`.
 ///     // The same request's retries derive the same downstream key.
-///     let key = DownstreamKey::for_request(&context.scoped_key_digest(), "charges", "charge");
+///     let key = DownstreamKey::for_request(context.scoped_key(), "charges", "charge");
 ///     let charge = serde_json::json!({ "amount": 12.5, "currency": "EUR" });
 ///     let Ok(message) = Message::json("charges", key, &charge) else {
 ///         return StatusCode::INTERNAL_SERVER_ERROR;
@@ -1091,7 +1091,7 @@ pub mod client {}
 /// "Was my order placed, and what did you answer?" A record is reached only through its full
 /// scope, the caller's principal together with method, route and key, never by the raw key
 /// alone, so an operator must name whose record it is.
-/// [`Engine::look_up`](crate::Engine::look_up) reads it (and logs that it did, with the key's
+/// [`Engine::lookup`](crate::Engine::lookup) reads it (and logs that it did, with the key's
 /// digest):
 ///
 #[cfg_attr(feature = "sqlite", doc = "```")]
@@ -1104,7 +1104,7 @@ pub mod client {}
 /// let engine = Engine::new(store); // or `layer.engine()`
 /// let key: IdempotencyKey = "1f0e7c52-8f1d-4d55-a8b3-0c7f6a2b9e41".parse()?;
 /// let scope = Scope::new("alice", "POST", "/orders", key);
-/// match engine.look_up(&scope).await? {
+/// match engine.lookup(&scope).await? {
 ///     Lookup::Final(response) => println!("answered {}", response.status()),
 ///     Lookup::InFlight => println!("still at work"),
 ///     Lookup::Absent => println!("never received, expired or forgotten"),

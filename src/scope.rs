@@ -243,7 +243,7 @@ mod tests {
 /// use axum_idempotency::IdempotencyContext;
 ///
 /// async fn charge(context: IdempotencyContext) -> String {
-///     format!("downstream key: charge-{}", context.scoped_key_digest())
+///     format!("downstream key: charge-{}", context.scoped_key().to_hex())
 /// }
 /// ```
 ///
@@ -269,11 +269,6 @@ impl IdempotencyContext {
     /// The digest of the scoped key.
     pub fn scoped_key(&self) -> ScopedKey {
         self.scoped_key
-    }
-
-    /// The digest of the scoped key in lowercase hex (64 characters).
-    pub fn scoped_key_digest(&self) -> String {
-        self.scoped_key.to_hex()
     }
 }
 

@@ -64,7 +64,7 @@ async fn place_order(
     let sku = order["sku"].as_str().unwrap_or("widget").to_owned();
     let id: i64 =
         sqlx::query_scalar("INSERT INTO orders (request, sku) VALUES ($1, $2) RETURNING id")
-            .bind(context.scoped_key_digest())
+            .bind(context.scoped_key().to_hex())
             .bind(&sku)
             .fetch_one(&mut *tx)
             .await?;

@@ -22,7 +22,7 @@ fn scope(principal: &str) -> Scope {
 }
 
 #[tokio::test]
-async fn look_up_reads_a_record_only_through_its_full_scope() {
+async fn lookup_reads_a_record_only_through_its_full_scope() {
     let engine = engine().await;
     let fingerprint = Fingerprinter::new().fingerprint_value("order", b"{}");
     let alice = scope("alice");
@@ -33,13 +33,13 @@ async fn look_up_reads_a_record_only_through_its_full_scope() {
         .await
         .expect("runs");
 
-    match engine.look_up(&alice).await.expect("look up") {
+    match engine.lookup(&alice).await.expect("look up") {
         Lookup::Final(response) => assert_eq!(response.body().as_ref(), b"order 7 placed"),
         other => panic!("expected the stored answer, got {other:?}"),
     }
     // The same key under another principal is another record: there is none.
     assert!(matches!(
-        engine.look_up(&scope("bob")).await.expect("look up"),
+        engine.lookup(&scope("bob")).await.expect("look up"),
         Lookup::Absent
     ));
 }
@@ -66,7 +66,7 @@ async fn forget_lets_the_key_execute_afresh() {
     );
     assert!(engine.forget(&alice, "ticket 2").await.expect("forget"));
     assert!(matches!(
-        engine.look_up(&alice).await.expect("look up"),
+        engine.lookup(&alice).await.expect("look up"),
         Lookup::Absent
     ));
 
@@ -82,7 +82,7 @@ async fn forget_lets_the_key_execute_afresh() {
 
 #[cfg(feature = "test-util")]
 #[tokio::test]
-async fn look_up_reads_time_from_the_engines_clock() {
+async fn lookup_reads_time_from_the_engines_clock() {
     use std::time::{Duration, SystemTime};
 
     let clock = axum_idempotency::ManualClock::new(SystemTime::now());
@@ -97,7 +97,7 @@ async fn look_up_reads_time_from_the_engines_clock() {
         .await
         .expect("runs");
     assert!(matches!(
-        engine.look_up(&alice).await.expect("look up"),
+        engine.lookup(&alice).await.expect("look up"),
         Lookup::Final(_)
     ));
 
@@ -105,7 +105,7 @@ async fn look_up_reads_time_from_the_engines_clock() {
     // intent, and the operator sees it as such.
     clock.advance(Duration::from_secs(61));
     assert!(matches!(
-        engine.look_up(&alice).await.expect("look up"),
+        engine.lookup(&alice).await.expect("look up"),
         Lookup::Absent
     ));
 }

@@ -7,12 +7,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use axum_idempotency::Backend;
 use axum_idempotency::outbox;
 use axum_idempotency::outbox::{
     Backoff, Dispatcher, DownstreamKey, LookupOutcome, Message, Outbox, OutboxRecord, SendOutcome,
     Sender, Status,
 };
+use axum_idempotency::{Backend, Scope};
 use sqlx::Pool;
 use tokio::sync::Notify;
 
@@ -172,7 +172,7 @@ conformance!(
     migrate_is_idempotent_and_safe_when_run_concurrently,
     an_outbox_from_before_versioning_is_adopted_as_version_one,
     failed_message_is_requeued_through_the_api_and_delivered_with_its_key,
-    purge_deletes_only_delivered_rows_past_retention_in_batches,
+    purge_deletes_only_finished_rows_past_retention,
     a_claim_records_the_attempt_before_the_send,
     a_message_out_of_attempts_fails_without_another_send,
     fast_sends_go_on_while_a_slow_one_runs,
@@ -313,7 +313,9 @@ fn fastrand_delay(max: u64) -> u64 {
 }
 
 fn key(discriminator: &str) -> DownstreamKey {
-    DownstreamKey::for_request("digest-of-alice-post-payments-k1", "charges", discriminator)
+    let key = "k1".parse().expect("a valid key");
+    let scoped_key = Scope::new("alice", "POST", "/payments", key).scoped_key();
+    DownstreamKey::for_request(scoped_key, "charges", discriminator)
 }
 
 fn charge(discriminator: &str, amount: &str) -> Message {
@@ -837,7 +839,7 @@ async fn failed_message_is_requeued_through_the_api_and_delivered_with_its_key<D
     assert_eq!(keys, vec![key("c").to_string(); 2]);
 }
 
-async fn purge_deletes_only_delivered_rows_past_retention_in_batches<DB: Backend>(pool: Pool<DB>) {
+async fn purge_deletes_only_finished_rows_past_retention<DB: Backend>(pool: Pool<DB>) {
     let outbox = outbox(&pool).await;
     for n in 0..7 {
         enqueue_committed(&pool, &outbox, charge(&format!("d{n}"), "1.00")).await;
@@ -846,22 +848,34 @@ async fn purge_deletes_only_delivered_rows_past_retention_in_batches<DB: Backend
         receipt: format!("ch_{n}"),
     });
     let downstream = Downstream::answering(delivered);
-    let dispatcher = dispatcher(&outbox, &downstream);
-    while dispatcher.run_once().await.unwrap() > 0 {}
+    let delivering = dispatcher(&outbox, &downstream);
+    while delivering.run_once().await.unwrap() > 0 {}
+    // One set aside by an operator, one failed, one pending.
+    for key in ["skipped", "failed"] {
+        enqueue_committed(&pool, &outbox, charge(key, "1.00")).await;
+        let refusing = Downstream::answering([SendOutcome::Rejected {
+            reason: "account frozen".into(),
+        }]);
+        assert_eq!(dispatcher(&outbox, &refusing).run_once().await.unwrap(), 1);
+    }
+    assert!(
+        outbox
+            .skip(record(&outbox, "skipped").await.id)
+            .await
+            .unwrap()
+    );
     enqueue_committed(&pool, &outbox, charge("pending", "1.00")).await;
 
     // Nothing is old enough yet under a one-hour retention.
-    assert_eq!(
-        outbox
-            .purge_delivered(Duration::from_secs(3600), 3)
-            .await
-            .unwrap(),
-        0
-    );
+    let kept = outbox.clone().retention(Duration::from_secs(3600));
+    assert_eq!(kept.purge_expired().await.unwrap(), 0);
     tokio::time::sleep(Duration::from_millis(20)).await;
-    // Batches of 3 until the 7 delivered rows are gone; the pending one stays.
-    assert_eq!(outbox.purge_delivered(Duration::ZERO, 3).await.unwrap(), 7);
+    // The 7 delivered rows and the skipped one are gone; the failed and pending ones stay.
+    let purging = outbox.clone().retention(Duration::ZERO);
+    assert_eq!(purging.purge_expired().await.unwrap(), 8);
     assert_eq!(outbox.status_by_key(&key("d0")).await.unwrap(), None);
+    assert_eq!(outbox.status_by_key(&key("skipped")).await.unwrap(), None);
+    assert_eq!(record(&outbox, "failed").await.status, Status::Failed);
     assert_eq!(record(&outbox, "pending").await.status, Status::Pending);
 }
 

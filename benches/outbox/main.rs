@@ -144,7 +144,7 @@ impl Profile {
 }
 
 fn key(run: &str, n: usize) -> DownstreamKey {
-    DownstreamKey::for_request(&format!("{run}/{n}"), TOPIC, "event")
+    DownstreamKey::new(format!("{run}-{n}-event")).expect("a valid key")
 }
 
 /// A JSON object of exactly `size` bytes (or the smallest that holds `n`).

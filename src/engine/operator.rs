@@ -12,7 +12,7 @@ use crate::record::RecordState;
 use crate::scope::Scope;
 use crate::store::Protocol;
 
-/// What the store holds under one scoped key, as [`Engine::look_up`] reports it.
+/// What the store holds under one scoped key, as [`Engine::lookup`] reports it.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Lookup {
@@ -32,7 +32,7 @@ impl<DB: Backend> Engine<DB> {
     /// Reads the committed record under `scope` for an operator, for example to answer a
     /// support case ("was my order placed, and what did you answer?"). Logged at `INFO` with
     /// the key's digest, never the key or the stored body.
-    pub async fn look_up(&self, scope: &Scope) -> Result<Lookup, Error> {
+    pub async fn lookup(&self, scope: &Scope) -> Result<Lookup, Error> {
         let key = scope.scoped_key();
         let record = self.store.protocol().lookup(&key).await?;
         let lookup = match record {

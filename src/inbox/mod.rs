@@ -548,7 +548,7 @@ impl<DB: Backend> Inbox<DB> {
 
     /// Whether the delivery's business key has been applied: a committed claim exists and has
     /// not expired (see [`retention`](Self::retention)). It reads through the engine's
-    /// [`look_up`](Engine::look_up), so it is logged as that is, with the key's digest only.
+    /// [`lookup`](Engine::lookup), so it is logged as that is, with the key's digest only.
     pub async fn is_applied(&self, delivery: &Delivery) -> Result<bool, Error> {
         let Ok(key) = (self.key)(delivery) else {
             return Ok(false);
@@ -558,7 +558,7 @@ impl<DB: Backend> Inbox<DB> {
         };
         // The inbox's engine keeps a record only for a commit: any final record is applied.
         Ok(matches!(
-            self.engine.look_up(&scope).await?,
+            self.engine.lookup(&scope).await?,
             Lookup::Final(_)
         ))
     }

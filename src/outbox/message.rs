@@ -5,6 +5,8 @@ use std::fmt;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
+use crate::scope::ScopedKey;
+
 /// The idempotency key the downstream sees on every attempt of one message.
 ///
 /// Derived, never random: the same request (its scoped key digest), the same topic and the same
@@ -20,8 +22,8 @@ pub struct DownstreamKey(String);
 impl DownstreamKey {
     /// Derives the key of one side effect of an idempotent request.
     ///
-    /// `scoped_digest` is the request's scoped key digest (`IdempotencyContext::scoped_key_digest`),
-    /// so two users or two routes never share downstream keys. `discriminator` names the side
+    /// `scoped_key` is the request's ([`IdempotencyContext::scoped_key`]), so two users or two
+    /// routes never share downstream keys. `discriminator` names the side
     /// effect within the request (`"charge"`, `"receipt-email"`) so one request may enqueue several
     /// messages, each with its own stable key.
     ///
@@ -33,19 +35,25 @@ impl DownstreamKey {
     /// 5xx the client would retry in vain.
     ///
     /// ```
+    /// use axum_idempotency::Scope;
     /// use axum_idempotency::outbox::DownstreamKey;
     ///
-    /// let first = DownstreamKey::for_request("3f2a…", "payments.charge", "charge");
-    /// let retry = DownstreamKey::for_request("3f2a…", "payments.charge", "charge");
+    /// // In a handler, `IdempotencyContext::scoped_key()`.
+    /// let scoped_key = Scope::new("alice", "POST", "/payments", "k1".parse()?).scoped_key();
+    /// let first = DownstreamKey::for_request(scoped_key, "payments.charge", "charge");
+    /// let retry = DownstreamKey::for_request(scoped_key, "payments.charge", "charge");
     /// assert_eq!(first, retry);
-    /// assert_ne!(first, DownstreamKey::for_request("3f2a…", "payments.charge", "refund"));
+    /// assert_ne!(first, DownstreamKey::for_request(scoped_key, "payments.charge", "refund"));
+    /// # Ok::<(), axum_idempotency::KeyError>(())
     /// ```
+    ///
+    /// [`IdempotencyContext::scoped_key`]: crate::IdempotencyContext::scoped_key
     #[must_use]
-    pub fn for_request(scoped_digest: &str, topic: &str, discriminator: &str) -> Self {
+    pub fn for_request(scoped_key: ScopedKey, topic: &str, discriminator: &str) -> Self {
         let mut hasher = Sha256::new();
         hasher.update(b"axum-idempotency/outbox/v1");
         // Length prefixes keep ("ab", "c") and ("a", "bc") apart.
-        for part in [scoped_digest, topic, discriminator] {
+        for part in [scoped_key.to_hex().as_str(), topic, discriminator] {
             hasher.update((part.len() as u64).to_be_bytes());
             hasher.update(part.as_bytes());
         }
@@ -90,7 +98,7 @@ pub struct InvalidDownstreamKey;
 /// ```
 /// use axum_idempotency::outbox::{DownstreamKey, Message};
 ///
-/// let key = DownstreamKey::for_request("3f2a…", "payments.charge", "charge");
+/// let key = DownstreamKey::new("charge-order-42").expect("a valid key");
 /// let message = Message::json(
 ///     "payments.charge",
 ///     key,
@@ -190,11 +198,15 @@ mod tests {
 
     #[test]
     fn derived_key_depends_on_every_part_without_ambiguity() {
-        let base = DownstreamKey::for_request("ab", "c", "d");
-        assert_eq!(base, DownstreamKey::for_request("ab", "c", "d"));
-        assert_ne!(base, DownstreamKey::for_request("a", "bc", "d"));
-        assert_ne!(base, DownstreamKey::for_request("ab", "c", "e"));
-        assert_ne!(base, DownstreamKey::for_request("ab", "x", "d"));
+        let key = |k: &str| {
+            let key = k.parse().expect("a valid key");
+            crate::Scope::new("alice", "POST", "/payments", key).scoped_key()
+        };
+        let base = DownstreamKey::for_request(key("k1"), "ab", "c");
+        assert_eq!(base, DownstreamKey::for_request(key("k1"), "ab", "c"));
+        assert_ne!(base, DownstreamKey::for_request(key("k1"), "a", "bc"));
+        assert_ne!(base, DownstreamKey::for_request(key("k1"), "ab", "d"));
+        assert_ne!(base, DownstreamKey::for_request(key("k2"), "ab", "c"));
         assert_eq!(base.as_str().len(), 64);
     }
 

@@ -51,7 +51,7 @@
 //!     }
 //! }
 //!
-//! # async fn run(scoped_key_digest: &str) -> Result<(), Box<dyn std::error::Error>> {
+//! # async fn run(scoped_key: axum_idempotency::ScopedKey) -> Result<(), Box<dyn std::error::Error>> {
 //! let pool = SqlitePool::connect("sqlite:payments.db?mode=rwc").await?;
 //! let outbox = Outbox::new(pool.clone());
 //! outbox.migrate().await?;
@@ -60,7 +60,7 @@
 //! // A transaction of your own here; in a handler, the request's `Tx` (`&mut tx`), whose
 //! // commit wakes the dispatchers by itself.
 //! let mut tx = pool.begin().await?;
-//! let key = DownstreamKey::for_request(scoped_key_digest, "charges", "charge");
+//! let key = DownstreamKey::for_request(scoped_key, "charges", "charge");
 //! let charge = serde_json::json!({ "amount": "12.50", "currency": "EUR" });
 //! let id = outbox.enqueue(&mut tx, Message::json("charges", key, &charge)?).await?;
 //! tx.commit().await?;
@@ -127,7 +127,8 @@
 //!
 //! [`Outbox::requeue`] puts a failed message back once its cause is fixed, [`Outbox::skip`]
 //! sets it aside so the later messages of its ordering key go on, and
-//! [`Outbox::purge_delivered`] deletes delivered rows past a retention in bounded batches.
+//! [`Outbox::purge_expired`] (or [`Outbox::spawn_purger`]) deletes delivered and skipped rows
+//! past the outbox's [retention](Outbox::retention) in bounded batches.
 //!
 //! # Backends
 //!

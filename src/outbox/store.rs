@@ -12,6 +12,12 @@ use super::wake::{Notify, Wake};
 use super::{DownstreamKey, EnqueueTarget, Error, Message, MessageId, OutboxRecord};
 use crate::Backend;
 
+/// The default [`Outbox::retention`]: a week, long past any client's retries of the request
+/// that enqueued a message.
+const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+/// Rows per purge statement.
+const PURGE_BATCH: i64 = 500;
+
 /// Handle on the `idempotency_outbox` table of one database; cheap to clone.
 ///
 /// ```no_run
@@ -53,6 +59,7 @@ pub struct Outbox<DB: Backend> {
     pool: Pool<DB>,
     // One purge at a time per outbox (and its clones): two would only race for the same rows.
     purging: Arc<tokio::sync::Mutex<()>>,
+    retention: Duration,
     // The dispatchers' writes, one at a time on a database with one writer.
     writing: Arc<tokio::sync::Mutex<()>>,
     wake: Wake,
@@ -67,6 +74,7 @@ impl<DB: Backend> Outbox<DB> {
             pool,
             purging: Arc::default(),
             writing: Arc::default(),
+            retention: DEFAULT_RETENTION,
             wake: Wake::new(),
             notify: None,
         }
@@ -139,33 +147,64 @@ impl<DB: Backend> Outbox<DB> {
         Ok(DB::fetch_by_key(&mut conn, key).await?)
     }
 
-    /// Deletes delivered messages that finished more than `retention` ago, `batch` rows per
-    /// statement (so no statement holds many locks), until none is left; returns how many.
+    /// How long a delivered or skipped message is kept, for its status and its downstream
+    /// key's deduplication (7 days unless set). Keep it at least as long as a caller may still
+    /// ask for a message's status, and longer than a client may retry the request that
+    /// enqueued it: a retry after the purge finds the request's record, if that is still kept,
+    /// and never enqueues again.
+    #[must_use]
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// Deletes the delivered and skipped messages that finished longer ago than the
+    /// [`retention`](Self::retention), a bounded batch per statement (so no statement holds
+    /// many locks), until none is left; returns how many.
     ///
     /// Pending and failed messages are never purged. A purge already running on this outbox
-    /// (or a clone) makes this call return `Ok(0)` at once. Keep delivered rows at least as
-    /// long as a caller may still ask for their status.
+    /// (or a clone) makes this call return `Ok(0)` at once.
     ///
     /// ```
     /// # async fn run(outbox: axum_idempotency::outbox::Outbox<sqlx::Sqlite>) -> Result<(), axum_idempotency::outbox::Error> {
     /// use std::time::Duration;
-    /// let purged = outbox.purge_delivered(Duration::from_secs(7 * 24 * 3600), 500).await?;
+    /// let purged = outbox.retention(Duration::from_secs(3 * 24 * 3600)).purge_expired().await?;
     /// # let _ = purged; Ok(()) }
     /// ```
-    pub async fn purge_delivered(&self, retention: Duration, batch: u32) -> Result<u64, Error> {
+    pub async fn purge_expired(&self) -> Result<u64, Error> {
         let Ok(_running) = self.purging.try_lock() else {
             return Ok(0);
         };
-        let before = now_millis().saturating_sub(duration_millis(retention));
-        let batch = i64::from(batch.max(1));
+        let before = now_millis().saturating_sub(duration_millis(self.retention));
         let mut purged = 0;
         loop {
-            let deleted = DB::purge_delivered(&self.pool, before, batch).await?;
+            let deleted = DB::purge_finished(&self.pool, before, PURGE_BATCH).await?;
             purged += deleted;
-            if deleted < u64::try_from(batch).unwrap_or(u64::MAX) {
+            if deleted < PURGE_BATCH.unsigned_abs() {
                 return Ok(purged);
             }
         }
+    }
+
+    /// Spawns a task that purges expired messages every `every`, logging what it deleted and
+    /// any failure, and going on. Abort the returned handle to stop it.
+    ///
+    /// Each run is a [`purge_expired`](Self::purge_expired); one that outlasts `every` delays
+    /// the next rather than overlapping it.
+    pub fn spawn_purger(&self, every: Duration) -> tokio::task::JoinHandle<()> {
+        let outbox = self.clone();
+        tokio::spawn(async move {
+            let mut interval = tokio::time::interval(every);
+            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                interval.tick().await;
+                match outbox.purge_expired().await {
+                    Ok(0) => {}
+                    Ok(deleted) => tracing::info!(deleted, "purged finished outbox messages"),
+                    Err(error) => tracing::warn!(%error, "purging outbox messages failed"),
+                }
+            }
+        })
     }
 
     /// Puts a failed message back to pending, due now, with its attempts and its time budget
@@ -253,6 +292,7 @@ impl<DB: Backend> Clone for Outbox<DB> {
         Self {
             pool: self.pool.clone(),
             purging: Arc::clone(&self.purging),
+            retention: self.retention,
             writing: Arc::clone(&self.writing),
             wake: self.wake.clone(),
             notify: self.notify,

@@ -239,9 +239,9 @@ mod private {
             true
         }
 
-        /// Deletes delivered messages finished before a time, a bounded batch per statement.
-        /// Parameters: finished_before, limit.
-        const PURGE_DELIVERED: &'static str;
+        /// Deletes delivered and skipped messages finished before a time, a bounded batch per
+        /// statement. Parameters: finished_before, limit.
+        const PURGE_FINISHED: &'static str;
         /// Puts a failed message back to pending, due now, its attempts counted afresh; the
         /// unknown-outcome flag stays, so a resend still looks the message up first.
         /// Parameters: now, id.
@@ -315,8 +315,8 @@ mod private {
             leases: &[Lease],
         ) -> impl Future<Output = Result<Vec<MessageId>, sqlx::Error>> + Send;
 
-        /// Deletes up to `limit` delivered messages finished before `before`.
-        fn purge_delivered(
+        /// Deletes up to `limit` delivered or skipped messages finished before `before`.
+        fn purge_finished(
             pool: &Pool<Self>,
             before: i64,
             limit: i64,

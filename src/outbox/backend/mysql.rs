@@ -75,8 +75,8 @@ impl Dialect for MySql {
         SET attempts = attempts + 1, last_attempt_at = ?, outcome_unknown = TRUE
         WHERE id = ? AND lease_token = ?";
     // MySQL refuses LIMIT in an IN subquery but takes it on DELETE itself.
-    const PURGE_DELIVERED: &'static str = "DELETE FROM idempotency_outbox
-        WHERE status = 'delivered' AND finished_at < ? ORDER BY finished_at LIMIT ?";
+    const PURGE_FINISHED: &'static str = "DELETE FROM idempotency_outbox
+        WHERE status IN ('delivered', 'skipped') AND finished_at < ? ORDER BY finished_at LIMIT ?";
     const REQUEUE: &'static str = "UPDATE idempotency_outbox
         SET status = 'pending', attempts = 0, next_attempt_at = ?,
             -- MySQL assigns left to right: the new value.

@@ -229,12 +229,12 @@ where
         still_held(pool, DB::RELEASE_UNSENT, leases, None).await
     }
 
-    async fn purge_delivered(
+    async fn purge_finished(
         pool: &Pool<Self>,
         before: i64,
         limit: i64,
     ) -> Result<u64, sqlx::Error> {
-        let done = sqlx::query(DB::PURGE_DELIVERED)
+        let done = sqlx::query(DB::PURGE_FINISHED)
             .bind(before)
             .bind(limit)
             .execute(pool)

@@ -122,8 +122,8 @@ impl Dialect for Sqlite {
          WHERE id = s.settled_id AND lease_token = s.token
          RETURNING id",
     );
-    const PURGE_DELIVERED: &'static str = "DELETE FROM idempotency_outbox WHERE id IN (
-        SELECT id FROM idempotency_outbox WHERE status = 'delivered' AND finished_at < ?1
+    const PURGE_FINISHED: &'static str = "DELETE FROM idempotency_outbox WHERE id IN (
+        SELECT id FROM idempotency_outbox WHERE status IN ('delivered', 'skipped') AND finished_at < ?1
         ORDER BY finished_at LIMIT ?2)";
     const REQUEUE: &'static str = "UPDATE idempotency_outbox
         SET status = 'pending', attempts = 0, next_attempt_at = ?1, requeued_at = ?1,

@@ -14,7 +14,7 @@
 //! async fn create_order(mut tx: Tx<Sqlite>, Json(sku): Json<String>) -> Result<StatusCode, TxError> {
 //!     sqlx::query("INSERT INTO orders (sku) VALUES (?)")
 //!         .bind(sku)
-//!         .execute(&mut *tx)
+//!         .execute(&mut tx)
 //!         .await?;
 //!     Ok(StatusCode::CREATED)
 //! }
@@ -87,8 +87,8 @@ use crate::store::{is_conflict_abort, is_unreachable};
 
 /// A handle on the request's database transaction (see the [module docs](crate::tx)).
 ///
-/// Dereferences to the database connection, so it is used exactly like a
-/// `sqlx::Transaction`: `query.execute(&mut *tx)`.
+/// Used like a `sqlx::Transaction`: `query.execute(&mut tx)` (or `&mut *tx`, the connection it
+/// dereferences to).
 pub struct Tx<DB: Database> {
     slot: TxSlot<DB>,
     // Always `Some` until `Drop` hands the transaction back to the slot.
@@ -134,6 +134,80 @@ impl<DB: Database> DerefMut for Tx<DB> {
         self.transaction_mut()
     }
 }
+
+/// `&mut tx` runs statements in the transaction, like `&mut *tx`: one impl per database, as
+/// sqlx's own `Transaction` has, since a generic one sends the trait solver in circles through
+/// the crate's generic store code.
+macro_rules! executor_for_tx {
+    ($feature:literal, $db:ty) => {
+        #[cfg(feature = $feature)]
+        impl<'c> sqlx::Executor<'c> for &'c mut Tx<$db> {
+            type Database = $db;
+
+            fn fetch_many<'e, 'q: 'e, E>(
+                self,
+                query: E,
+            ) -> futures_core::stream::BoxStream<
+                'e,
+                Result<
+                    sqlx::Either<
+                        <$db as sqlx::Database>::QueryResult,
+                        <$db as sqlx::Database>::Row,
+                    >,
+                    sqlx::Error,
+                >,
+            >
+            where
+                'c: 'e,
+                E: 'q + sqlx::Execute<'q, $db>,
+            {
+                (&mut **self).fetch_many(query)
+            }
+
+            fn fetch_optional<'e, 'q: 'e, E>(
+                self,
+                query: E,
+            ) -> futures_core::future::BoxFuture<
+                'e,
+                Result<Option<<$db as sqlx::Database>::Row>, sqlx::Error>,
+            >
+            where
+                'c: 'e,
+                E: 'q + sqlx::Execute<'q, $db>,
+            {
+                (&mut **self).fetch_optional(query)
+            }
+
+            fn prepare_with<'e>(
+                self,
+                sql: sqlx::SqlStr,
+                parameters: &'e [<$db as sqlx::Database>::TypeInfo],
+            ) -> futures_core::future::BoxFuture<
+                'e,
+                Result<<$db as sqlx::Database>::Statement, sqlx::Error>,
+            >
+            where
+                'c: 'e,
+            {
+                (&mut **self).prepare_with(sql, parameters)
+            }
+
+            fn describe<'e>(
+                self,
+                sql: sqlx::SqlStr,
+            ) -> futures_core::future::BoxFuture<'e, Result<sqlx::Describe<$db>, sqlx::Error>>
+            where
+                'c: 'e,
+            {
+                (&mut **self).describe(sql)
+            }
+        }
+    };
+}
+
+executor_for_tx!("sqlite", sqlx::Sqlite);
+executor_for_tx!("postgres", sqlx::Postgres);
+executor_for_tx!("mysql", sqlx::MySql);
 
 impl<DB: Database> Drop for Tx<DB> {
     fn drop(&mut self) {

@@ -58,9 +58,10 @@ async fn charge(
     mut tx: Tx<Sqlite>,
     body: String,
 ) -> Result<StatusCode, TxError> {
+    // `&mut tx` itself is an executor, as `&mut *tx` is.
     sqlx::query("INSERT INTO charges (body) VALUES (?)")
         .bind(&body)
-        .execute(&mut *tx)
+        .execute(&mut tx)
         .await?;
     let key = DownstreamKey::new("charge-shared").expect("a valid key");
     outbox

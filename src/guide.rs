@@ -300,7 +300,9 @@ pub mod layer {}
 ///
 /// - **Exactly once** for everything written through [`Tx`](crate::Tx): the claim, the
 ///   business rows and the response record are one transaction. Duplicates (sequential,
-///   concurrent, across app instances sharing a database) never run the handler twice.
+///   concurrent, across app instances sharing a database) never run the handler twice, save
+///   for one narrow race on PostgreSQL at `REPEATABLE READ` or `SERIALIZABLE` in which a
+///   duplicate's run is rolled back (see "Isolation levels" under Backends).
 /// - **Not** exactly once by itself: calls to other systems made from the handler (payment
 ///   channels, SMS, webhooks). Write them to the outbox (feature `outbox`) so they are sent
 ///   after the commit with a stable downstream key.
@@ -334,13 +336,15 @@ pub mod protocol {}
 /// that transaction with a serialization failure (`40001`) rather than let it decide on what
 /// it cannot see; the engine then reads the record outside any transaction, and replays it, or,
 /// when the original left none (it failed retryably), claims again, round after round while
-/// `wait_for_in_flight` lasts, before answering `409`. A claim at those levels that took its
-/// snapshot just before the original committed, and found the key's lock free just after, runs
-/// the handler without seeing the original's record; its commit then fails on the record the
-/// original left, nothing of it stands, and the attempt is run again, replaying. MySQL and
-/// MariaDB (default `REPEATABLE READ`) wait on the record's row, whose locking reads see the
-/// latest commit at every level; tested at `SERIALIZABLE` as well. SQLite transactions are
-/// serializable, one writer at a time.
+/// `wait_for_in_flight` lasts, before answering `409`. One narrow race remains at those levels:
+/// a duplicate that took its snapshot just before the original committed, and found the key's
+/// lock free just after, runs the handler in a transaction that cannot commit (the record the
+/// original left fails it on the primary key). Nothing it wrote through [`Tx`](crate::Tx)
+/// stands, outbox messages included, and the attempt is run again and replays; only a call the
+/// handler made to another system directly was made twice. MySQL and MariaDB (default
+/// `REPEATABLE READ`) wait on the record's row, whose locking reads see the latest commit at
+/// every level; tested at `SERIALIZABLE` as well. SQLite transactions are serializable, one
+/// writer at a time.
 ///
 /// Your own sqlx must be the same major version as this crate's (0.9), since the handler's
 /// transaction is an sqlx transaction, and axum must be 0.8.

@@ -72,7 +72,8 @@ impl<DB: Backend> Engine<DB> {
         mut begun: Option<Transaction<'static, DB>>,
     ) -> Result<Claim<DB>, Rejection> {
         let store = self.store.protocol();
-        let deadline = Instant::now() + self.settings.wait;
+        // None: a wait too long to count to, which never runs out.
+        let deadline = Instant::now().checked_add(self.settings.wait);
         // Another round settles the races a claim can lose without an answer: the record
         // vanished between the failed claim and the read (purged as it expired), the database
         // picked this transaction as a deadlock victim (InnoDB does when an original rolls back
@@ -103,11 +104,12 @@ impl<DB: Backend> Engine<DB> {
                 Err(error) => return Err(busy_or_internal(error)),
             }
         }
-        let mut round = 0;
+        let mut round: u32 = 0;
         loop {
-            round += 1;
+            round = round.saturating_add(1);
             if round > 1 {
-                if round > MIN_ROUNDS && Instant::now() >= deadline {
+                let waited_out = deadline.is_some_and(|deadline| Instant::now() >= deadline);
+                if round > MIN_ROUNDS && waited_out {
                     return Err(IN_PROGRESS);
                 }
                 tokio::time::sleep(ROUND_BACKOFF.delay(round - 1)).await;
@@ -115,7 +117,9 @@ impl<DB: Backend> Engine<DB> {
             // Later rounds wait only for what is left of the bound, so a duplicate's claim never
             // waits much past it in all.
             let lock_wait = deadline
-                .saturating_duration_since(Instant::now())
+                .map_or(self.settings.wait, |deadline| {
+                    deadline.saturating_duration_since(Instant::now())
+                })
                 .max(MIN_LOCK_WAIT);
             let mut tx = match begun.take() {
                 Some(tx) => tx,

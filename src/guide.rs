@@ -300,7 +300,9 @@ pub mod layer {}
 ///
 /// - **Exactly once** for everything written through [`Tx`](crate::Tx): the claim, the
 ///   business rows and the response record are one transaction. Duplicates (sequential,
-///   concurrent, across app instances sharing a database) never run the handler twice.
+///   concurrent, across app instances sharing a database) never run the handler twice, save
+///   for one narrow race on PostgreSQL at `REPEATABLE READ` or `SERIALIZABLE` in which a
+///   duplicate's run is rolled back (see "Isolation levels" under Backends).
 /// - **Not** exactly once by itself: calls to other systems made from the handler (payment
 ///   channels, SMS, webhooks). Write them to the outbox (feature `outbox`) so they are sent
 ///   after the commit with a stable downstream key.
@@ -325,6 +327,24 @@ pub mod protocol {}
 /// | `sqlite` (default) | `SqliteStore` | embedded; claims begin `IMMEDIATE` with `busy_timeout` set from the wait, and the write lock is the key's lock: the claim reads whether a live record holds the key (and deletes an expired one, if there is one), and the record is written once, in one prepared statement with `COMMIT`; use WAL. A wait that runs out cannot tell the original from another writer: 409 either way. |
 /// | `postgres` | `PgStore` | many app instances on one database; a claim is sent with `BEGIN` as a call of the schema's procedure `axum_idempotency_lock_v2`, which takes the key's advisory lock and writes nothing (it deletes an expired record under the key, if there is one); a duplicate of an in-flight claim waits on that lock, bounded by `lock_timeout`, set for the wait only and restored for the handler in the same message; the record is written once, with `COMMIT` |
 /// | `mysql` | `MySqlStore` | MySQL 8 and MariaDB; see below |
+///
+/// **Isolation levels.** The layer works at whatever isolation level the server or the pool
+/// makes the default; duplicates of a request in flight wait for it and replay its answer at
+/// each. At `READ COMMITTED` (PostgreSQL's default) a duplicate that waited for the original's
+/// lock goes on in its transaction and reads the original's record there. At `REPEATABLE READ`
+/// or `SERIALIZABLE` its snapshot predates the original's commit, so the PostgreSQL claim ends
+/// that transaction with a serialization failure (`40001`) rather than let it decide on what
+/// it cannot see; the engine then reads the record outside any transaction, and replays it, or,
+/// when the original left none (it failed retryably), claims again, round after round while
+/// `wait_for_in_flight` lasts, before answering `409`. One narrow race remains at those levels:
+/// a duplicate that took its snapshot just before the original committed, and found the key's
+/// lock free just after, runs the handler in a transaction that cannot commit (the record the
+/// original left fails it on the primary key). Nothing it wrote through [`Tx`](crate::Tx)
+/// stands, outbox messages included, and the attempt is run again and replays; only a call the
+/// handler made to another system directly was made twice. MySQL and MariaDB (default
+/// `REPEATABLE READ`) wait on the record's row, whose locking reads see the latest commit at
+/// every level; tested at `SERIALIZABLE` as well. SQLite transactions are serializable, one
+/// writer at a time.
 ///
 /// Your own sqlx must be the same major version as this crate's (0.9), since the handler's
 /// transaction is an sqlx transaction, and axum must be 0.8.
@@ -380,9 +400,10 @@ pub mod protocol {}
 /// **Errors.** InnoDB's lock wait timeout (1205) answers 409 `idempotency_request_in_progress`
 /// with `Retry-After`. A deadlock (1213) or, on MariaDB with `innodb_snapshot_isolation`,
 /// "record has changed since last read" (1020) means InnoDB rolled the claim back; the engine
-/// claims again at once (up to three rounds), so a duplicate InnoDB picked as a victim still
-/// waits for the new winner and replays it. PostgreSQL's deadlocks and serialization failures
-/// are treated the same way. The business never runs twice.
+/// reads the key's record afresh and replays it if one was committed meanwhile, else claims
+/// again (at least three rounds, more while `wait_for_in_flight` lasts), so a duplicate InnoDB
+/// picked as a victim still waits for the new winner and replays it. PostgreSQL's deadlocks and
+/// serialization failures are treated the same way. The business never runs twice.
 ///
 /// **Sizes.** `headers` and `body` are `LONGBLOB`; the real ceiling is the server's
 /// `max_allowed_packet` (16 MiB by default on MariaDB, 64 MiB on MySQL 8), which must stay

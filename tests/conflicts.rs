@@ -4,6 +4,10 @@
 //! taken before the update (deadlocks). The stock is never oversold, every request gets a final
 //! answer on its first try, and the handler ran more often than there were requests: the aborts
 //! happened, and were absorbed.
+//!
+//! Duplicates of a request still in flight wait for it and replay its answer whatever the
+//! isolation level the server runs transactions at: a claim that must start over because its
+//! snapshot predates the original's commit is no reason to answer "in progress".
 
 mod common;
 
@@ -16,7 +20,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum_idempotency::{IdempotencyLayer, Store, Tx, TxError};
-use common::{Backend, unique};
+use common::{Backend, Db, Reply, serve, unique};
 use sqlx::Pool;
 
 const STOCK: i64 = 25;
@@ -115,6 +119,93 @@ where
     }
 }
 
+/// How many duplicates meet the original in flight.
+const DUPLICATES: usize = 40;
+
+/// The connections of the app the duplicates meet the original through: enough for most of
+/// them to queue on the key's lock at once.
+const POOL: u32 = 32;
+
+/// What a storm of duplicates of one in-flight request left.
+struct InFlight {
+    first: Reply,
+    duplicates: Vec<Reply>,
+    runs: usize,
+    effects: i64,
+    records: i64,
+}
+
+impl InFlight {
+    /// Every duplicate got the original's answer replayed, and the business ran once.
+    fn check(&self) {
+        let first = &self.first;
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        assert!(!first.replayed());
+        let in_progress = self
+            .duplicates
+            .iter()
+            .filter(|r| r.status == StatusCode::CONFLICT)
+            .count();
+        for reply in &self.duplicates {
+            assert_eq!(
+                reply.status, first.status,
+                "every duplicate waited for the original ({in_progress} of {DUPLICATES} were \
+                 answered in progress): {reply:?}"
+            );
+            assert!(reply.replayed(), "{reply:?}");
+            assert_eq!(reply.body, first.body);
+            assert_eq!(reply.headers["location"], first.headers["location"]);
+        }
+        assert_eq!(self.runs, 1, "the handler ran once");
+        assert_eq!(self.effects, 1, "the business ran once");
+        assert_eq!(self.records, 1, "one record");
+    }
+}
+
+/// Sends a request whose handler holds its claim a while, then, once the handler runs, fires
+/// `DUPLICATES` copies of it (same key, same body) at once, all through an app on `pool`.
+async fn duplicates_of_an_in_flight_request<DB: Db>(pool: Pool<DB>) -> InFlight {
+    let app = Arc::new(serve(pool, |layer| layer).await);
+    let key = unique("in-flight");
+    let payload = serde_json::json!({ "label": "in-flight", "sleep_ms": 300 }).to_string();
+    let first = tokio::spawn({
+        let (app, key, payload) = (Arc::clone(&app), key.clone(), payload.clone());
+        async move {
+            app.post("/effects", Some("alice"), Some(&key), &payload)
+                .await
+        }
+    });
+    while app.executions() == 0 && !first.is_finished() {
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+    let start = Arc::new(tokio::sync::Barrier::new(DUPLICATES));
+    let duplicates: Vec<_> = (0..DUPLICATES)
+        .map(|_| {
+            let (app, key, payload) = (Arc::clone(&app), key.clone(), payload.clone());
+            let start = Arc::clone(&start);
+            tokio::spawn(async move {
+                start.wait().await;
+                app.post("/effects", Some("alice"), Some(&key), &payload)
+                    .await
+            })
+        })
+        .collect();
+    let first = first.await.expect("original");
+    let mut replies = Vec::new();
+    for duplicate in duplicates {
+        replies.push(duplicate.await.expect("duplicate"));
+    }
+    let stormed = InFlight {
+        first,
+        duplicates: replies,
+        runs: app.executions(),
+        effects: DB::count_effects(&app.pool, "in-flight").await,
+        records: DB::count_records(&app.pool).await,
+    };
+    app.pool.close().await;
+    stormed
+}
+
 #[cfg(feature = "postgres")]
 mod postgres {
     use super::*;
@@ -143,15 +234,25 @@ mod postgres {
     /// A pool on `isolated` whose every transaction, the claims' included, runs at
     /// SERIALIZABLE, as on a server with `default_transaction_isolation = serializable`.
     async fn serializable(isolated: &common::Isolated<Postgres>) -> Pool<Postgres> {
+        at_isolation(isolated, "serializable", 16).await
+    }
+
+    /// A pool of `max` connections on `isolated` whose every transaction runs at `level`, as on
+    /// a server whose `default_transaction_isolation` is set to it.
+    async fn at_isolation(
+        isolated: &common::Isolated<Postgres>,
+        level: &str,
+        max: u32,
+    ) -> Pool<Postgres> {
         let options = common::postgres_url()
             .parse::<sqlx::postgres::PgConnectOptions>()
             .expect("url")
             .options([
                 ("search_path", isolated.url.as_str()),
-                ("default_transaction_isolation", "serializable"),
+                ("default_transaction_isolation", level),
             ]);
         sqlx::pool::PoolOptions::new()
-            .max_connections(16)
+            .max_connections(max)
             .connect_with(options)
             .await
             .expect("connect")
@@ -223,6 +324,24 @@ mod postgres {
         );
     }
 
+    async fn duplicates_at(level: &str) {
+        let isolated = Postgres::fresh(2).await;
+        let stormed =
+            duplicates_of_an_in_flight_request(at_isolation(&isolated, level, POOL).await).await;
+        Postgres::dispose(isolated).await;
+        stormed.check();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn duplicates_of_an_in_flight_request_wait_and_replay_at_serializable() {
+        duplicates_at("serializable").await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn duplicates_of_an_in_flight_request_wait_and_replay_at_repeatable_read() {
+        duplicates_at("repeatable read").await;
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn serializable_storm_on_one_stock_row_is_never_oversold_and_never_5xx() {
         let isolated = Postgres::fresh(2).await;
@@ -281,6 +400,39 @@ mod mariadb {
             .execute(&mut *tx)
             .await?;
         Ok((StatusCode::CREATED, "bought").into_response())
+    }
+
+    /// Duplicates of an in-flight request on a pool whose every transaction runs at `level`, as
+    /// on a server whose `transaction_isolation` is set to it.
+    async fn duplicates_at(level: &'static str) {
+        let isolated = MySql::fresh(2).await;
+        let options = common::mysql_url()
+            .parse::<sqlx::mysql::MySqlConnectOptions>()
+            .expect("url")
+            .database(&isolated.url);
+        let pool = sqlx::pool::PoolOptions::<MySql>::new()
+            .max_connections(POOL)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                        "SET SESSION TRANSACTION ISOLATION LEVEL {level}"
+                    )))
+                    .execute(conn)
+                    .await
+                    .map(drop)
+                })
+            })
+            .connect_with(options)
+            .await
+            .expect("connect");
+        let stormed = duplicates_of_an_in_flight_request(pool).await;
+        MySql::dispose(isolated).await;
+        stormed.check();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn duplicates_of_an_in_flight_request_wait_and_replay_at_serializable() {
+        duplicates_at("SERIALIZABLE").await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

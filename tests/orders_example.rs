@@ -202,17 +202,27 @@ where
 }
 
 /// What a column cannot hold (a NUL, which PostgreSQL refuses; a currency longer than MariaDB's
-/// column) and skus that only look like a product are final 400s on every backend, decided
-/// before any SQL, never a 500 the client would retry forever.
+/// column), a control character anywhere in the currency or the sku, and skus that only look
+/// like a product are final 400s on every backend, decided before any SQL, never a 500 the
+/// client would retry forever nor a control character stored and echoed back.
 async fn unstorable_input_and_lookalike_skus_are_final_400s(orders: Orders) {
     let long = "E".repeat(100_000);
     let cases = [
         ("widget", "EUR\u{0}"),
+        ("widget", "EU\nR"),
+        ("widget", "\tEUR"),
+        ("widget", "EUR\u{1b}"),
+        ("widget", "EUR\u{7f}"),
+        ("widget", "EUR\u{85}"),
         ("widget", long.as_str()),
         ("widget", "EURO-DOLLAR"),
         ("widget", ""),
         (long.as_str(), "EUR"),
         ("wid\u{0}get", "EUR"),
+        ("widget\n", "EUR"),
+        ("wid\rget", "EUR"),
+        ("\u{1b}widget", "EUR"),
+        ("widget\u{9f}", "EUR"),
         ("WIDGET", "EUR"),
         ("Widget", "EUR"),
         ("widget ", "EUR"),

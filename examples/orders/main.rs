@@ -9,6 +9,17 @@
 //! It stops on SIGTERM (what Kubernetes and systemd send) as on Ctrl-C: it stops accepting,
 //! answers every request already in flight, then exits 0. A connection whose request head
 //! takes over 5 s is closed. The README's "Try it" section is a session to paste.
+//!
+//! `POST /orders` (an `Idempotency-Key` required) answers `201` with the order and its `Location`.
+//! Its refusals are final, so the layer stores and replays them under the key, and are problem+json
+//! with a `code` of the example's own: `400 invalid_order` when the quantity is below 1, the amount
+//! is not a positive number of whole cents below 10000000000000, the currency is not 1 to 8
+//! printable characters, the sku is not exactly one of the catalog's (`widget`, `gadget`: no other
+//! case, no spaces), or a field is missing or of the wrong type. A control character (NUL, a
+//! newline, an escape, DEL or a C1 control) in the currency or the sku is refused so on every
+//! backend alike, before any SQL: never a retryable 500, never stored and echoed back. A body that
+//! is not JSON is `400 malformed_json`, one without a JSON content type
+//! `415 unsupported_media_type`, and an order the stock cannot cover `409 out_of_stock`.
 
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 mod consumer;

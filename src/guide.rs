@@ -81,7 +81,7 @@
 /// use axum::http::{StatusCode, header, request::Parts};
 /// use axum::response::IntoResponse;
 /// use axum::{Extension, Json, Router, routing::post};
-/// use axum_idempotency::{IdempotencyLayer, Principal, SqliteStore, Tx};
+/// use axum_idempotency::{IdempotencyLayer, Principal, SqliteStore, Tx, TxError};
 /// use serde_json::json;
 /// use sqlx::Sqlite;
 ///
@@ -115,13 +115,12 @@
 ///     Extension(user): Extension<AuthUser>,
 ///     mut tx: Tx<Sqlite>,
 ///     Json(order): Json<serde_json::Value>,
-/// ) -> Result<impl IntoResponse, StatusCode> {
+/// ) -> Result<impl IntoResponse, TxError> {
 ///     let id: i64 = sqlx::query_scalar("INSERT INTO orders (user_id, sku) VALUES (?, ?) RETURNING id")
 ///         .bind(&user.id)
 ///         .bind(order["sku"].as_str())
 ///         .fetch_one(&mut *tx) // the claim's transaction
-///         .await
-///         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+///         .await?; // a conflict abort is run again, any other error is a retryable 500
 ///     Ok((
 ///         StatusCode::CREATED,
 ///         [(header::LOCATION, format!("/orders/{id}"))],
@@ -324,7 +323,7 @@ pub mod protocol {}
 ///
 /// | feature | store | notes |
 /// |---|---|---|
-/// | `sqlite` (default) | `SqliteStore` | embedded; claims begin `IMMEDIATE` with `busy_timeout` set from the wait, and the write lock is the key's lock: the claim reads whether a live record holds the key (and deletes an expired one, if there is one), and the record is written once, in one prepared statement with `COMMIT`; use WAL. A wait that runs out cannot tell the original from another writer: 409 either way. |
+/// | `sqlite` | `SqliteStore` | embedded; claims begin `IMMEDIATE` with `busy_timeout` set from the wait, and the write lock is the key's lock: the claim reads whether a live record holds the key (and deletes an expired one, if there is one), and the record is written once, in one prepared statement with `COMMIT`; use WAL. A wait that runs out cannot tell the original from another writer: 409 either way. |
 /// | `postgres` | `PgStore` | many app instances on one database; a claim is sent with `BEGIN` as a call of the schema's procedure `axum_idempotency_lock_v2`, which takes the key's advisory lock and writes nothing (it deletes an expired record under the key, if there is one); a duplicate of an in-flight claim waits on that lock, bounded by `lock_timeout`, set for the wait only and restored for the handler in the same message; the record is written once, with `COMMIT` |
 /// | `mysql` | `MySqlStore` | MySQL 8 and MariaDB; see below |
 ///
@@ -598,26 +597,33 @@ pub mod jobs {}
 /// ```
 /// use axum::extract::State;
 /// use axum::http::StatusCode;
-/// use axum_idempotency::outbox::{DownstreamKey, Message, Outbox};
-/// use axum_idempotency::{IdempotencyContext, Tx};
+/// use axum::response::{IntoResponse, Response};
+/// use axum_idempotency::outbox::{self, DownstreamKey, Message, Outbox};
+/// use axum_idempotency::{IdempotencyContext, Tx, TxError};
 /// use sqlx::Sqlite;
 ///
 /// async fn create_payment(
 ///     State(outbox): State<Outbox<Sqlite>>,
 ///     context: IdempotencyContext,
 ///     mut tx: Tx<Sqlite>,
-/// ) -> StatusCode {
+/// ) -> Result<StatusCode, Response> {
 ///     // The payment row is inserted here, with `&mut *tx`.
 ///     // The same request's retries derive the same downstream key.
 ///     let key = DownstreamKey::for_request(context.scoped_key(), "charges", "charge");
 ///     let charge = serde_json::json!({ "amount": 12.5, "currency": "EUR" });
-///     let Ok(message) = Message::json("charges", key, &charge) else {
-///         return StatusCode::INTERNAL_SERVER_ERROR;
-///     };
+///     let message = Message::json("charges", key, &charge).map_err(internal)?;
 ///     match outbox.enqueue(&mut tx, message).await {
-///         Ok(_) => StatusCode::ACCEPTED, // committed with the payment row, sent after
-///         Err(_) => StatusCode::SERVICE_UNAVAILABLE, // rolled back: the client retries
+///         Ok(_) => Ok(StatusCode::ACCEPTED), // committed with the payment row, sent after
+///         // A conflict abort is run again, any other database error is a retryable 500.
+///         Err(outbox::Error::Database(error)) => Err(TxError::from(error).into_response()),
+///         Err(error) => Err(internal(error)),
 ///     }
+/// }
+///
+/// /// A retryable 500: rolled back, never stored, so the client's retry runs afresh.
+/// fn internal(error: impl std::fmt::Display) -> Response {
+///     tracing::error!(%error, "the payment could not be enqueued");
+///     StatusCode::INTERNAL_SERVER_ERROR.into_response()
 /// }
 /// ```
 ///

@@ -11,17 +11,19 @@
 #![cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
 //! use std::time::Duration;
 //! use axum::{Json, Router, body::Body, http::{Request, StatusCode}, routing::post};
-//! use axum_idempotency::{IdempotencyLayer, SqliteStore, Tx};
+//! use axum_idempotency::{IdempotencyLayer, SqliteStore, Tx, TxError};
 //! use sqlx::Sqlite;
 //! use tower::ServiceExt;
 //!
-//! async fn create_order(mut tx: Tx<Sqlite>, Json(sku): Json<String>) -> (StatusCode, String) {
+//! async fn create_order(
+//!     mut tx: Tx<Sqlite>,
+//!     Json(sku): Json<String>,
+//! ) -> Result<(StatusCode, String), TxError> {
 //!     let id: i64 = sqlx::query_scalar("INSERT INTO orders (sku) VALUES (?) RETURNING id")
 //!         .bind(sku)
 //!         .fetch_one(&mut *tx)
-//!         .await
-//!         .unwrap_or_default();
-//!     (StatusCode::CREATED, format!("order {id}"))
+//!         .await?; // an error is never stored: a retryable 500, or run again on a conflict
+//!     Ok((StatusCode::CREATED, format!("order {id}")))
 //! }
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -78,12 +80,13 @@
 //! operators are told. Jobs enter at the [`Engine`], with the same claim. Behind features:
 //! `outbox` (external side effects sent after commit with a stable downstream key), `inbox`
 //! (message consumers that apply each business key once, acking after the commit) and `client`
-//! (the caller's half: one key per logical call, reused on every retry).
+//! (the caller's half: one key per logical call, reused on every retry). No database is on by
+//! default: a build compiles the ones it names (`sqlite`, `postgres`, `mysql`) and no other.
 //!
 //! | feature | what it adds |
 //! |---|---|
 //! | `server` (default) | the server half: the layer, the engine, the stores; off for a client-only build |
-//! | `sqlite` (default) | `SqliteStore` |
+//! | `sqlite` | `SqliteStore` |
 //! | `postgres` | `PgStore` |
 //! | `mysql` | `MySqlStore` (MySQL 8, MariaDB) |
 //! | `outbox` | the `outbox` module: `Outbox`, `Dispatcher`, `Sender`, `HttpSender` for HTTP APIs |

@@ -3,7 +3,7 @@
 //! published crate, same features), its `rust` block becomes `src/main.rs`, and nothing else is
 //! added. The program is built offline and run against PostgreSQL in a schema of its own; a
 //! keyed `POST` must be created, replayed and refused as the README says, and SIGTERM must stop
-//! it cleanly.
+//! it cleanly. The same dependencies must not bring SQLite, as the README says.
 //!
 //! The build shares a target directory across runs (`<target>/readme-program`), so only the
 //! first run compiles the dependencies.
@@ -93,8 +93,8 @@ fn target_dir() -> PathBuf {
         .join("readme-program")
 }
 
-/// Writes the project and builds it offline; returns the binary.
-fn build(project: &Path) -> PathBuf {
+/// Writes the project: the README's dependencies and program, and the repository's lock file.
+fn write_project(project: &Path) {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
     let blocks = use_it_blocks();
     std::fs::create_dir_all(project.join("src")).expect("project dir");
@@ -107,10 +107,17 @@ fn build(project: &Path) -> PathBuf {
     // The repository's lock file: the same versions as the crate's own build, all of them in
     // the local registry cache, so the build needs no network.
     std::fs::copy(repo.join("Cargo.lock"), project.join("Cargo.lock")).expect("Cargo.lock");
+}
 
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+fn cargo() -> std::process::Command {
+    std::process::Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+}
+
+/// Writes the project and builds it offline; returns the binary.
+fn build(project: &Path) -> PathBuf {
+    write_project(project);
     let target = target_dir();
-    let output = std::process::Command::new(cargo)
+    let output = cargo()
         .args(["build", "--offline", "--quiet"])
         .current_dir(project)
         .env("CARGO_TARGET_DIR", &target)
@@ -139,6 +146,47 @@ fn replayed(answer: &Answer) -> Option<&str> {
         .headers
         .get("idempotent-replayed")
         .and_then(|v| v.to_str().ok())
+}
+
+/// The README says its PostgreSQL build compiles no SQLite: the bundled C library would be
+/// most of a fresh build's time, for a database the program never opens.
+#[test]
+fn the_readme_dependencies_compile_no_sqlite() {
+    let project = tempfile::tempdir().expect("temp dir");
+    write_project(project.path());
+    let output = cargo()
+        .args([
+            "tree",
+            "--offline",
+            "--edges",
+            "normal,build",
+            "--prefix",
+            "none",
+        ])
+        .args(["--format", "{p}"])
+        .current_dir(project.path())
+        .output()
+        .expect("cargo runs");
+    assert!(
+        output.status.success(),
+        "cargo tree fails on the README's dependencies:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let tree = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        tree.lines().any(|line| line.starts_with("sqlx-postgres ")),
+        "{tree}"
+    );
+    let mut sqlite: Vec<&str> = tree
+        .lines()
+        .filter(|line| line.starts_with("libsqlite3-sys ") || line.starts_with("sqlx-sqlite "))
+        .collect();
+    sqlite.sort_unstable();
+    sqlite.dedup();
+    assert!(
+        sqlite.is_empty(),
+        "the README's PostgreSQL build compiles SQLite: {sqlite:?}"
+    );
 }
 
 #[tokio::test]

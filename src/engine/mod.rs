@@ -7,10 +7,12 @@
 #![cfg_attr(feature = "sqlite", doc = "```")]
 #![cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! use axum_idempotency::{Engine, Fingerprinter, IdempotencyKey, Outcome, Scope, SqliteStore, Tx};
+//! use axum_idempotency::{Engine, Fingerprinter, IdempotencyKey, Outcome, Scope, SqliteStore, Tx, TxError};
 //! use sqlx::Sqlite;
 //!
-//! let store = SqliteStore::new(sqlx::SqlitePool::connect("sqlite::memory:").await?);
+//! let pool = sqlx::SqlitePool::connect("sqlite::memory:").await?;
+//! sqlx::query("CREATE TABLE invoices (month TEXT)").execute(&pool).await?;
+//! let store = SqliteStore::new(pool);
 //! store.migrate().await?;
 //! let engine = Engine::new(store);
 //!
@@ -20,7 +22,13 @@
 //!
 //! let first = engine
 //!     .run(&scope, fingerprint, |mut tx: Tx<Sqlite>| async move {
-//!         sqlx::query("SELECT 1").execute(&mut *tx).await.map(|_| "invoiced").map_err(|_| "failed")
+//!         sqlx::query("INSERT INTO invoices (month) VALUES ('2026-11')")
+//!             .execute(&mut *tx)
+//!             .await?;
+//!         // A failure stays an error: as a `TxError`, a conflict abort runs the work again and
+//!         // any other error is a retryable 500, never recorded. Turned into a value of its own
+//!         // (a `&str`, say) it would be a 200, recorded as done and replayed.
+//!         Ok::<_, TxError>("invoiced")
 //!     })
 //!     .await?;
 //! assert_eq!(first.outcome, Outcome::Executed);

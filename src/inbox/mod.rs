@@ -11,8 +11,17 @@
 //! ```
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! use axum_idempotency::inbox::{Delivery, Failure, Inbox, Verdict};
-//! use axum_idempotency::{SqliteStore, Tx};
+//! use axum_idempotency::{SqliteStore, Tx, TxError};
 //! use sqlx::Sqlite;
+//!
+//! // Database code shared with the HTTP handlers returns `TxError`, as they do.
+//! async fn record_payment(tx: &mut Tx<Sqlite>, payment_id: &str) -> Result<(), TxError> {
+//!     sqlx::query("INSERT INTO paid (payment_id) VALUES (?)")
+//!         .bind(payment_id)
+//!         .execute(&mut **tx)
+//!         .await?;
+//!     Ok(())
+//! }
 //!
 //! let pool = sqlx::SqlitePool::connect("sqlite::memory:").await?;
 //! sqlx::query("CREATE TABLE paid (payment_id TEXT)").execute(&pool).await?;
@@ -20,16 +29,19 @@
 //! store.migrate().await?;
 //!
 //! // The payment id inside the event is the business key, whatever message carries it.
-//! let inbox = Inbox::new("orders", store).key_by(|delivery: &Delivery| {
+//! fn payment_id(delivery: &Delivery) -> Result<String, Failure> {
 //!     let event: serde_json::Value = serde_json::from_slice(delivery.payload())
 //!         .map_err(|_| Failure::permanent("not JSON"))?;
 //!     event["payment_id"].as_str().map(str::to_owned).ok_or_else(|| Failure::permanent("no payment_id"))
-//! });
+//! }
+//!
+//! let inbox = Inbox::new("orders", store).key_by(payment_id);
 //! let apply = |mut tx: Tx<Sqlite>, delivery: Delivery| async move {
-//!     // `?` sorts a database error: an unreachable database is an outage, not an attempt.
-//!     sqlx::query("INSERT INTO paid (payment_id) VALUES ('p-1')")
-//!         .execute(&mut *tx)
-//!         .await?;
+//!     // `?` sorts a database error, a `TxError` or an `sqlx::Error`: a conflict abort is
+//!     // `Failure::Conflict`, run again at once; an unreachable database is
+//!     // `Failure::Unavailable`, an outage that never counts as an attempt; anything else is
+//!     // `Failure::Retryable`. A failure of your own choosing in its place would lose that.
+//!     record_payment(&mut tx, &payment_id(&delivery)?).await?;
 //!     Ok(())
 //! };
 //!

@@ -46,7 +46,7 @@ use crate::backend::Backend;
 use crate::error::Error;
 use crate::record::Clock;
 
-/// Records in SQLite: the embedded default, one file, no server.
+/// Records in SQLite: embedded, one file, no server.
 ///
 /// SQLite has one writer at a time, so every claim transaction begins `IMMEDIATE`: it takes the
 /// write lock up front and waits for it within the layer's in-flight bound (`busy_timeout`). A

@@ -1,4 +1,4 @@
-//! SQLite: the embedded default, one file, no server.
+//! SQLite: embedded, one file, no server.
 //!
 //! SQLite has one writer at a time, so a claim's transaction begins `IMMEDIATE`, taking the
 //! write lock up front and waiting for it within the claim's bound (`busy_timeout`). That lock

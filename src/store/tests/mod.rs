@@ -128,12 +128,19 @@ impl PgSchema {
         let options = Self::url()
             .parse::<sqlx::postgres::PgConnectOptions>()
             .unwrap()
-            .options([("search_path", self.name.as_str())]);
+            .options([("search_path", self.name.as_str())])
+            // So a test can find its own sessions in `pg_stat_activity`.
+            .application_name(&self.name);
         sqlx::postgres::PgPoolOptions::new()
             .max_connections(max_connections)
             .connect_with(options)
             .await
             .unwrap()
+    }
+
+    /// The name its sessions carry as `application_name`.
+    fn name(&self) -> String {
+        self.name.clone()
     }
 
     /// Closes `pool` (every transaction on it must be over) and drops the schema.
@@ -209,5 +216,27 @@ impl MySqlDatabase {
             .await
             .unwrap();
         let _ = admin.close().await;
+    }
+}
+
+/// Waits until one of the sessions named `application` (a [`PgSchema`]'s) waits for a lock
+/// another session holds.
+#[cfg(feature = "postgres")]
+async fn until_a_session_waits_for_a_lock(application: &str) {
+    use sqlx::Connection;
+    let mut watcher = sqlx::PgConnection::connect(&PgSchema::url()).await.unwrap();
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM pg_stat_activity
+             WHERE application_name = $1 AND wait_event_type = 'Lock'",
+        )
+        .bind(application)
+        .fetch_one(&mut watcher)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
 }

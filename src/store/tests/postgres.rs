@@ -5,7 +5,10 @@ use std::time::{Duration, Instant};
 
 use sqlx::PgConnection;
 
-use super::{PgSchema, completed, finished, now_ms, protocol_of, record, scope};
+use super::{
+    PgSchema, completed, finished, now_ms, protocol_of, record, scope,
+    until_a_session_waits_for_a_lock,
+};
 use crate::error::Error;
 use crate::key::IdempotencyKey;
 use crate::record::RecordState;
@@ -478,9 +481,10 @@ async fn under_repeatable_read_a_claim_that_waited_is_run_again_and_then_sees_th
         panic!("a fresh key is claimed");
     };
     let original = tokio::spawn({
-        let (store, key) = (store.clone(), key.clone());
+        let (store, key, application) = (store.clone(), key.clone(), schema.name());
         async move {
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            // Only once the duplicate waits for the key's lock, its snapshot taken.
+            until_a_session_waits_for_a_lock(&application).await;
             let claim = record(&key, "a", RecordState::Processing, None, now, 60_000);
             store
                 .commit_record(holder, &finished(&claim, &completed("one")))

@@ -35,9 +35,11 @@ type Written = Result<Vec<MessageId>, sqlx::Error>;
 type Sent = Result<Option<Attempted>, sqlx::Error>;
 
 /// What the dispatcher knows of a message it holds a lease on, from its claim until its
-/// outcome is recorded.
+/// outcome is recorded. Kept by lease, not by message: a message given back due now (a retry
+/// at once, a pause's probe lost) can be claimed again by the dispatcher's other claim before
+/// the write that gave it back is reported, and the old lease's report must not touch the new
+/// one.
 struct Held {
-    token: i64,
     /// The lease's expiry as last written.
     until: i64,
     /// Its outcome is being written: a renewal that no longer finds the lease raced the settle.
@@ -66,7 +68,7 @@ struct Paused {
     /// When the next probe may go, in the stored timestamps' milliseconds.
     until: i64,
     /// The message being sent as the probe.
-    probe: Option<MessageId>,
+    probe: Option<Lease>,
     waiting: Vec<(Lease, Claimed)>,
 }
 
@@ -79,7 +81,7 @@ pub(super) struct Found {
 
 pub(super) struct Window<'d, DB: Backend, S> {
     dispatcher: &'d Dispatcher<DB, S>,
-    held: HashMap<MessageId, Held>,
+    held: HashMap<Lease, Held>,
     sends: FuturesUnordered<Op<'d, (Lease, String, Sent)>>,
     /// Claimed messages waiting for a send slot, oldest first; their leases are held and
     /// renewed like those being sent.
@@ -157,7 +159,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             return;
         }
         for lease in &unsent {
-            if let Some(held) = self.held.get_mut(&lease.id) {
+            if let Some(held) = self.held.get_mut(lease) {
                 held.settling = true;
             }
         }
@@ -215,8 +217,8 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// Sends one claimed message, unless its lease was lost meanwhile: its new holder looks it
     /// up first.
     fn start_send(&mut self, lease: Lease, message: Claimed) {
-        if self.held.get(&lease.id).is_none_or(|held| held.lost) {
-            self.held.remove(&lease.id);
+        if self.held.get(&lease).is_none_or(|held| held.lost) {
+            self.held.remove(&lease);
             return;
         }
         let dispatcher = self.dispatcher;
@@ -237,7 +239,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         if paused.probe.is_some() {
             paused.waiting.push((lease, message));
         } else if paused.until <= now_millis() {
-            paused.probe = Some(lease.id);
+            paused.probe = Some(lease);
             self.ready.push_back((lease, message));
         } else {
             let until = paused.until;
@@ -264,9 +266,13 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
 
     /// Learns from a finished send whether its topic's destination is reachable: an outage
     /// pauses the topic, a probe that got an answer resumes it.
-    fn observe(&mut self, id: MessageId, topic: &str, attempted: &mut Attempted) {
+    fn observe(&mut self, lease: Lease, topic: &str, attempted: &mut Attempted) {
         let Some(outage) = &attempted.outage else {
-            if self.paused.get(topic).is_some_and(|p| p.probe == Some(id)) {
+            if self
+                .paused
+                .get(topic)
+                .is_some_and(|p| p.probe == Some(lease))
+            {
                 self.resume(topic);
             }
             return;
@@ -301,7 +307,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                 }
                 until
             }
-            Some(paused) if paused.probe == Some(id) => {
+            Some(paused) if paused.probe == Some(lease) => {
                 paused.probes += 1;
                 let wait = self.dispatcher.probe_wait(paused.probes, outage);
                 paused.until = now.saturating_add(duration_millis(wait));
@@ -323,11 +329,11 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// A probe that ended without an answer of the destination (its lease or its write was
     /// lost): the messages that waited for it go back, due now, and the next one claimed is
     /// the probe.
-    fn probe_lost(&mut self, id: MessageId, topic: &str) {
+    fn probe_lost(&mut self, lease: Lease, topic: &str) {
         let Some(paused) = self.paused.get_mut(topic) else {
             return;
         };
-        if paused.probe != Some(id) {
+        if paused.probe != Some(lease) {
             return;
         }
         paused.probe = None;
@@ -363,7 +369,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         }
         let outcomes = std::mem::take(&mut self.outcomes);
         for (lease, _) in &outcomes {
-            if let Some(held) = self.held.get_mut(&lease.id) {
+            if let Some(held) = self.held.get_mut(lease) {
                 held.settling = true;
             }
         }
@@ -390,10 +396,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             .held
             .iter()
             .filter(|(_, held)| !held.settling && !held.lost && held.until < until)
-            .map(|(&id, held)| Lease {
-                id,
-                token: held.token,
-            })
+            .map(|(&lease, _)| lease)
             .collect();
         if leases.is_empty() {
             return;
@@ -453,9 +456,8 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                         token: claim.token,
                     };
                     self.held.insert(
-                        lease.id,
+                        lease,
                         Held {
-                            token: claim.token,
                             until: claim.lease_until,
                             settling: false,
                             lost: false,
@@ -471,12 +473,12 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             }
             Event::Sent(lease, topic, mut sent) => {
                 if let Ok(Some(attempted)) = &mut sent {
-                    self.observe(lease.id, &topic, attempted);
+                    self.observe(lease, &topic, attempted);
                 } else {
-                    self.probe_lost(lease.id, &topic);
+                    self.probe_lost(lease, &topic);
                 }
                 match sent {
-                    Ok(Some(attempted)) if !self.held.get(&lease.id).is_some_and(|h| h.lost) => {
+                    Ok(Some(attempted)) if !self.held.get(&lease).is_some_and(|h| h.lost) => {
                         self.outcomes.push((lease, attempted.settlement));
                         self.start_sends();
                         return None;
@@ -488,7 +490,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                         tracing::warn!(message = %lease.id, %error, "recording an outbox attempt failed");
                     }
                 }
-                self.held.remove(&lease.id);
+                self.held.remove(&lease);
                 self.start_sends();
                 None
             }
@@ -508,8 +510,8 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                         tracing::warn!(messages = leases.len(), %error, "recording outbox outcomes failed");
                     }
                 }
-                for lease in leases {
-                    self.held.remove(&lease.id);
+                for lease in &leases {
+                    self.held.remove(lease);
                 }
                 None
             }
@@ -522,12 +524,9 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                     }
                 };
                 for lease in leases {
-                    let Some(held) = self.held.get_mut(&lease.id) else {
+                    let Some(held) = self.held.get_mut(&lease) else {
                         continue;
                     };
-                    if held.token != lease.token {
-                        continue;
-                    }
                     if renewed.contains(&lease.id) {
                         held.until = held.until.max(until);
                     } else if !held.settling && !held.lost {
@@ -546,8 +545,8 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                     // resend, which finds it never sent.
                     tracing::warn!(messages = leases.len(), %error, "giving back unsent outbox messages failed");
                 }
-                for lease in leases {
-                    self.held.remove(&lease.id);
+                for lease in &leases {
+                    self.held.remove(lease);
                 }
                 None
             }

@@ -264,6 +264,9 @@ mod private {
         const REQUEUE: &'static str;
         /// Sets a failed message aside as skipped, finished now. Parameters: now, id.
         const SKIP: &'static str;
+        /// Moves the pending messages of a topic due at one time to another. Parameters: the
+        /// new time, the time they were due, the topic.
+        const ADVANCE: &'static str;
 
         /// How many rows a statement affected.
         fn rows_affected(result: &Self::QueryResult) -> u64;
@@ -337,6 +340,16 @@ mod private {
             pool: &Pool<Self>,
             before: i64,
             limit: i64,
+        ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+        /// Makes the pending messages of `topic` due at `from` due at `to` instead; returns
+        /// how many moved. For a paused topic whose destination is back before its next probe:
+        /// its messages were given back due at that probe.
+        fn advance(
+            pool: &Pool<Self>,
+            topic: &str,
+            from: i64,
+            to: i64,
         ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
         /// Puts a failed message back to pending; `false` when it is not failed.

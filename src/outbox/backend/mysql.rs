@@ -84,6 +84,8 @@ impl Dialect for MySql {
             finished_at = NULL,
             lease_expires_at = NULL, lease_token = NULL
         WHERE id = ? AND status = 'failed'";
+    const ADVANCE: &'static str = "UPDATE idempotency_outbox SET next_attempt_at = ?
+        WHERE status = 'pending' AND next_attempt_at = ? AND topic = ?";
     const SKIP: &'static str = "UPDATE idempotency_outbox
         SET status = 'skipped', finished_at = ?, lease_expires_at = NULL, lease_token = NULL
         WHERE id = ? AND status = 'failed'";

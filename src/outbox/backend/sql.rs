@@ -250,6 +250,21 @@ where
         Ok(DB::rows_affected(&done))
     }
 
+    async fn advance(
+        pool: &Pool<Self>,
+        topic: &str,
+        from: i64,
+        to: i64,
+    ) -> Result<u64, sqlx::Error> {
+        let done = sqlx::query(DB::ADVANCE)
+            .bind(to)
+            .bind(from)
+            .bind(topic)
+            .execute(pool)
+            .await?;
+        Ok(DB::rows_affected(&done))
+    }
+
     async fn requeue(pool: &Pool<Self>, id: MessageId, now: i64) -> Result<bool, sqlx::Error> {
         let done = sqlx::query(DB::REQUEUE)
             .bind(now)

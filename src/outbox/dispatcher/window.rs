@@ -21,6 +21,7 @@ use std::pin::Pin;
 
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{Attempted, Dispatcher, metrics, retry_at};
@@ -56,6 +57,10 @@ pub(super) enum Event {
     Renewed(Vec<Lease>, i64, Written),
     Released(Vec<Lease>, Written),
     RenewalDue,
+    /// The sender's client reconnected.
+    Reconnected,
+    /// Messages of a paused topic were made due for a probe now.
+    Advanced(Result<u64, sqlx::Error>),
 }
 
 /// A topic whose destination is unavailable. Its messages wait in the database until `until`;
@@ -70,6 +75,9 @@ struct Paused {
     /// The message being sent as the probe.
     probe: Option<Lease>,
     waiting: Vec<(Lease, Claimed)>,
+    /// The probe time the sender's reconnection moved up, if it did: messages given back
+    /// while their topic's messages were made due may still wait for it.
+    moved_from: Option<i64>,
 }
 
 /// What a finished claim found.
@@ -101,6 +109,12 @@ pub(super) struct Window<'d, DB: Backend, S> {
     next_renewal: Instant,
     /// Paused topics; a sender may serve several destinations, one per topic.
     paused: HashMap<String, Paused>,
+    /// The sender's signal that its client reconnected, if it has one.
+    reconnected: Option<watch::Receiver<u64>>,
+    /// Writes that make a paused topic's messages due for a probe now.
+    advancing: FuturesUnordered<Op<'d, Event>>,
+    /// Messages were made due that no claim has looked for yet: claim without resting.
+    woken: bool,
 }
 
 impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
@@ -120,7 +134,19 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             stopping: false,
             next_renewal: Instant::now() + dispatcher.renewal_interval(),
             paused: HashMap::new(),
+            reconnected: dispatcher
+                .sender
+                .reconnected()
+                .map(|signal| signal.subscribe()),
+            advancing: FuturesUnordered::new(),
+            woken: false,
         }
+    }
+
+    /// Whether messages were made due since last asked, so the dispatcher claims now rather
+    /// than after resting.
+    pub(super) fn take_woken(&mut self) -> bool {
+        std::mem::take(&mut self.woken)
     }
 
     /// Nothing held, nothing being written: a shutdown may return.
@@ -130,6 +156,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             && self.settling.is_none()
             && self.renewing.is_none()
             && self.releasing.is_empty()
+            && self.advancing.is_empty()
     }
 
     /// For a shutdown: gives back the messages still waiting for a send slot without counting
@@ -296,6 +323,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                         until,
                         probe: None,
                         waiting: Vec::new(),
+                        moved_from: None,
                     },
                 );
                 let (held_back, ready) = std::mem::take(&mut self.ready)
@@ -359,6 +387,48 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         for waiting in paused.waiting.into_iter().rev() {
             self.ready.push_front(waiting);
         }
+        if let Some(from) = paused.moved_from {
+            self.advance(topic.to_owned(), from, now_millis());
+        }
+    }
+
+    /// The sender's client reconnected: each paused topic whose probe is not out is probed
+    /// now rather than at its backoff's time, its messages (given back due at that time)
+    /// made due now.
+    fn probe_now(&mut self) {
+        let now = now_millis();
+        let mut moves = Vec::new();
+        for (topic, paused) in &mut self.paused {
+            if paused.probe.is_some() {
+                continue;
+            }
+            if paused.until <= now {
+                self.woken = true;
+                continue;
+            }
+            tracing::debug!(
+                topic,
+                "outbox destination's client reconnected; probing it now"
+            );
+            paused.moved_from = Some(paused.until);
+            moves.push((topic.clone(), paused.until));
+            paused.until = now;
+        }
+        for (topic, from) in moves {
+            self.advance(topic, from, now);
+        }
+    }
+
+    /// Makes the pending messages of `topic` due at `from` due at `to`.
+    fn advance(&mut self, topic: String, from: i64, to: i64) {
+        let outbox = &self.dispatcher.outbox;
+        self.advancing.push(Box::pin(async move {
+            let advanced = {
+                let _turn = outbox.write_turn().await;
+                DB::advance(outbox.pool(), &topic, from, to).await
+            };
+            Event::Advanced(advanced)
+        }));
     }
 
     /// Starts writing the outcomes that finished, unless a settle is still running (they go
@@ -414,6 +484,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// Waits for the next thing to finish; pending forever when nothing runs.
     pub(super) async fn next(&mut self) -> Event {
         let renewal_due = !self.held.is_empty() && self.renewing.is_none();
+        let paused = !self.paused.is_empty();
 
         tokio::select! {
             Some(event) = self.claims.next(), if !self.claims.is_empty() => event,
@@ -424,6 +495,8 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                 Event::Sent(lease, topic, sent)
             }
             () = tokio::time::sleep_until(self.next_renewal), if renewal_due => Event::RenewalDue,
+            Some(event) = self.advancing.next(), if !self.advancing.is_empty() => event,
+            () = raised(&mut self.reconnected), if paused => Event::Reconnected,
         }
     }
 
@@ -554,6 +627,18 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                 self.renew();
                 None
             }
+            Event::Reconnected => {
+                self.probe_now();
+                None
+            }
+            Event::Advanced(advanced) => {
+                if let Err(error) = advanced {
+                    // Its messages stay due at the probe its backoff set.
+                    tracing::warn!(%error, "making a reconnected outbox destination's messages due failed");
+                }
+                self.woken = true;
+                None
+            }
         }
     }
 }
@@ -565,6 +650,16 @@ impl<DB: Backend, S> Drop for Window<'_, DB, S> {
             metrics::paused(false);
         }
     }
+}
+
+/// Resolves when the sender raises its reconnection signal; pending forever without one.
+async fn raised(signal: &mut Option<watch::Receiver<u64>>) {
+    if let Some(signal) = signal
+        && signal.changed().await.is_ok()
+    {
+        return;
+    }
+    std::future::pending().await
 }
 
 /// The output of the operation in `slot`, which it then empties; pending while it is empty.

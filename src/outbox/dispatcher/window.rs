@@ -460,8 +460,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         let dispatcher = self.dispatcher;
         self.next_renewal = Instant::now() + dispatcher.renewal_interval();
         let until = now_millis().saturating_add(duration_millis(dispatcher.lease));
-        // Only leases the renewal moves later: one claimed this very millisecond would be left
-        // unchanged, which MySQL counts as no row affected.
+        // Only leases the renewal moves later: one claimed this very millisecond needs none.
         let leases: Vec<_> = self
             .held
             .iter()

@@ -426,6 +426,12 @@ impl<DB: Backend> Sender for Routed<DB> {
         outcome
     }
 
+    // The broker's client says when it is back, and the dispatcher probes the events' topic
+    // at once; the provider is found back by the probes alone.
+    fn reconnected(&self) -> Option<outbox::Reconnected> {
+        self.broker.as_ref().and_then(|broker| broker.reconnected())
+    }
+
     async fn lookup(&self, message: &OutboxRecord) -> LookupOutcome {
         if message.topic == EVENT_TOPIC {
             return LookupOutcome::Unsupported;
@@ -490,6 +496,15 @@ impl Broker {
             Self::RabbitMq(ref sender) => sender.send(message).await,
             #[cfg(feature = "nats")]
             Self::Nats(ref sender) => sender.send(message).await,
+        }
+    }
+
+    fn reconnected(&self) -> Option<outbox::Reconnected> {
+        match *self {
+            #[cfg(feature = "rabbitmq")]
+            Self::RabbitMq(ref sender) => sender.reconnected(),
+            #[cfg(feature = "nats")]
+            Self::Nats(ref sender) => sender.reconnected(),
         }
     }
 }

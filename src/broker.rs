@@ -94,12 +94,15 @@ fn with_heartbeat(uri: &str) -> String {
 /// [`RECONNECT`] backoff (async-nats' own default waits alike for every client).
 #[cfg(feature = "nats")]
 pub(crate) async fn nats(url: &str) -> Result<async_nats::Client, async_nats::ConnectError> {
-    async_nats::ConnectOptions::new()
-        .reconnect_delay_callback(|attempts| {
-            RECONNECT.delay(u32::try_from(attempts).unwrap_or(u32::MAX))
-        })
-        .connect(url)
-        .await
+    nats_options().connect(url).await
+}
+
+/// The options [`nats`] connects with, for a client that adds its own (an event callback).
+#[cfg(feature = "nats")]
+pub(crate) fn nats_options() -> async_nats::ConnectOptions {
+    async_nats::ConnectOptions::new().reconnect_delay_callback(|attempts| {
+        RECONNECT.delay(u32::try_from(attempts).unwrap_or(u32::MAX))
+    })
 }
 
 #[cfg(all(test, feature = "rabbitmq"))]

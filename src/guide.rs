@@ -674,8 +674,13 @@ pub mod jobs {}
 ///   database, and probes it with one real message at a time on a jittered backoff
 ///   ([`Dispatcher::probe_backoff`](crate::outbox::Dispatcher::probe_backoff), 1 s doubling to
 ///   30 s, never earlier than a `Retry-After`). The first probe that gets an answer resumes the
-///   topic at full speed. A pause is one `WARN` line ("outbox paused: destination
-///   unreachable"), its end one `INFO` line, not one line per message.
+///   topic at full speed. A sender that knows when its client has reconnected says so
+///   ([`Sender::reconnected`](crate::outbox::Sender::reconnected)), and the dispatcher then
+///   probes at once rather than at the next probe, which after a long outage is up to 30 s
+///   away: the broker senders made with `connect` do, so their topics drain as soon as the
+///   client is back (within 5 s of the broker's return, their reconnection backoff's cap).
+///   A pause is one `WARN` line ("outbox paused: destination unreachable"), its end one
+///   `INFO` line, not one line per message.
 /// - **An attempt** is a send the destination answered without doing the work (a `Retry`, such
 ///   as a `409` for a key still in flight) or whose outcome is unknown (a timeout after the
 ///   request left). Attempts stay capped by

@@ -179,6 +179,7 @@ conformance!(
     shutdown_records_the_sends_in_hand_and_claims_no_more,
     a_batched_settle_writes_each_outcome_only_under_its_own_lease,
     renewals_racing_settles_report_no_lost_lease,
+    a_claim_that_waited_for_a_connection_leases_from_when_it_ran,
     a_message_claimed_ahead_and_unsent_at_shutdown_is_not_charged_an_attempt,
     the_lookup_grace_counts_from_the_send_not_the_claim,
     an_outage_is_not_an_attempt,
@@ -1079,6 +1080,63 @@ async fn renewals_racing_settles_report_no_lost_lease<DB: Backend>(pool: Pool<DB
     let logs = captured.text();
     assert!(!logs.contains("lease lost"), "{logs}");
     assert_eq!(downstream.sends().len(), total);
+}
+
+/// A claim asked for while the pool's only connection is busy (a pool in use, a database on
+/// its way back) runs once the connection is free: its leases count from then, not from when
+/// it was asked for, so they do not run out under the dispatcher's next claim, which would take
+/// the same messages and send them a second time.
+async fn a_claim_that_waited_for_a_connection_leases_from_when_it_ran<DB: Backend>(pool: Pool<DB>) {
+    let checks = outbox(&pool).await;
+    let total = 4;
+    for n in 0..total {
+        enqueue_committed(&pool, &checks, charge(&format!("c{n}"), "1.00")).await;
+    }
+    let one = sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(1)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let busy = one.acquire().await.unwrap();
+    let downstream = Downstream::default();
+    // Longer than the lease: the messages stay ours only if their leases are renewed.
+    downstream.0.delay_ms.store(1500, Ordering::SeqCst);
+    let (captured, _guard) = capture_warnings();
+    let freed = async {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        drop(busy);
+    };
+    let all_delivered = async {
+        loop {
+            let mut delivered = 0;
+            for n in 0..total {
+                if record(&checks, &format!("c{n}")).await.status == Status::Delivered {
+                    delivered += 1;
+                }
+            }
+            if delivered == total {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let running = dispatcher(&Outbox::new(one.clone()), &downstream)
+        .poll_interval(Duration::from_millis(100))
+        .lease(Duration::from_secs(1));
+    let done = async {
+        tokio::join!(freed, all_delivered);
+    };
+    tokio::time::timeout(Duration::from_secs(60), running.run(done))
+        .await
+        .expect("all delivered");
+
+    let logs = captured.text();
+    assert!(!logs.contains("lease lost"), "{logs}");
+    assert_eq!(downstream.sends().len(), total, "{:?}", downstream.sends());
+    for n in 0..total {
+        assert_eq!(record(&checks, &format!("c{n}")).await.attempts, 1);
+    }
+    one.close().await;
 }
 
 /// Warnings logged on this thread from now until the guard is dropped. Only what runs in the

@@ -185,7 +185,8 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// The wait between probes of a destination that is unavailable: one message is sent, and
     /// the others wait, until one answers; default [`Backoff::exponential`]`(1 s, 30 s)`, never
     /// earlier than the destination's `Retry-After`. Those waits spend the time budget, not the
-    /// messages' attempts.
+    /// messages' attempts. A sender that knows when its client has reconnected (see
+    /// [`Sender::reconnected`]) cuts the wait short: the next probe goes as soon as it says so.
     #[must_use]
     pub fn probe_backoff(mut self, backoff: Backoff) -> Self {
         self.probe_backoff = backoff;
@@ -225,16 +226,21 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
                     stopping = true;
                     window.stop();
                 }
-                event = window.next() => match window.handle(event) {
-                    Some(Ok(Found { claimed, asked })) if claimed < asked => {
-                        resting = Some(Instant::now() + self.poll_interval);
+                event = window.next() => {
+                    match window.handle(event) {
+                        Some(Ok(Found { claimed, asked })) if claimed < asked => {
+                            resting = Some(Instant::now() + self.poll_interval);
+                        }
+                        Some(Ok(_)) | None => {}
+                        Some(Err(error)) => {
+                            tracing::warn!(%error, "outbox claim failed; retrying after the poll interval");
+                            resting = Some(Instant::now() + self.poll_interval);
+                        }
                     }
-                    Some(Ok(_)) | None => {}
-                    Some(Err(error)) => {
-                        tracing::warn!(%error, "outbox claim failed; retrying after the poll interval");
-                        resting = Some(Instant::now() + self.poll_interval);
+                    if window.take_woken() {
+                        resting = None;
                     }
-                },
+                }
                 // The outbox's sender lives as long as `self.outbox`: this never fails.
                 _ = woken.changed(), if rest.is_some() => resting = None,
                 () = heard.notified(), if rest.is_some() => resting = None,
@@ -277,7 +283,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
             probe,
         };
         let _turn = self.outbox.write_turn().await;
-        (claim, DB::claim(self.outbox.pool(), claim).await)
+        DB::claim(self.outbox.pool(), claim).await
     }
 
     /// Decides what a claimed message needs (a lookup, a send, or failing for good), does it,

@@ -162,7 +162,7 @@ pub use dispatcher::Dispatcher;
 pub use error::Error;
 pub use http::HttpSender;
 pub use message::{DownstreamKey, InvalidDownstreamKey, Message};
-pub use sender::{LookupOutcome, SendOutcome, Sender};
+pub use sender::{LookupOutcome, Reconnected, SendOutcome, Sender};
 pub use status::{MessageId, OutboxRecord, Status};
 pub use store::Outbox;
 pub use wake::EnqueueTarget;

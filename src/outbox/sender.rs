@@ -1,7 +1,10 @@
 //! The user's side of delivery: how a message reaches the downstream, and how to ask it later.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::sync::watch;
 
 use super::OutboxRecord;
 
@@ -38,6 +41,72 @@ pub trait Sender: Send + Sync + 'static {
     fn lookup(&self, message: &OutboxRecord) -> impl Future<Output = LookupOutcome> + Send {
         let _ = message;
         std::future::ready(LookupOutcome::Unsupported)
+    }
+
+    /// The signal this sender raises when its client has reconnected, if it has one: the
+    /// dispatcher then probes the destinations it paused for an outage at once, instead of at
+    /// the next probe its [`probe_backoff`](super::Dispatcher::probe_backoff) allows, which
+    /// after a long outage is up to that backoff's cap away. The default has none, and the
+    /// probes alone find a destination back. The broker senders made with `connect` (features
+    /// `rabbitmq`, `nats`) have one.
+    fn reconnected(&self) -> Option<Reconnected> {
+        None
+    }
+}
+
+/// Word from a [`Sender`] that a destination it found unavailable may be reachable again,
+/// raised when its client has reconnected (see [`Sender::reconnected`]).
+///
+/// A sender keeps one, raises it each time its connection is back, and hands out a clone;
+/// clones share the signal. A raise that finds a destination still down costs one probe.
+///
+/// ```
+/// use axum_idempotency::outbox::{OutboxRecord, Reconnected, SendOutcome, Sender};
+///
+/// struct Gateway {
+///     reconnected: Reconnected,
+/// }
+///
+/// impl Sender for Gateway {
+///     async fn send(&self, message: &OutboxRecord) -> SendOutcome {
+///         SendOutcome::Delivered { receipt: message.downstream_key.to_string() }
+///     }
+///
+///     fn reconnected(&self) -> Option<Reconnected> {
+///         Some(self.reconnected.clone())
+///     }
+/// }
+///
+/// // In the task that brings the gateway's connection back:
+/// # let gateway = Gateway { reconnected: Reconnected::new() };
+/// gateway.reconnected.raise();
+/// ```
+#[derive(Debug, Clone)]
+pub struct Reconnected(Arc<watch::Sender<u64>>);
+
+impl Reconnected {
+    /// A signal no one has raised yet.
+    #[must_use]
+    pub fn new() -> Self {
+        Self(Arc::new(watch::Sender::new(0)))
+    }
+
+    /// Says that the connection is back: the dispatchers of this sender probe their paused
+    /// destinations now.
+    pub fn raise(&self) {
+        self.0
+            .send_modify(|raised| *raised = raised.wrapping_add(1));
+    }
+
+    /// A receiver that sees the raises from now on.
+    pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
+        self.0.subscribe()
+    }
+}
+
+impl Default for Reconnected {
+    fn default() -> Self {
+        Self::new()
     }
 }
 

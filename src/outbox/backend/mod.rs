@@ -84,6 +84,22 @@ mod private {
         pub probe: bool,
     }
 
+    impl Claim {
+        /// The same claim made at `now`: one that waited for a connection (a pool in use, a
+        /// database coming back) leases from when it runs, not from when it was asked for,
+        /// or its leases could be over before the dispatcher has them, and its next claim
+        /// would take the same messages again.
+        #[must_use]
+        pub fn at(self, now: i64) -> Self {
+            let lease = self.lease_until.saturating_sub(self.now);
+            Self {
+                now,
+                lease_until: now.saturating_add(lease),
+                ..self
+            }
+        }
+    }
+
     /// A message a claim leased: its row as the claim left it, and whether the claim began an
     /// attempt (if not, its last outcome is unknown and it is looked up first, or it has
     /// used up its attempts).
@@ -96,7 +112,7 @@ mod private {
 
     /// A lease a dispatcher holds: the message and the token of the claim that leased it.
     #[allow(unreachable_pub)]
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     pub struct Lease {
         pub id: MessageId,
         pub token: i64,
@@ -248,6 +264,9 @@ mod private {
         const REQUEUE: &'static str;
         /// Sets a failed message aside as skipped, finished now. Parameters: now, id.
         const SKIP: &'static str;
+        /// Moves the pending messages of a topic due at one time to another. Parameters: the
+        /// new time, the time they were due, the topic.
+        const ADVANCE: &'static str;
 
         /// How many rows a statement affected.
         fn rows_affected(result: &Self::QueryResult) -> u64;
@@ -284,11 +303,12 @@ mod private {
         const ONE_WRITER: bool;
 
         /// Leases due messages, skipping those another dispatcher holds, and begins the
-        /// attempts of those sent now (see [`Claim`]).
+        /// attempts of those sent now (see [`Claim`]); returns the claim as made, at the time
+        /// it had its connection (see [`Claim::at`]).
         fn claim(
             pool: &Pool<Self>,
             claim: Claim,
-        ) -> impl Future<Output = Result<Vec<Claimed>, sqlx::Error>> + Send;
+        ) -> impl Future<Output = (Claim, Result<Vec<Claimed>, sqlx::Error>)> + Send;
 
         /// Records that the sender is about to be called on a message the claim did not begin
         /// an attempt for (a resend after a lookup): one more attempt, outcome unknown until
@@ -320,6 +340,16 @@ mod private {
             pool: &Pool<Self>,
             before: i64,
             limit: i64,
+        ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+        /// Makes the pending messages of `topic` due at `from` due at `to` instead; returns
+        /// how many moved. For a paused topic whose destination is back before its next probe:
+        /// its messages were given back due at that probe.
+        fn advance(
+            pool: &Pool<Self>,
+            topic: &str,
+            from: i64,
+            to: i64,
         ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
         /// Puts a failed message back to pending; `false` when it is not failed.

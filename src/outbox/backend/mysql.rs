@@ -66,8 +66,8 @@ impl Dialect for MySql {
                 attempts = attempts + 1, last_attempt_at = ?, outcome_unknown = TRUE
             WHERE id = ?",
     };
-    // The dispatcher renews only leases that the renewal moves later, so the row always
-    // changes and MySQL's "changed rows" count is 1 while the lease is held.
+    // sqlx connects with CLIENT_FOUND_ROWS, so the count is of the rows matched, not changed:
+    // 1 exactly while the lease is held, even for a renewal that writes the value it finds.
     const RENEW_LEASES: BatchSql = BatchSql::PerRow(
         "UPDATE idempotency_outbox SET lease_expires_at = ? WHERE id = ? AND lease_token = ?",
     );
@@ -84,12 +84,14 @@ impl Dialect for MySql {
             finished_at = NULL,
             lease_expires_at = NULL, lease_token = NULL
         WHERE id = ? AND status = 'failed'";
+    const ADVANCE: &'static str = "UPDATE idempotency_outbox SET next_attempt_at = ?
+        WHERE status = 'pending' AND next_attempt_at = ? AND topic = ?";
     const SKIP: &'static str = "UPDATE idempotency_outbox
         SET status = 'skipped', finished_at = ?, lease_expires_at = NULL, lease_token = NULL
         WHERE id = ? AND status = 'failed'";
-    // Without UPDATE … RETURNING, a batch could only say how many leases held, not which.
-    // Releasing the lease always changes the row, so MySQL's "changed rows" count is 1 exactly
-    // when the lease was still ours.
+    // Without UPDATE … RETURNING, a batch could only say how many leases held, not which; one
+    // statement per lease counts the rows it matched (CLIENT_FOUND_ROWS), 1 exactly when the
+    // lease was still ours.
     // MySQL assigns left to right, each seeing the ones before: `last_attempt_at` comes first
     // so it reads the attempts the claim left.
     const RELEASE_UNSENT: BatchSql = BatchSql::PerRow(

@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use super::private::{BatchSql, Claim, ClaimSql, Claimed, Dialect, Lease, NewId, Ops, Settlement};
 use crate::migrate;
-use crate::outbox::status::from_millis;
+use crate::outbox::status::{from_millis, now_millis};
 use crate::outbox::{DownstreamKey, Message, MessageId, OutboxRecord, Status};
 
 impl<DB> Ops for DB
@@ -104,99 +104,107 @@ where
 
     const ONE_WRITER: bool = DB::ONE_WRITER;
 
-    async fn claim(pool: &Pool<Self>, claim: Claim) -> Result<Vec<Claimed>, sqlx::Error> {
+    async fn claim(pool: &Pool<Self>, claim: Claim) -> (Claim, Result<Vec<Claimed>, sqlx::Error>) {
         // One connection for the probe and the statements after it: each acquire from the pool
         // costs a round trip of its own (the pool pings the connection it hands out).
-        let mut conn = pool.acquire().await?;
-        if let Some(probe) = DB::CLAIM_PROBE.filter(|_| claim.probe) {
-            let due: bool = sqlx::query_scalar(probe)
-                .bind(claim.now)
-                .fetch_one(&mut *conn)
-                .await?;
-            if !due {
-                return Ok(Vec::new());
-            }
-        }
-        let update = |sql, limit: i64| {
-            sqlx::query(sql)
-                .bind(claim.lease_until)
-                .bind(claim.token)
-                .bind(claim.now)
-                .bind(limit)
-                .bind(claim.max_attempts)
+        let mut conn = match pool.acquire().await {
+            Ok(conn) => conn,
+            Err(error) => return (claim, Err(error)),
         };
-        match DB::CLAIM {
-            ClaimSql::OneStatement(sql) => {
-                let rows = update(sql, claim.limit).fetch_all(&mut *conn).await?;
-                rows.iter()
-                    .map(|row| {
-                        Ok(Claimed {
-                            record: record_from_row(row)?,
-                            attempt_begun: row.try_get("attempt_begun")?,
-                        })
-                    })
-                    .collect()
-            }
-            ClaimSql::TwoStatements { hold, begin } => {
-                let mut claimed = Vec::new();
-                for row in update(hold, claim.limit).fetch_all(&mut *conn).await? {
-                    claimed.push(Claimed {
-                        record: record_from_row(&row)?,
-                        attempt_begun: false,
-                    });
+        let claim = claim.at(now_millis());
+        let claimed = async {
+            if let Some(probe) = DB::CLAIM_PROBE.filter(|_| claim.probe) {
+                let due: bool = sqlx::query_scalar(probe)
+                    .bind(claim.now)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                if !due {
+                    return Ok(Vec::new());
                 }
-                let left = claim.limit.saturating_sub(claimed.len() as i64);
-                if left > 0 {
-                    for row in update(begin, left).fetch_all(&mut *conn).await? {
+            }
+            let update = |sql, limit: i64| {
+                sqlx::query(sql)
+                    .bind(claim.lease_until)
+                    .bind(claim.token)
+                    .bind(claim.now)
+                    .bind(limit)
+                    .bind(claim.max_attempts)
+            };
+            match DB::CLAIM {
+                ClaimSql::OneStatement(sql) => {
+                    let rows = update(sql, claim.limit).fetch_all(&mut *conn).await?;
+                    rows.iter()
+                        .map(|row| {
+                            Ok(Claimed {
+                                record: record_from_row(row)?,
+                                attempt_begun: row.try_get("attempt_begun")?,
+                            })
+                        })
+                        .collect()
+                }
+                ClaimSql::TwoStatements { hold, begin } => {
+                    let mut claimed = Vec::new();
+                    for row in update(hold, claim.limit).fetch_all(&mut *conn).await? {
                         claimed.push(Claimed {
                             record: record_from_row(&row)?,
-                            attempt_begun: true,
+                            attempt_begun: false,
                         });
                     }
-                }
-                Ok(claimed)
-            }
-            ClaimSql::LockThenLease {
-                select,
-                hold,
-                begin,
-            } => {
-                let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-                let rows = sqlx::query(select)
-                    .bind(claim.now)
-                    .bind(claim.now)
-                    .bind(claim.limit)
-                    .fetch_all(&mut *tx)
-                    .await?;
-                let mut claimed = Vec::with_capacity(rows.len());
-                for row in &rows {
-                    let mut record = record_from_row(row)?;
-                    let attempt_begun =
-                        !record.outcome_unknown && i64::from(record.attempts) < claim.max_attempts;
-                    let lease = if attempt_begun {
-                        sqlx::query(begin)
-                            .bind(claim.lease_until)
-                            .bind(claim.token)
-                            .bind(claim.now)
-                    } else {
-                        sqlx::query(hold).bind(claim.lease_until).bind(claim.token)
-                    };
-                    lease.bind(record.id.get()).execute(&mut *tx).await?;
-                    if attempt_begun {
-                        // What `begin` wrote, so the record matches the row.
-                        record.attempts += 1;
-                        record.outcome_unknown = true;
-                        record.last_attempt_at = Some(from_millis(claim.now));
+                    let left = claim.limit.saturating_sub(claimed.len() as i64);
+                    if left > 0 {
+                        for row in update(begin, left).fetch_all(&mut *conn).await? {
+                            claimed.push(Claimed {
+                                record: record_from_row(&row)?,
+                                attempt_begun: true,
+                            });
+                        }
                     }
-                    claimed.push(Claimed {
-                        record,
-                        attempt_begun,
-                    });
+                    Ok(claimed)
                 }
-                tx.commit().await?;
-                Ok(claimed)
+                ClaimSql::LockThenLease {
+                    select,
+                    hold,
+                    begin,
+                } => {
+                    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+                    let rows = sqlx::query(select)
+                        .bind(claim.now)
+                        .bind(claim.now)
+                        .bind(claim.limit)
+                        .fetch_all(&mut *tx)
+                        .await?;
+                    let mut claimed = Vec::with_capacity(rows.len());
+                    for row in &rows {
+                        let mut record = record_from_row(row)?;
+                        let attempt_begun = !record.outcome_unknown
+                            && i64::from(record.attempts) < claim.max_attempts;
+                        let lease = if attempt_begun {
+                            sqlx::query(begin)
+                                .bind(claim.lease_until)
+                                .bind(claim.token)
+                                .bind(claim.now)
+                        } else {
+                            sqlx::query(hold).bind(claim.lease_until).bind(claim.token)
+                        };
+                        lease.bind(record.id.get()).execute(&mut *tx).await?;
+                        if attempt_begun {
+                            // What `begin` wrote, so the record matches the row.
+                            record.attempts += 1;
+                            record.outcome_unknown = true;
+                            record.last_attempt_at = Some(from_millis(claim.now));
+                        }
+                        claimed.push(Claimed {
+                            record,
+                            attempt_begun,
+                        });
+                    }
+                    tx.commit().await?;
+                    Ok(claimed)
+                }
             }
         }
+        .await;
+        (claim, claimed)
     }
 
     async fn begin_attempt(
@@ -237,6 +245,21 @@ where
         let done = sqlx::query(DB::PURGE_FINISHED)
             .bind(before)
             .bind(limit)
+            .execute(pool)
+            .await?;
+        Ok(DB::rows_affected(&done))
+    }
+
+    async fn advance(
+        pool: &Pool<Self>,
+        topic: &str,
+        from: i64,
+        to: i64,
+    ) -> Result<u64, sqlx::Error> {
+        let done = sqlx::query(DB::ADVANCE)
+            .bind(to)
+            .bind(from)
+            .bind(topic)
             .execute(pool)
             .await?;
         Ok(DB::rows_affected(&done))

@@ -130,6 +130,8 @@ impl Dialect for Sqlite {
             finished_at = NULL,
             lease_expires_at = NULL, lease_token = NULL
         WHERE id = ?2 AND status = 'failed'";
+    const ADVANCE: &'static str = "UPDATE idempotency_outbox SET next_attempt_at = ?1
+        WHERE status = 'pending' AND next_attempt_at = ?2 AND topic = ?3";
     const SKIP: &'static str = "UPDATE idempotency_outbox
         SET status = 'skipped', finished_at = ?1, lease_expires_at = NULL, lease_token = NULL
         WHERE id = ?2 AND status = 'failed'";

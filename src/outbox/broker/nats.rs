@@ -7,7 +7,7 @@ use async_nats::connection::State;
 use async_nats::jetstream::Context;
 use async_nats::jetstream::context::PublishErrorKind;
 
-use crate::outbox::{OutboxRecord, SendOutcome, Sender};
+use crate::outbox::{OutboxRecord, Reconnected, SendOutcome, Sender};
 
 /// Publishes outbox messages to JetStream, waiting for the stream's ack on every attempt.
 ///
@@ -21,7 +21,8 @@ use crate::outbox::{OutboxRecord, SendOutcome, Sender};
 ///
 /// A server that restarts is waited out: the async-nats client reconnects by itself (a
 /// sender made with [`connect`](Self::connect) with a jittered backoff, up to 100 ms doubling
-/// to 5 s). While the client is not connected, a send publishes nothing and answers
+/// to 5 s, and it tells the dispatcher when it is connected again, which then probes the
+/// paused subjects at once; see [`Sender::reconnected`]). While the client is not connected, a send publishes nothing and answers
 /// [`SendOutcome::Unavailable`] at once (a publish queued then would leave whenever the client
 /// is back); so does a publish that no stream answers (no responders: no stream captures the
 /// subject, or its stream has no leader) and one the client could not queue in time. A
@@ -43,6 +44,8 @@ use crate::outbox::{OutboxRecord, SendOutcome, Sender};
 pub struct NatsSender {
     jetstream: Context,
     routes: HashMap<String, String>,
+    /// Raised on each connection of the sender's own client.
+    reconnected: Option<Reconnected>,
 }
 
 impl NatsSender {
@@ -51,14 +54,30 @@ impl NatsSender {
         Self {
             jetstream,
             routes: HashMap::new(),
+            reconnected: None,
         }
     }
 
     /// A sender on a client of its own, connected to `url` now (an unreachable server fails
-    /// here), that reconnects by itself with a jittered backoff.
+    /// here), that reconnects by itself with a jittered backoff and says so to the dispatcher
+    /// (see [`Sender::reconnected`]).
     pub async fn connect(url: &str) -> Result<Self, async_nats::ConnectError> {
-        let client = crate::broker::nats(url).await?;
-        Ok(Self::new(async_nats::jetstream::new(client)))
+        let reconnected = Reconnected::new();
+        let signal = reconnected.clone();
+        let client = crate::broker::nats_options()
+            .event_callback(move |event| {
+                let signal = signal.clone();
+                async move {
+                    if matches!(event, async_nats::Event::Connected) {
+                        signal.raise();
+                    }
+                }
+            })
+            .connect(url)
+            .await?;
+        let mut sender = Self::new(async_nats::jetstream::new(client));
+        sender.reconnected = Some(reconnected);
+        Ok(sender)
     }
 
     /// Creates the stream `name` capturing `subjects`, unless a stream of that name exists: one
@@ -150,5 +169,9 @@ impl Sender for NatsSender {
                 reason: format!("no ack from the stream: {error}"),
             },
         }
+    }
+
+    fn reconnected(&self) -> Option<Reconnected> {
+        self.reconnected.clone()
     }
 }

@@ -10,7 +10,7 @@ use lapin::{BasicProperties, Channel, Connection};
 use tokio::sync::Mutex;
 
 use crate::broker;
-use crate::outbox::{OutboxRecord, SendOutcome, Sender};
+use crate::outbox::{OutboxRecord, Reconnected, SendOutcome, Sender};
 
 /// Publishes outbox messages to a RabbitMQ exchange, one confirmed publish per attempt.
 ///
@@ -29,7 +29,8 @@ use crate::outbox::{OutboxRecord, SendOutcome, Sender};
 /// keeps its URI and reconnects by itself meanwhile, in the background, with a jittered
 /// backoff between attempts (up to 100 ms, doubling to at most 5 s); it logs one warning when
 /// it finds the connection lost and one info line when it is back, and each failed attempt
-/// only at debug level. A sender made with [`with_connection`](Self::with_connection) on the
+/// only at debug level. Once it is back it tells the dispatcher, which then probes the paused
+/// exchange at once rather than at its next probe (see [`Sender::reconnected`]). A sender made with [`with_connection`](Self::with_connection) on the
 /// caller's connection only opens new channels on it, and answers unavailable while that
 /// connection is down.
 ///
@@ -54,6 +55,8 @@ pub struct RabbitMqSender {
     uri: Option<String>,
     exchange: String,
     routes: HashMap<String, String>,
+    /// Raised by the reconnecting task when the connection is back.
+    reconnected: Reconnected,
 }
 
 /// The connection a sender publishes on, and its channel in confirm mode.
@@ -110,6 +113,7 @@ impl RabbitMqSender {
             uri: None,
             exchange: exchange.into(),
             routes: HashMap::new(),
+            reconnected: Reconnected::new(),
         })
     }
 
@@ -171,6 +175,7 @@ impl RabbitMqSender {
             Arc::downgrade(&self.link),
             uri.clone(),
             self.exchange.clone(),
+            self.reconnected.clone(),
         ));
         Err("the RabbitMQ connection is down, reconnecting".into())
     }
@@ -180,7 +185,8 @@ impl RabbitMqSender {
 const OPEN_CHANNEL: Duration = Duration::from_secs(2);
 
 /// Connects `link` again to `uri`, with a jittered backoff between attempts, until it is back
-/// or the sender is gone. One task per outage: the sender starts it only when none runs.
+/// (then raises `back`) or the sender is gone. One task per outage: the sender starts it
+/// only when none runs.
 ///
 /// The schedule is this loop's alone. lapin's own automatic recovery stays off (this crate's
 /// connections use lapin's default properties): it would retry on its own schedule, logging
@@ -190,7 +196,7 @@ const OPEN_CHANNEL: Duration = Duration::from_secs(2);
 /// attempt here is one short-lived lapin connection, and lapin logs one error line for an
 /// attempt the broker's host accepts and then closes (its connection backoff allows no retry),
 /// so the attempts are spaced by a backoff that grows over the whole outage.
-async fn reconnect(link: Weak<Mutex<Link>>, uri: String, exchange: String) {
+async fn reconnect(link: Weak<Mutex<Link>>, uri: String, exchange: String, back: Reconnected) {
     let mut attempt = 0;
     loop {
         attempt += 1;
@@ -210,6 +216,7 @@ async fn reconnect(link: Weak<Mutex<Link>>, uri: String, exchange: String) {
                 tracing::info!(%exchange, attempts = attempt, ?down_for, "RabbitMQ sender reconnected");
                 link.connection = connection;
                 link.channel = channel;
+                back.raise();
                 return;
             }
             Err(error) => {
@@ -293,5 +300,11 @@ impl Sender for RabbitMqSender {
                 reason: format!("no confirm: {error}"),
             },
         }
+    }
+
+    /// Only a sender that reconnects by itself (made with [`connect`](Self::connect)) knows
+    /// when its connection is back.
+    fn reconnected(&self) -> Option<Reconnected> {
+        self.uri.as_ref().map(|_| self.reconnected.clone())
     }
 }

@@ -21,6 +21,7 @@ use std::pin::Pin;
 
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{Attempted, Dispatcher, metrics, retry_at};
@@ -35,9 +36,11 @@ type Written = Result<Vec<MessageId>, sqlx::Error>;
 type Sent = Result<Option<Attempted>, sqlx::Error>;
 
 /// What the dispatcher knows of a message it holds a lease on, from its claim until its
-/// outcome is recorded.
+/// outcome is recorded. Kept by lease, not by message: a message given back due now (a retry
+/// at once, a pause's probe lost) can be claimed again by the dispatcher's other claim before
+/// the write that gave it back is reported, and the old lease's report must not touch the new
+/// one.
 struct Held {
-    token: i64,
     /// The lease's expiry as last written.
     until: i64,
     /// Its outcome is being written: a renewal that no longer finds the lease raced the settle.
@@ -54,6 +57,10 @@ pub(super) enum Event {
     Renewed(Vec<Lease>, i64, Written),
     Released(Vec<Lease>, Written),
     RenewalDue,
+    /// The sender's client reconnected.
+    Reconnected,
+    /// Messages of a paused topic were made due for a probe now.
+    Advanced(Result<u64, sqlx::Error>),
 }
 
 /// A topic whose destination is unavailable. Its messages wait in the database until `until`;
@@ -66,8 +73,11 @@ struct Paused {
     /// When the next probe may go, in the stored timestamps' milliseconds.
     until: i64,
     /// The message being sent as the probe.
-    probe: Option<MessageId>,
+    probe: Option<Lease>,
     waiting: Vec<(Lease, Claimed)>,
+    /// The probe time the sender's reconnection moved up, if it did: messages given back
+    /// while their topic's messages were made due may still wait for it.
+    moved_from: Option<i64>,
 }
 
 /// What a finished claim found.
@@ -79,7 +89,7 @@ pub(super) struct Found {
 
 pub(super) struct Window<'d, DB: Backend, S> {
     dispatcher: &'d Dispatcher<DB, S>,
-    held: HashMap<MessageId, Held>,
+    held: HashMap<Lease, Held>,
     sends: FuturesUnordered<Op<'d, (Lease, String, Sent)>>,
     /// Claimed messages waiting for a send slot, oldest first; their leases are held and
     /// renewed like those being sent.
@@ -99,6 +109,12 @@ pub(super) struct Window<'d, DB: Backend, S> {
     next_renewal: Instant,
     /// Paused topics; a sender may serve several destinations, one per topic.
     paused: HashMap<String, Paused>,
+    /// The sender's signal that its client reconnected, if it has one.
+    reconnected: Option<watch::Receiver<u64>>,
+    /// Writes that make a paused topic's messages due for a probe now.
+    advancing: FuturesUnordered<Op<'d, Event>>,
+    /// Messages were made due that no claim has looked for yet: claim without resting.
+    woken: bool,
 }
 
 impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
@@ -118,7 +134,19 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             stopping: false,
             next_renewal: Instant::now() + dispatcher.renewal_interval(),
             paused: HashMap::new(),
+            reconnected: dispatcher
+                .sender
+                .reconnected()
+                .map(|signal| signal.subscribe()),
+            advancing: FuturesUnordered::new(),
+            woken: false,
         }
+    }
+
+    /// Whether messages were made due since last asked, so the dispatcher claims now rather
+    /// than after resting.
+    pub(super) fn take_woken(&mut self) -> bool {
+        std::mem::take(&mut self.woken)
     }
 
     /// Nothing held, nothing being written: a shutdown may return.
@@ -128,6 +156,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             && self.settling.is_none()
             && self.renewing.is_none()
             && self.releasing.is_empty()
+            && self.advancing.is_empty()
     }
 
     /// For a shutdown: gives back the messages still waiting for a send slot without counting
@@ -157,7 +186,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             return;
         }
         for lease in &unsent {
-            if let Some(held) = self.held.get_mut(&lease.id) {
+            if let Some(held) = self.held.get_mut(lease) {
                 held.settling = true;
             }
         }
@@ -215,8 +244,8 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// Sends one claimed message, unless its lease was lost meanwhile: its new holder looks it
     /// up first.
     fn start_send(&mut self, lease: Lease, message: Claimed) {
-        if self.held.get(&lease.id).is_none_or(|held| held.lost) {
-            self.held.remove(&lease.id);
+        if self.held.get(&lease).is_none_or(|held| held.lost) {
+            self.held.remove(&lease);
             return;
         }
         let dispatcher = self.dispatcher;
@@ -237,7 +266,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         if paused.probe.is_some() {
             paused.waiting.push((lease, message));
         } else if paused.until <= now_millis() {
-            paused.probe = Some(lease.id);
+            paused.probe = Some(lease);
             self.ready.push_back((lease, message));
         } else {
             let until = paused.until;
@@ -264,9 +293,13 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
 
     /// Learns from a finished send whether its topic's destination is reachable: an outage
     /// pauses the topic, a probe that got an answer resumes it.
-    fn observe(&mut self, id: MessageId, topic: &str, attempted: &mut Attempted) {
+    fn observe(&mut self, lease: Lease, topic: &str, attempted: &mut Attempted) {
         let Some(outage) = &attempted.outage else {
-            if self.paused.get(topic).is_some_and(|p| p.probe == Some(id)) {
+            if self
+                .paused
+                .get(topic)
+                .is_some_and(|p| p.probe == Some(lease))
+            {
                 self.resume(topic);
             }
             return;
@@ -290,6 +323,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                         until,
                         probe: None,
                         waiting: Vec::new(),
+                        moved_from: None,
                     },
                 );
                 let (held_back, ready) = std::mem::take(&mut self.ready)
@@ -301,7 +335,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                 }
                 until
             }
-            Some(paused) if paused.probe == Some(id) => {
+            Some(paused) if paused.probe == Some(lease) => {
                 paused.probes += 1;
                 let wait = self.dispatcher.probe_wait(paused.probes, outage);
                 paused.until = now.saturating_add(duration_millis(wait));
@@ -323,11 +357,11 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// A probe that ended without an answer of the destination (its lease or its write was
     /// lost): the messages that waited for it go back, due now, and the next one claimed is
     /// the probe.
-    fn probe_lost(&mut self, id: MessageId, topic: &str) {
+    fn probe_lost(&mut self, lease: Lease, topic: &str) {
         let Some(paused) = self.paused.get_mut(topic) else {
             return;
         };
-        if paused.probe != Some(id) {
+        if paused.probe != Some(lease) {
             return;
         }
         paused.probe = None;
@@ -353,6 +387,48 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         for waiting in paused.waiting.into_iter().rev() {
             self.ready.push_front(waiting);
         }
+        if let Some(from) = paused.moved_from {
+            self.advance(topic.to_owned(), from, now_millis());
+        }
+    }
+
+    /// The sender's client reconnected: each paused topic whose probe is not out is probed
+    /// now rather than at its backoff's time, its messages (given back due at that time)
+    /// made due now.
+    fn probe_now(&mut self) {
+        let now = now_millis();
+        let mut moves = Vec::new();
+        for (topic, paused) in &mut self.paused {
+            if paused.probe.is_some() {
+                continue;
+            }
+            if paused.until <= now {
+                self.woken = true;
+                continue;
+            }
+            tracing::debug!(
+                topic,
+                "outbox destination's client reconnected; probing it now"
+            );
+            paused.moved_from = Some(paused.until);
+            moves.push((topic.clone(), paused.until));
+            paused.until = now;
+        }
+        for (topic, from) in moves {
+            self.advance(topic, from, now);
+        }
+    }
+
+    /// Makes the pending messages of `topic` due at `from` due at `to`.
+    fn advance(&mut self, topic: String, from: i64, to: i64) {
+        let outbox = &self.dispatcher.outbox;
+        self.advancing.push(Box::pin(async move {
+            let advanced = {
+                let _turn = outbox.write_turn().await;
+                DB::advance(outbox.pool(), &topic, from, to).await
+            };
+            Event::Advanced(advanced)
+        }));
     }
 
     /// Starts writing the outcomes that finished, unless a settle is still running (they go
@@ -363,7 +439,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         }
         let outcomes = std::mem::take(&mut self.outcomes);
         for (lease, _) in &outcomes {
-            if let Some(held) = self.held.get_mut(&lease.id) {
+            if let Some(held) = self.held.get_mut(lease) {
                 held.settling = true;
             }
         }
@@ -384,16 +460,12 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         let dispatcher = self.dispatcher;
         self.next_renewal = Instant::now() + dispatcher.renewal_interval();
         let until = now_millis().saturating_add(duration_millis(dispatcher.lease));
-        // Only leases the renewal moves later: one claimed this very millisecond would be left
-        // unchanged, which MySQL counts as no row affected.
+        // Only leases the renewal moves later: one claimed this very millisecond needs none.
         let leases: Vec<_> = self
             .held
             .iter()
             .filter(|(_, held)| !held.settling && !held.lost && held.until < until)
-            .map(|(&id, held)| Lease {
-                id,
-                token: held.token,
-            })
+            .map(|(&lease, _)| lease)
             .collect();
         if leases.is_empty() {
             return;
@@ -411,6 +483,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// Waits for the next thing to finish; pending forever when nothing runs.
     pub(super) async fn next(&mut self) -> Event {
         let renewal_due = !self.held.is_empty() && self.renewing.is_none();
+        let paused = !self.paused.is_empty();
 
         tokio::select! {
             Some(event) = self.claims.next(), if !self.claims.is_empty() => event,
@@ -421,6 +494,8 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                 Event::Sent(lease, topic, sent)
             }
             () = tokio::time::sleep_until(self.next_renewal), if renewal_due => Event::RenewalDue,
+            Some(event) = self.advancing.next(), if !self.advancing.is_empty() => event,
+            () = raised(&mut self.reconnected), if paused => Event::Reconnected,
         }
     }
 
@@ -453,9 +528,8 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                         token: claim.token,
                     };
                     self.held.insert(
-                        lease.id,
+                        lease,
                         Held {
-                            token: claim.token,
                             until: claim.lease_until,
                             settling: false,
                             lost: false,
@@ -471,12 +545,12 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             }
             Event::Sent(lease, topic, mut sent) => {
                 if let Ok(Some(attempted)) = &mut sent {
-                    self.observe(lease.id, &topic, attempted);
+                    self.observe(lease, &topic, attempted);
                 } else {
-                    self.probe_lost(lease.id, &topic);
+                    self.probe_lost(lease, &topic);
                 }
                 match sent {
-                    Ok(Some(attempted)) if !self.held.get(&lease.id).is_some_and(|h| h.lost) => {
+                    Ok(Some(attempted)) if !self.held.get(&lease).is_some_and(|h| h.lost) => {
                         self.outcomes.push((lease, attempted.settlement));
                         self.start_sends();
                         return None;
@@ -488,7 +562,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                         tracing::warn!(message = %lease.id, %error, "recording an outbox attempt failed");
                     }
                 }
-                self.held.remove(&lease.id);
+                self.held.remove(&lease);
                 self.start_sends();
                 None
             }
@@ -508,8 +582,8 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                         tracing::warn!(messages = leases.len(), %error, "recording outbox outcomes failed");
                     }
                 }
-                for lease in leases {
-                    self.held.remove(&lease.id);
+                for lease in &leases {
+                    self.held.remove(lease);
                 }
                 None
             }
@@ -522,12 +596,9 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                     }
                 };
                 for lease in leases {
-                    let Some(held) = self.held.get_mut(&lease.id) else {
+                    let Some(held) = self.held.get_mut(&lease) else {
                         continue;
                     };
-                    if held.token != lease.token {
-                        continue;
-                    }
                     if renewed.contains(&lease.id) {
                         held.until = held.until.max(until);
                     } else if !held.settling && !held.lost {
@@ -546,13 +617,25 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                     // resend, which finds it never sent.
                     tracing::warn!(messages = leases.len(), %error, "giving back unsent outbox messages failed");
                 }
-                for lease in leases {
-                    self.held.remove(&lease.id);
+                for lease in &leases {
+                    self.held.remove(lease);
                 }
                 None
             }
             Event::RenewalDue => {
                 self.renew();
+                None
+            }
+            Event::Reconnected => {
+                self.probe_now();
+                None
+            }
+            Event::Advanced(advanced) => {
+                if let Err(error) = advanced {
+                    // Its messages stay due at the probe its backoff set.
+                    tracing::warn!(%error, "making a reconnected outbox destination's messages due failed");
+                }
+                self.woken = true;
                 None
             }
         }
@@ -566,6 +649,16 @@ impl<DB: Backend, S> Drop for Window<'_, DB, S> {
             metrics::paused(false);
         }
     }
+}
+
+/// Resolves when the sender raises its reconnection signal; pending forever without one.
+async fn raised(signal: &mut Option<watch::Receiver<u64>>) {
+    if let Some(signal) = signal
+        && signal.changed().await.is_ok()
+    {
+        return;
+    }
+    std::future::pending().await
 }
 
 /// The output of the operation in `slot`, which it then empties; pending while it is empty.

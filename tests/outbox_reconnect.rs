@@ -1,0 +1,180 @@
+//! The dispatcher after a broker outage: messages paused by it go as soon as the sender's
+//! client has reconnected, not at the next probe. The test's own forwarder stands between each
+//! sender and the shared broker, and is pointed at a dead address to cut the link and back to
+//! restore it. Apart from `outbox_outage`: these senders log from the runtime's worker threads,
+//! which would race that suite's per-thread log capture for the same lines.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum_idempotency::outbox::{
+    Backoff, Dispatcher, DownstreamKey, Message, NatsSender, Outbox, RabbitMqSender, Sender, Status,
+};
+use common::vip::Vip;
+use lapin::options::{
+    ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+
+const RABBITMQ: &str = "127.0.0.1:5672";
+const NATS: &str = "127.0.0.1:4222";
+
+/// An address where nothing listens.
+async fn dead_address() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    listener.local_addr().unwrap()
+}
+
+/// A probe backoff of an hour: after an outage, only the sender's word that it reconnected can
+/// explain a delivery within `DRAINED` of the broker's return.
+const PROBE_CAP: Duration = Duration::from_secs(3600);
+
+/// Far below `PROBE_CAP`, and above the senders' reconnection backoff (at most 5 s) with room.
+const DRAINED: Duration = Duration::from_secs(30);
+
+/// Messages of `topic` enqueued while the link under `sender` is cut pause the dispatcher; once
+/// the link is back, they are delivered as soon as the sender has reconnected, not at the
+/// dispatcher's next probe.
+async fn drains_once_the_sender_reconnects(
+    vip: &Vip,
+    broker: SocketAddr,
+    sender: impl Sender,
+    topic: &str,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!(
+        "sqlite://{}?mode=rwc",
+        dir.path().join("outbox.db").display()
+    );
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    let outbox = Outbox::new(pool.clone());
+    outbox.migrate().await.unwrap();
+    let dispatcher = Dispatcher::new(outbox.clone(), sender)
+        .poll_interval(Duration::from_millis(200))
+        .probe_backoff(Backoff::exponential(PROBE_CAP, PROBE_CAP));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(dispatcher.run(async {
+        let _ = stopped.await;
+    }));
+
+    vip.move_to(dead_address().await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut ids = Vec::new();
+    for n in 0..5 {
+        let key = DownstreamKey::new(common::unique(&format!("drain{n}"))).unwrap();
+        let message = Message::json(topic, key, &serde_json::json!({ "amount": n })).unwrap();
+        let mut conn = pool.acquire().await.unwrap();
+        ids.push(outbox.enqueue(&mut conn, message).await.unwrap());
+    }
+    outbox.wake();
+    // Paused: a send found the broker unreachable.
+    loop {
+        let record = outbox.status(ids[0]).await.unwrap().unwrap();
+        if record
+            .last_error
+            .as_deref()
+            .is_some_and(|error| error.starts_with("unavailable"))
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Long enough for the sender to fail a few reconnection attempts.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    vip.move_to(broker);
+    let back = Instant::now();
+    for id in ids {
+        loop {
+            let record = outbox.status(id).await.unwrap().unwrap();
+            if record.status == Status::Delivered {
+                break;
+            }
+            assert!(
+                back.elapsed() < DRAINED,
+                "not delivered within {DRAINED:?} of the broker's return: {record:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let _ = stop.send(());
+    running.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_messages_paused_by_an_outage_go_as_soon_as_the_sender_reconnects() {
+    let broker: SocketAddr = RABBITMQ.parse().unwrap();
+    let admin = Connection::connect(
+        &format!("amqp://guest:guest@{RABBITMQ}/%2f"),
+        ConnectionProperties::default(),
+    )
+    .await
+    .expect("RabbitMQ at 127.0.0.1:5672");
+    let exchange = common::unique("outbox.drain");
+    let queue = common::unique("outbox.drain");
+    let vip = Vip::start(broker).await;
+    let sender = RabbitMqSender::connect(
+        &format!("amqp://guest:guest@{}/%2f?heartbeat=5", vip.addr),
+        exchange.as_str(),
+    )
+    .await
+    .unwrap();
+    sender.declare().await.unwrap();
+    let channel = admin.create_channel().await.unwrap();
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            queue.as_str().into(),
+            exchange.as_str().into(),
+            "payment.succeeded".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+
+    drains_once_the_sender_reconnects(&vip, broker, sender, "payment.succeeded").await;
+
+    channel
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    channel
+        .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_messages_paused_by_an_outage_go_as_soon_as_the_client_reconnects() {
+    let broker: SocketAddr = NATS.parse().unwrap();
+    let vip = Vip::start(broker).await;
+    let stream = common::unique("OUTBOX_DRAIN");
+    let subject = format!("{stream}.paid");
+    let sender = NatsSender::connect(&format!("nats://{}", vip.addr))
+        .await
+        .unwrap()
+        .route("payment.succeeded", subject.as_str());
+    sender
+        .declare_stream(&stream, [format!("{stream}.>")])
+        .await
+        .unwrap();
+
+    drains_once_the_sender_reconnects(&vip, broker, sender, "payment.succeeded").await;
+
+    let admin = async_nats::connect(format!("nats://{NATS}")).await.unwrap();
+    let jetstream = async_nats::jetstream::new(admin);
+    jetstream.delete_stream(&stream).await.unwrap();
+}

@@ -502,115 +502,10 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// Takes in what finished; a finished claim reports what it found.
     pub(super) fn handle(&mut self, event: Event) -> Option<Result<Found, sqlx::Error>> {
         match event {
-            Event::Claimed(claim, claimed) => {
-                let asked = usize::try_from(claim.limit).unwrap_or(usize::MAX);
-                self.asked = self.asked.saturating_sub(asked);
-                let claimed = match claimed {
-                    Ok(claimed) => claimed,
-                    Err(error) => {
-                        self.busy = false;
-                        return Some(Err(error));
-                    }
-                };
-                self.busy = claimed.len() >= asked;
-                if self.held.is_empty() {
-                    // The first leases since the window was last empty: renew a third of a
-                    // lease from now, not at a tick left over from earlier work.
-                    self.next_renewal = Instant::now() + self.dispatcher.renewal_interval();
-                }
-                let found = Found {
-                    claimed: claimed.len(),
-                    asked,
-                };
-                for message in claimed {
-                    let lease = Lease {
-                        id: message.record.id,
-                        token: claim.token,
-                    };
-                    self.held.insert(
-                        lease,
-                        Held {
-                            until: claim.lease_until,
-                            settling: false,
-                            lost: false,
-                        },
-                    );
-                    self.admit(lease, message);
-                }
-                self.start_sends();
-                if self.stopping {
-                    self.stop();
-                }
-                Some(Ok(found))
-            }
-            Event::Sent(lease, topic, mut sent) => {
-                if let Ok(Some(attempted)) = &mut sent {
-                    self.observe(lease, &topic, attempted);
-                } else {
-                    self.probe_lost(lease, &topic);
-                }
-                match sent {
-                    Ok(Some(attempted)) if !self.held.get(&lease).is_some_and(|h| h.lost) => {
-                        self.outcomes.push((lease, attempted.settlement));
-                        self.start_sends();
-                        return None;
-                    }
-                    // Taken over: the new holder looks the message up before any resend.
-                    Ok(Some(_) | None) => {}
-                    Err(error) => {
-                        // The lease runs out and another claim picks the message up again.
-                        tracing::warn!(message = %lease.id, %error, "recording an outbox attempt failed");
-                    }
-                }
-                self.held.remove(&lease);
-                self.start_sends();
-                None
-            }
-            Event::Settled(leases, written) => {
-                match written {
-                    Ok(settled) => {
-                        let settled: HashSet<_> = settled.into_iter().collect();
-                        for lease in &leases {
-                            if !settled.contains(&lease.id) {
-                                tracing::warn!(message = %lease.id, "outbox lease lost before recording the outcome");
-                            }
-                        }
-                    }
-                    Err(error) => {
-                        // The leases run out and the next claims look each message up (its
-                        // attempt was recorded as outcome-unknown) before resending.
-                        tracing::warn!(messages = leases.len(), %error, "recording outbox outcomes failed");
-                    }
-                }
-                for lease in &leases {
-                    self.held.remove(lease);
-                }
-                None
-            }
-            Event::Renewed(leases, until, written) => {
-                let renewed = match written {
-                    Ok(renewed) => renewed.into_iter().collect::<HashSet<_>>(),
-                    Err(error) => {
-                        tracing::warn!(%error, "renewing outbox leases failed");
-                        return None;
-                    }
-                };
-                for lease in leases {
-                    let Some(held) = self.held.get_mut(&lease) else {
-                        continue;
-                    };
-                    if renewed.contains(&lease.id) {
-                        held.until = held.until.max(until);
-                    } else if !held.settling && !held.lost {
-                        // Not a settle of ours that got there first: another dispatcher took
-                        // the message over, and the outcome this attempt reaches is not
-                        // recorded; the new holder looks the message up before any resend.
-                        held.lost = true;
-                        tracing::warn!(message = %lease.id, "outbox lease lost while delivering");
-                    }
-                }
-                None
-            }
+            Event::Claimed(claim, claimed) => return Some(self.claimed(claim, claimed)),
+            Event::Sent(lease, topic, sent) => self.sent(lease, &topic, sent),
+            Event::Settled(leases, written) => self.settled(&leases, written),
+            Event::Renewed(leases, until, written) => self.renewed(leases, until, written),
             Event::Released(leases, written) => {
                 if let Err(error) = written {
                     // Their leases run out; the next claims look each message up before any
@@ -620,23 +515,126 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                 for lease in &leases {
                     self.held.remove(lease);
                 }
-                None
             }
-            Event::RenewalDue => {
-                self.renew();
-                None
-            }
-            Event::Reconnected => {
-                self.probe_now();
-                None
-            }
+            Event::RenewalDue => self.renew(),
+            Event::Reconnected => self.probe_now(),
             Event::Advanced(advanced) => {
                 if let Err(error) = advanced {
                     // Its messages stay due at the probe its backoff set.
                     tracing::warn!(%error, "making a reconnected outbox destination's messages due failed");
                 }
                 self.woken = true;
-                None
+            }
+        }
+        None
+    }
+
+    /// Holds the leases a claim took and queues their messages for sending.
+    fn claimed(
+        &mut self,
+        claim: Claim,
+        claimed: Result<Vec<Claimed>, sqlx::Error>,
+    ) -> Result<Found, sqlx::Error> {
+        let asked = usize::try_from(claim.limit).unwrap_or(usize::MAX);
+        self.asked = self.asked.saturating_sub(asked);
+        let claimed = claimed.inspect_err(|_| self.busy = false)?;
+        self.busy = claimed.len() >= asked;
+        if self.held.is_empty() {
+            // The first leases since the window was last empty: renew a third of a lease from
+            // now, not at a tick left over from earlier work.
+            self.next_renewal = Instant::now() + self.dispatcher.renewal_interval();
+        }
+        let found = Found {
+            claimed: claimed.len(),
+            asked,
+        };
+        for message in claimed {
+            let lease = Lease {
+                id: message.record.id,
+                token: claim.token,
+            };
+            let held = Held {
+                until: claim.lease_until,
+                settling: false,
+                lost: false,
+            };
+            self.held.insert(lease, held);
+            self.admit(lease, message);
+        }
+        self.start_sends();
+        if self.stopping {
+            self.stop();
+        }
+        Ok(found)
+    }
+
+    /// Takes a finished send's outcome to be written, unless the lease was lost meanwhile.
+    fn sent(&mut self, lease: Lease, topic: &str, mut sent: Sent) {
+        if let Ok(Some(attempted)) = &mut sent {
+            self.observe(lease, topic, attempted);
+        } else {
+            self.probe_lost(lease, topic);
+        }
+        match sent {
+            Ok(Some(attempted)) if !self.held.get(&lease).is_some_and(|h| h.lost) => {
+                self.outcomes.push((lease, attempted.settlement));
+                self.start_sends();
+                return;
+            }
+            // Taken over: the new holder looks the message up before any resend.
+            Ok(Some(_) | None) => {}
+            Err(error) => {
+                // The lease runs out and another claim picks the message up again.
+                tracing::warn!(message = %lease.id, %error, "recording an outbox attempt failed");
+            }
+        }
+        self.held.remove(&lease);
+        self.start_sends();
+    }
+
+    /// Lets go of the leases whose outcome was written.
+    fn settled(&mut self, leases: &[Lease], written: Written) {
+        match written {
+            Ok(settled) => {
+                let settled: HashSet<_> = settled.into_iter().collect();
+                for lease in leases {
+                    if !settled.contains(&lease.id) {
+                        tracing::warn!(message = %lease.id, "outbox lease lost before recording the outcome");
+                    }
+                }
+            }
+            Err(error) => {
+                // The leases run out and the next claims look each message up (its attempt
+                // was recorded as outcome-unknown) before resending.
+                tracing::warn!(messages = leases.len(), %error, "recording outbox outcomes failed");
+            }
+        }
+        for lease in leases {
+            self.held.remove(lease);
+        }
+    }
+
+    /// Extends the leases a renewal found still held; one not found was taken over.
+    fn renewed(&mut self, leases: Vec<Lease>, until: i64, written: Written) {
+        let renewed = match written {
+            Ok(renewed) => renewed.into_iter().collect::<HashSet<_>>(),
+            Err(error) => {
+                tracing::warn!(%error, "renewing outbox leases failed");
+                return;
+            }
+        };
+        for lease in leases {
+            let Some(held) = self.held.get_mut(&lease) else {
+                continue;
+            };
+            if renewed.contains(&lease.id) {
+                held.until = held.until.max(until);
+            } else if !held.settling && !held.lost {
+                // Not a settle of ours that got there first: another dispatcher took the
+                // message over, and the outcome this attempt reaches is not recorded; the new
+                // holder looks the message up before any resend.
+                held.lost = true;
+                tracing::warn!(message = %lease.id, "outbox lease lost while delivering");
             }
         }
     }

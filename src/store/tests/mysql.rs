@@ -621,7 +621,7 @@ async fn an_unmigrated_store_names_the_fix_until_migrated() {
     let db = TestDb::create().await;
     super::schema::an_unmigrated_store_names_the_fix_until_migrated(
         MySqlStore::new(db.pool(2).await),
-        3,
+        4,
     )
     .await;
     db.drop().await;
@@ -632,7 +632,7 @@ async fn an_outdated_schema_is_reported_until_it_is_current() {
     let db = TestDb::create().await;
     super::schema::an_outdated_schema_is_reported_until_it_is_current(
         MySqlStore::new(db.pool(2).await),
-        3,
+        4,
     )
     .await;
     db.drop().await;

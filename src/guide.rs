@@ -349,7 +349,7 @@ pub mod protocol {}
 /// transaction is an sqlx transaction, and axum must be 0.8.
 ///
 /// The store's `migrate()` creates and upgrades the crate's tables (`idempotency_records`,
-/// `idempotency_schema_versions`); a second call is a no-op and concurrent callers serialise.
+/// `idempotency_inbox`, `idempotency_schema_versions`); a second call is a no-op and concurrent callers serialise.
 /// The SQL it runs is shipped in the package under `migrations/<backend>/`, for teams that
 /// apply migrations with their own tool; such a tool must also record each applied version
 /// in `idempotency_schema_versions` (`version`, `applied_at` in milliseconds since the Unix
@@ -784,9 +784,12 @@ pub mod outbox {}
 /// ends:** the inbox's retention (`Inbox::retention`) must exceed the publishers' time budget, the
 /// outbox's time budget (`Dispatcher::give_up_after`, 6 h by default), plus the broker's
 /// redelivery horizon, or a late copy would apply again. `inbox.stats()` counts processed,
-/// duplicate, retried, unavailable (outages) and dead deliveries; `inbox.is_applied(&delivery)` says whether a key's unexpired record
-/// exists. The store that keeps HTTP records keeps the inbox's, and its `purge_expired` or
-/// `spawn_purger` deletes the expired ones of both.
+/// duplicate, retried, unavailable (outages) and dead deliveries; `inbox.is_applied(&delivery)`
+/// says whether a key's unexpired claim exists. The inbox keeps no response, only each applied
+/// key (its digest and expiry) in the table `idempotency_inbox`, claimed by one plain insert in
+/// the handler's transaction, as a hand-written dedupe table would be. The store that keeps
+/// HTTP records keeps the inbox's keys, and its `purge_expired` or `spawn_purger` deletes the
+/// expired ones of both.
 ///
 /// # When the broker goes away
 ///

@@ -114,7 +114,7 @@ where
     assert!(matches!(verdict, Verdict::Retry { .. }), "{verdict:?}");
     assert_eq!(count(&pool, "SELECT COUNT(*) FROM effects").await, 0);
     assert_eq!(
-        count(&pool, "SELECT COUNT(*) FROM idempotency_records").await,
+        count(&pool, "SELECT COUNT(*) FROM idempotency_inbox").await,
         0,
         "a retryable failure must leave no dedupe record"
     );
@@ -480,27 +480,40 @@ where
         Ok(())
     };
     let delivery = Delivery::new("p-1").message_id("m-1");
-    assert_eq!(
-        inbox.handle(delivery.clone(), apply).await,
-        Verdict::Applied
-    );
-    assert!(inbox.is_applied(&delivery).await.unwrap());
+    let unpurged = Delivery::new("p-2").message_id("m-2");
+    for delivery in [&delivery, &unpurged] {
+        assert_eq!(
+            inbox.handle(delivery.clone(), apply).await,
+            Verdict::Applied
+        );
+        assert!(inbox.is_applied(delivery).await.unwrap());
+    }
 
     tokio::time::sleep(Duration::from_millis(1200)).await;
     assert!(
         !inbox.is_applied(&delivery).await.unwrap(),
         "an expired record counted as applied"
     );
+    // An expired key that was not purged yet is claimed again in place.
+    assert_eq!(
+        inbox.handle(unpurged.clone(), apply).await,
+        Verdict::Applied
+    );
+    assert!(inbox.is_applied(&unpurged).await.unwrap());
+    assert_eq!(
+        inbox.handle(unpurged.clone(), apply).await,
+        Verdict::Duplicate
+    );
     assert_eq!(store.purge_expired().await.unwrap(), 1);
     assert_eq!(
-        count(&pool, "SELECT COUNT(*) FROM idempotency_records").await,
-        0
+        count(&pool, "SELECT COUNT(*) FROM idempotency_inbox").await,
+        1
     );
     assert_eq!(
         inbox.handle(delivery.clone(), apply).await,
         Verdict::Applied
     );
-    assert_eq!(count(&pool, "SELECT COUNT(*) FROM effects").await, 2);
+    assert_eq!(count(&pool, "SELECT COUNT(*) FROM effects").await, 4);
     assert!(inbox.is_applied(&delivery).await.unwrap());
     DB::dispose(db).await;
 }
@@ -1057,8 +1070,13 @@ async fn an_unreachable_database_dead_letters_nothing(kind: Kind) {
             }
             tokio::time::sleep(Duration::from_secs(3)).await;
             plug.plug_in();
-            eventually(|| async { count(&db.pool, "SELECT COUNT(*) FROM effects").await == 5 })
-                .await;
+            // Every effect committed and every verdict counted: the consumer is stopped only
+            // then, not between a commit and its verdict.
+            eventually(|| async {
+                count(&db.pool, "SELECT COUNT(*) FROM effects").await == 5
+                    && inbox.stats().processed == 5
+            })
+            .await;
             running.abort();
             let dead = channel
                 .queue_declare(
@@ -1109,8 +1127,13 @@ async fn an_unreachable_database_dead_letters_nothing(kind: Kind) {
             }
             tokio::time::sleep(Duration::from_secs(3)).await;
             plug.plug_in();
-            eventually(|| async { count(&db.pool, "SELECT COUNT(*) FROM effects").await == 5 })
-                .await;
+            // Every effect committed and every verdict counted: the consumer is stopped only
+            // then, not between a commit and its verdict.
+            eventually(|| async {
+                count(&db.pool, "SELECT COUNT(*) FROM effects").await == 5
+                    && inbox.stats().processed == 5
+            })
+            .await;
             running.abort();
             let dead = js
                 .get_stream(&dead_stream)

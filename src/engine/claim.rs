@@ -23,6 +23,8 @@ pub(super) enum Claim<DB: sqlx::Database> {
     Ours(Transaction<'static, DB>),
     /// Another intent's committed record.
     Theirs(Record),
+    /// A live dedupe key, claimed without a record (see [`Engine::keys_only`]).
+    Held,
 }
 
 impl<DB: Backend> Engine<DB> {
@@ -55,15 +57,41 @@ impl<DB: Backend> Engine<DB> {
         begun: Option<Transaction<'static, DB>>,
     ) -> Result<Claim<DB>, Rejection> {
         let started = Instant::now();
-        let claim = self.claim_rounds(record, begun).await;
+        let claim = if self.settings.keys_only {
+            self.claim_key(record).await
+        } else {
+            self.claim_rounds(record, begun).await
+        };
         let result = match &claim {
             Ok(Claim::Ours(_)) => ClaimResult::Claimed,
-            Ok(Claim::Theirs(_)) => ClaimResult::Taken,
+            Ok(Claim::Theirs(_) | Claim::Held) => ClaimResult::Taken,
             Err(Rejection::InProgress { .. }) => ClaimResult::Busy,
             Err(_) => ClaimResult::Failed,
         };
         metrics::claimed(result, started.elapsed());
         claim
+    }
+
+    /// Claims the record's key alone, as a dedupe key; a deadlock victim claims again.
+    async fn claim_key(&self, record: &NewRecord<'_>) -> Result<Claim<DB>, Rejection> {
+        let store = self.store.protocol();
+        for _ in 0..3 {
+            let claimed = store
+                .claim_key(
+                    &record.key,
+                    record.created_at,
+                    record.expires_at,
+                    self.settings.wait,
+                )
+                .await;
+            match claimed {
+                Ok(Some(tx)) => return Ok(Claim::Ours(tx)),
+                Ok(None) => return Ok(Claim::Held),
+                Err(Error::Conflict) => {}
+                Err(error) => return Err(busy_or_internal(error)),
+            }
+        }
+        Err(IN_PROGRESS)
     }
 
     async fn claim_rounds(

@@ -20,7 +20,7 @@ use crate::error::{Error, Rejection};
 use crate::fingerprint::{Fingerprint, Verbatim};
 use crate::record::RecordState;
 use crate::scope::{IdempotencyContext, Scope, ScopedKey};
-use crate::store::{NewRecord, Opened, Protocol};
+use crate::store::{NewRecord, Opened, Protocol, is_conflict_abort};
 use crate::tx::{ConflictAborted, TxSlot};
 
 impl<DB: Backend> Engine<DB> {
@@ -40,7 +40,8 @@ impl<DB: Backend> Engine<DB> {
         // A key this instance has handled lately is likely a retry: one read answers it without
         // a transaction, on the connection that, for a key not yet taken, goes on to claim it.
         // Any other key is likely new and is claimed at once, saving the read (see `recent`).
-        let (mut begun, expired) = if self.settings.recent.saw(&key) {
+        // Dedupe keys are never read back: there is no record to answer from.
+        let (mut begun, expired) = if !self.settings.keys_only && self.settings.recent.saw(&key) {
             let started = Instant::now();
             let opened = self
                 .store
@@ -124,6 +125,7 @@ impl<DB: Backend> Engine<DB> {
                     request.take(),
                 ));
             }
+            Ok(Claim::Held) => return Attempted::Answered(held()),
             Err(rejection @ Rejection::InProgress { .. }) => {
                 return Attempted::Answered(Answer::reject(rejection, Logged::InFlight));
             }
@@ -160,7 +162,25 @@ impl<DB: Backend> Engine<DB> {
             }
         };
 
-        match self.classification(response.status()) {
+        let classification = match self.classification(response.status()) {
+            // A dedupe key has no response to keep a refusal in.
+            Classification::FailedPermanent if self.settings.keys_only => Classification::Retryable,
+            classification => classification,
+        };
+        match classification {
+            // The claim wrote the key's row: committing the work keeps it.
+            Classification::Completed if self.settings.keys_only => {
+                match tx.commit().await {
+                    Ok(()) => slot.take_after_commit().run(),
+                    Err(error) if is_conflict_abort(&error) => return Attempted::Conflicted,
+                    Err(error) => return Attempted::Answered(Answer::store_failed(error)),
+                }
+                Attempted::Answered(Answer::respond(
+                    response,
+                    Outcome::Executed,
+                    Logged::Executed,
+                ))
+            }
             Classification::Completed => {
                 let stored = self.storable(&response);
                 let completed = NewRecord {
@@ -212,6 +232,7 @@ impl<DB: Backend> Engine<DB> {
                     Ok(Claim::Theirs(record)) => {
                         self.answer_stored(key, record, fingerprint, request.take())
                     }
+                    Ok(Claim::Held) => held(),
                     Err(rejection) => Answer::reject(rejection, Logged::Retryable),
                 };
                 Attempted::Answered(answer)
@@ -250,6 +271,15 @@ impl<DB: Backend> Engine<DB> {
             }
         }
     }
+}
+
+/// The answer for a key a live dedupe key holds: replayed, with nothing stored to replay.
+pub(super) fn held() -> Answer {
+    Answer::respond(
+        http::Response::new(Bytes::new()),
+        Outcome::Replayed,
+        Logged::Replayed,
+    )
 }
 
 /// How many times a transaction the database aborts on conflicts is run in all.

@@ -13,6 +13,7 @@ use tokio::sync::watch;
 
 use super::Engine;
 use super::claim::Claim;
+use super::execute::held;
 use super::outcome::{Answer, Classification, Execution, Logged, Outcome};
 use crate::Backend;
 use crate::error::{Error, Rejection};
@@ -214,6 +215,7 @@ impl<DB: Backend> Engine<DB> {
                     Ok(Claim::Theirs(record)) => {
                         Err(self.answer_stored(key, record, fingerprint, None))
                     }
+                    Ok(Claim::Held) => Err(held()),
                     Err(rejection) => Err(Answer::reject(rejection, Logged::InFlight)),
                 }
             }

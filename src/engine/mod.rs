@@ -148,6 +148,8 @@ struct Settings {
     replayed_headers: Vec<HeaderName>,
     cache: Option<ReplayCache>,
     recent: RecentKeys,
+    /// Claims keep the key alone (see [`Engine::keys_only`]).
+    keys_only: bool,
 }
 
 /// Runs intents exactly once per scoped key, on a [`Store`]. Cheap to clone.
@@ -191,6 +193,7 @@ impl<DB: Backend> Engine<DB> {
                 replayed_headers: Vec::new(),
                 cache: None,
                 recent: RecentKeys::new(),
+                keys_only: false,
             }),
         }
     }
@@ -273,6 +276,17 @@ impl<DB: Backend> Engine<DB> {
         self.settings_mut().cache = Some(ReplayCache::new(
             u64::try_from(max_bytes).unwrap_or(u64::MAX),
         ));
+        self
+    }
+
+    /// Claims keep the key alone, in the store's table of dedupe keys, for work whose callers
+    /// never read a stored response back (the inbox): a completed outcome commits the claim as
+    /// it is, and a key found held is answered as replayed with an empty response, without a
+    /// read. A failed permanent outcome is rolled back as a retryable one is, with no key kept.
+    #[cfg_attr(not(feature = "inbox"), allow(dead_code))]
+    #[must_use]
+    pub(crate) fn keys_only(mut self) -> Self {
+        self.settings_mut().keys_only = true;
         self
     }
 

@@ -148,12 +148,12 @@ use sha2::{Digest, Sha256};
 
 use crate::Backend;
 use crate::backoff::Backoff;
-use crate::engine::{Classification, DeadLetter, Engine, Lookup, Outcome};
+use crate::engine::{Classification, DeadLetter, Engine, Outcome};
 use crate::error::{Error, Rejection};
 use crate::fingerprint::{Fingerprint, Fingerprinter};
 use crate::key::IdempotencyKey;
 use crate::scope::Scope;
-use crate::store::Store;
+use crate::store::{Protocol, Store};
 use crate::tx::{Tx, TxError, conflict_aborted};
 
 #[cfg(feature = "nats")]
@@ -425,7 +425,9 @@ impl<DB: Backend> Inbox<DB> {
         let name: String = name.into();
         // Only a commit counts as done: a permanent failure must leave the key unclaimed so that
         // a replay after the fix goes through the same claim (see the module docs).
+        // The claim keeps the key alone: no delivery ever reads a stored response back.
         let engine = Engine::new(store.clone())
+            .keys_only()
             .retention(KEEP)
             .classify(|status| {
                 if status == COMMIT {
@@ -513,7 +515,7 @@ impl<DB: Backend> Inbox<DB> {
     /// budget (how long an outbox keeps resending one message) plus the broker's redelivery
     /// horizon, or a late copy applies again (see the [module docs](self#retention)).
     ///
-    /// Expired records stay in the table until the store purges them:
+    /// Expired keys stay in the table `idempotency_inbox` until the store purges them:
     /// [`Store::purge_expired`] or [`Store::spawn_purger`] on the store the inbox was made with.
     #[must_use]
     pub fn retention(mut self, retention: Duration) -> Self {
@@ -559,8 +561,7 @@ impl<DB: Backend> Inbox<DB> {
     }
 
     /// Whether the delivery's business key has been applied: a committed claim exists and has
-    /// not expired (see [`retention`](Self::retention)). It reads through the engine's
-    /// [`lookup`](Engine::lookup), so it is logged as that is, with the key's digest only.
+    /// not expired (see [`retention`](Self::retention)).
     pub async fn is_applied(&self, delivery: &Delivery) -> Result<bool, Error> {
         let Ok(key) = (self.key)(delivery) else {
             return Ok(false);
@@ -568,11 +569,12 @@ impl<DB: Backend> Inbox<DB> {
         let Ok(scope) = self.scope(CONSUME, &key) else {
             return Ok(false);
         };
-        // The inbox's engine keeps a record only for a commit: any final record is applied.
-        Ok(matches!(
-            self.engine.lookup(&scope).await?,
-            Lookup::Final(_)
-        ))
+        let store = self.engine.store();
+        // The inbox's engine keeps a key only for a commit: any live key is applied.
+        store
+            .protocol()
+            .key_held(&scope.scoped_key(), store.clock().now())
+            .await
     }
 
     /// Runs `handler` for one delivery unless its business key was applied before, and says

@@ -144,7 +144,7 @@ impl<DB: Backend> Store<DB> {
         self.protocol.migrate().await
     }
 
-    /// Deletes every record expired by now; returns how many it deleted.
+    /// Deletes every record and inbox key expired by now; returns how many it deleted.
     ///
     /// It deletes in batches, a thousand records at a time, and after each batch rests as long
     /// as the batch took. On SQLite, where every claim waits for the one write lock a batch
@@ -156,8 +156,8 @@ impl<DB: Backend> Store<DB> {
     /// would (several times on SQLite and MySQL). The pace is the same whether the call comes
     /// from [`spawn_purger`](Self::spawn_purger) or from a job of your own, since both run
     /// beside the service. To clear a backlog faster while the service is stopped, delete from
-    /// `idempotency_records` where `expires_at` (milliseconds since the Unix epoch) is past, in
-    /// SQL of your own.
+    /// `idempotency_records` and `idempotency_inbox` (the inbox's keys) where `expires_at`
+    /// (milliseconds since the Unix epoch) is past, in SQL of your own.
     pub async fn purge_expired(&self) -> Result<u64, Error> {
         self.protocol.purge_expired(self.clock.now()).await
     }

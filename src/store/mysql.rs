@@ -18,7 +18,8 @@ use super::protocol::{BeganClaim, NewRecord, PurgePace};
 use super::sql::{ClaimPath, Dialect, bound, classify, identity_values, lifetime_values};
 use crate::error::Error;
 use crate::migrate;
-use crate::record::StoredResponse;
+use crate::record::{Millis, StoredResponse};
+use crate::scope::ScopedKey;
 
 impl super::Records for MySql {
     type Protocol = super::sql::SqlStore<MySql>;
@@ -150,6 +151,71 @@ impl ClaimPath for MySql {
             .map_err(classify::<Self>)?;
         tx.commit().await.map_err(classify::<Self>)
     }
+
+    // The wait for a concurrent claimer is the insert's wait for the key's row, bounded by the
+    // session's `innodb_lock_wait_timeout`, set for the claim alone and restored whatever its
+    // outcome, before the handler runs.
+    async fn claim_key<'a>(
+        pool: &'a Pool<Self>,
+        key: &'a ScopedKey,
+        now: Millis,
+        expires_at: Millis,
+        lock_wait: Duration,
+    ) -> Result<Option<Transaction<'static, Self>>, Error> {
+        let mut tx = pool.begin().await.map_err(classify::<Self>)?;
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "SET @axum_idempotency_wait = @@SESSION.innodb_lock_wait_timeout, \
+             SESSION innodb_lock_wait_timeout = {}",
+            lock_wait_secs(lock_wait)
+        )))
+        .execute(&mut *tx)
+        .await
+        .map_err(classify::<Self>)?;
+        let claimed = insert_key(&mut tx, key, now, expires_at).await;
+        sqlx::raw_sql("SET SESSION innodb_lock_wait_timeout = @axum_idempotency_wait")
+            .execute(&mut *tx)
+            .await
+            .map_err(classify::<Self>)?;
+        if claimed? {
+            return Ok(Some(tx));
+        }
+        tx.rollback().await.map_err(classify::<Self>)?;
+        Ok(None)
+    }
+}
+
+/// Inserts a dedupe key's row in `tx`, or replaces the key's row if it expired by `now`; `false`
+/// when a live row holds the key. The plain insert comes first, as for a record's claim, so a
+/// new key costs no look at an existing row; a duplicate-key error leaves the transaction open.
+async fn insert_key(
+    tx: &mut MySqlConnection,
+    key: &ScopedKey,
+    now: Millis,
+    expires_at: Millis,
+) -> Result<bool, Error> {
+    let inserted =
+        sqlx::query("INSERT INTO idempotency_inbox (key_digest, expires_at) VALUES (?, ?)")
+            .bind(&key.digest()[..])
+            .bind(expires_at.column())
+            .execute(&mut *tx)
+            .await;
+    match inserted {
+        Ok(_) => Ok(true),
+        Err(sqlx::Error::Database(error)) if error.is_unique_violation() => {
+            // CLIENT_FOUND_ROWS: the row counts when it matched, so one means it had expired.
+            let replaced = sqlx::query(
+                "UPDATE idempotency_inbox SET expires_at = ? WHERE key_digest = ? AND expires_at <= ?",
+            )
+            .bind(expires_at.column())
+            .bind(&key.digest()[..])
+            .bind(now.column())
+            .execute(tx)
+            .await
+            .map_err(classify::<MySql>)?;
+            Ok(replaced.rows_affected() == 1)
+        }
+        Err(error) => Err(classify::<MySql>(error)),
+    }
 }
 
 /// Whether the row `GET_LOCK` returned says the migration lock was granted: 1 granted, 0 timed
@@ -167,6 +233,10 @@ impl Dialect for MySql {
             (
                 3,
                 include_str!("../../migrations/mysql/0003_plain_insert.sql"),
+            ),
+            (
+                4,
+                include_str!("../../migrations/mysql/0004_inbox_keys.sql"),
             ),
         ],
         begin: "BEGIN",
@@ -202,6 +272,10 @@ impl Dialect for MySql {
     const RENEW_LEASE: &'static str = "UPDATE idempotency_records SET lease_expires_at = ? \
         WHERE key_digest = ? AND lease_owner = ? AND state = 'processing'";
     const FORGET: &'static str = "DELETE FROM idempotency_records WHERE key_digest = ?";
+    const PURGE_KEYS: &'static str =
+        "DELETE FROM idempotency_inbox WHERE expires_at <= ? ORDER BY expires_at LIMIT ?";
+    const KEY_HELD: &'static str =
+        "SELECT 1 FROM idempotency_inbox WHERE key_digest = ? AND expires_at > ?";
     const TAKE_OVER_LEASE: &'static str = "UPDATE idempotency_records SET lease_owner = ?, lease_expires_at = ? \
         WHERE key_digest = ? AND state = 'processing' AND lease_expires_at <= ?";
     const FINISH_LEASED: &'static str = "UPDATE idempotency_records \

@@ -13,13 +13,14 @@
 use std::time::Duration;
 
 use sqlx::error::DatabaseError;
-use sqlx::{PgConnection, Pool, Postgres, Transaction};
+use sqlx::{AssertSqlSafe, PgConnection, Pool, Postgres, Transaction};
 
 use super::literal::{Statement, Syntax};
 use super::protocol::{BeganClaim, NewRecord};
 use super::sql::{ClaimPath, Dialect, bound, classify, inline_fits, record_values};
 use crate::error::Error;
 use crate::migrate;
+use crate::record::Millis;
 use crate::scope::ScopedKey;
 
 impl super::Records for Postgres {
@@ -29,6 +30,48 @@ impl super::Records for Postgres {
 /// The primary key's constraint, which the claim procedure violates on purpose when a live
 /// record holds the key.
 const PRIMARY_KEY: &str = "idempotency_records_pkey";
+
+/// The inbox keys' primary key: a plain claim of a key that has a row violates it.
+const KEYS_PRIMARY_KEY: &str = "idempotency_inbox_pkey";
+
+/// Whether a dedupe key's plain insert found a row under the key.
+fn key_taken(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(error)
+        if error.code().as_deref() == Some("23505") && error.constraint() == Some(KEYS_PRIMARY_KEY))
+}
+
+/// `lock_timeout` in milliseconds for a wait of `lock_wait`: at least 1 (0 would mean no bound)
+/// and at most i32::MAX, the setting's own limit.
+fn lock_wait_ms(lock_wait: Duration) -> i64 {
+    i64::try_from(lock_wait.as_millis())
+        .map_or(i64::from(i32::MAX), |ms| ms.min(i64::from(i32::MAX)))
+        .max(1)
+}
+
+/// `claim`, its wait for a concurrent claimer bounded by `lock_wait`, then `after`. The bound is
+/// set for the transaction and set back to the server's default before the handler runs, so
+/// the handler's own statements wait as the connection's configuration says (a `lock_timeout`
+/// set by a session `SET` of the application's own is not restored; one set in the server's,
+/// role's or database's configuration or the connection's options is).
+fn bounded(claim: &Statement<'_>, lock_wait: Duration, after: &str) -> AssertSqlSafe<String> {
+    let claim = claim.inline("", "; SET LOCAL lock_timeout TO DEFAULT");
+    AssertSqlSafe(format!(
+        "SET LOCAL lock_timeout = {}; {}{after}",
+        lock_wait_ms(lock_wait),
+        claim.0
+    ))
+}
+
+/// A dedupe key's row: its digest and when it expires.
+fn key_insert(key: &ScopedKey, expires_at: Millis) -> Statement<'_> {
+    let mut insert = Statement::new(Syntax::Postgres);
+    insert
+        .sql("INSERT INTO idempotency_inbox (key_digest, expires_at) VALUES (")
+        .bytes(&key.digest()[..])
+        .int8(expires_at.column())
+        .sql(")");
+    insert
+}
 
 /// `$command` on the savepoint a claim inside a begun transaction runs under.
 macro_rules! savepoint {
@@ -130,6 +173,46 @@ impl ClaimPath for Postgres {
         }
     }
 
+    // The common case, a new key, is one exchange: the key's plain insert comes before `BEGIN`,
+    // in the implicit transaction that `BEGIN` turns into the handler's, as the record's claim
+    // does. Any row under the key fails it and leaves the connection idle; only then does a
+    // second transaction find out whether that row is live or expired, replacing it if expired
+    // (the primary key decides there too, and waits for a concurrent claimer within the bound).
+    async fn claim_key<'a>(
+        pool: &'a Pool<Self>,
+        key: &'a ScopedKey,
+        now: Millis,
+        expires_at: Millis,
+        lock_wait: Duration,
+    ) -> Result<Option<Transaction<'static, Self>>, Error> {
+        let insert = key_insert(key, expires_at);
+        match pool
+            .begin_with(bounded(&insert, lock_wait, "; BEGIN"))
+            .await
+        {
+            Ok(tx) => return Ok(Some(tx)),
+            Err(error) if key_taken(&error) => {}
+            Err(error) => return Err(classify::<Self>(error)),
+        }
+        let mut replace = key_insert(key, expires_at);
+        replace
+            .sql(
+                " ON CONFLICT (key_digest) DO UPDATE SET expires_at = EXCLUDED.expires_at \
+                 WHERE idempotency_inbox.expires_at <= ",
+            )
+            .int8(now.column());
+        let mut tx = pool.begin().await.map_err(classify::<Self>)?;
+        let replaced = sqlx::raw_sql(bounded(&replace, lock_wait, ""))
+            .execute(&mut *tx)
+            .await
+            .map_err(classify::<Self>)?;
+        if replaced.rows_affected() == 1 {
+            return Ok(Some(tx));
+        }
+        tx.rollback().await.map_err(classify::<Self>)?;
+        Ok(None)
+    }
+
     // The record is sent with `COMMIT`, in one exchange. sqlx ends a `Transaction` only by a
     // statement of its own: dropped, it queues a `ROLLBACK`, which would find no transaction
     // and make the server log a warning. `BEGIN` after `COMMIT` opens an empty transaction for
@@ -180,6 +263,10 @@ impl Dialect for Postgres {
                 5,
                 include_str!("../../migrations/postgres/0005_plain_insert.sql"),
             ),
+            (
+                6,
+                include_str!("../../migrations/postgres/0006_inbox_keys.sql"),
+            ),
         ],
         begin: "BEGIN",
         // A transaction-scoped advisory lock: two instances starting at once migrate one after
@@ -209,6 +296,11 @@ impl Dialect for Postgres {
     const RELEASE_LEASE: &'static str = "DELETE FROM idempotency_records \
         WHERE key_digest = $1 AND lease_owner = $2 AND state = 'processing'";
     const FORGET: &'static str = "DELETE FROM idempotency_records WHERE key_digest = $1";
+    // The outer expiry test is repeated for the same reason as in `PURGE`.
+    const PURGE_KEYS: &'static str = "DELETE FROM idempotency_inbox WHERE expires_at <= $1 \
+        AND key_digest IN (SELECT key_digest FROM idempotency_inbox WHERE expires_at <= $1 LIMIT $2)";
+    const KEY_HELD: &'static str =
+        "SELECT 1 FROM idempotency_inbox WHERE key_digest = $1 AND expires_at > $2";
 
     fn rows_affected(result: &Self::QueryResult) -> u64 {
         result.rows_affected()

@@ -167,6 +167,27 @@ pub trait Protocol: Clone + Send + Sync + 'static {
         lock_wait: Duration,
     ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
 
+    /// Begins a transaction that holds `key` as a dedupe key alone: no record, no response, only
+    /// the key and when it expires, in `idempotency_inbox`. The key's row is written now, in that
+    /// transaction, replacing a row expired at `now`, so it commits or rolls back with the work.
+    /// `None`, with nothing left open, when a live row holds the key. A concurrent claimer is
+    /// waited for up to `lock_wait` ([`Error::Busy`] past it); a deadlock or serialization
+    /// failure is [`Error::Conflict`].
+    fn claim_key<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        now: Millis,
+        expires_at: Millis,
+        lock_wait: Duration,
+    ) -> impl Future<Output = Result<Option<Transaction<'static, Self::Database>>, Error>> + Send + 'a;
+
+    /// Whether a committed [`claim_key`](Protocol::claim_key) holds `key` and is live at `now`.
+    fn key_held<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        now: Millis,
+    ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
+
     /// Reads the record under `key` within the transaction.
     fn find<'a>(
         &'a self,
@@ -213,7 +234,8 @@ pub trait Protocol: Clone + Send + Sync + 'static {
         key: &'a ScopedKey,
     ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
 
-    /// Deletes up to `limit` records expired at `now`; returns how many it deleted.
+    /// Deletes up to `limit` records and dedupe keys expired at `now`; returns how many it
+    /// deleted.
     fn purge_expired_batch(
         &self,
         now: Millis,

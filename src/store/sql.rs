@@ -87,6 +87,10 @@ pub trait Dialect: Database {
     const RELEASE_LEASE: &'static str;
     /// Parameters: key_digest.
     const FORGET: &'static str;
+    /// Deletes up to a limit of expired dedupe keys. Parameters: now, limit.
+    const PURGE_KEYS: &'static str;
+    /// A row when a live dedupe key is held. Parameters: key_digest, now.
+    const KEY_HELD: &'static str;
 
     /// Whether the error means "a lock wait ran out".
     fn is_busy(error: &dyn DatabaseError) -> bool;
@@ -133,6 +137,15 @@ pub trait ClaimPath: Dialect {
         tx: Transaction<'static, Self>,
         record: &'a NewRecord<'a>,
     ) -> impl Future<Output = Result<(), Error>> + Send + 'a;
+
+    /// See [`Protocol::claim_key`].
+    fn claim_key<'a>(
+        pool: &'a Pool<Self>,
+        key: &'a ScopedKey,
+        now: Millis,
+        expires_at: Millis,
+        lock_wait: Duration,
+    ) -> impl Future<Output = Result<Option<Transaction<'static, Self>>, Error>> + Send + 'a;
 }
 
 /// The largest response (headers and body) a record's statement writes into its text: past it,
@@ -438,6 +451,28 @@ where
         DB::claim(conn, record, lock_wait).await
     }
 
+    async fn claim_key<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        now: Millis,
+        expires_at: Millis,
+        lock_wait: Duration,
+    ) -> Result<Option<Transaction<'static, DB>>, Error> {
+        self.schema_current().await?;
+        DB::claim_key(&self.pool, key, now, expires_at, lock_wait).await
+    }
+
+    async fn key_held<'a>(&'a self, key: &'a ScopedKey, now: Millis) -> Result<bool, Error> {
+        self.schema_current().await?;
+        let row = sqlx::query(DB::KEY_HELD)
+            .bind(key.digest().to_vec())
+            .bind(now.column())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify::<DB>)?;
+        Ok(row.is_some())
+    }
+
     async fn find<'a>(
         &'a self,
         conn: &'a mut DB::Connection,
@@ -545,6 +580,16 @@ where
         let query = sqlx::query(DB::PURGE)
             .bind(now.column())
             .bind(i64::from(limit));
-        on_pool(&self.pool, query).await
+        let records = on_pool(&self.pool, query).await?;
+        // The batch's room left over goes to the inbox's keys: one batch still deletes at most
+        // `limit` rows, and a short batch still means both tables are clear.
+        let room = u64::from(limit).saturating_sub(records);
+        if room == 0 {
+            return Ok(records);
+        }
+        let query = sqlx::query(DB::PURGE_KEYS)
+            .bind(now.column())
+            .bind(i64::try_from(room).unwrap_or(i64::MAX));
+        Ok(records + on_pool(&self.pool, query).await?)
     }
 }

@@ -20,6 +20,8 @@ use super::protocol::{BeganClaim, NewRecord, PurgePace};
 use super::sql::{ClaimPath, Dialect, bound, classify, record_values};
 use crate::error::Error;
 use crate::migrate;
+use crate::record::Millis;
+use crate::scope::ScopedKey;
 
 impl super::Records for Sqlite {
     type Protocol = super::sql::SqlStore<Sqlite>;
@@ -37,14 +39,29 @@ fn record_exists(error: &sqlx::Error) -> bool {
 /// `PRAGMA busy_timeout` for `lock_wait`, then `BEGIN IMMEDIATE`: the wait for the write lock,
 /// which is the wait for a concurrent claimer, is bounded by `lock_wait`.
 fn begin_immediate(lock_wait: Duration) -> Statement<'static> {
-    let millis = i64::try_from(lock_wait.as_millis())
-        .unwrap_or(i64::MAX)
-        .clamp(1, i64::from(i32::MAX));
     let mut begin = Statement::new(Syntax::Sqlite);
     begin
         .sql("PRAGMA busy_timeout = ")
-        .int8(millis)
+        .int8(busy_timeout(lock_wait))
         .sql("; BEGIN IMMEDIATE");
+    begin
+}
+
+/// `busy_timeout` in milliseconds for a wait of `lock_wait`.
+fn busy_timeout(lock_wait: Duration) -> i64 {
+    i64::try_from(lock_wait.as_millis())
+        .unwrap_or(i64::MAX)
+        .clamp(1, i64::from(i32::MAX))
+}
+
+/// `PRAGMA busy_timeout` for `lock_wait`, then a deferred `BEGIN`: the transaction takes the
+/// write lock at its first write, waiting for it within `lock_wait`.
+fn begin_deferred(lock_wait: Duration) -> Statement<'static> {
+    let mut begin = Statement::new(Syntax::Sqlite);
+    begin
+        .sql("PRAGMA busy_timeout = ")
+        .int8(busy_timeout(lock_wait))
+        .sql("; BEGIN");
     begin
 }
 
@@ -113,6 +130,39 @@ impl ClaimPath for Sqlite {
         }
     }
 
+    // A dedupe key needs no read under the write lock: the transaction begins deferred and the
+    // key's insert, its first statement, takes the lock (as a hand-written dedupe's would), so
+    // the lock is held from the claim to the commit and not a call longer. An expired row is
+    // replaced by the same statement; a live one makes it change nothing.
+    async fn claim_key<'a>(
+        pool: &'a Pool<Self>,
+        key: &'a ScopedKey,
+        now: Millis,
+        expires_at: Millis,
+        lock_wait: Duration,
+    ) -> Result<Option<Transaction<'static, Self>>, Error> {
+        let mut tx = pool
+            .begin_with(begin_deferred(lock_wait).inline("", ""))
+            .await
+            .map_err(classify::<Self>)?;
+        let claimed = sqlx::query(
+            "INSERT INTO idempotency_inbox (key_digest, expires_at) VALUES (?1, ?2) \
+             ON CONFLICT (key_digest) DO UPDATE SET expires_at = excluded.expires_at \
+             WHERE idempotency_inbox.expires_at <= ?3",
+        )
+        .bind(&key.digest()[..])
+        .bind(expires_at.column())
+        .bind(now.column())
+        .execute(&mut *tx)
+        .await
+        .map_err(classify::<Self>)?;
+        if claimed.rows_affected() == 1 {
+            return Ok(Some(tx));
+        }
+        tx.rollback().await.map_err(classify::<Self>)?;
+        Ok(None)
+    }
+
     // The record is sent with `COMMIT`, in one call. sqlx ends a `Transaction` only by a
     // statement of its own: dropped, it has its worker roll back, which must find a transaction
     // or the connection's count of open transactions goes wrong. `BEGIN` after `COMMIT` opens an
@@ -140,6 +190,10 @@ impl Dialect for Sqlite {
         scripts: &[
             (1, include_str!("../../migrations/sqlite/0001_records.sql")),
             (2, include_str!("../../migrations/sqlite/0002_leases.sql")),
+            (
+                3,
+                include_str!("../../migrations/sqlite/0003_inbox_keys.sql"),
+            ),
         ],
         // The write lock taken up front serialises concurrent migrators.
         begin: "BEGIN IMMEDIATE",
@@ -171,6 +225,10 @@ impl Dialect for Sqlite {
     const RELEASE_LEASE: &'static str = "DELETE FROM idempotency_records \
         WHERE key_digest = ?1 AND lease_owner = ?2 AND state = 'processing'";
     const FORGET: &'static str = "DELETE FROM idempotency_records WHERE key_digest = ?1";
+    const PURGE_KEYS: &'static str = "DELETE FROM idempotency_inbox WHERE key_digest IN \
+        (SELECT key_digest FROM idempotency_inbox WHERE expires_at <= ?1 LIMIT ?2)";
+    const KEY_HELD: &'static str =
+        "SELECT 1 FROM idempotency_inbox WHERE key_digest = ?1 AND expires_at > ?2";
 
     fn rows_affected(result: &Self::QueryResult) -> u64 {
         result.rows_affected()

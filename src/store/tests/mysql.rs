@@ -36,11 +36,11 @@ async fn migrate_twice_is_a_no_op() {
     let pool = store.pool();
     assert_eq!(
         count(pool, "SELECT COUNT(*) FROM idempotency_schema_versions").await,
-        3
+        4
     );
     assert_eq!(
         count(pool, "SELECT MAX(version) FROM idempotency_schema_versions").await,
-        3
+        4
     );
     // Version 2's procedure stays beside version 3's for instances not yet upgraded.
     assert_eq!(
@@ -78,7 +78,7 @@ async fn concurrent_migrations_from_separate_instances_all_succeed_once() {
     let pool = stores[0].pool();
     assert_eq!(
         count(pool, "SELECT COUNT(*) FROM idempotency_schema_versions").await,
-        3
+        4
     );
     // The session lock is released, not left on a pooled connection: another session takes it.
     let taken: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
@@ -134,7 +134,7 @@ async fn migrate_waits_for_the_instance_holding_the_migration_lock() {
             "SELECT COUNT(*) FROM idempotency_schema_versions"
         )
         .await,
-        3
+        4
     );
     holder.close().await.unwrap();
     db.drop().await;
@@ -621,7 +621,7 @@ async fn an_unmigrated_store_names_the_fix_until_migrated() {
     let db = TestDb::create().await;
     super::schema::an_unmigrated_store_names_the_fix_until_migrated(
         MySqlStore::new(db.pool(2).await),
-        3,
+        4,
     )
     .await;
     db.drop().await;
@@ -632,7 +632,7 @@ async fn an_outdated_schema_is_reported_until_it_is_current() {
     let db = TestDb::create().await;
     super::schema::an_outdated_schema_is_reported_until_it_is_current(
         MySqlStore::new(db.pool(2).await),
-        3,
+        4,
     )
     .await;
     db.drop().await;

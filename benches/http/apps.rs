@@ -2,7 +2,6 @@
 //! the middleware alone on an empty handler (`/noop…`).
 
 use std::net::SocketAddr;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Bytes;
@@ -14,18 +13,11 @@ use tokio::runtime::Runtime;
 
 #[cfg(feature = "sqlite")]
 use crate::BoxError;
-use crate::scale::{Dialect, Records};
+use crate::fill::{Dialect, Records};
+use crate::order::{TTL_MS, now_ms};
 
-pub(crate) const TTL_MS: i64 = 24 * 3600 * 1000;
 /// The replay cache's budget where a scenario turns it on.
 pub(crate) const CACHE_BYTES: usize = 64 * 1024 * 1024;
-pub(crate) const ORDER_BODY: &str = r#"{"sku":"widget","qty":3}"#;
-
-pub(crate) fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
 
 fn created(id: i64) -> Response {
     (

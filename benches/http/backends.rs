@@ -18,17 +18,17 @@ use crate::apps::postgres_app;
 use crate::apps::serve;
 #[cfg(feature = "sqlite")]
 use crate::apps::sqlite_app;
+#[cfg(feature = "mysql")]
+use crate::fill::MYSQL_FILL;
+#[cfg(feature = "postgres")]
+use crate::fill::POSTGRES_FILL;
+use crate::fill::Records;
+#[cfg(feature = "sqlite")]
+use crate::fill::SQLITE_FILL;
 use crate::peer::Peer;
 use crate::proxy::Wire;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 use crate::proxy::db_proxy;
-#[cfg(feature = "mysql")]
-use crate::scale::MYSQL_FILL;
-#[cfg(feature = "postgres")]
-use crate::scale::POSTGRES_FILL;
-use crate::scale::Records;
-#[cfg(feature = "sqlite")]
-use crate::scale::SQLITE_FILL;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 use crate::settings::wanted;
 

@@ -14,8 +14,8 @@ use tokio::net::TcpStream;
 use tokio::sync::Barrier;
 
 use crate::BoxError;
-use crate::apps::ORDER_BODY;
 use crate::counting::{COUNTING, STATEMENTS};
+use crate::order::ORDER_BODY;
 use crate::proxy::Wire;
 
 /// The connections of a duplicate storm, all sending the same key at once.

@@ -55,12 +55,17 @@
 //! - `BENCH_PEER_KEYING` (default `header`): the peer keys on the `Idempotency-Key` header
 //!   (`header`) or on a hash of method, target, headers and body (`hash`).
 
+// The modules depend one way: the order and the clock (order), the filler rows (fill), the apps
+// on each backend (apps, backends); the load and what reads it (load, peer, report); the
+// sections built from those (scenarios, scale, memory), which only this file runs.
 mod apps;
 mod backends;
 mod counting;
 mod cpu;
+mod fill;
 mod load;
 mod memory;
+mod order;
 mod peer;
 mod proxy;
 mod report;
@@ -73,7 +78,6 @@ use std::error::Error;
 
 use tracing_subscriber::layer::SubscriberExt;
 
-use crate::apps::now_ms;
 #[cfg(feature = "sqlite")]
 use crate::backends::sqlite_backend;
 #[cfg(feature = "mysql")]
@@ -82,6 +86,7 @@ use crate::backends::{drop_mysql_database, mysql_backend};
 use crate::backends::{drop_postgres_schema, postgres_backend};
 use crate::counting::StatementCounter;
 use crate::memory::{run_big_bodies, run_soak};
+use crate::order::now_ms;
 use crate::peer::peer_or_reason;
 use crate::report::Report;
 use crate::rss::PeakRss;

@@ -9,9 +9,9 @@ use axum::body::Bytes;
 use tokio::runtime::Runtime;
 
 use crate::BoxError;
-use crate::apps::ORDER_BODY;
 use crate::backends::Backend;
 use crate::load::{Keys, Plan, drive, json_body};
+use crate::order::ORDER_BODY;
 use crate::report::Report;
 use crate::rss::{PeakRss, rss_mib};
 use crate::settings::Settings;

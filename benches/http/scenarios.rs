@@ -10,7 +10,6 @@ use axum::body::Bytes;
 use tokio::runtime::Runtime;
 
 use crate::BoxError;
-use crate::apps::ORDER_BODY;
 #[cfg(feature = "sqlite")]
 use crate::apps::noop_app;
 use crate::backends::Backend;
@@ -18,6 +17,7 @@ use crate::cpu::{self, ServerCpu};
 #[cfg(feature = "sqlite")]
 use crate::load::json_body;
 use crate::load::{Keys, Plan, STORM, Sample, count_per_request, drive, storm};
+use crate::order::ORDER_BODY;
 use crate::peer::Peer;
 use crate::report::{Report, Row, Target};
 use crate::rss::PeakRss;

@@ -1,8 +1,8 @@
 //! The guide: everything past the first request, one chapter per page.
 //!
 //! The crate docs and the README get a newcomer to a first replayed request: the README's
-//! "Use it" section is a complete service to copy, and the repository's `examples/orders` a
-//! fuller app. These chapters are for the developer wiring the layer into a real service and
+//! "Use it" section, the repository's `examples/basic.rs`, is a complete service to copy, and
+//! `examples/orders` a fuller app. These chapters are for the developer wiring the layer into a real service and
 //! for the operator running it. They hold no code of the crate, only documentation; the
 //! examples in them are compiled as doctests.
 //!
@@ -20,7 +20,10 @@
 //!
 //! - [`layer`]: putting the layer on a router, every builder option and its default, serving
 //!   it in production (timeouts, shutdown).
-//! - [`protocol`]: what is final and what is retryable, replay, and the guarantees' limits.
+//! - [`orders`]: the README's session with the `orders` example, continued, and the
+//!   example's files and settings.
+//! - [`protocol`]: the protocol at a glance, what is final and what is retryable, replay, and
+//!   the guarantees' limits.
 //! - [`backends`]: SQLite, PostgreSQL, MySQL and MariaDB; migrations; how each one waits.
 //! - [`distributed`]: CockroachDB, YugabyteDB, TiDB and Vitess, on paper: what the crate needs
 //!   from an engine, and where each one stands.
@@ -69,8 +72,8 @@
 ///
 /// The example below builds such a router on an in-memory SQLite database, to show every part
 /// in one place; it serves nothing. For a program that serves, read the README's "Use it"
-/// section (PostgreSQL, graceful shutdown, a header read timeout) and the repository's
-/// `examples/orders` (all three backends).
+/// section, the repository's `examples/basic.rs` (graceful shutdown, a header read timeout),
+/// and `examples/orders` (all three backends).
 ///
 #[cfg_attr(feature = "sqlite", doc = "```")]
 #[cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
@@ -266,6 +269,112 @@
 /// ```
 pub mod layer {}
 
+/// # The `orders` example, continued
+///
+/// The README's "Try it" section starts the repository's `orders` example (`cargo run --example
+/// orders`, on a fresh SQLite file `orders.db`) and runs a session against it: Alice orders two
+/// widgets, her retry is replayed, the same key with another quantity is refused with `422`, Bob
+/// buys the last gadget and Alice's order for one is refused with `409` `out_of_stock`. The
+/// session goes on here, in the same terminal; `tests/readme.rs` runs both parts, in this order,
+/// against the example, so neither can drift.
+///
+/// Had her client retried anyway, the refusal is replayed, even if stock came back meanwhile:
+///
+/// ```sh
+/// curl -si -X POST localhost:3000/orders -H 'authorization: Bearer alice-token' \
+///   -H 'idempotency-key: 6d1c8a52-2f7e-4a8e-9b1e-0c3f1d6f2a91' \
+///   -H 'content-type: application/json' \
+///   -d '{"sku":"gadget","quantity":1,"amount":30,"currency":"EUR"}'
+/// ```
+///
+/// ```text
+/// HTTP/1.1 409 Conflict
+/// content-type: application/problem+json
+/// idempotent-replayed: true
+///
+/// {"code":"out_of_stock","detail":"not enough stock left for this order","status":409,"title":"Conflict","type":"about:blank"}
+/// ```
+///
+/// Bob's order ships. A retry of his original request still answers as it did at creation: the
+/// replay is the answer he was given, not the order's state now:
+///
+/// ```sh
+/// curl -si -X POST localhost:3000/orders/2/ship -H 'authorization: Bearer bob-token' \
+///   -H 'idempotency-key: 3e8f2d4a-1b6c-4f0e-8a7d-9c2b5e1f4a30'
+/// ```
+///
+/// ```text
+/// HTTP/1.1 200 OK
+/// content-type: application/json
+///
+/// {"id":2,"status":"shipped","sku":"gadget","quantity":1,"amount":30.0,"currency":"EUR","payments":[],"paid_total":0.0}
+/// ```
+///
+/// ```sh
+/// curl -si -X POST localhost:3000/orders -H 'authorization: Bearer bob-token' \
+///   -H 'idempotency-key: 0c5b1f9e-7a44-4b8e-93d2-5e1a6f0b2c77' \
+///   -H 'content-type: application/json' \
+///   -d '{"sku":"gadget","quantity":1,"amount":30,"currency":"EUR"}'
+/// ```
+///
+/// ```text
+/// HTTP/1.1 201 Created
+/// content-type: application/json
+/// location: /orders/2
+/// idempotent-replayed: true
+///
+/// {"id":2,"status":"created","sku":"gadget","quantity":1,"amount":30.0,"currency":"EUR","payments":[],"paid_total":0.0}
+/// ```
+///
+/// A request that changes something must carry a key:
+///
+/// ```sh
+/// curl -si -X POST localhost:3000/orders -H 'authorization: Bearer alice-token' \
+///   -H 'content-type: application/json' \
+///   -d '{"sku":"widget","quantity":1,"amount":6.25,"currency":"EUR"}'
+/// ```
+///
+/// ```text
+/// HTTP/1.1 400 Bad Request
+/// content-type: application/problem+json
+///
+/// {"type":"https://docs.rs/axum-idempotency/latest/axum_idempotency/error/enum.Rejection.html#variant.KeyMissing","title":"Idempotency key missing","status":400,"detail":"this request requires an Idempotency-Key header","code":"idempotency_key_missing"}
+/// ```
+///
+/// The example's whole code is in three files under `examples/orders/`, about 840 lines:
+/// `main.rs` the HTTP API, served through axum-server (a request head must arrive within 5 s;
+/// SIGTERM or Ctrl-C answers the requests in flight, then exits 0), `db.rs` its tables and how
+/// it runs the same SQL on the three databases, and `consumer.rs` a consumer of payment events
+/// (see [the inbox chapter](https://docs.rs/axum-idempotency/latest/axum_idempotency/guide/inbox/index.html)). It reads
+/// `DATABASE_URL` (`sqlite://orders.db` by default; a `postgres://` URL with
+/// `--features postgres`, a `mysql://` URL with `--features mysql`), `BIND` (default
+/// `127.0.0.1:3000`) and `IDEMPOTENCY_TTL_SECS` (how long keys live, default 24 h). On
+/// PostgreSQL, for example:
+///
+/// ```sh
+/// DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres cargo run --example orders --features postgres
+/// ```
+pub mod orders {}
+
+/// # The protocol at a glance
+///
+/// | question | answer |
+/// |---|---|
+/// | Who makes the key? | The **client**, once per logical operation, *before* the first attempt, and sends it unchanged on every retry. Use a long random value: a UUIDv4, or 128 or more random bits as base64url. The crate's `client` feature does this for Rust clients. |
+/// | Which header? | `Idempotency-Key`, bare (`k1`) or as a Structured-Field string (`"k1"`): the same key. 1–255 visible ASCII characters (0x21–0x7E), one value. `POST` and `PATCH` need one by default. |
+/// | What is the key's scope? | The **verified caller** (from your authentication, never a header the client asserts), the method and the **route template** (`/orders/{id}/ship`). Bob reusing Alice's key gets his own execution; the same key on two routes names two intents. No verified caller (your authentication refused it): `401`; your authentication *failed* (its database is down): a retryable `503`. |
+/// | Same key, same intent? | The first response again, byte for byte: status, body and stored headers (`Location` included), plus `Idempotent-Replayed: true`, even after the resource changed. `Set-Cookie`, `Date` and hop-by-hop headers are not replayed. |
+/// | Same key, different intent? | `422` `idempotency_key_reused`; nothing is executed, neither with the old parameters nor the new. The intent is the method, the path, the query and the canonical body, minus fields the server declared intent-neutral. |
+/// | How do I query a request still in flight? | Send it again with the same key and body. A retry waits (5 s by default) for the first to finish and replays its answer; if the first failed retryably, the retry executes. Past the wait: `409` `idempotency_request_in_progress` with `Retry-After`: try again later, same key. |
+/// | What is final, what is retryable? | 2xx/3xx and 4xx answers (invalid input, forbidden, out of stock) are final: stored and replayed, stop retrying. 5xx, 408, 429 and the in-progress `409` are retryable with the same key: nothing of the failed attempt was kept. |
+/// | How long do keys live? | 24 hours by default (the server's `.retention(..)`). After that the key is a new intent. Expired records are deleted by the store's purge. |
+///
+/// Every 5xx is retryable with the same key: nothing of the attempt was kept, or the retry replays
+/// it. Every `code` the crate sets starts with `idempotency_`; give your own errors codes without
+/// that prefix (the `orders` example answers `invalid_order`, `malformed_json`, `invalid_id`,
+/// `out_of_stock`, all problem+json), so a client never has to guess from the status alone. The full list is in the
+/// [`error`](crate::error) module.
+///
 /// # What is stored, what is replayed, what is rolled back
 ///
 /// The handler's response is buffered and classified by its status

@@ -1,7 +1,8 @@
-//! The README's transcript, run as written: every `curl` in its "Try it" section is sent to
-//! the `orders` example, started on a fresh SQLite file, and the answer must be the one the
-//! README prints under it (status, the headers it shows, the body). A first execution must
-//! not carry `Idempotent-Replayed` unless the README shows it.
+//! The README's transcript, run as written: every `curl` in its "Try it" section, then every
+//! one in the guide's `orders` chapter, which continues the session, is sent to the `orders`
+//! example, started on a fresh SQLite file, and the answer must be the one the document prints
+//! under it (status, the headers it shows, the body). A first execution must not carry
+//! `Idempotent-Replayed` unless the document shows it.
 //!
 //! The transcript is a sequence of a ```` ```sh ```` block holding one `curl` command and the
 //! ```` ```text ```` block after it holding the answer as `curl -si` prints it (headers
@@ -17,6 +18,7 @@ use http_body_util::Full;
 use serde_json::Value;
 
 const README: &str = include_str!("../README.md");
+const GUIDE: &str = include_str!("../src/guide.rs");
 
 /// One step of the transcript.
 #[derive(Debug)]
@@ -148,15 +150,45 @@ fn parse_step(command: &str, answer: &str) -> Step {
     }
 }
 
-/// The transcript: the `curl` blocks of the "Try it" section, each with the answer after it.
-fn transcript() -> Vec<Step> {
+/// The README's "Try it" section.
+fn readme_section() -> &'static str {
     let start = README
         .find("\n## Try it")
         .expect("the README has a \"Try it\" section");
     let section = &README[start + 1..];
-    let section = section[3..]
+    section[3..]
         .find("\n## ")
-        .map_or(section, |end| &section[..end + 3]);
+        .map_or(section, |end| &section[..end + 3])
+}
+
+/// The Markdown of the guide's `orders` chapter: its doc comment, without the `///`.
+fn guide_section() -> String {
+    let start = GUIDE
+        .find("/// # The `orders` example, continued")
+        .expect("the guide has the orders chapter");
+    let end = GUIDE[start..]
+        .find("pub mod orders {}")
+        .expect("the orders chapter ends");
+    GUIDE[start..start + end]
+        .lines()
+        .map(|line| {
+            let line = line.trim_start().trim_start_matches("///");
+            line.strip_prefix(' ').unwrap_or(line)
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The transcript: the `curl` blocks of the README's "Try it" section and then of the guide's
+/// `orders` chapter, each with the answer after it.
+fn transcript() -> Vec<Step> {
+    let mut all = steps(readme_section());
+    all.extend(steps(&guide_section()));
+    all
+}
+
+/// The steps of one document's part of the transcript.
+fn steps(section: &str) -> Vec<Step> {
     let blocks = fenced_blocks(section);
     let mut steps = Vec::new();
     let mut blocks = blocks.iter().peekable();
@@ -192,11 +224,15 @@ fn json_matches(expected: &Value, actual: &Value) -> bool {
 
 #[test]
 fn the_transcript_parses_into_steps() {
-    let steps = transcript();
     assert!(
-        steps.len() >= 5,
-        "the transcript lost its steps: {steps:#?}"
+        steps(readme_section()).len() >= 5,
+        "the README's transcript lost its steps"
     );
+    assert!(
+        steps(&guide_section()).len() >= 3,
+        "the guide's transcript lost its steps"
+    );
+    let steps = transcript();
     for step in &steps {
         assert!(step.path.starts_with('/'), "{step:#?}");
     }
@@ -222,7 +258,7 @@ async fn the_readme_transcript_is_what_the_orders_example_answers() {
             .await;
         let shown = String::from_utf8_lossy(&answer.body);
         let context = format!(
-            "step {} of the README:\n{}\nanswered {} {shown}",
+            "step {} of the transcript:\n{}\nanswered {} {shown}",
             n + 1,
             step.command,
             answer.status

@@ -25,7 +25,16 @@
 //! | `FAULT_503_RATE` (default 0), `FAULT_RETRY_AFTER` (s, default 1) | `X-Fault: 503` | 503 with `Retry-After`, no charge |
 //! | `FAULT_DROP_RATE` (default 0) | `X-Fault: drop` | charge, then drop the connection unanswered |
 //!
-//! A repeated key that finds its charge is always answered, so a resend recovers from a drop.
+//! A repeated key that finds its charge is always answered, so a resend recovers from a drop. A
+//! setting that does not parse stops the provider at start, rather than being ignored.
+
+#[allow(
+    dead_code,
+    unused_imports,
+    unused_macros,
+    reason = "shared by the examples; the provider has no database to choose"
+)]
+mod common;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -37,6 +46,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use common::{Error, setting};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use serde::{Deserialize, Serialize};
@@ -64,22 +74,15 @@ struct Faults {
 }
 
 impl Faults {
-    fn from_env() -> Self {
-        Self {
-            latency: Duration::from_millis(env_or("FAULT_LATENCY_MS", 0)),
-            latency_rate: env_or("FAULT_LATENCY_RATE", 1.0),
-            unavailable_rate: env_or("FAULT_503_RATE", 0.0),
-            retry_after_secs: env_or("FAULT_RETRY_AFTER", 1),
-            drop_rate: env_or("FAULT_DROP_RATE", 0.0),
-        }
+    fn from_env() -> Result<Self, Error> {
+        Ok(Self {
+            latency: Duration::from_millis(setting("FAULT_LATENCY_MS", 0)?),
+            latency_rate: setting("FAULT_LATENCY_RATE", 1.0)?,
+            unavailable_rate: setting("FAULT_503_RATE", 0.0)?,
+            retry_after_secs: setting("FAULT_RETRY_AFTER", 1)?,
+            drop_rate: setting("FAULT_DROP_RATE", 0.0)?,
+        })
     }
-}
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|value| value.parse().ok())
-        .unwrap_or(default)
 }
 
 /// Closes the connection the request came on, without an answer.
@@ -88,7 +91,8 @@ struct DropConnection(Arc<Notify>);
 
 #[derive(Deserialize)]
 struct NewCharge {
-    amount: serde_json::Value,
+    /// Kept as the text it came as, a number or a string: never read as a float.
+    amount: Box<serde_json::value::RawValue>,
     currency: String,
     payee: String,
 }
@@ -117,12 +121,10 @@ impl From<ChargeRow> for Charge {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
-        .init();
-    let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:4000".into());
-    let file = std::env::var("PROVIDER_DATABASE").unwrap_or_else(|_| "payment_provider.db".into());
+async fn main() -> Result<(), Error> {
+    common::init_logging();
+    let bind = setting("BIND", "127.0.0.1:4000".to_owned())?;
+    let file = setting("PROVIDER_DATABASE", "payment_provider.db".to_owned())?;
     let options = SqliteConnectOptions::new()
         .filename(&file)
         .create_if_missing(true)
@@ -145,7 +147,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let app = App {
         db,
         idempotent: std::env::var("PROVIDER_IDEMPOTENCY").as_deref() != Ok("off"),
-        faults: Arc::new(Faults::from_env()),
+        faults: Arc::new(Faults::from_env()?),
         posts: Arc::new(AtomicU64::new(0)),
     };
     let router = Router::new()
@@ -164,7 +166,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 /// Serves connections one by one rather than through `axum::serve`, so a handler can drop its
 /// own connection (the "charged, but the answer never arrived" fault).
-async fn serve(listener: TcpListener, router: Router) -> Result<(), Box<dyn std::error::Error>> {
+async fn serve(listener: TcpListener, router: Router) -> Result<(), Error> {
     loop {
         let (stream, _) = listener.accept().await?;
         let router = router.clone();
@@ -241,10 +243,8 @@ async fn create_charge(
             .into_response());
     }
 
-    let amount = match &charge.amount {
-        serde_json::Value::String(text) => text.clone(),
-        other => other.to_string(),
-    };
+    let amount = serde_json::from_str::<String>(charge.amount.get())
+        .unwrap_or_else(|_| charge.amount.get().to_owned());
     let id = format!("ch_{:016x}", fastrand::u64(..));
     let dedupe_key = if app.idempotent { key.clone() } else { None };
     let inserted = sqlx::query(

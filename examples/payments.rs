@@ -21,10 +21,16 @@
 //! A payment is a final `400 invalid_payment`, never charged, unless its `order_id` is an integer
 //! or a string of digits (what the orders example can apply), its `amount` a positive number of
 //! at most two decimals below 10^13, its `currency` three capital letters and its `payee` 1 to
-//! 255 printable characters.
+//! 255 printable characters. `amount` is read digit for digit as sent, never as a float, and
+//! shown in one form, as the orders example does: `12.5`, `12.05`, `10.0` for `10` or `1e1`. A
+//! body that is not JSON is `400 malformed_json`, one without a JSON content type `415
+//! unsupported_media_type`, an id in a path that is not an integer `400 invalid_id`, and a
+//! payment of another user, or none, `404 not_found`: problem+json like the orders example's,
+//! from the same code (`common/mod.rs`).
 //!
 //! Environment: `BIND` (default `127.0.0.1:3001`), `DATABASE_URL` (default `sqlite:payments.db`;
 //! `postgres://…` with `--features postgres`, `mysql://…` with `--features mysql`),
+//! `DATABASE_MAX_CONNECTIONS` (default 10 on SQLite, 16 otherwise),
 //! `PROVIDER_URL` (default `http://127.0.0.1:4000`), `PROVIDER_LOOKUP=off` (resend on an unknown
 //! outcome without looking the charge up first), `DISPATCHERS` (default 1; 0 only accepts
 //! payments), and `OUTBOX_POLL_MS`, `OUTBOX_SEND_TIMEOUT_MS`, `OUTBOX_LEASE_MS` (15 000: how
@@ -45,6 +51,9 @@
 //! Users: `Authorization: Bearer alice-token` or `bob-token`; anything else is 401. It stops on
 //! SIGTERM as on Ctrl-C, after answering the requests in flight and stopping the dispatchers.
 
+#[allow(dead_code, reason = "shared by the examples, each using part of it")]
+mod common;
+
 use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
@@ -58,16 +67,12 @@ use axum::{Json, Router};
 use axum_idempotency::outbox::{self, Backoff, Dispatcher, DownstreamKey};
 use axum_idempotency::outbox::{HttpSender, LookupOutcome, Message, MessageId, Outbox};
 use axum_idempotency::outbox::{OutboxRecord, SendOutcome, Sender, Status};
-use axum_idempotency::{
-    Backend, IdempotencyContext, IdempotencyLayer, Principal, Store, Tx, TxError,
-};
+use axum_idempotency::{Backend, IdempotencyContext, IdempotencyLayer, Principal, Store, Tx};
+use common::{Cents, Decimal, Error, Problem, broker_name, serve, setting};
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use sqlx::{Connection, Pool, pool::PoolOptions};
-use tokio::signal::unix::{SignalKind, signal};
-
-type Error = Box<dyn std::error::Error + Send + Sync>;
 
 /// The outbox topics: charges for the provider, events for the broker.
 const CHARGE_TOPIC: &str = "payments.charge";
@@ -75,30 +80,18 @@ const EVENT_TOPIC: &str = "payment.succeeded";
 
 #[tokio::main]
 async fn main() -> Result<(), Error> {
-    let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
-    tracing_subscriber::fmt().with_env_filter(filter).init();
-    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "sqlite:payments.db".into());
-    match url.split(':').next().unwrap_or_default() {
-        #[cfg(feature = "sqlite")]
-        "sqlite" => {
-            use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
-            let options = url.parse::<SqliteConnectOptions>()?.create_if_missing(true);
-            run::<sqlx::Sqlite>(options.journal_mode(SqliteJournalMode::Wal), 10).await
-        }
-        #[cfg(feature = "postgres")]
-        "postgres" | "postgresql" => run::<sqlx::Postgres>(url.parse()?, 16).await,
-        #[cfg(feature = "mysql")]
-        "mysql" | "mariadb" => run::<sqlx::MySql>(url.parse()?, 16).await,
-        other => Err(format!("DATABASE_URL {other:?} is not built in (see --features)").into()),
-    }
+    common::init_logging();
+    common::on_database!("sqlite:payments.db", run())
 }
 
 /// Serves the API until SIGTERM (Kubernetes, systemd) or Ctrl-C, then stops the dispatchers:
 /// the requests in flight may still wake them.
-async fn run<DB: Backend>(
-    database: <DB::Connection as Connection>::Options,
-    pool_size: u32,
-) -> Result<(), Error> {
+async fn run<DB: Backend>(database: <DB::Connection as Connection>::Options) -> Result<(), Error> {
+    // SQLite writes one transaction at a time: more connections would only queue.
+    let pool_size = setting(
+        "DATABASE_MAX_CONNECTIONS",
+        if DB::NAME == "SQLite" { 10 } else { 16 },
+    )?;
     let pool = PoolOptions::<DB>::new()
         .max_connections(pool_size)
         .connect_with(database)
@@ -152,48 +145,12 @@ async fn run<DB: Backend>(
         .route_layer(IdempotencyLayer::new(store).principal::<AuthUser>())
         .route("/payments/{id}", get(show::<DB>))
         .with_state(outbox);
-    serve(app).await?;
+    serve(app, "127.0.0.1:3001", "payments").await?;
     let _ = stop.send(true);
     for dispatcher in dispatchers {
         let _ = dispatcher.await;
     }
     Ok(())
-}
-
-/// Serves `app` on `BIND` until SIGTERM or Ctrl-C, then answers the requests in flight.
-async fn serve(app: Router) -> Result<(), Error> {
-    // Listening for signals before the address is printed: a signal sent as soon as the server
-    // is up is never met by the default action (an abrupt exit).
-    let mut terminate = signal(SignalKind::terminate())?;
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    let listener = std::net::TcpListener::bind(setting("BIND", "127.0.0.1:3001".to_owned())?)?;
-    println!("payments listening on http://{}", listener.local_addr()?);
-    let handle = axum_server::Handle::new();
-    let stopping = handle.clone();
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = terminate.recv() => {}
-            _ = interrupt.recv() => {}
-        }
-        stopping.graceful_shutdown(None);
-    });
-    // HTTP/1 only, whose header read timeout runs from the connection's first moment: a client
-    // that never finishes its request head would otherwise hold its connection for ever.
-    let mut server = axum_server::from_tcp(listener)?.http1_only().handle(handle);
-    server
-        .http_builder()
-        .http1()
-        .header_read_timeout(Duration::from_secs(5));
-    let server = server.accept_error_handler(|_, error| tracing::warn!(%error, "accept failed"));
-    Ok(server.serve(app.into_make_service()).await?)
-}
-
-/// The setting `name`, or `default` when it is not set; a value that does not parse stops it.
-fn setting<T: std::str::FromStr>(name: &str, default: T) -> Result<T, Error>
-where
-    T::Err: std::error::Error + Send + Sync + 'static,
-{
-    std::env::var(name).map_or(Ok(default), |value| Ok(value.parse()?))
 }
 
 /// The authenticated caller; the idempotency layer scopes keys to it.
@@ -223,41 +180,10 @@ impl Principal for AuthUser {
     }
 }
 
-/// An amount of money in cents, so sums and comparisons are exact; a JSON number on the wire.
-#[derive(Clone, Copy, Serialize, Deserialize)]
-#[serde(try_from = "serde_json::Number", into = "f64")]
-struct Cents(i64);
-
-impl TryFrom<serde_json::Number> for Cents {
-    type Error = &'static str;
-
-    /// Refuses what is negative, finer than a cent, or from 10^13 on (15 digits, all a JSON
-    /// number carries exactly). A fraction arrives as a double, which prints as the shortest
-    /// decimal that reads back as it: the number as the client wrote it.
-    fn try_from(number: serde_json::Number) -> Result<Self, Self::Error> {
-        let text = number.to_string();
-        let (whole, fraction) = text.split_once('.').unwrap_or((&text, ""));
-        match format!("{whole}{fraction:0<2}").parse() {
-            Ok(cents) if fraction.len() <= 2 && (0..10_i64.pow(15)).contains(&cents) => {
-                Ok(Self(cents))
-            }
-            _ => Err("not an amount of whole cents below 10^13"),
-        }
-    }
-}
-
-impl From<Cents> for f64 {
-    /// `12.5`, and `10` as `10.0`: below 10^13 the quotient is the double nearest the decimal,
-    /// which prints back as that decimal.
-    fn from(amount: Cents) -> f64 {
-        amount.0 as f64 / 100.0
-    }
-}
-
 #[derive(Deserialize)]
 struct NewPayment {
     order_id: Value,
-    amount: serde_json::Number,
+    amount: Decimal,
     currency: String,
     payee: String,
 }
@@ -267,7 +193,7 @@ impl NewPayment {
     /// checked before anything is written or charged: what the provider or the orders example
     /// cannot take is a final 400, never a retryable 500.
     fn check(self, customer: &str) -> Result<Charge, &'static str> {
-        let Ok(amount @ Cents(1..)) = Cents::try_from(self.amount) else {
+        let Some(amount @ Cents(1..)) = Cents::parse(&self.amount) else {
             return Err(
                 "amount must be a positive number with at most two decimals, below 10000000000000",
             );
@@ -463,7 +389,7 @@ impl Broker {
             "amqp" | "amqps" => {
                 // It reconnects by itself whenever the broker comes back, and its 10 s
                 // heartbeat notices a broker host that vanished within about 20 s.
-                let sender = outbox::RabbitMqSender::connect(url, name("payments")).await?;
+                let sender = outbox::RabbitMqSender::connect(url, broker_name("payments")).await?;
                 sender.declare().await?;
                 Ok(Self::RabbitMq(
                     sender.route(EVENT_TOPIC, "payment.succeeded"),
@@ -473,10 +399,10 @@ impl Broker {
             "nats" => {
                 let sender = outbox::NatsSender::connect(url).await?;
                 sender
-                    .declare_stream(&name("PAYMENTS"), [name("payments.>")])
+                    .declare_stream(&broker_name("PAYMENTS"), [broker_name("payments.>")])
                     .await?;
                 Ok(Self::Nats(
-                    sender.route(EVENT_TOPIC, name("payments.succeeded")),
+                    sender.route(EVENT_TOPIC, broker_name("payments.succeeded")),
                 ))
             }
             other => Err(
@@ -509,87 +435,17 @@ impl Broker {
     }
 }
 
-/// A broker name in the test namespace `BROKER_NAMESPACE`, if any: `t1.payments`, and for
-/// NATS streams (upper case) `T1_PAYMENTS`.
-#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
-fn name(name: &str) -> String {
-    match std::env::var("BROKER_NAMESPACE") {
-        Ok(ns) if !ns.is_empty() && name.starts_with(char::is_uppercase) => {
-            format!("{}_{name}", ns.to_uppercase())
-        }
-        Ok(ns) if !ns.is_empty() => format!("{ns}.{name}"),
-        _ => name.to_owned(),
-    }
-}
-
-/// What a handler answers instead of its result.
-enum Problem {
-    /// The example's own refusals (status, `code`, detail) as problem+json, with `type`
-    /// `about:blank` and codes outside the crate's `idempotency_` prefix, so a client tells
-    /// them from the crate's answers without reading the status alone.
-    Refused(StatusCode, &'static str, &'static str),
-    /// The outbox failed: the layer runs a conflict abort again, a downstream key taken by
-    /// another payment is final; anything else is a retryable 500, its details logged, never
-    /// shown.
-    Failed(TxError),
-    /// Anything else that failed: logged, answered as a retryable 500.
-    Internal(Error),
-}
-
 fn invalid(detail: &'static str) -> Problem {
     Problem::Refused(StatusCode::BAD_REQUEST, "invalid_payment", detail)
 }
 
 impl From<JsonRejection> for Problem {
-    /// A body that parses but does not fit is 400 like any other invalid payment, never axum's
-    /// 422, which a client reading only the status would take for a reused key.
     fn from(rejection: JsonRejection) -> Self {
-        match rejection {
-            JsonRejection::JsonDataError(_) => {
-                invalid("the payment needs order_id, amount, currency and payee of the right types")
-            }
-            JsonRejection::MissingJsonContentType(_) => Problem::Refused(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_media_type",
-                "send the payment as application/json",
-            ),
-            _ => Problem::Refused(
-                StatusCode::BAD_REQUEST,
-                "malformed_json",
-                "the body is not valid JSON",
-            ),
-        }
-    }
-}
-
-impl From<PathRejection> for Problem {
-    fn from(_: PathRejection) -> Self {
-        Problem::Refused(
-            StatusCode::BAD_REQUEST,
-            "invalid_id",
-            "the id must be an integer",
+        let fields = "the payment needs order_id, amount, currency and payee of the right types";
+        Problem::body(
+            rejection,
+            "send the payment as application/json",
+            invalid(fields),
         )
-    }
-}
-
-impl From<outbox::Error> for Problem {
-    fn from(error: outbox::Error) -> Self {
-        Self::Failed(error.into())
-    }
-}
-
-impl IntoResponse for Problem {
-    fn into_response(self) -> Response {
-        let (status, code, detail) = match self {
-            Self::Refused(status, code, detail) => (status, code, detail),
-            Self::Failed(error) => return error.into_response(),
-            Self::Internal(error) => {
-                tracing::error!(%error, "payment request failed");
-                return axum_idempotency::Rejection::Internal.into_response();
-            }
-        };
-        let body = json!({ "type": "about:blank", "title": status.canonical_reason(), "status": status.as_u16(), "code": code, "detail": detail });
-        let content_type = [(header::CONTENT_TYPE, "application/problem+json")];
-        (status, content_type, body.to_string()).into_response()
     }
 }

@@ -385,7 +385,8 @@ async fn refuses_what_orders_cannot_apply_and_charges_the_rest_once(database: &s
 }
 
 /// Body and path errors are problem+json as in the orders example: malformed JSON, a body that
-/// is not JSON, an id that is not a number. A whole amount reads back as orders shows it.
+/// is not JSON, an amount finer than a cent, an id that is not a number. A whole amount reads
+/// back as orders shows it.
 #[tokio::test]
 async fn answers_its_own_request_errors_as_problem_json_like_orders() {
     let scenario = Scenario::new();
@@ -404,6 +405,13 @@ async fn answers_its_own_request_errors_as_problem_json_like_orders() {
             "{}",
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             "unsupported_media_type",
+        ),
+        // Read as a float the amount would be 0.1: it is read digit for digit, finer than a cent.
+        (
+            "application/json",
+            r#"{"order_id":1,"amount":0.1000000000000000001,"currency":"EUR","payee":"acme"}"#,
+            StatusCode::BAD_REQUEST,
+            "invalid_payment",
         ),
     ];
     for (n, (content_type, body, status, code)) in cases.into_iter().enumerate() {

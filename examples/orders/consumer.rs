@@ -27,8 +27,8 @@ use axum_idempotency::{Store, Tx};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::db::{Arg, Backend, Cents};
-use crate::{Error, setting};
+use crate::common::{Cents, Decimal, Error, broker_name, setting};
+use crate::db::{Arg, Backend};
 
 /// Starts consuming payment events with an inbox on `store`, or with `replay-dead` replays
 /// the dead letters and exits. Fails at once if the broker cannot be reached, so a
@@ -71,10 +71,10 @@ pub(crate) async fn spawn<DB: Backend>(store: Store<DB>, broker_url: &str) -> Re
             use axum_idempotency::inbox::rabbitmq::RabbitMqConsumer;
             // Its 10 s heartbeat (unless the URL sets one): a consumer host that vanishes
             // without closing its socket is noticed, and its deliveries redelivered, within 30 s.
-            let queue = name("orders.payment-succeeded");
+            let queue = broker_name("orders.payment-succeeded");
             let consumer = RabbitMqConsumer::connect(inbox, broker_url, queue)
                 .await?
-                .bind(name("payments"), "payment.succeeded")
+                .bind(broker_name("payments"), "payment.succeeded")
                 .concurrency(concurrency);
             consumer.declare().await?;
             if replay {
@@ -86,13 +86,14 @@ pub(crate) async fn spawn<DB: Backend>(store: Store<DB>, broker_url: &str) -> Re
         "nats" => {
             use axum_idempotency::inbox::nats::NatsConsumer;
             let ack_wait = Duration::from_secs(setting("ORDERS_CONSUMER_ACK_WAIT_SECS", 10)?);
-            let consumer = NatsConsumer::connect(inbox, broker_url, name("PAYMENTS"), "orders")
-                .await?
-                .stream_subjects([name("payments.>")])
-                .filter_subject(name("payments.succeeded"))
-                .dead_letters(name("ORDERS_DEAD"), name("orders.dead"))
-                .ack_wait(ack_wait)
-                .concurrency(usize::from(concurrency));
+            let consumer =
+                NatsConsumer::connect(inbox, broker_url, broker_name("PAYMENTS"), "orders")
+                    .await?
+                    .stream_subjects([broker_name("payments.>")])
+                    .filter_subject(broker_name("payments.succeeded"))
+                    .dead_letters(broker_name("ORDERS_DEAD"), broker_name("orders.dead"))
+                    .ack_wait(ack_wait)
+                    .concurrency(usize::from(concurrency));
             consumer.declare().await?;
             if replay {
                 replayed(consumer.replay_dead(handler, usize::MAX).await?);
@@ -142,25 +143,13 @@ fn replayed(report: ReplayReport) -> ! {
     std::process::exit(0)
 }
 
-/// A broker name in the test namespace `BROKER_NAMESPACE`, if any: `t1.payments`, and for
-/// NATS streams (upper case) `T1_PAYMENTS`.
-fn name(name: &str) -> String {
-    match std::env::var("BROKER_NAMESPACE") {
-        Ok(ns) if !ns.is_empty() && name.starts_with(char::is_uppercase) => {
-            format!("{}_{name}", ns.to_uppercase())
-        }
-        Ok(ns) if !ns.is_empty() => format!("{ns}.{name}"),
-        _ => name.to_owned(),
-    }
-}
-
 /// A payment event as the payments example publishes it.
 #[derive(Deserialize)]
 struct Event {
     payment_id: String,
     /// An integer or a string of digits.
     order_id: Value,
-    amount: serde_json::Number,
+    amount: Decimal,
     /// Required, though orders keep the currency they were placed in.
     #[serde(rename = "currency")]
     _currency: String,

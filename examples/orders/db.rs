@@ -3,39 +3,10 @@
 //! Every statement is written once, with `?` for its arguments in order, and run on each
 //! database through [`Backend`]; only the schema and one insert differ per backend.
 
-use serde::{Serialize, Serializer};
+use serde::Serialize;
 use sqlx::{Database, Encode, Pool, QueryBuilder, Result, Type};
 
-/// An amount of money in cents: sums and comparisons are exact.
-#[derive(Clone, Copy)]
-pub(crate) struct Cents(pub(crate) i64);
-
-impl Cents {
-    /// Reads a JSON number as cents; `None` when negative, finer than a cent, or from 10^13 on
-    /// (15 digits, all a JSON number carries exactly). Without serde_json's
-    /// `arbitrary_precision` a fraction arrives as a double, which prints as the shortest
-    /// decimal that reads back as it: the number as the client wrote it, up to 15 digits.
-    pub(crate) fn parse(number: &serde_json::Number) -> Option<Self> {
-        let text = number.to_string();
-        let (whole, fraction) = text.split_once('.').unwrap_or((&text, ""));
-        let digits = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
-        if !digits(whole) || !digits(fraction) || fraction.len() > 2 {
-            return None;
-        }
-        let cents = whole.parse::<i64>().ok()?.checked_mul(100)?;
-        let cents = cents.checked_add(format!("{fraction:0<2}").parse().ok()?)?;
-        (cents < 10_i64.pow(15)).then_some(Self(cents))
-    }
-}
-
-impl Serialize for Cents {
-    /// The JSON number the client sent, spelled as the example always answered (`12.5`,
-    /// `10.0`): below 10^13 the quotient is the double nearest the decimal, which prints back
-    /// as that decimal.
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        (self.0 as f64 / 100.0).serialize(serializer)
-    }
-}
+use crate::common::Cents;
 
 /// An order as `GET /orders/{id}` shows it.
 #[derive(Serialize)]

@@ -20,7 +20,18 @@
 //! backend alike, before any SQL: never a retryable 500, never stored and echoed back. A body that
 //! is not JSON is `400 malformed_json`, one without a JSON content type
 //! `415 unsupported_media_type`, and an order the stock cannot cover `409 out_of_stock`.
+//! An id in a path that is not an integer is `400 invalid_id`; an order of another user, or none,
+//! `404 not_found`. These answers, the payments example's and their problem shape (`title` the
+//! status's reason phrase) are one rule, in `common/mod.rs`.
+//!
+//! Amounts are read digit for digit as the JSON number sent, never as a float (so
+//! `0.1000000000000000001` is finer than a cent, not `0.1`), and kept in cents; every answer
+//! writes them in one form, whatever form they came in: `12.5`, `12.05`, `10.0` for `10`, `12.50`
+//! or `1e1`, as the payments example does.
 
+#[path = "../common/mod.rs"]
+#[allow(dead_code, reason = "shared by the examples, each using part of it")]
+mod common;
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 mod consumer;
 mod db;
@@ -34,38 +45,20 @@ use axum::http::{Method, StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Extension, Json, Router};
-use axum_idempotency::{IdempotencyLayer, Principal, Store, Tx, TxError};
+use axum_idempotency::{IdempotencyLayer, Principal, Store, Tx};
+use common::{Cents, Decimal, Error, Problem, serve, setting};
 use db::Arg::{Int, Text};
-use db::{Backend, Cents};
+use db::Backend;
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::pool::PoolOptions;
 use sqlx::{Connection, Pool};
-use tokio::signal::unix::{SignalKind, signal};
-
-type Error = Box<dyn std::error::Error + Send + Sync>;
 
 #[tokio::main]
 async fn main() -> Result<(), Error> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env();
-    let filter = filter.unwrap_or_else(|_| "info".into());
-    tracing_subscriber::fmt().with_env_filter(filter).init();
-    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "sqlite://orders.db".into());
-    let app = match url.split(':').next().unwrap_or_default() {
-        "sqlite" => {
-            use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
-            let options = url.parse::<SqliteConnectOptions>()?.create_if_missing(true);
-            app::<sqlx::Sqlite>(options.journal_mode(SqliteJournalMode::Wal)).await?
-        }
-        #[cfg(feature = "postgres")]
-        "postgres" | "postgresql" => app::<sqlx::Postgres>(url.parse()?).await?,
-        #[cfg(feature = "mysql")]
-        "mysql" | "mariadb" => app::<sqlx::MySql>(url.parse()?).await?,
-        other => {
-            return Err(format!("DATABASE_URL {other:?} is not built in (see --features)").into());
-        }
-    };
-    serve(app).await
+    common::init_logging();
+    let app = common::on_database!("sqlite://orders.db", app())?;
+    serve(app, "127.0.0.1:3000", "orders example").await
 }
 
 /// Connects to the database, creates the example's tables, and returns the routes behind the
@@ -115,45 +108,6 @@ async fn app<DB: Backend>(
     Ok(routes.route_layer(idempotency).with_state(pool))
 }
 
-/// Serves `app` on `BIND` until SIGTERM or Ctrl-C, then answers the requests in flight.
-async fn serve(app: Router) -> Result<(), Error> {
-    // Listening for signals before the address is printed: a signal sent as soon as the
-    // server is up is never met by the default action (an abrupt exit).
-    let mut terminate = signal(SignalKind::terminate())?;
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    let handle = axum_server::Handle::new();
-    let stop = handle.clone();
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = terminate.recv() => {}
-            _ = interrupt.recv() => {}
-        }
-        stop.graceful_shutdown(None);
-    });
-    let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".into());
-    let listener = std::net::TcpListener::bind(&bind)?;
-    let address = listener.local_addr()?;
-    println!("orders example listening on http://{address}");
-    // axum-server, because `axum::serve` has no header read timeout: a client that never
-    // finishes its request head would hold its connection for ever. A failed accept (out of
-    // file descriptors, say) only pauses the accept loop.
-    let mut server = axum_server::from_tcp(listener)?
-        .http1_only()
-        .handle(handle)
-        .accept_error_handler(|_, error| tracing::warn!(%error, "could not accept a connection"));
-    let timeout = Duration::from_secs(5);
-    server.http_builder().http1().header_read_timeout(timeout);
-    Ok(server.serve(app.into_make_service()).await?)
-}
-
-/// The setting `name`, or `default` when unset; a value that does not parse stops the example.
-fn setting<T: std::str::FromStr>(name: &str, default: T) -> Result<T, Error>
-where
-    T::Err: std::error::Error + Send + Sync + 'static,
-{
-    std::env::var(name).map_or(Ok(default), |value| Ok(value.parse()?))
-}
-
 /// A caller proven by `Authorization: Bearer <token>` against the users table.
 ///
 /// Extracting it takes a connection from the pool, so handlers of keyed routes take the one the
@@ -187,7 +141,7 @@ struct OrderRequest {
     sku: String,
     quantity: i64,
     /// Read as written, not as a float, and kept in cents: see `Cents::parse`.
-    amount: serde_json::Number,
+    amount: Decimal,
     currency: String,
 }
 
@@ -276,17 +230,6 @@ async fn like<DB: Backend>(
     Ok(Json(json!({ "article_id": article_id, "liked": liked, "likes": likes })).into_response())
 }
 
-/// What a handler answers instead of its result.
-enum Problem {
-    /// The example's own refusals (status, `code`, detail), as problem+json like the crate's.
-    /// Their `code`s never start with `idempotency_` and their `type` is `about:blank`, so a
-    /// client tells them from the crate's answers without reading the status alone.
-    Refused(StatusCode, &'static str, &'static str),
-    /// A statement failed. The layer runs a conflict abort again; anything else is a retryable
-    /// 500, its details logged, never shown.
-    Database(TxError),
-}
-
 const UNAUTHORIZED: Problem = Problem::Refused(
     StatusCode::UNAUTHORIZED,
     "unauthorized",
@@ -300,54 +243,17 @@ const OUT_OF_STOCK: Problem = Problem::Refused(
 const NOT_FOUND: Problem = Problem::Refused(StatusCode::NOT_FOUND, "not_found", "no such order");
 
 /// A final 400: the same request will never succeed, so it is stored and replayed.
-fn bad_request(code: &'static str, detail: &'static str) -> Problem {
-    Problem::Refused(StatusCode::BAD_REQUEST, code, detail)
-}
-
 fn invalid(detail: &'static str) -> Problem {
-    bad_request("invalid_order", detail)
+    Problem::Refused(StatusCode::BAD_REQUEST, "invalid_order", detail)
 }
 
 impl From<JsonRejection> for Problem {
-    /// A body that parses but does not fit is 400 like any other invalid order, never axum's
-    /// 422, which a client reading only the status would take for a reused key.
     fn from(rejection: JsonRejection) -> Self {
-        match rejection {
-            JsonRejection::MissingJsonContentType(_) => Problem::Refused(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_media_type",
-                "send the order as application/json",
-            ),
-            JsonRejection::JsonDataError(_) => {
-                invalid("the order needs sku, quantity, amount and currency of the right types")
-            }
-            _ => bad_request("malformed_json", "the body is not valid JSON"),
-        }
-    }
-}
-
-impl From<PathRejection> for Problem {
-    fn from(_: PathRejection) -> Self {
-        bad_request("invalid_id", "the id must be an integer")
-    }
-}
-
-impl From<sqlx::Error> for Problem {
-    fn from(error: sqlx::Error) -> Self {
-        Problem::Database(error.into())
-    }
-}
-
-impl IntoResponse for Problem {
-    fn into_response(self) -> Response {
-        let (status, code, detail) = match self {
-            Problem::Refused(status, code, detail) => (status, code, detail),
-            Problem::Database(error) => return error.into_response(),
-        };
-        let title = status.canonical_reason();
-        let body = json!({ "type": "about:blank", "title": title, "status": status.as_u16(),
-            "code": code, "detail": detail });
-        let content_type = (header::CONTENT_TYPE, "application/problem+json");
-        (status, [content_type], body.to_string()).into_response()
+        let fields = "the order needs sku, quantity, amount and currency of the right types";
+        Problem::body(
+            rejection,
+            "send the order as application/json",
+            invalid(fields),
+        )
     }
 }

@@ -297,44 +297,36 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
             mut record,
             attempt_begun,
         } = claimed;
-        if attempt_begun {
-            if let Some(reason) =
-                self.past_budget(&record, now_millis(), record.last_error.as_deref())
-            {
-                // The attempt the claim began is never made: it is not counted.
-                let attempts = record.attempts.saturating_sub(1);
-                return Ok(Some(
-                    Self::give_up(&record, attempts, GiveUp::Budget, reason).into(),
-                ));
+        let mut looked_up = false;
+        loop {
+            let now = now_millis();
+            match self.before_send(&record, attempt_begun, looked_up, now) {
+                Step::LookUp => {
+                    looked_up = true;
+                    if let Some(settlement) = self.look_up(&record).await {
+                        return Ok(Some(settlement.into()));
+                    }
+                }
+                Step::GiveUp {
+                    why,
+                    attempts,
+                    reason,
+                } => return Ok(Some(Self::give_up(&record, attempts, why, reason).into())),
+                Step::BeginAttempt => {
+                    let begun = {
+                        let _turn = self.outbox.write_turn().await;
+                        DB::begin_attempt(self.outbox.pool(), record.id, token, now).await?
+                    };
+                    if !begun {
+                        tracing::warn!(message = %record.id, "outbox lease lost before sending");
+                        return Ok(None);
+                    }
+                    record.attempts += 1;
+                    record.outcome_unknown = true;
+                    break;
+                }
+                Step::Send => break,
             }
-        } else {
-            if record.outcome_unknown
-                && let Some(settlement) = self.look_up(&record).await
-            {
-                return Ok(Some(settlement.into()));
-            }
-            if let Some(reason) =
-                self.past_budget(&record, now_millis(), record.last_error.as_deref())
-            {
-                let settlement = Self::give_up(&record, record.attempts, GiveUp::Budget, reason);
-                return Ok(Some(settlement.into()));
-            }
-            if record.attempts >= self.max_attempts {
-                let last = record.last_error.as_deref();
-                let reason = Self::out_of_attempts(&record, record.outcome_unknown, last);
-                let settlement = Self::give_up(&record, record.attempts, GiveUp::Attempts, reason);
-                return Ok(Some(settlement.into()));
-            }
-            let begun = {
-                let _turn = self.outbox.write_turn().await;
-                DB::begin_attempt(self.outbox.pool(), record.id, token, now_millis()).await?
-            };
-            if !begun {
-                tracing::warn!(message = %record.id, "outbox lease lost before sending");
-                return Ok(None);
-            }
-            record.attempts += 1;
-            record.outcome_unknown = true;
         }
 
         // A message claimed ahead of a free send slot waited after its claim began the
@@ -397,6 +389,49 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
                 retry_at(at, Some(reason), true, attempts).into()
             }
         }
+    }
+
+    /// What to do with a claimed message before its send, at `now`: `attempt_begun` when its
+    /// claim began the attempt (its last outcome was known), `looked_up` once a lookup of an
+    /// unknown outcome found nothing to settle. A plain decision, with no I/O.
+    fn before_send(
+        &self,
+        record: &OutboxRecord,
+        attempt_begun: bool,
+        looked_up: bool,
+        now: i64,
+    ) -> Step {
+        let last = record.last_error.as_deref();
+        if attempt_begun {
+            // The attempt the claim began is never made if the budget ran out: not counted.
+            return match self.past_budget(record, now, last) {
+                Some(reason) => Step::GiveUp {
+                    why: GiveUp::Budget,
+                    attempts: record.attempts.saturating_sub(1),
+                    reason,
+                },
+                None => Step::Send,
+            };
+        }
+        // An unknown outcome is looked up before anything else: it may have been delivered.
+        if record.outcome_unknown && !looked_up {
+            return Step::LookUp;
+        }
+        if let Some(reason) = self.past_budget(record, now, last) {
+            return Step::GiveUp {
+                why: GiveUp::Budget,
+                attempts: record.attempts,
+                reason,
+            };
+        }
+        if record.attempts >= self.max_attempts {
+            return Step::GiveUp {
+                why: GiveUp::Attempts,
+                attempts: record.attempts,
+                reason: Self::out_of_attempts(record, record.outcome_unknown, last),
+            };
+        }
+        Step::BeginAttempt
     }
 
     /// Why `record` is past its time budget at `now`, if it is; `last` is the last error seen.
@@ -573,6 +608,23 @@ pub(super) enum GiveUp {
     Attempts,
     /// Its time budget ran out.
     Budget,
+}
+
+/// The next step for a claimed message before its send.
+#[derive(Debug)]
+enum Step {
+    /// Its last outcome is unknown: ask the downstream first.
+    LookUp,
+    /// It fails for good, with this many attempts counted.
+    GiveUp {
+        why: GiveUp,
+        attempts: u32,
+        reason: String,
+    },
+    /// Count an attempt under its lease, then send.
+    BeginAttempt,
+    /// Send: its attempt is already counted.
+    Send,
 }
 
 /// A destination that could not be reached, as one send found it.

@@ -433,7 +433,7 @@ pub mod protocol {}
 /// | feature | store | notes |
 /// |---|---|---|
 /// | `sqlite` | `SqliteStore` | embedded; claims begin `IMMEDIATE` with `busy_timeout` set from the wait, and the write lock is the key's lock: the claim reads whether a live record holds the key (and deletes an expired one, if there is one), and the record is written once, in one prepared statement with `COMMIT`; use WAL. A wait that runs out cannot tell the original from another writer: 409 either way. |
-/// | `postgres` | `PgStore` | many app instances on one database; a claim is sent with `BEGIN` as a call of the schema's procedure `axum_idempotency_lock_v2`, which takes the key's advisory lock and writes nothing (it deletes an expired record under the key, if there is one); a duplicate of an in-flight claim waits on that lock, bounded by `lock_timeout`, set for the wait only and restored for the handler in the same message; the record is written once, with `COMMIT` |
+/// | `postgres` | `PgStore` | many app instances on one database; a claim is sent with `BEGIN` as a call of the schema's procedure `axum_idempotency_lock_v1`, which takes the key's advisory lock and writes nothing (it deletes an expired record under the key, if there is one); a duplicate of an in-flight claim waits on that lock, bounded by `lock_timeout`, set for the wait only and restored for the handler in the same message; the record is written once, with `COMMIT` |
 /// | `mysql` | `MySqlStore` | MySQL 8 and MariaDB; see below |
 ///
 /// **Isolation levels.** The layer works at whatever isolation level the server or the pool
@@ -458,14 +458,23 @@ pub mod protocol {}
 /// transaction is an sqlx transaction, and axum must be 0.8.
 ///
 /// The store's `migrate()` creates and upgrades the crate's tables (`idempotency_records`,
-/// `idempotency_inbox`, `idempotency_schema_versions`); a second call is a no-op and concurrent callers serialise.
-/// The SQL it runs is shipped in the package under `migrations/<backend>/`, for teams that
-/// apply migrations with their own tool; such a tool must also record each applied version
-/// in `idempotency_schema_versions` (`version`, `applied_at` in milliseconds since the Unix
-/// epoch), as `migrate()` does. A store checks that table once, on first use: against a
-/// schema that was never migrated, or is older than the crate expects, every keyed request
-/// fails with `Error::SchemaOutdated` (logged at `ERROR` with the versions found and
-/// expected, answered as a retryable `500`) until `migrate()` has run.
+/// `idempotency_inbox`, `idempotency_schema_versions`) and, on PostgreSQL and MySQL, the
+/// procedures its claims call; a second call is a no-op and concurrent callers serialise.
+///
+/// **Schema versions.** The schema is numbered, one script per version and backend, under
+/// `migrations/<backend>/` in the package (`0001_store.sql` is version 1, the schema this
+/// release needs; the outbox's own, numbered apart, are under `migrations/<backend>/outbox/`).
+/// `migrate()` records each version it applies in `idempotency_schema_versions` (`version`,
+/// `applied_at` in milliseconds since the Unix epoch) and applies only the versions newer than
+/// the newest recorded, in order. A released version is never edited: a release that changes
+/// the schema adds the next version's script, which upgrades the previous version's tables in
+/// place, and a procedure whose behaviour changes gets a new name (`…_v2` beside `…_v1`), so
+/// instances still running the older release keep calling theirs during a rolling upgrade.
+/// Teams that apply migrations with their own tool apply the scripts in order and record each
+/// version in `idempotency_schema_versions` the same way. A store checks that table once, on
+/// first use: against a schema that was never migrated, or is older than the crate expects,
+/// every keyed request fails with `Error::SchemaOutdated` (logged at `ERROR` with the versions
+/// found and expected, answered as a retryable `500`) until `migrate()` has run.
 ///
 /// # MySQL and MariaDB
 ///
@@ -488,11 +497,12 @@ pub mod protocol {}
 /// implicitly, so a transaction cannot serialise two instances migrating at once: `migrate`
 /// holds the named lock `axum_idempotency.migrate:<md5 of the database name>` (`GET_LOCK`) on
 /// one session for the whole migration, releases it after, and fails after waiting an hour
-/// for it. The scripts are safe to run twice (`IF NOT EXISTS`, `DROP PROCEDURE IF EXISTS`).
+/// for it; the outbox's `migrate` does the same with `axum_idempotency.outbox:<md5 of the
+/// database name>`, so apps on other databases of the server never wait for each other. The
+/// scripts are safe to run twice (`IF NOT EXISTS`, `DROP PROCEDURE IF EXISTS`).
 ///
-/// **The claim procedure.** Schema version 3 adds the stored procedure
-/// `axum_idempotency_claim_v2` (version 2's `axum_idempotency_claim_v1` stays for instances not
-/// yet upgraded). A new key's claim calls it in place of `BEGIN`: it begins the
+/// **The claim procedure.** The schema includes the stored procedure
+/// `axum_idempotency_claim_v1`. A new key's claim calls it in place of `BEGIN`: it begins the
 /// transaction and claims the key in the one exchange, so the layer adds no round trip before
 /// the handler runs. Creating it needs the `CREATE ROUTINE` privilege, calling it `EXECUTE`
 /// (both come with `ALL` on the database). The claim's values are written into the `CALL` as
@@ -572,15 +582,15 @@ pub mod backends {}
 ///
 /// The rest is how the stores happen to be written, and a port would replace it:
 ///
-/// - PostgreSQL: the claim is the PL/pgSQL procedure `axum_idempotency_lock_v2` (`PERFORM`,
+/// - PostgreSQL: the claim is the PL/pgSQL procedure `axum_idempotency_lock_v1` (`PERFORM`,
 ///   `set_config` on `lock_timeout`, `current_setting('transaction_isolation')`, `FOUND`, and
 ///   `RAISE unique_violation` naming the primary key's constraint), the record
-///   `axum_idempotency_record_v2` (a plain `INSERT`). The
+///   `axum_idempotency_record_v1` (a plain `INSERT`). The
 ///   claim is sent as `CALL …; BEGIN` in one simple query, so `BEGIN` turns the call's implicit
 ///   transaction into the handler's; inside an open transaction it runs under a `SAVEPOINT`. A
 ///   wait that runs out is `55P03`. An engine whose advisory locks are missing or not shared by
 ///   every node must keep a row as the key's lock instead, as the MySQL store does.
-/// - MySQL: the claim is the stored procedure `axum_idempotency_claim_v2`, which begins the
+/// - MySQL: the claim is the stored procedure `axum_idempotency_claim_v1`, which begins the
 ///   transaction itself, sets `innodb_lock_wait_timeout` for the claim, runs a plain `INSERT`
 ///   with a `CONTINUE HANDLER` for the duplicate key (then a read, and an `UPDATE` of an expired
 ///   row checked with `ROW_COUNT()`), and on a taken key rolls back and `SIGNAL`s. `migrate()`
@@ -1290,8 +1300,8 @@ pub mod operations {}
 /// PostgreSQL the claim is sent in the same message as `BEGIN` and the record in the same
 /// message as `COMMIT`, so a request exchanges with the database exactly as often as the
 /// handler's transaction alone would. Both are calls (`CALL`, which the server does not plan) of
-/// two procedures schema version 5 creates, `axum_idempotency_lock_v2` and
-/// `axum_idempotency_record_v2`, whose statements' plans the server keeps for the session, so it
+/// two procedures the schema creates, `axum_idempotency_lock_v1` and
+/// `axum_idempotency_record_v1`, whose statements' plans the server keeps for the session, so it
 /// parses one call per message rather than the statements. sqlx ends a transaction only by a
 /// statement of its own, so the record's message ends `COMMIT; BEGIN` and the pool's `ROLLBACK` of that empty transaction travels with the
 /// ping sqlx sends when the connection goes back to the pool: two trivial statements for the

@@ -170,7 +170,7 @@ conformance!(
     slow_send_keeps_its_lease_by_renewing_it,
     two_dispatchers_deliver_each_message_exactly_once,
     migrate_is_idempotent_and_safe_when_run_concurrently,
-    an_outbox_from_before_versioning_is_adopted_as_version_one,
+    a_migration_that_stopped_before_recording_its_version_completes_on_the_next_run,
     failed_message_is_requeued_through_the_api_and_delivered_with_its_key,
     purge_deletes_only_finished_rows_past_retention,
     a_claim_records_the_attempt_before_the_send,
@@ -780,10 +780,14 @@ async fn migrate_is_idempotent_and_safe_when_run_concurrently<DB: Backend>(pool:
     assert_eq!(record(&first, "c").await.status, Status::Pending);
 }
 
-/// An outbox table made before its schema was versioned (no version table yet) keeps its
-/// messages and is recorded as version 1; migrating again applies nothing twice.
-async fn an_outbox_from_before_versioning_is_adopted_as_version_one<DB: Backend>(pool: Pool<DB>)
-where
+/// The outbox's tables standing with no version recorded (a migration that stopped in between:
+/// MySQL commits DDL as it goes) are migrated again as version 1, their messages kept;
+/// migrating again applies nothing twice.
+async fn a_migration_that_stopped_before_recording_its_version_completes_on_the_next_run<
+    DB: Backend,
+>(
+    pool: Pool<DB>,
+) where
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     DB::Arguments: sqlx::IntoArguments<DB>,
     usize: sqlx::ColumnIndex<DB::Row>,
@@ -2335,4 +2339,114 @@ async fn a_commit_in_another_process_wakes_a_listening_dispatcher_on_postgres() 
     assert_eq!(downstream.sends().len(), 1);
     elsewhere.close().await;
     databases::drop_postgres(pool, schema).await;
+}
+
+/// MySQL and MariaDB serialise outbox migrations with a named session lock, one per database.
+#[cfg(feature = "mysql")]
+mod mysql_migration_lock {
+    use std::time::Duration;
+
+    use axum_idempotency::outbox::{Error, Outbox};
+    use sqlx::MySqlPool;
+    use sqlx::pool::PoolConnection;
+
+    /// The lock an outbox migration on the connection's database takes.
+    const LOCK_NAME: &str = "CONCAT('axum_idempotency.outbox:', MD5(DATABASE()))";
+
+    /// A session on `pool`'s database holding that database's outbox migration lock.
+    async fn hold_lock(pool: &MySqlPool) -> PoolConnection<sqlx::MySql> {
+        let mut holder = pool.acquire().await.unwrap();
+        let taken: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT GET_LOCK({LOCK_NAME}, 0)"
+        )))
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+        assert_eq!(taken, Some(1));
+        holder
+    }
+
+    /// The connection id of the session waiting for a named lock on `database`, once there is
+    /// one.
+    async fn waiting_for_the_lock(admin: &MySqlPool, database: &str) -> i64 {
+        for _ in 0..3000 {
+            let waiting: Option<i64> = sqlx::query_scalar(
+                "SELECT CAST(id AS SIGNED) FROM information_schema.processlist \
+                 WHERE db = ? AND state LIKE '%user lock%'",
+            )
+            .bind(database)
+            .fetch_optional(admin)
+            .await
+            .unwrap();
+            if let Some(id) = waiting {
+                return id;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("no migrator waited for the outbox migration lock of {database}");
+    }
+
+    async fn outbox_tables(pool: &MySqlPool) -> i64 {
+        sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.tables \
+             WHERE table_schema = DATABASE() AND table_name LIKE 'idempotency_outbox%'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn migrate_waits_for_an_instance_migrating_the_same_database_not_another() {
+        let (pool, database) = crate::databases::mysql().await;
+        let (other, other_database) = crate::databases::mysql().await;
+        let mut holder = hold_lock(&pool).await;
+
+        Outbox::new(other.clone()).migrate().await.unwrap();
+        assert_eq!(outbox_tables(&other).await, 3);
+
+        let migrating = tokio::spawn({
+            let pool = pool.clone();
+            async move { Outbox::new(pool).migrate().await }
+        });
+        waiting_for_the_lock(&other, &database).await;
+        assert_eq!(outbox_tables(&pool).await, 0);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DO RELEASE_LOCK({LOCK_NAME})")))
+            .execute(&mut *holder)
+            .await
+            .unwrap();
+        migrating.await.unwrap().unwrap();
+        assert_eq!(outbox_tables(&pool).await, 3);
+
+        drop(holder);
+        crate::databases::drop_mysql(other, other_database).await;
+        crate::databases::drop_mysql(pool, database).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lock_wait_cut_short_fails_migrate_with_a_migration_error() {
+        let (pool, database) = crate::databases::mysql().await;
+        let holder = hold_lock(&pool).await;
+        let migrating = tokio::spawn({
+            let pool = pool.clone();
+            async move { Outbox::new(pool).migrate().await }
+        });
+        // Killed, the wait's GET_LOCK returns NULL rather than an error.
+        let waiter = waiting_for_the_lock(&pool, &database).await;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL QUERY {waiter}")))
+            .execute(&pool)
+            .await
+            .unwrap();
+        match migrating.await.unwrap() {
+            Err(error @ Error::Migration(_)) => assert!(
+                error.to_string().contains("lock") && error.to_string().contains("not granted"),
+                "{error}"
+            ),
+            other => panic!("expected a migration error, got {other:?}"),
+        }
+        assert_eq!(outbox_tables(&pool).await, 0);
+
+        drop(holder);
+        crate::databases::drop_mysql(pool, database).await;
+    }
 }

@@ -9,6 +9,11 @@ pub enum Error {
     /// The database refused or lost the operation; the caller's transaction should roll back.
     #[error("outbox database operation failed")]
     Database(#[from] sqlx::Error),
+    /// [`Outbox::migrate`](super::Outbox::migrate) did not complete: a version's script failed
+    /// (the message names the version and the database's error), or the lock that serialises
+    /// migrators was not granted.
+    #[error("outbox migration failed: {0}")]
+    Migration(String),
     /// The downstream key is already enqueued with another topic or payload: two different
     /// intents were given the same key, and sending either would be wrong for the other.
     #[error("downstream key {0} is already enqueued with another topic or payload")]

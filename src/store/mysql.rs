@@ -1,11 +1,11 @@
 //! MySQL and MariaDB (InnoDB): for teams whose database is already one of them.
 //!
-//! A claim is always a call of the schema's procedure `axum_idempotency_claim_v2` (schema
-//! version 3), the one place its statements are written. The procedure begins the transaction,
-//! sets the session's `innodb_lock_wait_timeout` to the claim's bound, claims with a plain
-//! `INSERT` (looking at the key's row only when there is one: a live record refuses the claim,
-//! an expired one is replaced), restores the setting, and either returns with the key held or
-//! rolls back and signals: nothing is left open when the key is not ours.
+//! A claim is always a call of the schema's procedure `axum_idempotency_claim_v1`, the one place
+//! its statements are written. The procedure begins the transaction, sets the session's
+//! `innodb_lock_wait_timeout` to the claim's bound, claims with a plain `INSERT` (looking at the
+//! key's row only when there is one: a live record refuses the claim, an expired one is replaced),
+//! restores the setting, and either returns with the key held or rolls back and signals: nothing is
+//! left open when the key is not ours.
 
 use std::time::Duration;
 
@@ -61,7 +61,7 @@ fn taken(error: &sqlx::Error) -> bool {
 /// stays small whatever the response, and is always written out.
 fn claim_call<'a>(record: &'a NewRecord<'a>, lock_wait: Duration) -> AssertSqlSafe<String> {
     let mut call = Statement::new(Syntax::MySql);
-    call.sql("CALL axum_idempotency_claim_v2(");
+    call.sql("CALL axum_idempotency_claim_v1(");
     identity_values(&mut call, record);
     lifetime_values(&mut call, record)
         .int8(lock_wait_secs(lock_wait))
@@ -227,18 +227,7 @@ fn migration_locked(row: &MySqlRow) -> bool {
 impl Dialect for MySql {
     const SCHEMA: migrate::Schema<Self> = migrate::Schema {
         versions_table: "idempotency_schema_versions",
-        scripts: &[
-            (1, include_str!("../../migrations/mysql/0001_records.sql")),
-            (2, include_str!("../../migrations/mysql/0002_claim.sql")),
-            (
-                3,
-                include_str!("../../migrations/mysql/0003_plain_insert.sql"),
-            ),
-            (
-                4,
-                include_str!("../../migrations/mysql/0004_inbox_keys.sql"),
-            ),
-        ],
+        scripts: &[(1, include_str!("../../migrations/mysql/0001_store.sql"))],
         begin: "BEGIN",
         // DDL commits implicitly, so the transaction cannot serialise two instances migrating
         // at once; a named lock held by the session can. Lock names are server-wide, so the

@@ -1,14 +1,13 @@
 //! PostgreSQL: the production backend, for many app instances sharing one database.
 //!
-//! A claim is a call of the schema's procedure `axum_idempotency_lock_v2` (schema version 5): it
-//! takes the key's transaction-scoped advisory lock, at once when it is free, else waiting with
-//! the wait bounded by `lock_timeout` set for the wait alone, and raises a violation of the
-//! primary key, the "taken" error, when a live record holds the key. It writes only to delete
-//! an expired record under the key: the record is written once, complete, by a plain insert in
-//! `axum_idempotency_record_v2`, in the exchange that commits, where the primary key has the
-//! last word. The statements themselves are written once, in
-//! `migrations/postgres/0005_plain_insert.sql`; PL/pgSQL keeps their plans for the session, so
-//! the server parses and plans one call per step, not the statements.
+//! A claim is a call of the schema's procedure `axum_idempotency_lock_v1`: it takes the key's
+//! transaction-scoped advisory lock, at once when it is free, else waiting with the wait bounded by
+//! `lock_timeout` set for the wait alone, and raises a violation of the primary key, the "taken"
+//! error, when a live record holds the key. It writes only to delete an expired record under the
+//! key: the record is written once, complete, by a plain insert in `axum_idempotency_record_v1`, in
+//! the exchange that commits, where the primary key has the last word. The statements themselves
+//! are written once, in `migrations/postgres/0001_store.sql`; PL/pgSQL keeps their plans for the
+//! session, so the server parses and plans one call per step, not the statements.
 
 use std::time::Duration;
 
@@ -94,7 +93,7 @@ fn claim_call<'a>(record: &'a NewRecord<'a>, lock_wait: Duration) -> Statement<'
     // `lock_timeout` takes at most i32::MAX milliseconds.
     let wait_ms = i64::try_from(lock_wait.as_millis())
         .map_or(i64::from(i32::MAX), |ms| ms.min(i64::from(i32::MAX)));
-    call.sql("CALL axum_idempotency_lock_v2(")
+    call.sql("CALL axum_idempotency_lock_v1(")
         .bytes(&record.key.digest()[..])
         .int8(record.created_at.column())
         .int8(key_lock(&record.key))
@@ -106,7 +105,7 @@ fn claim_call<'a>(record: &'a NewRecord<'a>, lock_wait: Duration) -> Statement<'
 /// The record: a call of the schema's record procedure, a plain insert planned once per session.
 fn record_call<'a>(record: &'a NewRecord<'a>) -> Statement<'a> {
     let mut call = Statement::new(Syntax::Postgres);
-    call.sql("CALL axum_idempotency_record_v2(");
+    call.sql("CALL axum_idempotency_record_v1(");
     record_values(&mut call, record);
     call.sql(")");
     call
@@ -248,26 +247,7 @@ impl ClaimPath for Postgres {
 impl Dialect for Postgres {
     const SCHEMA: migrate::Schema<Self> = migrate::Schema {
         versions_table: "idempotency_schema_versions",
-        scripts: &[
-            (
-                1,
-                include_str!("../../migrations/postgres/0001_records.sql"),
-            ),
-            (2, include_str!("../../migrations/postgres/0002_leases.sql")),
-            (3, include_str!("../../migrations/postgres/0003_claim.sql")),
-            (
-                4,
-                include_str!("../../migrations/postgres/0004_one_write.sql"),
-            ),
-            (
-                5,
-                include_str!("../../migrations/postgres/0005_plain_insert.sql"),
-            ),
-            (
-                6,
-                include_str!("../../migrations/postgres/0006_inbox_keys.sql"),
-            ),
-        ],
+        scripts: &[(1, include_str!("../../migrations/postgres/0001_store.sql"))],
         begin: "BEGIN",
         // A transaction-scoped advisory lock: two instances starting at once migrate one after
         // the other, and the second finds nothing left to do. The number is this crate's own.

@@ -187,14 +187,7 @@ impl ClaimPath for Sqlite {
 impl Dialect for Sqlite {
     const SCHEMA: migrate::Schema<Self> = migrate::Schema {
         versions_table: "idempotency_schema_versions",
-        scripts: &[
-            (1, include_str!("../../migrations/sqlite/0001_records.sql")),
-            (2, include_str!("../../migrations/sqlite/0002_leases.sql")),
-            (
-                3,
-                include_str!("../../migrations/sqlite/0003_inbox_keys.sql"),
-            ),
-        ],
+        scripts: &[(1, include_str!("../../migrations/sqlite/0001_store.sql"))],
         // The write lock taken up front serialises concurrent migrators.
         begin: "BEGIN IMMEDIATE",
         lock: None,

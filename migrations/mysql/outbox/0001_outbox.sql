@@ -1,5 +1,6 @@
 -- axum-idempotency outbox schema version 1 (MySQL 8, MariaDB 10.6+).
--- IF NOT EXISTS: an outbox created before its schema was versioned is adopted as version 1.
+-- MySQL commits DDL implicitly, so this script must be safe to run twice (IF NOT EXISTS): a
+-- migration that stopped before recording its version completes on the next run.
 -- The key column is ASCII with a binary collation: keys are compared byte for byte, never
 -- case-folded, and 255 ASCII characters stay within InnoDB's index length limit.
 CREATE TABLE IF NOT EXISTS idempotency_outbox (

@@ -1,5 +1,6 @@
 -- axum-idempotency outbox schema version 1 (PostgreSQL).
--- IF NOT EXISTS: an outbox created before its schema was versioned is adopted as version 1.
+-- IF NOT EXISTS: safe to run again over its own tables, such as ones a migration tool created
+-- without recording the version.
 CREATE TABLE IF NOT EXISTS idempotency_outbox (
     id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     topic TEXT NOT NULL,

@@ -7,7 +7,7 @@ use std::future::Future;
 
 use sqlx::Pool;
 
-use super::{DownstreamKey, Message, MessageId, OutboxRecord, Status};
+use super::{DownstreamKey, Error, Message, MessageId, OutboxRecord, Status};
 
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -277,7 +277,7 @@ mod private {
     #[allow(unreachable_pub)]
     pub trait Ops: sqlx::Database {
         /// Applies the schema versions not yet applied; safe when run by two instances at once.
-        fn migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+        fn migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), Error>> + Send;
 
         /// Inserts a pending message, after taking its ordering key's lock if it has one;
         /// `None` when its downstream key is already present.

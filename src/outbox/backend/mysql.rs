@@ -115,14 +115,15 @@ impl Dialect for MySql {
     )];
     const MIGRATION_BEGIN: &'static str = "BEGIN";
     // DDL commits implicitly, so the transaction cannot serialise two instances migrating at
-    // once; a named lock held by the session can. The name is the one the outbox used before its
-    // schema was versioned, so an older instance starting alongside still queues on it.
-    // MariaDB has no "wait forever" (a negative timeout returns NULL at once), so the wait is an
-    // hour, after which migrate fails.
+    // once; a named lock held by the session can. Lock names are server-wide, so the name
+    // carries the database (hashed: names stop at 64 characters), as the store's does, and
+    // outboxes on other databases of the same server do not queue behind each other. It is not
+    // the store's lock: the two schemas migrate apart. MariaDB has no "wait forever" (a negative
+    // timeout returns NULL at once), so the wait is an hour, after which migrate fails.
     const MIGRATION_LOCK: Option<&'static str> =
-        Some("SELECT GET_LOCK('axum_idempotency_outbox_migrate', 3600)");
+        Some("SELECT GET_LOCK(CONCAT('axum_idempotency.outbox:', MD5(DATABASE())), 3600)");
     const MIGRATION_UNLOCK: Option<&'static str> =
-        Some("DO RELEASE_LOCK('axum_idempotency_outbox_migrate')");
+        Some("DO RELEASE_LOCK(CONCAT('axum_idempotency.outbox:', MD5(DATABASE())))");
     const MIGRATION_RECORD: &'static str =
         "INSERT INTO idempotency_outbox_schema_versions (version, applied_at) VALUES (?, ?)";
 

@@ -134,8 +134,8 @@ impl Dialect for Postgres {
     const MIGRATION_BEGIN: &'static str = "BEGIN";
     // `CREATE TABLE IF NOT EXISTS` alone races in PostgreSQL (both sessions see no table, one
     // fails on the catalog's unique index), so migrators queue on a transaction-scoped advisory
-    // lock; the number is the outbox's own ("axoutbox" in ASCII), the same as before the schema
-    // was versioned so an older instance starting alongside still queues on it.
+    // lock; the number is the outbox's own ("axoutbox" in ASCII). Advisory locks belong to one
+    // database, so outboxes in other databases of the server do not queue behind each other.
     const MIGRATION_LOCK: Option<&'static str> =
         Some("SELECT pg_advisory_xact_lock(7023486169138753400)");
     const MIGRATION_RECORD: &'static str =

@@ -8,7 +8,7 @@ use serde::Serialize;
 use super::private::{BatchSql, Claim, ClaimSql, Claimed, Dialect, Lease, NewId, Ops, Settlement};
 use crate::migrate;
 use crate::outbox::status::{from_millis, now_millis};
-use crate::outbox::{DownstreamKey, Message, MessageId, OutboxRecord, Status};
+use crate::outbox::{DownstreamKey, Error, Message, MessageId, OutboxRecord, Status};
 
 impl<DB> Ops for DB
 where
@@ -26,7 +26,7 @@ where
     for<'a> &'a [u8]: Encode<'a, DB> + Type<DB>,
     for<'a> Option<&'a str>: Encode<'a, DB> + Type<DB>,
 {
-    async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
+    async fn migrate(pool: &Pool<Self>) -> Result<(), Error> {
         let schema = migrate::Schema {
             // Apart from the records' versions, so the two schemas evolve independently.
             versions_table: "idempotency_outbox_schema_versions",
@@ -37,13 +37,15 @@ where
             lock_granted: DB::migration_locked,
             record: DB::MIGRATION_RECORD,
         };
+        // The same errors as the store's `migrate`.
         migrate::apply(pool, &schema)
             .await
             .map_err(|failure| match failure {
-                migrate::Failure::Sql(error) | migrate::Failure::Script { source: error, .. } => {
-                    error
+                migrate::Failure::Sql(error) => Error::Database(error),
+                migrate::Failure::Script { version, source } => {
+                    Error::Migration(format!("version {version}: {source}"))
                 }
-                migrate::Failure::LockRefused => sqlx::Error::Protocol(
+                migrate::Failure::LockRefused => Error::Migration(
                     "the lock that serialises outbox migrations was not granted".into(),
                 ),
             })

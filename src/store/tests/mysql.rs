@@ -36,22 +36,20 @@ async fn migrate_twice_is_a_no_op() {
     let pool = store.pool();
     assert_eq!(
         count(pool, "SELECT COUNT(*) FROM idempotency_schema_versions").await,
-        4
+        1
     );
     assert_eq!(
         count(pool, "SELECT MAX(version) FROM idempotency_schema_versions").await,
-        4
+        1
     );
-    // Version 2's procedure stays beside version 3's for instances not yet upgraded.
     assert_eq!(
         count(
             pool,
             "SELECT COUNT(*) FROM information_schema.routines \
-             WHERE routine_schema = DATABASE() \
-             AND routine_name IN ('axum_idempotency_claim_v1', 'axum_idempotency_claim_v2')"
+             WHERE routine_schema = DATABASE() AND routine_name = 'axum_idempotency_claim_v1'"
         )
         .await,
-        2
+        1
     );
     let engine: String = sqlx::query_scalar(
         "SELECT engine FROM information_schema.tables \
@@ -78,7 +76,7 @@ async fn concurrent_migrations_from_separate_instances_all_succeed_once() {
     let pool = stores[0].pool();
     assert_eq!(
         count(pool, "SELECT COUNT(*) FROM idempotency_schema_versions").await,
-        4
+        1
     );
     // The session lock is released, not left on a pooled connection: another session takes it.
     let taken: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
@@ -134,7 +132,7 @@ async fn migrate_waits_for_the_instance_holding_the_migration_lock() {
             "SELECT COUNT(*) FROM idempotency_schema_versions"
         )
         .await,
-        4
+        1
     );
     holder.close().await.unwrap();
     db.drop().await;
@@ -621,7 +619,7 @@ async fn an_unmigrated_store_names_the_fix_until_migrated() {
     let db = TestDb::create().await;
     super::schema::an_unmigrated_store_names_the_fix_until_migrated(
         MySqlStore::new(db.pool(2).await),
-        4,
+        1,
     )
     .await;
     db.drop().await;
@@ -632,7 +630,7 @@ async fn an_outdated_schema_is_reported_until_it_is_current() {
     let db = TestDb::create().await;
     super::schema::an_outdated_schema_is_reported_until_it_is_current(
         MySqlStore::new(db.pool(2).await),
-        4,
+        1,
     )
     .await;
     db.drop().await;

@@ -265,12 +265,12 @@ async fn a_claim_sent_with_begin_replaces_an_expired_record_through_the_schemas_
     let (version, functions): (i64, i64) = sqlx::query_as(
         "SELECT (SELECT MAX(version) FROM idempotency_schema_versions), \
          (SELECT COUNT(*) FROM pg_proc WHERE pronamespace = current_schema()::regnamespace AND prokind = 'p' \
-          AND proname IN ('axum_idempotency_lock_v2', 'axum_idempotency_record_v2'))",
+          AND proname IN ('axum_idempotency_lock_v1', 'axum_idempotency_record_v1'))",
     )
     .fetch_one(store.pool())
     .await
     .unwrap();
-    assert_eq!((version, functions), (6, 2));
+    assert_eq!((version, functions), (1, 2));
 
     let now = now_ms();
     let old = scope("k-fused-expired");
@@ -345,7 +345,7 @@ async fn a_claim_sent_with_begin_waits_for_an_in_flight_duplicate_then_is_busy()
 async fn an_unmigrated_store_names_the_fix_until_migrated() {
     let schema = PgSchema::create().await;
     let pool = schema.pool(2).await;
-    super::schema::an_unmigrated_store_names_the_fix_until_migrated(PgStore::new(pool.clone()), 6)
+    super::schema::an_unmigrated_store_names_the_fix_until_migrated(PgStore::new(pool.clone()), 1)
         .await;
     schema.drop(&pool).await;
 }
@@ -356,7 +356,7 @@ async fn an_outdated_schema_is_reported_until_it_is_current() {
     let pool = schema.pool(2).await;
     super::schema::an_outdated_schema_is_reported_until_it_is_current(
         PgStore::new(pool.clone()),
-        6,
+        1,
     )
     .await;
     schema.drop(&pool).await;

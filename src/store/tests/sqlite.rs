@@ -42,7 +42,7 @@ async fn expired_lease_is_taken_over_only_after_asking_recovery() {
 #[tokio::test]
 async fn an_unmigrated_store_names_the_fix_until_migrated() {
     let (pool, path) = fresh(2).await;
-    schema::an_unmigrated_store_names_the_fix_until_migrated(SqliteStore::new(pool.clone()), 3)
+    schema::an_unmigrated_store_names_the_fix_until_migrated(SqliteStore::new(pool.clone()), 1)
         .await;
     remove(pool, path).await;
 }
@@ -50,7 +50,7 @@ async fn an_unmigrated_store_names_the_fix_until_migrated() {
 #[tokio::test]
 async fn an_outdated_schema_is_reported_until_it_is_current() {
     let (pool, path) = fresh(2).await;
-    schema::an_outdated_schema_is_reported_until_it_is_current(SqliteStore::new(pool.clone()), 3)
+    schema::an_outdated_schema_is_reported_until_it_is_current(SqliteStore::new(pool.clone()), 1)
         .await;
     remove(pool, path).await;
 }

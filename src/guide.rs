@@ -697,7 +697,11 @@ pub mod distributed {}
 /// [`Engine::new`](crate::Engine::new)) gives an [`Engine`](crate::Engine);
 /// [`Engine::run`](crate::Engine::run) runs a closure once per scoped key with the transaction
 /// that holds the claim, or replays the stored outcome. A job racing an HTTP request on the
-/// same principal, method, route and key executes the business once. Work that must outlive
+/// same principal, method, route and key executes the business once. When nothing was
+/// committed, the run fails with a [`RunError`](crate::RunError) that names the cause: the
+/// engine refused the intent, the store failed, or the work itself failed (a retryable
+/// response, a panic); `is_retryable()` says whether another run under the key may succeed.
+/// Work that must outlive
 /// one transaction takes a [`Lease`](crate::Lease): a claim with an expiry that its holder
 /// renews while it works; only once it has expired may another worker take the work over, and
 /// a recovery hook first asks whether the work in fact completed. The [`engine`](crate::engine) module has a

@@ -162,7 +162,9 @@ pub mod tx;
 #[cfg(feature = "server")]
 pub use backend::Backend;
 #[cfg(feature = "server")]
-pub use engine::{Classification, Engine, Execution, IDEMPOTENT_REPLAYED, Lease, Lookup, Outcome};
+pub use engine::{
+    Classification, Engine, Execution, IDEMPOTENT_REPLAYED, Lease, Lookup, Outcome, RunError,
+};
 #[cfg(feature = "server")]
 pub use error::{Error, Rejection};
 #[cfg(feature = "server")]

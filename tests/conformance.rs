@@ -73,7 +73,7 @@ mod suite {
 
     use axum_idempotency::{
         Classification, Fingerprint, Fingerprinter, IdempotencyKey, IdempotencyLayer, ManualClock,
-        Outcome, Rejection, Scope, Tx,
+        Outcome, Rejection, RunError, Scope, Tx,
     };
     use serde_json::json;
 
@@ -1155,7 +1155,10 @@ mod suite {
         let mismatch = engine
             .run(&scope, other, |_tx: Tx<DB>| async { StatusCode::OK })
             .await;
-        assert!(matches!(mismatch, Err(Rejection::KeyReused)));
+        assert!(matches!(
+            mismatch,
+            Err(RunError::Rejected(Rejection::KeyReused))
+        ));
     }
 
     pub(crate) async fn migrate_twice_and_concurrently_is_a_no_op<DB: Db>() {

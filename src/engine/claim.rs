@@ -6,9 +6,9 @@ use std::time::{Duration, Instant};
 
 use sqlx::Transaction;
 
-use super::Engine;
 use super::metrics::{self, ClaimResult};
 use super::outcome::IN_PROGRESS;
+use super::{Engine, RunError};
 use crate::Backend;
 use crate::backoff::Backoff;
 use crate::error::{Error, Rejection};
@@ -55,7 +55,7 @@ impl<DB: Backend> Engine<DB> {
         &self,
         record: &NewRecord<'_>,
         begun: Option<Transaction<'static, DB>>,
-    ) -> Result<Claim<DB>, Rejection> {
+    ) -> Result<Claim<DB>, RunError> {
         let started = Instant::now();
         let claim = if self.settings.keys_only {
             self.claim_key(record).await
@@ -65,7 +65,7 @@ impl<DB: Backend> Engine<DB> {
         let result = match &claim {
             Ok(Claim::Ours(_)) => ClaimResult::Claimed,
             Ok(Claim::Theirs(_) | Claim::Held) => ClaimResult::Taken,
-            Err(Rejection::InProgress { .. }) => ClaimResult::Busy,
+            Err(RunError::Rejected(Rejection::InProgress { .. })) => ClaimResult::Busy,
             Err(_) => ClaimResult::Failed,
         };
         metrics::claimed(result, started.elapsed());
@@ -73,7 +73,7 @@ impl<DB: Backend> Engine<DB> {
     }
 
     /// Claims the record's key alone, as a dedupe key; a deadlock victim claims again.
-    async fn claim_key(&self, record: &NewRecord<'_>) -> Result<Claim<DB>, Rejection> {
+    async fn claim_key(&self, record: &NewRecord<'_>) -> Result<Claim<DB>, RunError> {
         let store = self.store.protocol();
         for _ in 0..3 {
             let claimed = store
@@ -91,14 +91,14 @@ impl<DB: Backend> Engine<DB> {
                 Err(error) => return Err(busy_or_internal(error)),
             }
         }
-        Err(IN_PROGRESS)
+        Err(IN_PROGRESS.into())
     }
 
     async fn claim_rounds(
         &self,
         record: &NewRecord<'_>,
         mut begun: Option<Transaction<'static, DB>>,
-    ) -> Result<Claim<DB>, Rejection> {
+    ) -> Result<Claim<DB>, RunError> {
         let store = self.store.protocol();
         // None: a wait too long to count to, which never runs out.
         let deadline = Instant::now().checked_add(self.settings.wait);
@@ -138,7 +138,7 @@ impl<DB: Backend> Engine<DB> {
             if round > 1 {
                 let waited_out = deadline.is_some_and(|deadline| Instant::now() >= deadline);
                 if round > MIN_ROUNDS && waited_out {
-                    return Err(IN_PROGRESS);
+                    return Err(IN_PROGRESS.into());
                 }
                 tokio::time::sleep(ROUND_BACKOFF.delay(round - 1)).await;
             }
@@ -184,7 +184,7 @@ impl<DB: Backend> Engine<DB> {
     async fn committed_meanwhile(
         &self,
         record: &NewRecord<'_>,
-    ) -> Result<Option<Record>, Rejection> {
+    ) -> Result<Option<Record>, RunError> {
         match self.store.protocol().lookup(&record.key).await {
             Ok(found) => Ok(found.filter(|found| !found.is_expired(record.created_at))),
             Err(error) => Err(busy_or_internal(error)),
@@ -206,12 +206,12 @@ const ROUND_BACKOFF: Backoff =
     Backoff::exponential(Duration::from_millis(2), Duration::from_millis(100));
 
 /// A lock wait that ran out is the key's original at work; anything else is the store failing.
-pub(super) fn busy_or_internal(error: Error) -> Rejection {
+pub(super) fn busy_or_internal(error: Error) -> RunError {
     match error {
-        Error::Busy | Error::Conflict => IN_PROGRESS,
+        Error::Busy | Error::Conflict => IN_PROGRESS.into(),
         error => {
             tracing::error!(%error, "idempotency store failed");
-            Rejection::Internal
+            RunError::Store(error)
         }
     }
 }

@@ -1,17 +1,17 @@
-//! The work in the claim's transaction: run it, buffer and classify its response, then commit
-//! the record with the work's writes, record a final refusal alone, or roll everything back.
+//! The work in the claim's transaction: run it, then, as its verdict says, commit the record
+//! with the work's writes, record a final refusal alone, or roll everything back.
 
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 
-use super::Engine;
 use super::claim::Claim;
 use super::metrics::{self, ClaimResult};
-use super::outcome::{Answer, Classification, DeadLetter, Logged, Outcome};
+use super::outcome::{Answer, Logged, Outcome};
+use super::{Engine, RunError, Verdict};
 use sqlx::Transaction;
 
 use crate::Backend;
@@ -21,69 +21,62 @@ use crate::fingerprint::{Fingerprint, Verbatim};
 use crate::record::RecordState;
 use crate::scope::{IdempotencyContext, Scope, ScopedKey};
 use crate::store::{NewRecord, Opened, Protocol, is_conflict_abort};
-use crate::tx::{ConflictAborted, TxSlot};
+use crate::tx::TxSlot;
 
-impl<DB: Backend> Engine<DB> {
-    pub(super) async fn execute<F, Fut, R>(
-        &self,
+/// One intent as the engine attempts it: what it claims and records under, and what it has
+/// learned of the key so far.
+pub(super) struct Attempt<'a> {
+    key: ScopedKey,
+    scope: &'a Scope,
+    fingerprint: Fingerprint,
+    /// The request as sent, kept with its record in the replay cache (taken once kept).
+    request: Option<Verbatim>,
+    /// The key's earlier record had expired: the intent is logged as `expired`.
+    expired: bool,
+}
+
+impl<'a> Attempt<'a> {
+    pub(super) fn new(
         key: ScopedKey,
-        scope: &Scope,
+        scope: &'a Scope,
         fingerprint: Fingerprint,
         request: Option<Verbatim>,
+    ) -> Self {
+        Self {
+            key,
+            scope,
+            fingerprint,
+            request,
+            expired: false,
+        }
+    }
+}
+
+impl<DB: Backend> Engine<DB> {
+    /// Claims, runs the work and records its verdict, running it again while the database
+    /// aborts its transaction on conflicts.
+    pub(super) async fn execute<F, Fut, E>(
+        &self,
+        mut attempt: Attempt<'_>,
         mut work: F,
-    ) -> Answer
+    ) -> Answer<E>
     where
         F: FnMut(TxSlot<DB>, IdempotencyContext) -> Fut,
-        Fut: Future<Output = R>,
-        R: IntoResponse,
+        Fut: Future<Output = Verdict<E>>,
     {
-        // A key this instance has handled lately is likely a retry: one read answers it without
-        // a transaction, on the connection that, for a key not yet taken, goes on to claim it.
-        // Any other key is likely new and is claimed at once, saving the read (see `recent`).
-        // Dedupe keys are never read back: there is no record to answer from.
-        let (mut begun, expired) = if !self.settings.keys_only && self.settings.recent.saw(&key) {
-            let started = Instant::now();
-            let opened = self
-                .store
-                .protocol()
-                .open(&key, self.store.clock().now(), self.settings.wait)
-                .await;
-            match opened {
-                Ok(Opened::Live(record)) => {
-                    return self.answer_stored(key, record, fingerprint, request);
-                }
-                Ok(Opened::Claimable { tx, expired }) => (Some(tx), expired),
-                Err(Error::Busy | Error::Conflict) => {
-                    // The claim transaction this read begins waited for the key's original.
-                    metrics::claimed(ClaimResult::Busy, started.elapsed());
-                    return Answer::in_flight();
-                }
-                Err(error) => return Answer::store_failed(error),
-            }
-        } else {
-            (None, false)
+        let mut begun = match self.open_recent(&mut attempt).await {
+            Ok(begun) => begun,
+            Err(answer) => return answer,
         };
-        let mut request = request;
-        for attempt in 1..=CONFLICT_ATTEMPTS {
-            if attempt > 1 {
-                tokio::time::sleep(CONFLICT_BACKOFF.delay(attempt - 1)).await;
+        for round in 1..=CONFLICT_ATTEMPTS {
+            if round > 1 {
+                tokio::time::sleep(CONFLICT_BACKOFF.delay(round - 1)).await;
             }
-            let attempted = self
-                .attempt(
-                    key,
-                    scope,
-                    fingerprint,
-                    &mut request,
-                    &mut work,
-                    begun.take(),
-                    expired,
-                )
-                .await;
-            match attempted {
+            match self.attempt(&mut attempt, &mut work, begun.take()).await {
                 Attempted::Answered(answer) => return answer,
                 Attempted::Conflicted => {
                     tracing::debug!(
-                        attempt,
+                        attempt = round,
                         "the transaction was aborted on a conflict; running it again"
                     );
                 }
@@ -96,159 +89,222 @@ impl<DB: Backend> Engine<DB> {
         Answer::reject(Rejection::Conflict, Logged::Retryable)
     }
 
-    /// One attempt: claim, run the work in the claim's transaction, and record its outcome; or
-    /// learn that the database aborted the transaction on a conflict, leaving nothing behind.
-    #[allow(clippy::too_many_arguments)]
-    async fn attempt<F, Fut, R>(
+    /// A key this instance has handled lately is likely a retry: one read answers it without
+    /// a transaction, on the connection that, for a key not yet taken, goes on to claim it
+    /// (the transaction returned). Any other key is likely new and is claimed at once, saving
+    /// the read (see `recent`). Dedupe keys are never read back: there is no record to answer
+    /// from.
+    async fn open_recent<E>(
         &self,
-        key: ScopedKey,
-        scope: &Scope,
-        fingerprint: Fingerprint,
-        request: &mut Option<Verbatim>,
+        attempt: &mut Attempt<'_>,
+    ) -> Result<Option<Transaction<'static, DB>>, Answer<E>> {
+        if self.settings.keys_only || !self.settings.recent.saw(&attempt.key) {
+            return Ok(None);
+        }
+        let started = Instant::now();
+        let opened = self
+            .store
+            .protocol()
+            .open(&attempt.key, self.store.clock().now(), self.settings.wait)
+            .await;
+        match opened {
+            Ok(Opened::Live(record)) => Err(self.answer_stored(
+                attempt.key,
+                record,
+                attempt.fingerprint,
+                attempt.request.take(),
+            )),
+            Ok(Opened::Claimable { tx, expired }) => {
+                attempt.expired = expired;
+                Ok(Some(tx))
+            }
+            Err(Error::Busy | Error::Conflict) => {
+                // The claim transaction this read begins waited for the key's original.
+                metrics::claimed(ClaimResult::Busy, started.elapsed());
+                Err(Answer::in_flight())
+            }
+            Err(error) => Err(Answer::store_failed(error)),
+        }
+    }
+
+    /// One attempt: claim, run the work in the claim's transaction, and settle its verdict; or
+    /// learn that the database aborted the transaction on a conflict, leaving nothing behind.
+    async fn attempt<F, Fut, E>(
+        &self,
+        attempt: &mut Attempt<'_>,
         work: &mut F,
         begun: Option<Transaction<'static, DB>>,
-        expired: bool,
-    ) -> Attempted
+    ) -> Attempted<E>
     where
         F: FnMut(TxSlot<DB>, IdempotencyContext) -> Fut,
-        Fut: Future<Output = R>,
-        R: IntoResponse,
+        Fut: Future<Output = Verdict<E>>,
     {
-        let record = self.new_record(key, scope, fingerprint, RecordState::Processing);
-        let mut tx = match self.claim(&record, begun).await {
+        let (key, fingerprint) = (attempt.key, attempt.fingerprint);
+        let record = self.new_record(key, attempt.scope, fingerprint, RecordState::Processing);
+        let tx = match self.claim(&record, begun).await {
             Ok(Claim::Ours(tx)) => tx,
             Ok(Claim::Theirs(record)) => {
-                return Attempted::Answered(self.answer_stored(
-                    key,
-                    record,
-                    fingerprint,
-                    request.take(),
-                ));
+                let request = attempt.request.take();
+                return Attempted::Answered(self.answer_stored(key, record, fingerprint, request));
             }
             Ok(Claim::Held) => return Attempted::Answered(held()),
-            Err(rejection @ Rejection::InProgress { .. }) => {
-                return Attempted::Answered(Answer::reject(rejection, Logged::InFlight));
+            Err(error @ RunError::Rejected(Rejection::InProgress { .. })) => {
+                return Attempted::Answered(Answer::reject(error, Logged::InFlight));
             }
-            Err(rejection) => {
-                return Attempted::Answered(Answer::reject(rejection, Logged::Retryable));
-            }
+            Err(error) => return Attempted::Answered(Answer::reject(error, Logged::Retryable)),
         };
 
         let slot = TxSlot::ready(tx);
-        let context = IdempotencyContext::with_key(scope.clone(), key);
-        let response = work(slot.clone(), context).await.into_response();
-        let conflicted = response.extensions().get::<ConflictAborted>().is_some();
-        let response = self.buffer(response).await;
-        tx = match slot.take_back() {
-            Ok(Some(tx)) => tx,
-            Ok(None) | Err(_) => {
-                tracing::error!("a Tx was still held when the work returned; rolled back");
-                return Attempted::Answered(Answer::reject(
-                    Rejection::TransactionHeld,
-                    Logged::Retryable,
-                ));
-            }
+        let context = IdempotencyContext::with_key(attempt.scope.clone(), key);
+        let verdict = work(slot.clone(), context).await;
+        let Ok(Some(tx)) = slot.take_back() else {
+            tracing::error!("a Tx was still held when the work returned; rolled back");
+            return Attempted::Answered(Answer::reject(
+                Rejection::TransactionHeld,
+                Logged::Retryable,
+            ));
         };
-        if conflicted {
-            // The database has already undone the transaction (or will at this rollback); its
-            // failure changes nothing, the attempt is simply run again.
-            let _ = tx.rollback().await;
-            return Attempted::Conflicted;
-        }
-        let response = match response {
-            Ok(response) => response,
-            Err(rejection) => {
-                return Attempted::Answered(Answer::reject(rejection, Logged::Retryable));
-            }
-        };
+        self.settle(attempt, &record, tx, &slot, verdict).await
+    }
 
-        let classification = match self.classification(response.status()) {
-            // A dedupe key has no response to keep a refusal in.
-            Classification::FailedPermanent if self.settings.keys_only => Classification::Retryable,
-            classification => classification,
-        };
-        match classification {
+    /// Ends the claim's transaction as the work's verdict says, and records the outcome.
+    async fn settle<E>(
+        &self,
+        attempt: &mut Attempt<'_>,
+        record: &NewRecord<'_>,
+        tx: Transaction<'static, DB>,
+        slot: &TxSlot<DB>,
+        verdict: Verdict<E>,
+    ) -> Attempted<E> {
+        match verdict {
+            Verdict::Conflict => {
+                // The database has already undone the transaction (or will at this rollback);
+                // its failure changes nothing, the attempt is simply run again.
+                let _ = tx.rollback().await;
+                Attempted::Conflicted
+            }
+            Verdict::Abandon(rejection) => {
+                Attempted::Answered(Answer::reject(rejection, Logged::Retryable))
+            }
             // The claim wrote the key's row: committing the work keeps it.
-            Classification::Completed if self.settings.keys_only => {
-                match tx.commit().await {
-                    Ok(()) => slot.take_after_commit().run(),
-                    Err(error) if is_conflict_abort(&error) => return Attempted::Conflicted,
-                    Err(error) => return Attempted::Answered(Answer::store_failed(error)),
-                }
-                Attempted::Answered(Answer::respond(
-                    response,
-                    Outcome::Executed,
-                    Logged::Executed,
-                ))
+            Verdict::Commit(response) if self.settings.keys_only => {
+                self.commit_key(tx, slot, response).await
             }
-            Classification::Completed => {
-                let stored = self.storable(&response);
-                let completed = NewRecord {
-                    state: RecordState::Completed,
-                    response: Some(&stored),
-                    ..record
-                };
-                match self.store.protocol().commit_record(tx, &completed).await {
-                    // Only now can others see the work's writes, so only now is it told.
-                    Ok(()) => slot.take_after_commit().run(),
-                    Err(Error::Conflict) => return Attempted::Conflicted,
-                    Err(error) => return Attempted::Answered(Answer::store_failed(error)),
-                }
-                self.remember(&record, RecordState::Completed, &stored, request.take());
-                let logged = if expired {
-                    Logged::Expired
-                } else {
-                    Logged::Executed
-                };
-                Attempted::Answered(Answer::respond(response, Outcome::Executed, logged))
-            }
-            Classification::FailedPermanent => {
-                // Undo the work's writes by ending its transaction, then record the refusal in
-                // a fresh one. A duplicate that claimed in between ran the work itself; its
-                // outcome is the key's outcome, and this request answers with it.
+            Verdict::Commit(response) => self.commit(attempt, record, tx, slot, response).await,
+            Verdict::Refuse(response) => self.refuse(attempt, tx, response).await,
+            Verdict::RollBack {
+                response,
+                failure,
+                dead,
+            } => {
                 if let Err(error) = tx.rollback().await {
                     return Attempted::Answered(Answer::store_failed(error));
                 }
-                let stored = self.storable(&response);
-                let record = NewRecord {
-                    response: Some(&stored),
-                    ..self.new_record(key, scope, fingerprint, RecordState::FailedPermanent)
-                };
-                let answer = match self.claim(&record, None).await {
-                    Ok(Claim::Ours(tx)) => {
-                        match self.store.protocol().commit_record(tx, &record).await {
-                            Ok(()) => {}
-                            Err(Error::Conflict) => return Attempted::Conflicted,
-                            Err(error) => return Attempted::Answered(Answer::store_failed(error)),
-                        }
-                        self.remember(
-                            &record,
-                            RecordState::FailedPermanent,
-                            &stored,
-                            request.take(),
-                        );
-                        Answer::respond(response, Outcome::Executed, Logged::FailedPermanent)
-                    }
-                    Ok(Claim::Theirs(record)) => {
-                        self.answer_stored(key, record, fingerprint, request.take())
-                    }
-                    Ok(Claim::Held) => held(),
-                    Err(rejection) => Answer::reject(rejection, Logged::Retryable),
-                };
-                Attempted::Answered(answer)
-            }
-            Classification::Retryable => {
-                if let Err(error) = tx.rollback().await {
-                    return Attempted::Answered(Answer::store_failed(error));
-                }
-                let logged = if response.extensions().get::<DeadLetter>().is_some() {
+                let logged = if dead {
                     Logged::Dead
                 } else {
                     Logged::Retryable
                 };
-                Attempted::Answered(Answer::respond(response, Outcome::RolledBack, logged))
+                Attempted::Answered(Answer::rolled_back(response, failure, logged))
             }
         }
+    }
+
+    /// Commits the claim of a dedupe key with the work's writes.
+    async fn commit_key<E>(
+        &self,
+        tx: Transaction<'static, DB>,
+        slot: &TxSlot<DB>,
+        response: http::Response<Bytes>,
+    ) -> Attempted<E> {
+        match tx.commit().await {
+            Ok(()) => slot.take_after_commit().run(),
+            Err(error) if is_conflict_abort(&error) => return Attempted::Conflicted,
+            Err(error) => return Attempted::Answered(Answer::store_failed(error)),
+        }
+        Attempted::Answered(Answer::respond(
+            response,
+            Outcome::Executed,
+            Logged::Executed,
+        ))
+    }
+
+    /// Writes the completed record, response and all, and commits it with the work's writes.
+    async fn commit<E>(
+        &self,
+        attempt: &mut Attempt<'_>,
+        record: &NewRecord<'_>,
+        tx: Transaction<'static, DB>,
+        slot: &TxSlot<DB>,
+        response: http::Response<Bytes>,
+    ) -> Attempted<E> {
+        let stored = self.storable(&response);
+        let completed = NewRecord {
+            state: RecordState::Completed,
+            response: Some(&stored),
+            ..*record
+        };
+        match self.store.protocol().commit_record(tx, &completed).await {
+            // Only now can others see the work's writes, so only now is it told.
+            Ok(()) => slot.take_after_commit().run(),
+            Err(Error::Conflict) => return Attempted::Conflicted,
+            Err(error) => return Attempted::Answered(Answer::store_failed(error)),
+        }
+        self.remember(
+            record,
+            RecordState::Completed,
+            &stored,
+            attempt.request.take(),
+        );
+        let logged = if attempt.expired {
+            Logged::Expired
+        } else {
+            Logged::Executed
+        };
+        Attempted::Answered(Answer::respond(response, Outcome::Executed, logged))
+    }
+
+    /// Undoes the work's writes by ending its transaction, then records the refusal in a fresh
+    /// one. A duplicate that claimed in between ran the work itself; its outcome is the key's
+    /// outcome, and this intent answers with it.
+    async fn refuse<E>(
+        &self,
+        attempt: &mut Attempt<'_>,
+        tx: Transaction<'static, DB>,
+        response: http::Response<Bytes>,
+    ) -> Attempted<E> {
+        if let Err(error) = tx.rollback().await {
+            return Attempted::Answered(Answer::store_failed(error));
+        }
+        let (key, fingerprint) = (attempt.key, attempt.fingerprint);
+        let stored = self.storable(&response);
+        let record = NewRecord {
+            response: Some(&stored),
+            ..self.new_record(
+                key,
+                attempt.scope,
+                fingerprint,
+                RecordState::FailedPermanent,
+            )
+        };
+        let answer = match self.claim(&record, None).await {
+            Ok(Claim::Ours(tx)) => {
+                match self.store.protocol().commit_record(tx, &record).await {
+                    Ok(()) => {}
+                    Err(Error::Conflict) => return Attempted::Conflicted,
+                    Err(error) => return Attempted::Answered(Answer::store_failed(error)),
+                }
+                let request = attempt.request.take();
+                self.remember(&record, RecordState::FailedPermanent, &stored, request);
+                Answer::respond(response, Outcome::Executed, Logged::FailedPermanent)
+            }
+            Ok(Claim::Theirs(record)) => {
+                self.answer_stored(key, record, fingerprint, attempt.request.take())
+            }
+            Ok(Claim::Held) => held(),
+            Err(error) => Answer::reject(error, Logged::Retryable),
+        };
+        Attempted::Answered(answer)
     }
 
     /// Reads the work's response body into memory, up to the largest body stored for replay.
@@ -274,7 +330,7 @@ impl<DB: Backend> Engine<DB> {
 }
 
 /// The answer for a key a live dedupe key holds: replayed, with nothing stored to replay.
-pub(super) fn held() -> Answer {
+pub(super) fn held<E>() -> Answer<E> {
     Answer::respond(
         http::Response::new(Bytes::new()),
         Outcome::Replayed,
@@ -292,9 +348,9 @@ const CONFLICT_BACKOFF: Backoff =
     Backoff::exponential(Duration::from_millis(5), Duration::from_millis(400));
 
 /// How one attempt ended.
-enum Attempted {
+enum Attempted<E> {
     /// With the answer for the client.
-    Answered(Answer),
+    Answered(Answer<E>),
     /// The database aborted its transaction on a conflict: nothing of it stands.
     Conflicted,
 }

@@ -8,13 +8,13 @@ use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use axum::response::IntoResponse;
+use axum::response::{IntoResponse, Response};
 use tokio::sync::watch;
 
-use super::Engine;
 use super::claim::Claim;
 use super::execute::held;
 use super::outcome::{Answer, Classification, Execution, Logged, Outcome};
+use super::{Engine, RunError};
 use crate::Backend;
 use crate::error::{Error, Rejection};
 use crate::fingerprint::Fingerprint;
@@ -80,16 +80,18 @@ impl<DB: Backend> Engine<DB> {
         WR: IntoResponse,
     {
         let engine = self.clone();
-        self.supervise(
-            scope,
-            fingerprint,
-            move |key, scope, fingerprint| async move {
-                engine
-                    .execute_leased(key, &scope, fingerprint, lease, recover, work)
-                    .await
-            },
-        )
-        .await
+        let answer: Answer = self
+            .supervise(
+                scope,
+                fingerprint,
+                move |key, scope, fingerprint| async move {
+                    engine
+                        .execute_leased(key, &scope, fingerprint, lease, recover, work)
+                        .await
+                },
+            )
+            .await;
+        answer.result.map_err(RunError::into_rejection)
     }
 
     async fn execute_leased<C, CF, CR, W, WF, WR>(
@@ -120,22 +122,7 @@ impl<DB: Backend> Engine<DB> {
         };
 
         let (lost_tx, lost_rx) = watch::channel(false);
-        let store = self.store.protocol().clone();
-        let clock = self.store.clock().clone();
-        let _renewer = AbortOnDrop(tokio::spawn(async move {
-            let mut tick = tokio::time::interval((lease / 3).max(Duration::from_millis(10)));
-            tick.tick().await;
-            loop {
-                tick.tick().await;
-                if !matches!(
-                    store.renew_lease(&key, claim_at(clock.now())).await,
-                    Ok(true)
-                ) {
-                    let _ = lost_tx.send(true);
-                    return;
-                }
-            }
-        }));
+        let _renewer = self.keep_renewed(key, lease, claim_at, lost_tx);
         let found = match taken_over {
             true => recover().await.map(IntoResponse::into_response),
             false => None,
@@ -145,6 +132,44 @@ impl<DB: Backend> Engine<DB> {
             Some(found) => found,
             None => work(Lease { lost: lost_rx }).await.into_response(),
         };
+        self.finish_lease(key, owner, response, recovered).await
+    }
+
+    /// Renews the lease every third of it until dropped; tells `lost` once a renewal fails.
+    fn keep_renewed(
+        &self,
+        key: ScopedKey,
+        lease: Duration,
+        claim_at: impl Fn(Millis) -> LeaseClaim + Send + 'static,
+        lost: watch::Sender<bool>,
+    ) -> AbortOnDrop {
+        let store = self.store.protocol().clone();
+        let clock = self.store.clock().clone();
+        AbortOnDrop(tokio::spawn(async move {
+            let mut tick = tokio::time::interval((lease / 3).max(Duration::from_millis(10)));
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                if !matches!(
+                    store.renew_lease(&key, claim_at(clock.now())).await,
+                    Ok(true)
+                ) {
+                    let _ = lost.send(true);
+                    return;
+                }
+            }
+        }))
+    }
+
+    /// Records the leased work's response as the key's outcome while the lease is still
+    /// `owner`'s, or lets the lease go for a retryable one.
+    async fn finish_lease(
+        &self,
+        key: ScopedKey,
+        owner: [u8; 16],
+        response: Response,
+        recovered: bool,
+    ) -> Answer {
         let store = self.store.protocol();
         let response = match self.buffer(response).await {
             Ok(response) => response,

@@ -26,8 +26,9 @@
 //!             .execute(&mut *tx)
 //!             .await?;
 //!         // A failure stays an error: as a `TxError`, a conflict abort runs the work again and
-//!         // any other error is a retryable 500, never recorded. Turned into a value of its own
-//!         // (a `&str`, say) it would be a 200, recorded as done and replayed.
+//!         // any other error rolls it back, records nothing and comes back as
+//!         // `RunError::Failed`. Turned into a value of its own (a `&str`, say) it would be a
+//!         // 200, recorded as done and replayed.
 //!         Ok::<_, TxError>("invoiced")
 //!     })
 //!     .await?;
@@ -93,17 +94,23 @@ mod operator;
 mod outcome;
 mod recent;
 mod replay;
+mod run_error;
 mod uncancelled;
+mod verdict;
 
 pub use lease::Lease;
 pub use operator::Lookup;
 #[cfg_attr(not(feature = "inbox"), allow(unused_imports))]
-pub(crate) use outcome::DeadLetter;
+pub(crate) use outcome::Answer;
 pub use outcome::{Classification, Execution, Outcome};
+pub use run_error::RunError;
 pub(crate) use uncancelled::Uncancelled;
+#[cfg_attr(not(feature = "inbox"), allow(unused_imports))]
+pub(crate) use verdict::Verdict;
 
 use cache::ReplayCache;
-use outcome::{Answer, Logged};
+use execute::Attempt;
+use outcome::Logged;
 use recent::RecentKeys;
 use replay::answer_existing;
 
@@ -316,56 +323,68 @@ impl<DB: Backend> Engine<DB> {
     /// `work` may be called more than once: when the database aborts its transaction to resolve
     /// a conflict with a concurrent one (see [`TxError`](crate::TxError)), nothing of that call
     /// stands and it is called again with a fresh transaction.
+    ///
+    /// # Errors
+    ///
+    /// Nothing of the work was committed when this fails; the [`RunError`] says why: the
+    /// engine refused the intent ([`RunError::Rejected`]), the store failed
+    /// ([`RunError::Store`]), or the work itself failed, with a retryable response or a panic
+    /// ([`RunError::Failed`], [`RunError::Panicked`]). [`RunError::is_retryable`] tells whether
+    /// running it again under the same key may succeed.
     pub async fn run<F, Fut, R>(
         &self,
         scope: &Scope,
         fingerprint: Fingerprint,
         mut work: F,
-    ) -> Result<Execution, Rejection>
+    ) -> Result<Execution, RunError>
     where
         F: FnMut(Tx<DB>) -> Fut + Send + 'static,
         Fut: Future<Output = R> + Send + 'static,
         R: IntoResponse,
     {
-        self.run_in_slot(scope, fingerprint, move |_, slot, _context| {
-            let work = slot.into_tx().map(&mut work);
-            async move {
-                match work {
-                    Ok(work) => work.await.into_response(),
-                    Err(_) => Rejection::TransactionHeld.into_response(),
-                }
-            }
-        })
-        .await
+        let judge = self.clone();
+        let answer = self
+            .run_verdict(scope, fingerprint, move |tx| {
+                let worked = work(tx);
+                let judge = judge.clone();
+                async move { judge.judge(worked.await.into_response()).await }
+            })
+            .await;
+        match answer.result {
+            Ok(Execution {
+                response,
+                outcome: Outcome::RolledBack,
+            }) => Err(RunError::Failed(response)),
+            result => result,
+        }
     }
 
-    /// [`run`](Self::run) for the layer: `work` gets the intent (the request it carries) with a
-    /// transaction slot and the request's context, once per attempt.
-    pub(crate) async fn run_in_slot<I, F, Fut, R>(
+    /// [`run`](Self::run) for work that gives its [`Verdict`] itself (the inbox), its failure
+    /// handed back with the answer.
+    pub(crate) async fn run_verdict<F, Fut, E>(
         &self,
         scope: &Scope,
-        intent: I,
-        work: F,
-    ) -> Result<Execution, Rejection>
+        fingerprint: Fingerprint,
+        mut work: F,
+    ) -> Answer<E>
     where
-        I: Intent,
-        F: FnMut(&I, TxSlot<DB>, IdempotencyContext) -> Fut + Send + 'static,
-        Fut: Future<Output = R> + Send + 'static,
-        R: IntoResponse,
+        F: FnMut(Tx<DB>) -> Fut + Send + 'static,
+        Fut: Future<Output = Verdict<E>> + Send + 'static,
+        E: Send + 'static,
     {
-        self.supervise(scope, intent, |key, scope, intent| {
-            // Cloned only here: a replay answered from the cache never needs its own engine.
+        self.supervise(scope, fingerprint, |key, scope, fingerprint| {
             let engine = self.clone();
             async move {
-                let fingerprint = intent.fingerprint();
-                let request = match engine.settings.cache {
-                    Some(_) => intent.verbatim(),
-                    None => None,
-                };
-                let mut work = work;
+                let attempt = Attempt::new(key, &scope, fingerprint, None);
                 engine
-                    .execute(key, &scope, fingerprint, request, move |slot, context| {
-                        work(&intent, slot, context)
+                    .execute(attempt, move |slot, _context| {
+                        let work = slot.into_tx().map(&mut work);
+                        async move {
+                            match work {
+                                Ok(work) => work.await,
+                                Err(_) => Verdict::Abandon(Rejection::TransactionHeld),
+                            }
+                        }
                     })
                     .await
             }
@@ -373,21 +392,57 @@ impl<DB: Backend> Engine<DB> {
         .await
     }
 
-    /// Runs one intent's future to completion even if the caller goes away ([`Uncancelled`]),
-    /// inside its tracing span, and logs the outcome; a panic in it surfaces as
-    /// [`Rejection::Internal`]. A final record held by the replay cache answers at once,
-    /// without a store access, and without a fingerprint when the attempt is the very request
-    /// the record was kept with.
-    async fn supervise<I, F, Fut>(
+    /// [`run`](Self::run) for the layer: `work` gets the intent (the request it carries) with a
+    /// transaction slot and the request's context, once per attempt, and its response is
+    /// judged by its status. A retryable response is answered as rolled back, not as an error.
+    pub(crate) async fn run_in_slot<I, F, Fut, R>(
         &self,
         scope: &Scope,
         intent: I,
-        run: F,
-    ) -> Result<Execution, Rejection>
+        work: F,
+    ) -> Result<Execution, RunError>
+    where
+        I: Intent,
+        F: FnMut(&I, TxSlot<DB>, IdempotencyContext) -> Fut + Send + 'static,
+        Fut: Future<Output = R> + Send + 'static,
+        R: IntoResponse,
+    {
+        let answer: Answer = self
+            .supervise(scope, intent, |key, scope, intent| {
+                // Cloned only here: a replay answered from the cache never needs its own engine.
+                let engine = self.clone();
+                async move {
+                    let request = match engine.settings.cache {
+                        Some(_) => intent.verbatim(),
+                        None => None,
+                    };
+                    let attempt = Attempt::new(key, &scope, intent.fingerprint(), request);
+                    let judge = engine.clone();
+                    let mut work = work;
+                    engine
+                        .execute(attempt, move |slot, context| {
+                            let worked = work(&intent, slot, context);
+                            let judge = judge.clone();
+                            async move { judge.judge(worked.await.into_response()).await }
+                        })
+                        .await
+                }
+            })
+            .await;
+        answer.result
+    }
+
+    /// Runs one intent's future to completion even if the caller goes away ([`Uncancelled`]),
+    /// inside its tracing span, and logs the outcome; a panic in it surfaces as
+    /// [`RunError::Panicked`]. A final record held by the replay cache answers at once,
+    /// without a store access, and without a fingerprint when the attempt is the very request
+    /// the record was kept with.
+    async fn supervise<I, F, Fut, E>(&self, scope: &Scope, intent: I, run: F) -> Answer<E>
     where
         I: Intent,
         F: FnOnce(ScopedKey, Scope, I) -> Fut,
-        Fut: Future<Output = Answer> + Send + 'static,
+        Fut: Future<Output = Answer<E>> + Send + 'static,
+        E: Send + 'static,
     {
         let key = scope.scoped_key();
         let span = tracing::info_span!(
@@ -414,7 +469,7 @@ impl<DB: Backend> Engine<DB> {
                     Err(_panic) => {
                         let _enter = span.enter();
                         tracing::error!("the idempotent work panicked; rolled back");
-                        Answer::reject(Rejection::Internal, Logged::Retryable)
+                        Answer::reject(RunError::Panicked, Logged::Retryable)
                     }
                 }
             }
@@ -422,6 +477,6 @@ impl<DB: Backend> Engine<DB> {
         let _enter = span.enter();
         tracing::info!(outcome = answer.logged.as_str(), "idempotent request");
         metrics::answered(answer.logged);
-        answer.result
+        answer
     }
 }

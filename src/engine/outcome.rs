@@ -5,6 +5,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::StatusCode;
 
+use super::RunError;
 use crate::error::Rejection;
 
 /// What to do with a response, decided from its status.
@@ -98,14 +99,18 @@ impl Logged {
     }
 }
 
-/// How one step of the engine answered an intent, with the outcome its log line reports.
+/// How one step of the engine answered an intent, with the outcome its log line reports and
+/// the work's own failure when it rolled back.
 #[derive(Debug)]
-pub(crate) struct Answer {
-    pub(crate) result: Result<Execution, Rejection>,
+pub(crate) struct Answer<F = ()> {
+    pub(crate) result: Result<Execution, RunError>,
+    /// Read by the inbox, whose handlers fail with a `Failure` of their own.
+    #[cfg_attr(not(feature = "inbox"), allow(dead_code))]
+    pub(crate) failure: Option<F>,
     pub(crate) logged: Logged,
 }
 
-impl Answer {
+impl<F> Answer<F> {
     /// The intent is answered with `response`.
     pub(crate) fn respond(
         response: http::Response<Bytes>,
@@ -114,14 +119,25 @@ impl Answer {
     ) -> Self {
         Self {
             result: Ok(Execution { response, outcome }),
+            failure: None,
             logged,
         }
     }
 
-    /// The intent is refused.
-    pub(crate) fn reject(rejection: Rejection, logged: Logged) -> Self {
+    /// The work failed and was rolled back: answered with its `response`, its `failure` handed
+    /// back to the caller.
+    pub(crate) fn rolled_back(response: http::Response<Bytes>, failure: F, logged: Logged) -> Self {
         Self {
-            result: Err(rejection),
+            failure: Some(failure),
+            ..Self::respond(response, Outcome::RolledBack, logged)
+        }
+    }
+
+    /// The intent is refused, or ended without an execution.
+    pub(crate) fn reject(error: impl Into<RunError>, logged: Logged) -> Self {
+        Self {
+            result: Err(error.into()),
+            failure: None,
             logged,
         }
     }
@@ -130,7 +146,7 @@ impl Answer {
     pub(crate) fn store_failed(error: impl Into<crate::Error>) -> Self {
         let error = error.into();
         tracing::error!(%error, "idempotency store failed; rolled back");
-        Self::reject(Rejection::Internal, Logged::Retryable)
+        Self::reject(RunError::Store(error), Logged::Retryable)
     }
 
     /// The key's original is still at work.
@@ -138,12 +154,6 @@ impl Answer {
         Self::reject(IN_PROGRESS, Logged::InFlight)
     }
 }
-
-/// Marks a rolled-back response whose work will not be retried: the inbox's dead letters. The
-/// engine keeps no record for it, as for any rollback, but logs and counts it as `dead`, so an
-/// alert on rising `retryable` is not set off by deliveries that can never apply.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct DeadLetter;
 
 /// A lock wait that ran out means the key's original is still at work.
 pub(crate) const IN_PROGRESS: Rejection = Rejection::InProgress {

@@ -30,7 +30,7 @@ const UNREPLAYED: [HeaderName; 11] = [
 
 /// Replays a final record for the same intent; refuses another intent; reports work still
 /// in flight.
-pub(crate) fn answer_existing(record: &Record, same_intent: bool) -> Answer {
+pub(crate) fn answer_existing<E>(record: &Record, same_intent: bool) -> Answer<E> {
     if !same_intent {
         return Answer::reject(Rejection::KeyReused, Logged::Mismatch);
     }
@@ -49,13 +49,13 @@ pub(crate) fn answer_existing(record: &Record, same_intent: bool) -> Answer {
 impl<DB: Backend> Engine<DB> {
     /// Answers from a record read from the store, and keeps it for the next replay when the
     /// replay cache is on, with `request` when that is the same intent.
-    pub(super) fn answer_stored(
+    pub(super) fn answer_stored<E>(
         &self,
         key: ScopedKey,
         record: Record,
         fingerprint: Fingerprint,
         request: Option<Verbatim>,
-    ) -> Answer {
+    ) -> Answer<E> {
         let same_intent = record.fingerprint == fingerprint;
         let answer = answer_existing(&record, same_intent);
         if let Some(cache) = &self.settings.cache {

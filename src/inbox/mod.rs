@@ -137,147 +137,40 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
-use axum::response::IntoResponse;
-use bytes::Bytes;
-use http::StatusCode;
 use sha2::{Digest, Sha256};
 
 use crate::Backend;
 use crate::backoff::Backoff;
-use crate::engine::{Classification, DeadLetter, Engine, Outcome};
-use crate::error::{Error, Rejection};
+use crate::engine::Engine;
+use crate::error::Error;
 use crate::fingerprint::{Fingerprint, Fingerprinter};
 use crate::key::IdempotencyKey;
 use crate::scope::Scope;
 use crate::store::{Protocol, Store};
-use crate::tx::{Tx, TxError, conflict_aborted};
+use crate::tx::Tx;
 
+mod decide;
+mod delivery;
+mod failure;
 #[cfg(feature = "nats")]
 pub mod nats;
+mod pause;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
+mod stats;
 
-/// One message as the broker delivered it, handed to the key function and the handler.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Delivery {
-    payload: Bytes,
-    message_id: Option<String>,
-    attempt: u32,
-}
-
-impl Delivery {
-    /// A delivery of `payload`, first attempt, without a message id.
-    pub fn new(payload: impl Into<Bytes>) -> Self {
-        Self {
-            payload: payload.into(),
-            message_id: None,
-            attempt: 1,
-        }
-    }
-
-    /// Sets the broker's message id (RabbitMQ `message_id`, NATS `Nats-Msg-Id`).
-    #[must_use]
-    pub fn message_id(mut self, id: impl Into<String>) -> Self {
-        self.message_id = Some(id.into());
-        self
-    }
-
-    /// Sets which attempt this is, counting from 1 (the broker's delivery count).
-    #[must_use]
-    pub fn attempt(mut self, attempt: u32) -> Self {
-        self.attempt = attempt.max(1);
-        self
-    }
-
-    /// The message body.
-    pub fn payload(&self) -> &[u8] {
-        &self.payload
-    }
-
-    /// The broker's message id, if the message had one.
-    pub fn id(&self) -> Option<&str> {
-        self.message_id.as_deref()
-    }
-
-    /// Which attempt this is, from 1.
-    pub fn attempts(&self) -> u32 {
-        self.attempt
-    }
-}
-
-impl fmt::Debug for Delivery {
-    // The payload may hold personal data: only its size is shown.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Delivery")
-            .field("message_id", &self.message_id)
-            .field("attempt", &self.attempt)
-            .field("payload_len", &self.payload.len())
-            .finish()
-    }
-}
-
-/// Why a handler (or a key function) did not apply a delivery.
-///
-/// `?` converts a statement's `sqlx::Error` (or a [`TxError`]): a conflict
-/// abort becomes [`Failure::Conflict`], run again at once like a request under the layer;
-/// an error that says the database cannot be reached (a broken or refused connection, a pool
-/// that gave no connection in time, a server shutting down) is [`Failure::Unavailable`]; any
-/// other database error is [`Failure::Retryable`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Failure {
-    /// Worth another attempt later (a lock timeout, a downstream that refused this request).
-    Retryable(String),
-    /// The consumer's own database, or a dependency it cannot work without, cannot be reached
-    /// right now: an outage, not a fault of the delivery. Retried until it passes, never counted
-    /// as an attempt and never dead-lettered (see the [module docs](self#outages)).
-    Unavailable(String),
-    /// Will never succeed as it is (malformed, refers to nothing): dead-letter it.
-    Permanent(String),
-    /// The database aborted the transaction to resolve a conflict with a concurrent one (a
-    /// serialization failure, a deadlock, a certification conflict): nothing of it stands and
-    /// the delivery is run again at once, a bounded number of times, before it counts as a
-    /// retryable failure.
-    Conflict(String),
-}
-
-impl From<TxError> for Failure {
-    fn from(error: TxError) -> Self {
-        if error.is_conflict() {
-            Self::Conflict(error.to_string())
-        } else if error.is_unreachable() {
-            Self::Unavailable(error.to_string())
-        } else {
-            Self::Retryable(error.to_string())
-        }
-    }
-}
-
-impl From<sqlx::Error> for Failure {
-    fn from(error: sqlx::Error) -> Self {
-        TxError::from(error).into()
-    }
-}
-
-impl Failure {
-    /// A failure worth retrying.
-    pub fn retryable(reason: impl Into<String>) -> Self {
-        Self::Retryable(reason.into())
-    }
-
-    /// A failure that retrying cannot fix.
-    pub fn permanent(reason: impl Into<String>) -> Self {
-        Self::Permanent(reason.into())
-    }
-
-    /// An outage: the consumer's database or a dependency cannot be reached right now.
-    pub fn unavailable(reason: impl Into<String>) -> Self {
-        Self::Unavailable(reason.into())
-    }
-}
+pub use delivery::Delivery;
+pub use failure::Failure;
+#[cfg_attr(
+    not(any(feature = "rabbitmq", feature = "nats")),
+    allow(unused_imports)
+)]
+pub(crate) use pause::Pause;
+use stats::Counters;
+pub use stats::Stats;
 
 /// What the broker adapter does with a delivery once the inbox is done with it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -320,35 +213,6 @@ pub struct ReplayReport {
     pub still_dead: u64,
 }
 
-/// Counters since the inbox was created (shared by its clones).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Stats {
-    /// Deliveries applied (handler ran and committed).
-    pub processed: u64,
-    /// Deliveries skipped because their business key was applied before.
-    pub duplicates: u64,
-    /// Deliveries rolled back and sent back for another attempt.
-    pub retried: u64,
-    /// Deliveries sent back because the consumer's database or a dependency was unreachable:
-    /// outages, which count as no attempt.
-    pub unavailable: u64,
-    /// Deliveries dead-lettered.
-    pub dead: u64,
-}
-
-#[derive(Default)]
-struct Counters {
-    processed: AtomicU64,
-    duplicates: AtomicU64,
-    retried: AtomicU64,
-    unavailable: AtomicU64,
-    dead: AtomicU64,
-    /// Outages met one after another, with no delivery getting through in between: the
-    /// outage backoff's attempt number.
-    outages: AtomicU32,
-}
-
 type KeyFn = Arc<dyn Fn(&Delivery) -> Result<String, Failure> + Send + Sync>;
 type Observer = Arc<dyn Fn(&Delivery, &Verdict) + Send + Sync>;
 
@@ -358,12 +222,10 @@ const BY_MESSAGE_ID: &str = "message-id";
 /// The verbs a business key is claimed under, and its dead letter's note recorded under.
 const CONSUME: &str = "CONSUME";
 const DEAD: &str = "DEAD";
+/// The inbox's log lines name the inbox as their target, whichever of its parts writes them.
+const LOG_TARGET: &str = module_path!();
 /// "Keep": long enough to outlive any broker's or publisher's retry horizon.
 const KEEP: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-/// The engine speaks in responses; the inbox tells it only commit (record the key) or roll back
-/// (keep no record). A handler's failure itself travels back typed, beside the response.
-const COMMIT: StatusCode = StatusCode::NO_CONTENT;
-const ROLL_BACK: StatusCode = StatusCode::SERVICE_UNAVAILABLE;
 /// An outage is waited out in steps of at most 30 s: long enough not to hammer a database that
 /// is coming back, short enough that a consumer resumes soon after it is back.
 const OUTAGE_BACKOFF: Backoff =
@@ -426,16 +288,7 @@ impl<DB: Backend> Inbox<DB> {
         // Only a commit counts as done: a permanent failure must leave the key unclaimed so that
         // a replay after the fix goes through the same claim (see the module docs).
         // The claim keeps the key alone: no delivery ever reads a stored response back.
-        let engine = Engine::new(store.clone())
-            .keys_only()
-            .retention(KEEP)
-            .classify(|status| {
-                if status == COMMIT {
-                    Classification::Completed
-                } else {
-                    Classification::Retryable
-                }
-            });
+        let engine = Engine::new(store.clone()).keys_only().retention(KEEP);
         Self {
             name: name.into(),
             engine,
@@ -550,14 +403,7 @@ impl<DB: Backend> Inbox<DB> {
 
     /// Counts of processed, duplicate, retried, unavailable and dead deliveries so far.
     pub fn stats(&self) -> Stats {
-        let c = &self.counters;
-        Stats {
-            processed: c.processed.load(Ordering::Relaxed),
-            duplicates: c.duplicates.load(Ordering::Relaxed),
-            retried: c.retried.load(Ordering::Relaxed),
-            unavailable: c.unavailable.load(Ordering::Relaxed),
-            dead: c.dead.load(Ordering::Relaxed),
-        }
+        self.counters.snapshot()
     }
 
     /// Whether the delivery's business key has been applied: a committed claim exists and has
@@ -585,7 +431,7 @@ impl<DB: Backend> Inbox<DB> {
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
         let verdict = self.decide(&delivery, handler, false).await;
-        self.count(&verdict);
+        self.counters.count(&verdict);
         if let Some(observe) = &self.observer {
             observe(&delivery, &verdict);
         }
@@ -602,192 +448,9 @@ impl<DB: Backend> Inbox<DB> {
     {
         let verdict = self.decide(&delivery, handler, true).await;
         if matches!(verdict, Verdict::Applied) {
-            self.counters.processed.fetch_add(1, Ordering::Relaxed);
+            self.counters.replayed();
         }
         verdict
-    }
-
-    async fn decide<F, Fut>(&self, delivery: &Delivery, handler: F, replay: bool) -> Verdict
-    where
-        F: FnMut(Tx<DB>, Delivery) -> Fut + Send + 'static,
-        Fut: Future<Output = Result<(), Failure>> + Send + 'static,
-    {
-        let key = match (self.key)(delivery) {
-            Ok(key) => key,
-            Err(failure) => return self.failed(delivery, None, failure, replay).await,
-        };
-        let scope = match self.scope(CONSUME, &key) {
-            Ok(scope) => scope,
-            Err(failure) => return self.failed(delivery, None, failure, replay).await,
-        };
-        // The handler's failure comes back here typed; the engine only learns whether to
-        // commit. A slot rather than a channel: the engine calls the handler again when the
-        // database aborted its transaction on a conflict, and the last call's failure counts.
-        let reported: Arc<Mutex<Option<Failure>>> = Arc::default();
-        let report = Arc::clone(&reported);
-        // Set while a call of the handler runs: still set when the engine gives up means the
-        // handler panicked; clear means the store failed around it.
-        let running = Arc::new(AtomicBool::new(false));
-        let in_handler = Arc::clone(&running);
-        let mut handler = handler;
-        let message = delivery.clone();
-        let (attempt, max_attempts) = (delivery.attempts(), self.max_attempts);
-        let run = self
-            .engine
-            .run(&scope, self.fingerprint(), move |tx| {
-                in_handler.store(true, Ordering::SeqCst);
-                let applied = handler(tx, message.clone());
-                let report = Arc::clone(&report);
-                let in_handler = Arc::clone(&in_handler);
-                async move {
-                    let applied = applied.await;
-                    in_handler.store(false, Ordering::SeqCst);
-                    match applied {
-                        Ok(()) => COMMIT.into_response(),
-                        Err(failure) => {
-                            let fate = fate(&failure, attempt, max_attempts, replay);
-                            // No one reads it if the caller went away meanwhile: the rollback
-                            // stands either way, and the broker redelivers.
-                            *report.lock().unwrap_or_else(PoisonError::into_inner) = Some(failure);
-                            match fate {
-                                // A conflict abort: the engine runs the handler again, as it
-                                // does for a request under the layer.
-                                Fate::Rerun => conflict_aborted(),
-                                // Rolled back like any failure, but the engine's log line and
-                                // metric say `dead`: it will not come back as a retry.
-                                Fate::Dead => {
-                                    let mut response = ROLL_BACK.into_response();
-                                    response.extensions_mut().insert(DeadLetter);
-                                    response
-                                }
-                                Fate::Retry | Fate::Pause => ROLL_BACK.into_response(),
-                            }
-                        }
-                    }
-                }
-            })
-            .await;
-        match run {
-            Ok(execution) => match execution.outcome {
-                Outcome::Replayed => Verdict::Duplicate,
-                Outcome::RolledBack => {
-                    let failure = take(&reported).unwrap_or_else(|| {
-                        Failure::retryable("the handler's transaction was rolled back")
-                    });
-                    self.failed(delivery, Some(&key), failure, replay).await
-                }
-                _ => Verdict::Applied,
-            },
-            Err(Rejection::InProgress { retry_after }) => {
-                // Another delivery of the key still holds the claim past the wait: come back
-                // later and find its outcome, rather than run the handler beside it.
-                Verdict::Retry { after: retry_after }
-            }
-            Err(rejection) => {
-                let failure = match &rejection {
-                    // The handler panicked (the engine caught it): a bug, which attempts
-                    // bound like any failure.
-                    Rejection::Internal if running.load(Ordering::SeqCst) => Failure::retryable(
-                        format!("not applied, the handler panicked: {rejection}"),
-                    ),
-                    // The store failed before, around or after the handler (a claim, a commit
-                    // or a rollback that could not reach the database): the consumer's own
-                    // database is out, which is no fault of the delivery.
-                    Rejection::Internal => {
-                        Failure::unavailable(format!("not applied: {rejection}"))
-                    }
-                    Rejection::Conflict => Failure::Conflict(format!("not applied: {rejection}")),
-                    _ => Failure::retryable(format!("not applied: {rejection}")),
-                };
-                tracing::warn!(consumer = %self.name, error = %rejection, "inbox could not apply a delivery");
-                self.failed(delivery, Some(&key), failure, replay).await
-            }
-        }
-    }
-
-    async fn failed(
-        &self,
-        delivery: &Delivery,
-        key: Option<&str>,
-        failure: Failure,
-        replay: bool,
-    ) -> Verdict {
-        let attempt = delivery.attempts();
-        let failure = match failure {
-            // The engine's reruns of a conflict abort ran out: one attempt spent.
-            Failure::Conflict(reason) => Failure::Retryable(reason),
-            failure => failure,
-        };
-        match (fate(&failure, attempt, self.max_attempts, replay), failure) {
-            (Fate::Pause, Failure::Unavailable(reason)) => {
-                let outages = self.counters.outages.fetch_add(1, Ordering::Relaxed);
-                let after = self.outage_backoff.delay(outages.saturating_add(1));
-                tracing::warn!(
-                    consumer = %self.name,
-                    message_id = delivery.id(),
-                    reason = %reason,
-                    pause_ms = u64::try_from(after.as_millis()).unwrap_or(u64::MAX),
-                    "inbox paused: the consumer's database or a dependency is unreachable; \
-                     the delivery comes back without counting an attempt"
-                );
-                Verdict::Unavailable { after, reason }
-            }
-            (Fate::Dead, Failure::Permanent(reason)) => self.dead(delivery, key, reason).await,
-            (Fate::Dead, failure) => {
-                let reason = format!("{} (attempt {attempt})", failure.reason());
-                self.dead(delivery, key, reason).await
-            }
-            _ => Verdict::Retry {
-                after: self.backoff.delay(attempt),
-            },
-        }
-    }
-
-    /// Records the failure through the engine, in its own transaction and a scope of its own,
-    /// logs it, then tells the adapter to dead-letter the delivery.
-    async fn dead(&self, delivery: &Delivery, key: Option<&str>, reason: String) -> Verdict {
-        if let Some(Ok(scope)) = key.map(|key| self.scope(DEAD, key)) {
-            let body = reason.clone();
-            // The engine's record format is a response; nothing is decided from its status.
-            let recorded = self
-                .failures
-                .run(&scope, self.fingerprint(), move |_tx: Tx<DB>| {
-                    let body = body.clone();
-                    async move { (StatusCode::UNPROCESSABLE_ENTITY, body) }
-                })
-                .await;
-            if let Err(error) = recorded {
-                // The dead letter is still written: losing the note beats looping on it.
-                tracing::warn!(consumer = %self.name, %error, "could not record an inbox failure");
-            }
-        }
-        // Operators look for why here or in the dead letter's header; the payload (and the
-        // business key, read from it) may hold personal data and stay out of the log.
-        tracing::warn!(
-            consumer = %self.name,
-            message_id = delivery.id(),
-            attempt = delivery.attempts(),
-            reason = %reason,
-            "inbox dead-lettered a delivery"
-        );
-        Verdict::Dead { reason }
-    }
-
-    fn count(&self, verdict: &Verdict) {
-        let c = &self.counters;
-        let counter = match verdict {
-            Verdict::Applied => &c.processed,
-            Verdict::Duplicate => &c.duplicates,
-            Verdict::Retry { .. } => &c.retried,
-            Verdict::Unavailable { .. } => &c.unavailable,
-            Verdict::Dead { .. } => &c.dead,
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
-        if !matches!(verdict, Verdict::Unavailable { .. }) {
-            // Something got through (or failed on its own account): the next outage backs off
-            // from the start.
-            c.outages.store(0, Ordering::Relaxed);
-        }
     }
 
     fn scope(&self, verb: &str, key: &str) -> Result<Scope, Failure> {
@@ -804,81 +467,6 @@ impl<DB: Backend> Inbox<DB> {
     fn fingerprint(&self) -> Fingerprint {
         Fingerprinter::new().fingerprint_value("inbox", self.name.as_bytes())
     }
-}
-
-/// A broker adapter's pause while the consumer's database or a dependency is out: after a
-/// [`Verdict::Unavailable`], no delivery is handled before its backoff has passed, so that an
-/// outage costs one try per backoff instead of one failure per delivery the broker has.
-/// Shared by the deliveries one consumer handles at once.
-#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
-#[derive(Debug, Default)]
-pub(crate) struct Pause {
-    until: Mutex<Option<tokio::time::Instant>>,
-}
-
-#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
-impl Pause {
-    /// Takes no new delivery for `after` from now (a pause already running longer stands).
-    pub(crate) fn hold(&self, after: Duration) {
-        let until = tokio::time::Instant::now() + after;
-        let mut slot = self.until.lock().unwrap_or_else(PoisonError::into_inner);
-        if slot.is_none_or(|current| current < until) {
-            *slot = Some(until);
-        }
-    }
-
-    /// Waits out the pause as it stands now. A pause extended meanwhile is not waited for
-    /// again: each delivery waits at most one backoff here, so one kept unacknowledged in the
-    /// meantime never outlives the broker's patience.
-    pub(crate) async fn wait(&self) {
-        let until = *self.until.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(until) = until {
-            tokio::time::sleep_until(until).await;
-        }
-    }
-}
-
-/// What becomes of a delivery whose handler (or key function, or store) failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Fate {
-    /// The database aborted the transaction on a conflict: run the handler again at once.
-    Rerun,
-    /// Deliver it again after the backoff; this attempt counts.
-    Retry,
-    /// An outage: deliver it again after the outage backoff, counting no attempt.
-    Pause,
-    /// Dead-letter it.
-    Dead,
-}
-
-/// The inbox's rule, apart from any I/O: a permanent failure dies at once; an outage is waited
-/// out however long it lasts, since the delivery is not at fault; any other failure is retried
-/// until the attempts run out (at once on an operator's replay, which is a single attempt).
-/// A conflict abort is run again at once inside one attempt; once the engine's reruns run out,
-/// the caller hands it in as a retryable failure.
-fn fate(failure: &Failure, attempt: u32, max_attempts: u32, replay: bool) -> Fate {
-    match failure {
-        Failure::Conflict(_) => Fate::Rerun,
-        Failure::Permanent(_) => Fate::Dead,
-        Failure::Unavailable(_) => Fate::Pause,
-        Failure::Retryable(_) if replay || attempt >= max_attempts => Fate::Dead,
-        Failure::Retryable(_) => Fate::Retry,
-    }
-}
-
-impl Failure {
-    fn reason(&self) -> &str {
-        match self {
-            Self::Retryable(reason)
-            | Self::Unavailable(reason)
-            | Self::Permanent(reason)
-            | Self::Conflict(reason) => reason,
-        }
-    }
-}
-
-fn take(slot: &Mutex<Option<Failure>>) -> Option<Failure> {
-    slot.lock().unwrap_or_else(PoisonError::into_inner).take()
 }
 
 /// A business key as an [`IdempotencyKey`]: its SHA-256 in hex, so that any key (longer than the

@@ -23,7 +23,7 @@ use tower_service::Service;
 use super::IdempotencyLayer;
 use super::principal::BoxFuture;
 use crate::Backend;
-use crate::engine::{Classification, Execution, Intent, Uncancelled};
+use crate::engine::{Classification, Execution, Intent, RunError, Uncancelled};
 use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Fingerprinter, Verbatim};
 use crate::key::IdempotencyKey;
@@ -322,6 +322,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 }
             })
             .await
+            .map_err(RunError::into_rejection)
     }
 
     /// A request without a key: no claim, but `Tx` still works, resolved by the status.

@@ -1,0 +1,203 @@
+//! How the inbox reaches a delivery's verdict: its key claimed, its handler run in the claim's
+//! transaction, and what becomes of a failure.
+
+use std::future::Future;
+
+use bytes::Bytes;
+use http::StatusCode;
+
+use super::failure::{Fate, fate};
+use super::{CONSUME, DEAD, Delivery, Failure, Inbox, LOG_TARGET, Verdict};
+use crate::Backend;
+use crate::engine::{self, Answer, Outcome, RunError};
+use crate::error::Rejection;
+use crate::tx::Tx;
+
+impl<DB: Backend> Inbox<DB> {
+    pub(super) async fn decide<F, Fut>(
+        &self,
+        delivery: &Delivery,
+        mut handler: F,
+        replay: bool,
+    ) -> Verdict
+    where
+        F: FnMut(Tx<DB>, Delivery) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<(), Failure>> + Send + 'static,
+    {
+        let (key, scope) = match self.claimable(delivery) {
+            Ok(claimable) => claimable,
+            Err(failure) => return self.failed(delivery, None, failure, replay).await,
+        };
+        let message = delivery.clone();
+        let (attempt, max_attempts) = (delivery.attempts(), self.max_attempts);
+        let answer = self
+            .engine
+            .run_verdict(&scope, self.fingerprint(), move |tx| {
+                let applied = handler(tx, message.clone());
+                async move { verdict_of(applied.await, attempt, max_attempts, replay) }
+            })
+            .await;
+        self.conclude(delivery, &key, answer, replay).await
+    }
+
+    /// The delivery's business key and the scope it is claimed under.
+    fn claimable(&self, delivery: &Delivery) -> Result<(String, crate::Scope), Failure> {
+        let key = (self.key)(delivery)?;
+        let scope = self.scope(CONSUME, &key)?;
+        Ok((key, scope))
+    }
+
+    /// The verdict for the engine's answer: the handler's failure came back with it, typed.
+    async fn conclude(
+        &self,
+        delivery: &Delivery,
+        key: &str,
+        answer: Answer<Failure>,
+        replay: bool,
+    ) -> Verdict {
+        let failure = match (answer.result, answer.failure) {
+            (Ok(execution), _) if execution.outcome == Outcome::Replayed => {
+                return Verdict::Duplicate;
+            }
+            (Ok(_), Some(failure)) => failure,
+            (Ok(_), None) => return Verdict::Applied,
+            // Another delivery of the key still holds the claim past the wait: come back later
+            // and find its outcome, rather than run the handler beside it.
+            (Err(RunError::Rejected(Rejection::InProgress { retry_after })), _) => {
+                return Verdict::Retry { after: retry_after };
+            }
+            (Err(error), _) => self.not_applied(error),
+        };
+        self.failed(delivery, Some(key), failure, replay).await
+    }
+
+    /// The failure of a delivery the engine could not apply.
+    fn not_applied(&self, error: RunError) -> Failure {
+        let panicked = matches!(error, RunError::Panicked);
+        let store_failed = matches!(error, RunError::Store(_));
+        let rejection = error.into_rejection();
+        let failure = match rejection {
+            // A bug, which attempts bound like any failure.
+            _ if panicked => {
+                Failure::retryable(format!("not applied, the handler panicked: {rejection}"))
+            }
+            // The store failed before, around or after the handler (a claim, a commit or a
+            // rollback that could not reach the database): the consumer's own database is out,
+            // which is no fault of the delivery.
+            _ if store_failed => Failure::unavailable(format!("not applied: {rejection}")),
+            Rejection::Internal => Failure::unavailable(format!("not applied: {rejection}")),
+            Rejection::Conflict => Failure::Conflict(format!("not applied: {rejection}")),
+            _ => Failure::retryable(format!("not applied: {rejection}")),
+        };
+        tracing::warn!(target: LOG_TARGET, consumer = %self.name, error = %rejection, "inbox could not apply a delivery");
+        failure
+    }
+
+    pub(super) async fn failed(
+        &self,
+        delivery: &Delivery,
+        key: Option<&str>,
+        failure: Failure,
+        replay: bool,
+    ) -> Verdict {
+        let attempt = delivery.attempts();
+        let failure = match failure {
+            // The engine's reruns of a conflict abort ran out: one attempt spent.
+            Failure::Conflict(reason) => Failure::Retryable(reason),
+            failure => failure,
+        };
+        match (fate(&failure, attempt, self.max_attempts, replay), failure) {
+            (Fate::Pause, Failure::Unavailable(reason)) => {
+                let outages = self.counters.outage();
+                let after = self.outage_backoff.delay(outages.saturating_add(1));
+                tracing::warn!(
+                    target: LOG_TARGET,
+                    consumer = %self.name,
+                    message_id = delivery.id(),
+                    reason = %reason,
+                    pause_ms = u64::try_from(after.as_millis()).unwrap_or(u64::MAX),
+                    "inbox paused: the consumer's database or a dependency is unreachable; \
+                     the delivery comes back without counting an attempt"
+                );
+                Verdict::Unavailable { after, reason }
+            }
+            (Fate::Dead, Failure::Permanent(reason)) => self.dead(delivery, key, reason).await,
+            (Fate::Dead, failure) => {
+                let reason = format!("{} (attempt {attempt})", failure.reason());
+                self.dead(delivery, key, reason).await
+            }
+            _ => Verdict::Retry {
+                after: self.backoff.delay(attempt),
+            },
+        }
+    }
+
+    /// Records the failure through the engine, in its own transaction and a scope of its own,
+    /// logs it, then tells the adapter to dead-letter the delivery.
+    async fn dead(&self, delivery: &Delivery, key: Option<&str>, reason: String) -> Verdict {
+        if let Some(Ok(scope)) = key.map(|key| self.scope(DEAD, key)) {
+            let note = Bytes::from(reason.clone());
+            let recorded: Answer = self
+                .failures
+                .run_verdict(&scope, self.fingerprint(), move |_tx: Tx<DB>| {
+                    let note = note.clone();
+                    async move { engine::Verdict::Refuse(refusal(note)) }
+                })
+                .await;
+            if let Err(error) = recorded.result {
+                // The dead letter is still written: losing the note beats looping on it.
+                let error = error.into_rejection();
+                tracing::warn!(target: LOG_TARGET, consumer = %self.name, %error, "could not record an inbox failure");
+            }
+        }
+        // Operators look for why here or in the dead letter's header; the payload (and the
+        // business key, read from it) may hold personal data and stay out of the log.
+        tracing::warn!(
+            target: LOG_TARGET,
+            consumer = %self.name,
+            message_id = delivery.id(),
+            attempt = delivery.attempts(),
+            reason = %reason,
+            "inbox dead-lettered a delivery"
+        );
+        Verdict::Dead { reason }
+    }
+}
+
+/// What the engine does with the transaction of one call of the handler.
+fn verdict_of(
+    applied: Result<(), Failure>,
+    attempt: u32,
+    max_attempts: u32,
+    replay: bool,
+) -> engine::Verdict<Failure> {
+    let failure = match applied {
+        // The claim keeps the key alone: there is no response to store.
+        Ok(()) => return engine::Verdict::Commit(http::Response::default()),
+        Err(failure) => failure,
+    };
+    match fate(&failure, attempt, max_attempts, replay) {
+        // A conflict abort: the engine runs the handler again, as it does for a request under
+        // the layer.
+        Fate::Rerun => engine::Verdict::Conflict,
+        // Rolled back like any failure; a dead one is logged and counted as `dead`, since it
+        // will not come back as a retry.
+        fate => engine::Verdict::RollBack {
+            response: http::Response::default(),
+            failure,
+            dead: fate == Fate::Dead,
+        },
+    }
+}
+
+/// A dead letter's note as the engine stores it: a record holds a response, so the note is
+/// the body of a final refusal. Nothing is decided from its status.
+fn refusal(note: Bytes) -> http::Response<Bytes> {
+    let mut response = http::Response::new(note);
+    *response.status_mut() = StatusCode::UNPROCESSABLE_ENTITY;
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}

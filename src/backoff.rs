@@ -100,13 +100,19 @@ pub(crate) fn retry_after(
 #[cfg(any(feature = "client", feature = "outbox"))]
 const IN_PROGRESS_CODE: &str = "idempotency_request_in_progress";
 
-/// How that document's `type` ends: the docs anchor of `Rejection::InProgress`, whichever
-/// version of the docs the link names.
+/// How that document's `type` begins: the crate's docs on docs.rs, of any version.
 #[cfg(any(feature = "client", feature = "outbox"))]
-const IN_PROGRESS_TYPE: &str = "/axum_idempotency/error/enum.Rejection.html#variant.InProgress";
+const TYPE_PREFIX: &str = "https://docs.rs/axum-idempotency/";
+
+/// How that document's `type` ends: the docs anchor of `Rejection::InProgress`. The version and
+/// the page between prefix and anchor differ from one server's version to another's.
+#[cfg(any(feature = "client", feature = "outbox"))]
+const IN_PROGRESS_ANCHOR: &str = "#variant.InProgress";
 
 /// Whether a `409` body is this crate's "same key still in flight" problem document (its
-/// `code`, or its `type`). The client's retries and the outbox's HTTP sender read it alike.
+/// `code`, or its `type`), from a server of any version of the crate: only the parts that
+/// every version shares are compared. The client's retries and the outbox's HTTP sender read
+/// it alike.
 #[cfg(any(feature = "client", feature = "outbox"))]
 pub(crate) fn is_in_progress_conflict(body: &[u8]) -> bool {
     #[derive(serde::Deserialize)]
@@ -119,9 +125,9 @@ pub(crate) fn is_in_progress_conflict(body: &[u8]) -> bool {
     }
     serde_json::from_slice::<Problem<'_>>(body).is_ok_and(|problem| {
         problem.code.as_deref() == Some(IN_PROGRESS_CODE)
-            || problem
-                .kind
-                .is_some_and(|kind| kind.ends_with(IN_PROGRESS_TYPE))
+            || problem.kind.is_some_and(|kind| {
+                kind.starts_with(TYPE_PREFIX) && kind.ends_with(IN_PROGRESS_ANCHOR)
+            })
     })
 }
 
@@ -149,9 +155,37 @@ mod tests {
         assert!(is_in_progress_conflict(by_code));
         let by_type = br#"{"type":"https:\/\/docs.rs\/axum-idempotency\/0.1.0\/axum_idempotency\/error\/enum.Rejection.html#variant.InProgress"}"#;
         assert!(is_in_progress_conflict(by_type));
-        let lease = br#"{"type":"https://docs.rs/axum-idempotency/latest/axum_idempotency/error/enum.Rejection.html#variant.LeaseLost","code":"idempotency_lease_lost"}"#;
+        let lease = br#"{"type":"https://docs.rs/axum-idempotency/0.1.0/axum_idempotency/error/enum.Rejection.html#variant.LeaseLost","code":"idempotency_lease_lost"}"#;
         assert!(!is_in_progress_conflict(lease));
         assert!(!is_in_progress_conflict(br#"{"code":"out_of_stock"}"#));
+        let elsewhere = br#"{"type":"https://example.test/errors#variant.InProgress"}"#;
+        assert!(!is_in_progress_conflict(elsewhere));
+    }
+
+    #[cfg(any(feature = "client", feature = "outbox"))]
+    #[test]
+    fn an_in_progress_conflict_is_known_from_a_server_of_another_version() {
+        // A later server may sit elsewhere in its docs; its answer carries no `code` here so
+        // the type alone must be read.
+        for version in ["0.1.0", "0.2.3", "1.0.0-rc.1"] {
+            for page in ["error/enum.Rejection.html", "enum.Rejection.html"] {
+                let body = format!(
+                    r#"{{"type":"https://docs.rs/axum-idempotency/{version}/axum_idempotency/{page}#variant.InProgress"}}"#
+                );
+                assert!(is_in_progress_conflict(body.as_bytes()), "{body}");
+            }
+        }
+    }
+
+    #[cfg(all(feature = "server", any(feature = "client", feature = "outbox")))]
+    #[test]
+    fn this_versions_in_progress_type_is_known_without_its_code() {
+        let ours = crate::error::Rejection::InProgress {
+            retry_after: Duration::from_secs(1),
+        };
+        let body = serde_json::to_vec(&serde_json::json!({ "type": ours.problem_type() }))
+            .expect("a JSON document");
+        assert!(is_in_progress_conflict(&body));
     }
 
     #[test]

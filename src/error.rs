@@ -28,6 +28,14 @@
 //!
 //! Every `code` the crate sets starts with `idempotency_` and every `type` is a link into these
 //! docs, so a client tells the crate's answers from its application's own errors by that prefix.
+//!
+//! The `type` links to the rejection's description in the docs of the version that answered,
+//! for example
+//! `https://docs.rs/axum-idempotency/0.1.0/axum_idempotency/error/enum.Rejection.html#variant.KeyReused`,
+//! so what it points at never changes under a running server. Client code matches the `code`,
+//! which is the same in every version; code that reads the `type` matches its fragment
+//! (`#variant.KeyReused`), never the version in the path. This crate's own client and the
+//! outbox's HTTP sender recognise a server of any version that way.
 
 use std::time::Duration;
 
@@ -313,12 +321,30 @@ impl Rejection {
     }
 }
 
-/// The page documenting [`Rejection`] on docs.rs; a problem's `type` is this page with the
-/// variant's anchor, so a developer who follows it reads that rejection's description. The path
+/// The page documenting [`Rejection`] in this version's docs on docs.rs; a problem's `type` is
+/// this page with the variant's anchor, so a developer who follows it reads that rejection's
+/// description as the answering server meant it. The version is in the path because
+/// `/latest/` would change what an old server's answer links to with every release. The path
 /// is the one rustdoc gives the type where it is defined (the `error` module): the crate
 /// root's re-export is not inlined and has no page of its own.
-const REJECTION_DOCS: &str =
-    "https://docs.rs/axum-idempotency/latest/axum_idempotency/error/enum.Rejection.html";
+const REJECTION_DOCS: &str = concat!(
+    "https://docs.rs/axum-idempotency/",
+    env!("CARGO_PKG_VERSION"),
+    "/axum_idempotency/error/enum.Rejection.html"
+);
+
+/// The problem `type` of the variant named `variant`.
+fn problem_type(variant: &str) -> String {
+    format!("{REJECTION_DOCS}#variant.{variant}")
+}
+
+impl Rejection {
+    /// The problem `type` this rejection is answered with.
+    #[cfg(all(test, any(feature = "client", feature = "outbox")))]
+    pub(crate) fn problem_type(&self) -> String {
+        problem_type(self.describe().variant)
+    }
+}
 
 /// The problem document. Written by hand rather than with a problem-details crate because
 /// `http::Uri` cannot hold the fragment our `type` links to (the variant's rustdoc anchor).
@@ -340,7 +366,7 @@ impl IntoResponse for Rejection {
             title,
         } = self.describe();
         let problem = Problem {
-            r#type: format!("{REJECTION_DOCS}#variant.{variant}"),
+            r#type: problem_type(variant),
             title,
             status: status.as_u16(),
             detail: self.to_string(),

@@ -338,7 +338,7 @@ pub mod layer {}
 /// HTTP/1.1 400 Bad Request
 /// content-type: application/problem+json
 ///
-/// {"type":"https://docs.rs/axum-idempotency/latest/axum_idempotency/error/enum.Rejection.html#variant.KeyMissing","title":"Idempotency key missing","status":400,"detail":"this request requires an Idempotency-Key header","code":"idempotency_key_missing"}
+/// {"type":"https://docs.rs/axum-idempotency/0.1.0/axum_idempotency/error/enum.Rejection.html#variant.KeyMissing","title":"Idempotency key missing","status":400,"detail":"this request requires an Idempotency-Key header","code":"idempotency_key_missing"}
 /// ```
 ///
 /// The example's whole code is in three files under `examples/orders/`, about 840 lines:

@@ -12,7 +12,13 @@ use axum::response::IntoResponse;
 use axum_idempotency::{IdempotencyKey, Rejection};
 use http_body_util::BodyExt;
 
-const DOCS_RS: &str = "https://docs.rs/axum-idempotency/latest/";
+/// The docs of this very version: a problem `type` keeps naming what it meant when a later
+/// release changes the docs.
+const DOCS_RS: &str = concat!(
+    "https://docs.rs/axum-idempotency/",
+    env!("CARGO_PKG_VERSION"),
+    "/"
+);
 
 /// One of each variant. `Rejection` is non-exhaustive, so a variant added later is caught by
 /// the comparison with the anchors in the page, not by the compiler.

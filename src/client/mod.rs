@@ -12,8 +12,9 @@
 //! - Every retry sends the **same** key and the **same** body: the body is buffered once (up to
 //!   [`max_request_body`](IdempotentRetryLayer::max_request_body)) and resent.
 //! - It retries only what is safe and useful to retry: connection errors, timeouts, `408`,
-//!   `429`, `5xx`, and `409` with the problem `code` `idempotency_request_in_progress` (the
-//!   server is still running the first attempt). Every other answer is final and returned at
+//!   `429`, `5xx`, and `409` with the problem `code` `idempotency_request_in_progress`, or a
+//!   `type` into this crate's docs ending `#variant.InProgress` (the server, of whichever version of this
+//!   crate, is still running the first attempt). Every other answer is final and returned at
 //!   once: `400`, `401`, `403`, `404`, `422` (key reused with a different request — a bug in the
 //!   caller), and a business `409` such as `out_of_stock`.
 //! - It waits as `Retry-After` says (seconds or an HTTP-date), otherwise exponential backoff with

@@ -30,7 +30,7 @@ type BoxError = Box<dyn StdError + Send + Sync>;
 /// | `2xx` | delivered; the receipt is the string or number at [`receipt`](Self::receipt) in the JSON body (default `/id`), else the status |
 /// | `429`, `503` | unavailable, never probed again before the answer's `Retry-After` (seconds or a date) |
 /// | `408` | retry, never before the answer's `Retry-After` |
-/// | `409` with a `Retry-After`, or with this crate's problem document for a key still in flight (`code` `idempotency_request_in_progress`) | retry, never before the answer's `Retry-After`: the key's first request is still running |
+/// | `409` with a `Retry-After`, or with this crate's problem document for a key still in flight (`code` `idempotency_request_in_progress`, or its `type`, from a server of any version) | retry, never before the answer's `Retry-After`: the key's first request is still running |
 /// | any other `409` | rejected for good: the downstream's answer to this request (a business conflict) |
 /// | any other `5xx` | unknown: the request may have been applied, so it is looked up first |
 /// | any other status | rejected for good, with the status and the start of the body |

@@ -151,16 +151,18 @@ pub enum Rejection {
     )]
     Conflict,
     /// A [`Tx`](crate::Tx) was extracted on a route that no [`IdempotencyLayer`] of its
-    /// database wraps: a mistake in the router, which a retry cannot cure. Add the layer with
-    /// [`Router::route_layer`](axum::Router::route_layer), on a store of the same database.
+    /// database (and of its marker, if it has one) wraps: a mistake in the router, which a
+    /// retry cannot cure. Add the layer with [`Router::route_layer`](axum::Router::route_layer),
+    /// on a store of the same database, marked with
+    /// [`tx_marker`](crate::IdempotencyLayer::tx_marker) where the `Tx` names a marker.
     ///
     /// [`IdempotencyLayer`]: crate::IdempotencyLayer
-    #[error(
-        "Tx<{database}> needs an IdempotencyLayer on a {database} store around the route; add one with Router::route_layer"
-    )]
+    #[error("{}", layer_missing(database, *marker))]
     LayerMissing {
         /// The database of the `Tx` (as sqlx names it).
         database: &'static str,
+        /// The marker type the `Tx` names (its type name); `None` for an unmarked `Tx<DB>`.
+        marker: Option<&'static str>,
     },
 }
 
@@ -332,6 +334,18 @@ const REJECTION_DOCS: &str = concat!(
     env!("CARGO_PKG_VERSION"),
     "/axum_idempotency/error/enum.Rejection.html"
 );
+
+/// What [`Rejection::LayerMissing`] says: the `Tx` asked for, and the layer that would give it.
+fn layer_missing(database: &str, marker: Option<&str>) -> String {
+    match marker {
+        None => format!(
+            "Tx<{database}> needs an IdempotencyLayer on a {database} store around the route; add one with Router::route_layer"
+        ),
+        Some(marker) => format!(
+            "Tx<{database}, {marker}> needs an IdempotencyLayer on a {database} store with .tx_marker::<{marker}>() around the route; add one with Router::route_layer"
+        ),
+    }
+}
 
 /// The problem `type` of the variant named `variant`.
 fn problem_type(variant: &str) -> String {

@@ -72,8 +72,53 @@
 //! Keep a `Tx` inside the handler. One still held elsewhere when the handler returns (moved into
 //! a spawned task, say) cannot be committed; the layer then rolls the attempt back and answers
 //! 500 `idempotency_transaction_held`, rather than skipping the commit in silence.
+//!
+//! # Two databases of one driver
+//!
+//! A `Tx<Sqlite>` is taken from the innermost SQLite layer around the route. Where two layers
+//! of one driver wrap a route, on two pools (two databases, two schemas), give each a marker
+//! type of your own with [`IdempotencyLayer::tx_marker`](crate::IdempotencyLayer::tx_marker)
+//! and name it in the handler's `Tx`: `Tx<Sqlite, Ledger>` is the transaction of the layer
+//! marked `Ledger`, whatever else wraps the route. A marker that no layer around the route
+//! has answers 500 `idempotency_layer_missing`, naming the marker.
+//!
+#![cfg_attr(feature = "sqlite", doc = "```")]
+#![cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
+//! use axum::{Router, http::StatusCode, routing::post};
+//! use axum_idempotency::{IdempotencyLayer, SqliteStore, Tx, TxError};
+//! use sqlx::{Sqlite, SqlitePool};
+//!
+//! /// The ledger's database.
+//! struct Ledger;
+//! /// The audit trail's database.
+//! struct Audit;
+//!
+//! async fn transfer(
+//!     mut ledger: Tx<Sqlite, Ledger>,
+//!     mut audit: Tx<Sqlite, Audit>,
+//! ) -> Result<StatusCode, TxError> {
+//!     sqlx::query("INSERT INTO entries (cents) VALUES (1250)").execute(&mut ledger).await?;
+//!     sqlx::query("INSERT INTO events (what) VALUES ('transfer')").execute(&mut audit).await?;
+//!     Ok(StatusCode::CREATED)
+//! }
+//!
+//! # async fn run() -> Result<(), sqlx::Error> {
+//! let ledger = SqliteStore::new(SqlitePool::connect("sqlite://ledger.db").await?);
+//! let audit = SqliteStore::new(SqlitePool::connect("sqlite://audit.db").await?);
+//! let app: Router = Router::new()
+//!     .route("/transfers", post(transfer))
+//!     .route_layer(IdempotencyLayer::new(ledger).tx_marker::<Ledger>().allow_anonymous())
+//!     .route_layer(IdempotencyLayer::new(audit).tx_marker::<Audit>().allow_anonymous());
+//! # let _ = app; Ok(()) }
+//! ```
+//!
+//! Each layer claims the key in its own database and commits on its own: the two commits are
+//! not one atomic step. The marker only chooses the transaction; jobs and inbox handlers get
+//! the engine's own `Tx<DB>`, unmarked.
 
+use std::any::TypeId;
 use std::fmt;
+use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -82,6 +127,7 @@ use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 use sqlx::{Database, Pool, Transaction};
 
+use crate::Backend;
 use crate::error::Rejection;
 use crate::store::{is_conflict_abort, is_unreachable};
 
@@ -89,15 +135,25 @@ use crate::store::{is_conflict_abort, is_unreachable};
 ///
 /// Used like a `sqlx::Transaction`: `query.execute(&mut tx)` (or `&mut *tx`, the connection it
 /// dereferences to).
-pub struct Tx<DB: Database> {
+///
+/// `M` is the marker of the layer it comes from, for a route under two layers of one driver
+/// (see [two databases of one driver](crate::tx#two-databases-of-one-driver)); unmarked layers
+/// and the engine give `Tx<DB>`.
+pub struct Tx<DB: Backend, M = ()> {
     slot: TxSlot<DB>,
     // Always `Some` until `Drop` hands the transaction back to the slot.
     tx: Option<Transaction<'static, DB>>,
+    // `fn() -> M`: a marker is a name, so `Tx` is `Send` and `Sync` whatever `M` is.
+    marker: PhantomData<fn() -> M>,
 }
 
-impl<DB: Database> Tx<DB> {
+impl<DB: Backend, M> Tx<DB, M> {
     pub(crate) fn take(slot: TxSlot<DB>, tx: Transaction<'static, DB>) -> Self {
-        Self { slot, tx: Some(tx) }
+        Self {
+            slot,
+            tx: Some(tx),
+            marker: PhantomData,
+        }
     }
 
     /// Runs `action` once this transaction has committed, never before and never after a
@@ -121,7 +177,7 @@ impl<DB: Database> Tx<DB> {
     }
 }
 
-impl<DB: Database> Deref for Tx<DB> {
+impl<DB: Backend, M> Deref for Tx<DB, M> {
     type Target = DB::Connection;
 
     fn deref(&self) -> &Self::Target {
@@ -129,7 +185,7 @@ impl<DB: Database> Deref for Tx<DB> {
     }
 }
 
-impl<DB: Database> DerefMut for Tx<DB> {
+impl<DB: Backend, M> DerefMut for Tx<DB, M> {
     fn deref_mut(&mut self) -> &mut Self::Target {
         self.transaction_mut()
     }
@@ -141,7 +197,7 @@ impl<DB: Database> DerefMut for Tx<DB> {
 macro_rules! executor_for_tx {
     ($feature:literal, $db:ty) => {
         #[cfg(feature = $feature)]
-        impl<'c> sqlx::Executor<'c> for &'c mut Tx<$db> {
+        impl<'c, M> sqlx::Executor<'c> for &'c mut Tx<$db, M> {
             type Database = $db;
 
             fn fetch_many<'e, 'q: 'e, E>(
@@ -209,7 +265,7 @@ executor_for_tx!("sqlite", sqlx::Sqlite);
 executor_for_tx!("postgres", sqlx::Postgres);
 executor_for_tx!("mysql", sqlx::MySql);
 
-impl<DB: Database> Drop for Tx<DB> {
+impl<DB: Backend, M> Drop for Tx<DB, M> {
     fn drop(&mut self) {
         if let Some(tx) = self.tx.take() {
             *self.slot.lock() = SlotState::Ready(tx);
@@ -217,18 +273,29 @@ impl<DB: Database> Drop for Tx<DB> {
     }
 }
 
-impl<DB: Database> fmt::Debug for Tx<DB> {
+impl<DB: Backend, M> fmt::Debug for Tx<DB, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Tx").field("database", &DB::NAME).finish()
+        f.debug_struct("Tx")
+            .field("database", &DB::NAME)
+            .field("marker", &std::any::type_name::<M>())
+            .finish()
     }
 }
 
-impl<DB: Database, S: Send + Sync> FromRequestParts<S> for Tx<DB> {
+impl<DB: Backend, M: 'static, S: Send + Sync> FromRequestParts<S> for Tx<DB, M> {
     type Rejection = Rejection;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        let Some(slot) = parts.extensions.get::<TxSlot<DB>>().cloned() else {
-            let missing = Rejection::LayerMissing { database: DB::NAME };
+        let marker = Marker::of::<M>();
+        let found = parts
+            .extensions
+            .get::<TxSlots<DB>>()
+            .and_then(|slots| slots.find(marker));
+        let Some(slot) = found else {
+            let missing = Rejection::LayerMissing {
+                database: DB::NAME,
+                marker: marker.name(),
+            };
             tracing::error!("{missing}");
             return Err(missing);
         };
@@ -439,7 +506,10 @@ impl<DB: Database> TxSlot<DB> {
     }
 
     /// Hands the transaction out as a `Tx`, for jobs that call the engine directly.
-    pub(crate) fn into_tx(self) -> Result<Tx<DB>, StillHeld> {
+    pub(crate) fn into_tx(self) -> Result<Tx<DB>, StillHeld>
+    where
+        DB: Backend,
+    {
         let state = std::mem::replace(&mut *self.lock(), SlotState::Taken);
         match state {
             SlotState::Ready(tx) => Ok(Tx::take(self, tx)),
@@ -464,5 +534,66 @@ fn relock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 impl<DB: Database> Clone for TxSlot<DB> {
     fn clone(&self) -> Self {
         Self(Arc::clone(&self.0))
+    }
+}
+
+/// The marker type a layer hands its transaction out under: `()` unless set with
+/// [`IdempotencyLayer::tx_marker`](crate::IdempotencyLayer::tx_marker).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Marker {
+    id: TypeId,
+    name: &'static str,
+}
+
+impl Marker {
+    pub(crate) fn of<M: ?Sized + 'static>() -> Self {
+        Self {
+            id: TypeId::of::<M>(),
+            name: std::any::type_name::<M>(),
+        }
+    }
+
+    /// The marker's type name; `None` for the unmarked `()`.
+    fn name(self) -> Option<&'static str> {
+        (self != Self::of::<()>()).then_some(self.name)
+    }
+}
+
+impl Default for Marker {
+    fn default() -> Self {
+        Self::of::<()>()
+    }
+}
+
+impl fmt::Debug for Marker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name)
+    }
+}
+
+/// The request extension the layers around a route leave their transactions in, one per
+/// marker: a route under two layers of one driver finds each layer's own.
+pub(crate) struct TxSlots<DB: Database>(Vec<(Marker, TxSlot<DB>)>);
+
+impl<DB: Database> TxSlots<DB> {
+    /// Leaves `slot` in `extensions` under `marker`, in place of what an outer layer with the
+    /// same marker left there: the innermost layer's transaction is the handler's.
+    pub(crate) fn hand_over(extensions: &mut http::Extensions, marker: Marker, slot: TxSlot<DB>) {
+        let slots = extensions.get_or_insert_with(|| Self(Vec::new()));
+        slots.0.retain(|(held, _)| *held != marker);
+        slots.0.push((marker, slot));
+    }
+
+    fn find(&self, marker: Marker) -> Option<TxSlot<DB>> {
+        self.0
+            .iter()
+            .find(|(held, _)| *held == marker)
+            .map(|(_, slot)| slot.clone())
+    }
+}
+
+impl<DB: Database> Clone for TxSlots<DB> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
     }
 }

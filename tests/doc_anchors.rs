@@ -45,7 +45,10 @@ fn every_rejection() -> Vec<Rejection> {
         Rejection::Timeout,
         Rejection::BodyTimeout,
         Rejection::Conflict,
-        Rejection::LayerMissing { database: "SQLite" },
+        Rejection::LayerMissing {
+            database: "SQLite",
+            marker: None,
+        },
     ]
 }
 

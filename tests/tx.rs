@@ -1,5 +1,6 @@
 //! What a handler's `Tx` answers when it is misused or when the outbox refuses a message: a
 //! route without the layer is told the fix, and `?` on an enqueue keeps the crate's answers.
+//! And which transaction it is where two layers of one driver wrap a route: each marker's own.
 
 use axum::Router;
 use axum::body::Body;
@@ -100,4 +101,133 @@ async fn an_enqueue_refused_for_a_reused_downstream_key_is_final_and_commits_not
     let (again, problem) = call(app, "k2", r#"{"amount":2}"#).await;
     assert_eq!(again, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(problem["code"], "idempotency_key_reused");
+}
+
+/// The ledger's database, as the handlers name it.
+struct Ledger;
+/// The audit trail's database.
+struct Audit;
+
+/// A SQLite file of its own with the idempotency tables and an `entries` table.
+async fn database(dir: &tempfile::TempDir, name: &str) -> (SqlitePool, SqliteStore) {
+    let url = format!("sqlite://{}?mode=rwc", dir.path().join(name).display());
+    let pool = SqlitePool::connect(&url).await.unwrap();
+    sqlx::query("CREATE TABLE entries (note TEXT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let store = SqliteStore::new(pool.clone());
+    store.migrate().await.unwrap();
+    (pool, store)
+}
+
+async fn entries(pool: &SqlitePool) -> Vec<String> {
+    sqlx::query_scalar("SELECT note FROM entries ORDER BY rowid")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+async fn post_to(app: &Router, path: &str, key: &str) -> (StatusCode, serde_json::Value) {
+    let request = Request::post(path)
+        .header("idempotency-key", key)
+        .body(Body::empty())
+        .unwrap();
+    let response = app.clone().oneshot(request).await.unwrap();
+    let status = response.status();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let body = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+    (status, body)
+}
+
+#[tokio::test]
+async fn two_layers_of_one_driver_each_hand_their_own_tx_to_the_handler() {
+    async fn book(mut ledger: Tx<Sqlite, Ledger>) -> Result<StatusCode, TxError> {
+        sqlx::query("INSERT INTO entries (note) VALUES ('booked')")
+            .execute(&mut ledger)
+            .await?;
+        Ok(StatusCode::CREATED)
+    }
+    async fn transfer(
+        mut ledger: Tx<Sqlite, Ledger>,
+        mut audit: Tx<Sqlite, Audit>,
+    ) -> Result<StatusCode, TxError> {
+        sqlx::query("INSERT INTO entries (note) VALUES ('transferred')")
+            .execute(&mut ledger)
+            .await?;
+        sqlx::query("INSERT INTO entries (note) VALUES ('transfer seen')")
+            .execute(&mut audit)
+            .await?;
+        Ok(StatusCode::CREATED)
+    }
+    async fn note(mut audit: Tx<Sqlite, Audit>) -> Result<StatusCode, TxError> {
+        sqlx::query("INSERT INTO entries (note) VALUES ('noted')")
+            .execute(&mut audit)
+            .await?;
+        Ok(StatusCode::CREATED)
+    }
+    async fn misrouted(mut ledger: Tx<Sqlite, Ledger>) -> Result<StatusCode, TxError> {
+        sqlx::query("INSERT INTO entries (note) VALUES ('misrouted')")
+            .execute(&mut ledger)
+            .await?;
+        Ok(StatusCode::CREATED)
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let (ledger, ledger_store) = database(&dir, "ledger.db").await;
+    let (audit, audit_store) = database(&dir, "audit.db").await;
+    // `route_layer` wraps the routes added before it: `/book` and `/transfer` are under both
+    // layers, the audit layer outermost, and `/note` and `/misrouted` under the audit one only.
+    let app = Router::new()
+        .route("/book", post(book))
+        .route("/transfer", post(transfer))
+        .route_layer(
+            IdempotencyLayer::new(ledger_store)
+                .allow_anonymous()
+                .tx_marker::<Ledger>(),
+        )
+        .route("/note", post(note))
+        .route("/misrouted", post(misrouted))
+        .route_layer(
+            IdempotencyLayer::new(audit_store)
+                .allow_anonymous()
+                .tx_marker::<Audit>(),
+        );
+
+    assert_eq!(post_to(&app, "/book", "k1").await.0, StatusCode::CREATED);
+    assert_eq!(
+        entries(&ledger).await,
+        ["booked"],
+        "the inner layer's Tx, not the outer one's"
+    );
+    assert!(entries(&audit).await.is_empty());
+
+    assert_eq!(post_to(&app, "/note", "k2").await.0, StatusCode::CREATED);
+    assert_eq!(entries(&audit).await, ["noted"]);
+
+    assert_eq!(
+        post_to(&app, "/transfer", "k3").await.0,
+        StatusCode::CREATED
+    );
+    assert_eq!(entries(&ledger).await, ["booked", "transferred"]);
+    assert_eq!(entries(&audit).await, ["noted", "transfer seen"]);
+    // A retry replays: neither database is written again.
+    assert_eq!(
+        post_to(&app, "/transfer", "k3").await.0,
+        StatusCode::CREATED
+    );
+    assert_eq!(entries(&ledger).await, ["booked", "transferred"]);
+    assert_eq!(entries(&audit).await, ["noted", "transfer seen"]);
+
+    // The audit layer's transaction is not handed out under the ledger's marker.
+    let (status, problem) = post_to(&app, "/misrouted", "k4").await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(problem["code"], "idempotency_layer_missing");
+    let detail = problem["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("tx_marker::<") && detail.contains("Ledger>()"),
+        "the detail names the marker: {detail}"
+    );
+    assert_eq!(entries(&ledger).await, ["booked", "transferred"]);
+    assert_eq!(entries(&audit).await, ["noted", "transfer seen"]);
 }

@@ -67,6 +67,7 @@ use crate::Backend;
 use crate::engine::{Classification, Engine};
 use crate::fingerprint::Fingerprinter;
 use crate::store::Store;
+use crate::tx::Marker;
 
 pub use service::{IdempotencyService, ResponseFuture};
 
@@ -89,6 +90,7 @@ struct Config {
     fingerprinter: Fingerprinter,
     deadline: Option<Duration>,
     claims: Option<Arc<Semaphore>>,
+    marker: Marker,
 }
 
 /// Makes the routes it wraps idempotent (see the [module docs](self) and the crate docs).
@@ -130,6 +132,7 @@ impl<DB: Backend> fmt::Debug for IdempotencyLayer<DB> {
                 "max_concurrent_claims",
                 &self.config.claims.as_ref().map(|_| "bounded"),
             )
+            .field("tx_marker", &self.config.marker)
             .finish()
     }
 }
@@ -157,6 +160,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 fingerprinter: Fingerprinter::new(),
                 deadline: Some(DEFAULT_DEADLINE),
                 claims: None,
+                marker: Marker::default(),
             }),
         }
     }
@@ -223,6 +227,19 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     #[must_use]
     pub fn max_concurrent_claims(mut self, claims: usize) -> Self {
         self.config_mut().claims = Some(Arc::new(Semaphore::new(claims.max(1))));
+        self
+    }
+
+    /// Hands the request's transaction out as [`Tx<DB, M>`](crate::Tx) rather than `Tx<DB>`,
+    /// so a route under two layers of one driver (two pools: two databases, two schemas) gets
+    /// each layer's own: `M` is a type of your own that names the database. See
+    /// [two databases of one driver](crate::tx#two-databases-of-one-driver).
+    ///
+    /// Without it the layer's `Tx` is unmarked, and a route under two unmarked layers of one
+    /// driver gets the innermost one's.
+    #[must_use]
+    pub fn tx_marker<M: 'static>(mut self) -> Self {
+        self.config_mut().marker = Marker::of::<M>();
         self
     }
 

@@ -28,7 +28,7 @@ use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Fingerprinter, Verbatim};
 use crate::key::IdempotencyKey;
 use crate::scope::Scope;
-use crate::tx::TxSlot;
+use crate::tx::{TxSlot, TxSlots};
 
 /// A keyed request as the layer received it, body buffered, for the engine to compare with its
 /// key's record and to hand back for the handler.
@@ -303,6 +303,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
             None => None,
         };
         let _held = permit.clone();
+        let marker = self.config.marker;
         self.engine
             .run_in_slot(scope, received, move |received, slot, context| {
                 // Built here, not before: a replay answered from the cache never needs it.
@@ -310,7 +311,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 let mut request =
                     Request::from_parts(received.parts.clone(), Body::from(received.body.clone()));
                 request.extensions_mut().insert(context);
-                request.extensions_mut().insert(slot);
+                TxSlots::hand_over(request.extensions_mut(), marker, slot);
                 let inner = inner.clone();
                 let permit = permit.clone();
                 async move {
@@ -334,7 +335,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     {
         let slot = TxSlot::lazy(self.engine.store().pool().clone());
         let engine = self.engine.clone();
-        request.extensions_mut().insert(slot.clone());
+        TxSlots::hand_over(request.extensions_mut(), self.config.marker, slot.clone());
         // Never cancelled halfway, for the same reason as keyed requests: a client hanging up
         // must not abandon a transaction mid-statement.
         let handled = Uncancelled::new(async move {

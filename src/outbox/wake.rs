@@ -92,7 +92,7 @@ mod private {
     }
 }
 
-impl<DB: Backend> Target<DB> for &mut Tx<DB> {
+impl<DB: Backend, M> Target<DB> for &mut Tx<DB, M> {
     fn connection(&mut self) -> &mut DB::Connection {
         self
     }

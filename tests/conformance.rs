@@ -1385,7 +1385,10 @@ mod suite {
         tokio::time::sleep(Duration::from_millis(100)).await;
         let during = attempt().await;
         assert!(
-            matches!(during, Err(Rejection::InProgress { .. })),
+            matches!(
+                during,
+                Err(RunError::Rejected(Rejection::InProgress { .. }))
+            ),
             "{during:?}"
         );
         let over_http = app
@@ -1425,7 +1428,7 @@ mod suite {
                 },
             )
             .await;
-        assert!(matches!(died, Err(Rejection::Internal)), "{died:?}");
+        assert!(matches!(died, Err(RunError::Panicked)), "{died:?}");
         let soon = engine
             .run_leased(
                 &scope,
@@ -1436,7 +1439,7 @@ mod suite {
             )
             .await;
         assert!(
-            matches!(soon, Err(Rejection::InProgress { .. })),
+            matches!(soon, Err(RunError::Rejected(Rejection::InProgress { .. }))),
             "the dead holder's lease still counts: {soon:?}"
         );
         tokio::time::sleep(Duration::from_millis(2300)).await;

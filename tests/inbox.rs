@@ -109,7 +109,7 @@ where
         Err(Failure::retryable("downstream timed out"))
     };
     let verdict = inbox
-        .handle(Delivery::new("p-1").message_id("m-1"), write_then_fail)
+        .handle(Delivery::new("p-1").with_message_id("m-1"), write_then_fail)
         .await;
     assert!(matches!(verdict, Verdict::Retry { .. }), "{verdict:?}");
     assert_eq!(count(&pool, "SELECT COUNT(*) FROM effects").await, 0);
@@ -129,7 +129,7 @@ where
             .map_err(|e| Failure::retryable(e.to_string()))?;
         Ok(())
     };
-    let again = Delivery::new("p-1").message_id("m-1").attempt(2);
+    let again = Delivery::new("p-1").with_message_id("m-1").with_attempt(2);
     assert_eq!(inbox.handle(again.clone(), apply).await, Verdict::Applied);
     assert_eq!(inbox.handle(again, apply).await, Verdict::Duplicate);
     assert_eq!(count(&pool, "SELECT COUNT(*) FROM effects").await, 1);
@@ -163,8 +163,8 @@ where
         Ok(())
     };
     let (a, b) = tokio::join!(
-        inbox.handle(Delivery::new("p-9").message_id("m-1"), slow),
-        inbox.handle(Delivery::new("p-9").message_id("m-2"), slow),
+        inbox.handle(Delivery::new("p-9").with_message_id("m-1"), slow),
+        inbox.handle(Delivery::new("p-9").with_message_id("m-2"), slow),
     );
     let mut verdicts = [a, b];
     verdicts.sort_by_key(|v| format!("{v:?}"));
@@ -479,8 +479,8 @@ where
             .map_err(|e| Failure::retryable(e.to_string()))?;
         Ok(())
     };
-    let delivery = Delivery::new("p-1").message_id("m-1");
-    let unpurged = Delivery::new("p-2").message_id("m-2");
+    let delivery = Delivery::new("p-1").with_message_id("m-1");
+    let unpurged = Delivery::new("p-2").with_message_id("m-2");
     for delivery in [&delivery, &unpurged] {
         assert_eq!(
             inbox.handle(delivery.clone(), apply).await,
@@ -552,7 +552,7 @@ async fn retry_backoff_is_jittered_below_a_ceiling_that_doubles_to_the_cap() {
         let ceiling = Duration::from_millis(ceiling);
         let mut waits = Vec::new();
         for n in 0..40 {
-            let delivery = Delivery::new(format!("p-{n}")).attempt(attempt);
+            let delivery = Delivery::new(format!("p-{n}")).with_attempt(attempt);
             match inbox.handle(delivery, fail).await {
                 Verdict::Retry { after } => waits.push(after),
                 other => panic!("attempt {attempt}: {other:?}"),
@@ -977,8 +977,8 @@ async fn postgres_an_unreachable_database_is_an_outage_not_an_attempt() {
                 let mut outages = 0;
                 loop {
                     let delivery = Delivery::new(format!("p-{n}"))
-                        .message_id(format!("m-{n}"))
-                        .attempt(attempt);
+                        .with_message_id(format!("m-{n}"))
+                        .with_attempt(attempt);
                     match inbox.handle(delivery, apply_payment).await {
                         Verdict::Applied => return (outages, None),
                         Verdict::Retry { after } => {
@@ -1013,7 +1013,7 @@ async fn postgres_an_unreachable_database_is_an_outage_not_an_attempt() {
         6
     );
     for n in 1..=6 {
-        let again = Delivery::new(format!("p-{n}")).message_id(format!("m-{n}-again"));
+        let again = Delivery::new(format!("p-{n}")).with_message_id(format!("m-{n}-again"));
         assert_eq!(inbox.handle(again, apply_payment).await, Verdict::Duplicate);
     }
     let stats = inbox.stats();
@@ -1220,7 +1220,7 @@ async fn a_dead_letter_is_logged_and_counted_as_dead_not_retryable() {
         Err::<(), _>(Failure::permanent("order 7 does not exist"))
     };
     let verdict = inbox
-        .handle(Delivery::new("p-1").message_id("m-1"), refuse)
+        .handle(Delivery::new("p-1").with_message_id("m-1"), refuse)
         .await;
     assert_eq!(
         verdict,
@@ -1257,12 +1257,15 @@ async fn a_dead_letter_is_logged_and_counted_as_dead_not_retryable() {
         Err::<(), _>(Failure::retryable("the order service is down"))
     };
     let first = inbox
-        .handle(Delivery::new("p-2").message_id("m-2"), fail)
+        .handle(Delivery::new("p-2").with_message_id("m-2"), fail)
         .await;
     assert!(matches!(first, Verdict::Retry { .. }), "{first:?}");
     assert_eq!(requests(), (0, 1), "(dead, retryable)");
     let last = inbox
-        .handle(Delivery::new("p-2").message_id("m-2").attempt(2), fail)
+        .handle(
+            Delivery::new("p-2").with_message_id("m-2").with_attempt(2),
+            fail,
+        )
         .await;
     assert!(matches!(last, Verdict::Dead { .. }), "{last:?}");
     assert_eq!(requests(), (1, 0), "(dead, retryable)");

@@ -1,5 +1,6 @@
-//! A job's run that commits nothing says why: the engine refused it, the store failed, or the
-//! work itself failed; and whether running it again under the same key may succeed.
+//! A job's run, plain or leased, that commits nothing says why: the engine refused it, the
+//! store failed, or the work itself failed; and whether running it again under the same key
+//! may succeed.
 
 #![cfg(feature = "sqlite")]
 
@@ -126,4 +127,56 @@ async fn a_store_that_fails_is_named_as_the_cause() {
         }
         other => panic!("expected the store's failure, got {other:?}"),
     }
+}
+
+#[tokio::test]
+async fn a_failing_leased_job_gets_its_response_back_as_an_error_and_the_key_runs_afresh() {
+    let (engine, _pool) = engine().await;
+    let (scope, fingerprint) = invoice("invoice-leased-failing");
+    let lease = std::time::Duration::from_secs(30);
+    let failed = engine
+        .run_leased(
+            &scope,
+            fingerprint,
+            lease,
+            || async { None::<&str> },
+            |_lease| async { (StatusCode::BAD_GATEWAY, "the bank did not answer") },
+        )
+        .await;
+    match failed {
+        Err(RunError::Failed(response)) => {
+            assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
+            assert_eq!(response.body().as_ref(), b"the bank did not answer");
+        }
+        other => panic!("expected the work's failure, got {other:?}"),
+    }
+
+    let again = engine
+        .run_leased(
+            &scope,
+            fingerprint,
+            lease,
+            || async { None::<&str> },
+            |_lease| async { "invoiced" },
+        )
+        .await
+        .expect("the lease was let go: runs afresh");
+    assert_eq!(again.outcome, Outcome::Executed);
+}
+
+#[tokio::test]
+async fn a_leased_job_on_a_failing_store_is_told_the_cause() {
+    let (engine, pool) = engine().await;
+    let (scope, fingerprint) = invoice("invoice-leased-store-down");
+    pool.close().await;
+    let down = engine
+        .run_leased(
+            &scope,
+            fingerprint,
+            std::time::Duration::from_secs(30),
+            || async { None::<&str> },
+            |_lease| async { "never runs" },
+        )
+        .await;
+    assert!(matches!(down, Err(RunError::Store(_))), "{down:?}");
 }

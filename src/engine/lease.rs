@@ -35,6 +35,14 @@ impl<DB: Backend> Engine<DB> {
     /// holder that lost its lease gets [`Rejection::LeaseLost`]. The work has no transaction
     /// of its own: what it does outside the database is its own to make safe.
     ///
+    /// # Errors
+    ///
+    /// As for [`run`](Self::run), the [`RunError`] says why no outcome was recorded: the
+    /// engine refused ([`RunError::Rejected`]: a live lease of another holder, a key holding
+    /// another intent, a lost lease), the store failed ([`RunError::Store`]), or the work
+    /// answered a retryable failure or panicked ([`RunError::Failed`], [`RunError::Panicked`]),
+    /// and the lease was let go so the next caller runs it afresh.
+    ///
     #[cfg_attr(feature = "sqlite", doc = "```")]
     #[cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -70,7 +78,7 @@ impl<DB: Backend> Engine<DB> {
         lease: Duration,
         recover: C,
         work: W,
-    ) -> Result<Execution, Rejection>
+    ) -> Result<Execution, RunError>
     where
         C: FnOnce() -> CF + Send + 'static,
         CF: Future<Output = Option<CR>> + Send,
@@ -91,7 +99,7 @@ impl<DB: Backend> Engine<DB> {
                 },
             )
             .await;
-        answer.result.map_err(RunError::into_rejection)
+        answer.result
     }
 
     async fn execute_leased<C, CF, CR, W, WF, WR>(
@@ -185,7 +193,8 @@ impl<DB: Backend> Engine<DB> {
                 if let Err(error) = store.release_lease(&key, owner).await {
                     return Answer::store_failed(error);
                 }
-                return Answer::respond(response, Outcome::RolledBack, Logged::Retryable);
+                // Leases serve jobs only: no client is there to be handed the failed answer.
+                return Answer::reject(RunError::Failed(response), Logged::Retryable);
             }
         };
         let stored = self.storable(&response);

@@ -4,16 +4,18 @@ use bytes::Bytes;
 
 use crate::error::{Error, Rejection};
 
-/// Why [`Engine::run`](super::Engine::run) has no execution to return. Nothing of the work
-/// was committed in any case; [`is_retryable`](Self::is_retryable) says whether running it
-/// again under the same key may succeed.
+/// Why [`Engine::run`](super::Engine::run) or [`Engine::run_leased`](super::Engine::run_leased)
+/// has no execution to return. Nothing of the work was committed (no outcome recorded) in any
+/// case; [`is_retryable`](Self::is_retryable) says whether running it again under the same key
+/// may succeed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RunError {
     /// The engine refused the intent: its key holds another intent's outcome
     /// ([`Rejection::KeyReused`]), its original is still at work ([`Rejection::InProgress`]),
-    /// the database kept aborting the transaction ([`Rejection::Conflict`]), or the work's
-    /// answer could not be kept ([`Rejection::ResponseTooLarge`], [`Rejection::TransactionHeld`]).
+    /// the database kept aborting the transaction ([`Rejection::Conflict`]), the work's
+    /// answer could not be kept ([`Rejection::ResponseTooLarge`], [`Rejection::TransactionHeld`]),
+    /// or leased work lost its lease to another holder ([`Rejection::LeaseLost`]).
     #[error(transparent)]
     Rejected(#[from] Rejection),
     /// The idempotency store failed (to claim, commit or roll back): the database is likely
@@ -22,7 +24,8 @@ pub enum RunError {
     Store(#[source] Error),
     /// The work answered with a retryable failure (a 5xx, 408 or 429 by the engine's
     /// [classification](super::Engine::classify)): its writes were rolled back and no record
-    /// kept, so the same key runs afresh next time. The work's response is kept here.
+    /// kept (leased work lets its lease go), so the same key runs afresh next time. The work's
+    /// response is kept here.
     #[error("the work failed with {}; nothing was committed", .0.status())]
     Failed(http::Response<Bytes>),
     /// The work panicked: its writes were rolled back and no record kept.

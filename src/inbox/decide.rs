@@ -29,7 +29,7 @@ impl<DB: Backend> Inbox<DB> {
             Err(failure) => return self.failed(delivery, None, failure, replay).await,
         };
         let message = delivery.clone();
-        let (attempt, max_attempts) = (delivery.attempts(), self.max_attempts);
+        let (attempt, max_attempts) = (delivery.attempt(), self.max_attempts);
         let answer = self
             .engine
             .run_verdict(&scope, self.fingerprint(), move |tx| {
@@ -100,7 +100,7 @@ impl<DB: Backend> Inbox<DB> {
         failure: Failure,
         replay: bool,
     ) -> Verdict {
-        let attempt = delivery.attempts();
+        let attempt = delivery.attempt();
         let failure = match failure {
             // The engine's reruns of a conflict abort ran out: one attempt spent.
             Failure::Conflict(reason) => Failure::Retryable(reason),
@@ -113,7 +113,7 @@ impl<DB: Backend> Inbox<DB> {
                 tracing::warn!(
                     target: LOG_TARGET,
                     consumer = %self.name,
-                    message_id = delivery.id(),
+                    message_id = delivery.message_id(),
                     reason = %reason,
                     pause_ms = u64::try_from(after.as_millis()).unwrap_or(u64::MAX),
                     "inbox paused: the consumer's database or a dependency is unreachable; \
@@ -155,8 +155,8 @@ impl<DB: Backend> Inbox<DB> {
         tracing::warn!(
             target: LOG_TARGET,
             consumer = %self.name,
-            message_id = delivery.id(),
-            attempt = delivery.attempts(),
+            message_id = delivery.message_id(),
+            attempt = delivery.attempt(),
             reason = %reason,
             "inbox dead-lettered a delivery"
         );

@@ -22,16 +22,18 @@ impl Delivery {
         }
     }
 
-    /// Sets the broker's message id (RabbitMQ `message_id`, NATS `Nats-Msg-Id`).
+    /// Sets the broker's message id (RabbitMQ `message_id`, NATS `Nats-Msg-Id`), read back
+    /// with [`message_id`](Self::message_id).
     #[must_use]
-    pub fn message_id(mut self, id: impl Into<String>) -> Self {
+    pub fn with_message_id(mut self, id: impl Into<String>) -> Self {
         self.message_id = Some(id.into());
         self
     }
 
-    /// Sets which attempt this is, counting from 1 (the broker's delivery count).
+    /// Sets which attempt this is, counting from 1 (the broker's delivery count), read back
+    /// with [`attempt`](Self::attempt).
     #[must_use]
-    pub fn attempt(mut self, attempt: u32) -> Self {
+    pub fn with_attempt(mut self, attempt: u32) -> Self {
         self.attempt = attempt.max(1);
         self
     }
@@ -42,12 +44,12 @@ impl Delivery {
     }
 
     /// The broker's message id, if the message had one.
-    pub fn id(&self) -> Option<&str> {
+    pub fn message_id(&self) -> Option<&str> {
         self.message_id.as_deref()
     }
 
     /// Which attempt this is, from 1.
-    pub fn attempts(&self) -> u32 {
+    pub fn attempt(&self) -> u32 {
         self.attempt
     }
 }

@@ -46,8 +46,8 @@
 //! };
 //!
 //! let event = br#"{"payment_id":"p-1","order_id":7}"#;
-//! let first = inbox.handle(Delivery::new(event.to_vec()).message_id("m-1"), apply).await;
-//! let again = inbox.handle(Delivery::new(event.to_vec()).message_id("m-2"), apply).await;
+//! let first = inbox.handle(Delivery::new(event.to_vec()).with_message_id("m-1"), apply).await;
+//! let again = inbox.handle(Delivery::new(event.to_vec()).with_message_id("m-2"), apply).await;
 //! assert_eq!(first, Verdict::Applied);
 //! assert_eq!(again, Verdict::Duplicate); // same payment, another message id: skipped
 //! # Ok(()) }
@@ -295,7 +295,7 @@ impl<DB: Backend> Inbox<DB> {
             failures: Engine::new(store).retention(KEEP),
             key: Arc::new(|delivery: &Delivery| {
                 delivery
-                    .id()
+                    .message_id()
                     .map(str::to_owned)
                     .ok_or_else(|| Failure::permanent("the message has no message id"))
             }),
@@ -327,7 +327,7 @@ impl<DB: Backend> Inbox<DB> {
     pub fn key_by_message_id(self) -> Self {
         let mut inbox = self.key_by(|delivery| {
             delivery
-                .id()
+                .message_id()
                 .map(str::to_owned)
                 .ok_or_else(|| Failure::permanent("the message has no message id"))
         });

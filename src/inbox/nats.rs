@@ -412,9 +412,9 @@ impl<DB: Backend> NatsConsumer<DB> {
 }
 
 fn delivery_of(headers: Option<&HeaderMap>, payload: bytes::Bytes, attempt: u32) -> Delivery {
-    let mut delivery = Delivery::new(payload).attempt(attempt);
+    let mut delivery = Delivery::new(payload).with_attempt(attempt);
     if let Some(id) = headers.and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID)) {
-        delivery = delivery.message_id(id.as_str());
+        delivery = delivery.with_message_id(id.as_str());
     }
     delivery
 }

@@ -363,9 +363,9 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
         let before =
             header_count(&headers, ATTEMPTS).saturating_add(header_count(&headers, DELIVERY_COUNT));
         let attempt = before.saturating_add(1);
-        let mut message = Delivery::new(delivery.data.clone()).attempt(attempt);
+        let mut message = Delivery::new(delivery.data.clone()).with_attempt(attempt);
         if let Some(id) = delivery.properties.message_id() {
-            message = message.message_id(id.as_str());
+            message = message.with_message_id(id.as_str());
         }
         // While the consumer's database is out, deliveries wait here (unacknowledged, held
         // from other consumers) rather than each fail on it in turn.
@@ -497,7 +497,7 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
             let delivery = got.delivery;
             let mut message = Delivery::new(delivery.data.clone());
             if let Some(id) = delivery.properties.message_id() {
-                message = message.message_id(id.as_str());
+                message = message.with_message_id(id.as_str());
             }
             match self.inbox.replay(message, handler.clone()).await {
                 Verdict::Applied => {

@@ -9,7 +9,7 @@ use http::{Request, StatusCode};
 
 use super::{now_ms, unique};
 use crate::Backend;
-use crate::engine::{Engine, Outcome};
+use crate::engine::{Engine, Outcome, RunError};
 use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Fingerprinter};
 use crate::key::IdempotencyKey;
@@ -93,7 +93,7 @@ pub(super) async fn expired_lease_is_taken_over_only_after_asking_recovery<DB: B
         )
         .await;
     assert!(
-        matches!(busy, Err(Rejection::InProgress { .. })),
+        matches!(busy, Err(RunError::Rejected(Rejection::InProgress { .. }))),
         "{busy:?}"
     );
 

@@ -91,11 +91,7 @@ mod layer {
         configure: impl FnOnce(IdempotencyLayer<Sqlite>) -> IdempotencyLayer<Sqlite>,
     ) -> App {
         let dir = tempfile::tempdir().expect("tempdir");
-        let url = format!(
-            "sqlite://{}?mode=rwc",
-            dir.path().join("faults.db").display()
-        );
-        let pool = sqlx::SqlitePool::connect(&url).await.expect("sqlite");
+        let pool = crate::common::sqlite::file_pool(dir.path(), "faults.db").await;
         sqlx::query("CREATE TABLE effects (who TEXT NOT NULL)")
             .execute(&pool)
             .await

@@ -17,21 +17,15 @@ use axum_idempotency::inbox::rabbitmq::RabbitMqConsumer;
 use axum_idempotency::inbox::{Delivery, Failure, Inbox, ReplayReport, Verdict};
 use bytes::Bytes;
 use common::logs::Captured;
-use lapin::options::{
-    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
-};
+use lapin::BasicProperties;
+use lapin::options::{BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::{BasicProperties, Connection};
 use sqlx::{Database, Pool};
 
 mod common;
 
 use axum_idempotency::Store;
-use common::{Backend, Isolated, unique};
-
-const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-const NATS: &str = "nats://127.0.0.1:4222";
+use common::{Backend, Isolated, nats, rabbitmq, unique};
 
 /// A database with an `effects` table, and the inbox's store on it.
 trait TestDb: Backend {
@@ -248,11 +242,7 @@ where
     let again: ReplayReport;
     match kind {
         Kind::RabbitMq => {
-            let connection = Arc::new(
-                Connection::connect(AMQP, Default::default())
-                    .await
-                    .expect("RabbitMQ must be reachable at 127.0.0.1:5672"),
-            );
+            let connection = Arc::new(rabbitmq::connect().await);
             let queue = format!("{ns}.orders");
             let exchange = format!("{ns}.payments");
             let consumer = RabbitMqConsumer::new(inbox.clone(), connection.clone(), &queue)
@@ -280,20 +270,7 @@ where
                 .await
                 .unwrap();
             let dead = consumer.dead_letter_queue();
-            let waiting = || async {
-                channel
-                    .queue_declare(
-                        dead.as_str().into(),
-                        QueueDeclareOptions {
-                            passive: true,
-                            ..QueueDeclareOptions::default()
-                        },
-                        FieldTable::default(),
-                    )
-                    .await
-                    .unwrap()
-                    .message_count()
-            };
+            let waiting = || async { rabbitmq::waiting(&channel, &dead).await };
             eventually(|| async { waiting().await == 1 }).await;
             running.abort();
             assert_eq!(attempts.load(Ordering::SeqCst), 3, "dead after 3 attempts");
@@ -307,11 +284,7 @@ where
             delete_rabbitmq(&queue, &exchange).await;
         }
         Kind::Nats => {
-            let js = jetstream::new(
-                async_nats::connect(NATS)
-                    .await
-                    .expect("NATS must be reachable at 127.0.0.1:4222"),
-            );
+            let js = nats::connect().await;
             let stream = ns.to_uppercase();
             let dead_stream = format!("{stream}_DEAD");
             let make = || {
@@ -335,10 +308,7 @@ where
             .unwrap()
             .await
             .unwrap();
-            let waiting = || async {
-                let mut s = js.get_stream(&dead_stream).await.unwrap();
-                s.info().await.unwrap().state.messages
-            };
+            let waiting = || async { nats::messages(&js, &dead_stream).await };
             eventually(|| async { waiting().await == 1 }).await;
             running.abort();
             assert_eq!(attempts.load(Ordering::SeqCst), 3, "dead after 3 attempts");
@@ -349,8 +319,7 @@ where
             report = consumer.replay_dead(handler.clone(), 100).await.unwrap();
             again = consumer.replay_dead(handler, 100).await.unwrap();
             assert_eq!(waiting().await, 0);
-            let _ = js.delete_stream(&stream).await;
-            let _ = js.delete_stream(&dead_stream).await;
+            nats::delete(&js, [&stream, &dead_stream]).await;
         }
     }
     assert_eq!(
@@ -373,24 +342,14 @@ where
 /// arrives after it stopped waiting for one, which deleting the queue under that consumer can
 /// cause, so the test's own connection may be gone by now.
 async fn delete_rabbitmq(queue: &str, exchange: &str) {
-    let connection = Connection::connect(AMQP, Default::default())
-        .await
-        .expect("RabbitMQ must be reachable at 127.0.0.1:5672");
+    let connection = rabbitmq::connect().await;
     let channel = connection.create_channel().await.unwrap();
-    for q in [
+    let queues = [
         queue.to_owned(),
         format!("{queue}.retry"),
         format!("{queue}.dead"),
-    ] {
-        channel
-            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-            .await
-            .unwrap();
-    }
-    channel
-        .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
-        .await
-        .unwrap();
+    ];
+    rabbitmq::delete(&channel, queues, exchange).await;
     let _ = connection.close(200, "cleaned up".into()).await;
 }
 
@@ -598,11 +557,7 @@ async fn accepts_what_a_publisher_created_first(kind: Kind) {
     let ns = unique("t");
     match kind {
         Kind::RabbitMq => {
-            let connection = Arc::new(
-                Connection::connect(AMQP, Default::default())
-                    .await
-                    .expect("RabbitMQ must be reachable at 127.0.0.1:5672"),
-            );
+            let connection = Arc::new(rabbitmq::connect().await);
             let exchange = format!("{ns}.payments");
             let queue = format!("{ns}.orders");
             let channel = connection.create_channel().await.unwrap();
@@ -640,11 +595,7 @@ async fn accepts_what_a_publisher_created_first(kind: Kind) {
             delete_rabbitmq(&queue, &exchange).await;
         }
         Kind::Nats => {
-            let js = jetstream::new(
-                async_nats::connect(NATS)
-                    .await
-                    .expect("NATS must be reachable at 127.0.0.1:4222"),
-            );
+            let js = nats::connect().await;
             let stream = ns.to_uppercase();
             js.create_stream(jetstream::stream::Config {
                 name: stream.clone(),
@@ -672,8 +623,7 @@ async fn accepts_what_a_publisher_created_first(kind: Kind) {
             .unwrap();
             eventually(|| async { inbox.stats().processed == 1 }).await;
             running.abort();
-            let _ = js.delete_stream(&stream).await;
-            let _ = js.delete_stream(format!("{stream}_DEAD")).await;
+            nats::delete(&js, [stream.clone(), format!("{stream}_DEAD")]).await;
         }
     }
     assert_eq!(count(&pool, "SELECT COUNT(*) FROM effects").await, 1);
@@ -716,11 +666,7 @@ async fn a_dead_letter_reason_is_logged_and_kept_in_its_header(kind: Kind) {
     let ns = unique("t");
     let header = match kind {
         Kind::RabbitMq => {
-            let connection = Arc::new(
-                Connection::connect(AMQP, Default::default())
-                    .await
-                    .expect("RabbitMQ must be reachable at 127.0.0.1:5672"),
-            );
+            let connection = Arc::new(rabbitmq::connect().await);
             let queue = format!("{ns}.orders");
             let exchange = format!("{ns}.payments");
             let consumer = RabbitMqConsumer::new(inbox.clone(), connection.clone(), &queue)
@@ -769,11 +715,7 @@ async fn a_dead_letter_reason_is_logged_and_kept_in_its_header(kind: Kind) {
             header
         }
         Kind::Nats => {
-            let js = jetstream::new(
-                async_nats::connect(NATS)
-                    .await
-                    .expect("NATS must be reachable at 127.0.0.1:4222"),
-            );
+            let js = nats::connect().await;
             let stream = ns.to_uppercase();
             let dead_stream = format!("{stream}_DEAD");
             let consumer = NatsConsumer::new(inbox.clone(), js.clone(), &stream, "orders")
@@ -793,10 +735,7 @@ async fn a_dead_letter_reason_is_logged_and_kept_in_its_header(kind: Kind) {
             .unwrap()
             .await
             .unwrap();
-            let dead_count = || async {
-                let mut s = js.get_stream(&dead_stream).await.unwrap();
-                s.info().await.unwrap().state.messages
-            };
+            let dead_count = || async { nats::messages(&js, &dead_stream).await };
             eventually(|| async { dead_count().await == 1 }).await;
             running.abort();
             let mut dead = js.get_stream(&dead_stream).await.unwrap();
@@ -806,8 +745,7 @@ async fn a_dead_letter_reason_is_logged_and_kept_in_its_header(kind: Kind) {
                 .headers
                 .get("Inbox-Reason")
                 .map(|reason| reason.as_str().to_owned());
-            let _ = js.delete_stream(&stream).await;
-            let _ = js.delete_stream(&dead_stream).await;
+            nats::delete(&js, [&stream, &dead_stream]).await;
             header
         }
     };
@@ -857,11 +795,7 @@ async fn nats_a_slow_handler_keeps_its_message_with_progress_acks() {
     let (db, store) = setup::<sqlx::Sqlite>().await;
     let ns = unique("slow").replace('-', "_");
     let stream = ns.to_uppercase();
-    let js = jetstream::new(
-        async_nats::connect(NATS)
-            .await
-            .expect("NATS must be reachable at 127.0.0.1:4222"),
-    );
+    let js = nats::connect().await;
     let inbox = Inbox::new("orders", store).key_by(by_payload);
     let consumer = NatsConsumer::new(inbox.clone(), js.clone(), &stream, "orders")
         .stream_subjects([format!("{ns}.payments.>")])
@@ -891,8 +825,7 @@ async fn nats_a_slow_handler_keeps_its_message_with_progress_acks() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let stats = inbox.stats();
     running.abort();
-    let _ = js.delete_stream(&stream).await;
-    let _ = js.delete_stream(format!("{stream}_DEAD")).await;
+    nats::delete(&js, [stream.clone(), format!("{stream}_DEAD")]).await;
     assert_eq!(
         (stats.processed, stats.duplicates, stats.retried),
         (1, 0, 0),
@@ -1036,11 +969,7 @@ async fn an_unreachable_database_dead_letters_nothing(kind: Kind) {
     plug.unplug();
     let dead = match kind {
         Kind::RabbitMq => {
-            let connection = Arc::new(
-                Connection::connect(AMQP, Default::default())
-                    .await
-                    .expect("RabbitMQ must be reachable at 127.0.0.1:5672"),
-            );
+            let connection = Arc::new(rabbitmq::connect().await);
             let queue = format!("{ns}.orders");
             let exchange = format!("{ns}.payments");
             let consumer = RabbitMqConsumer::new(inbox.clone(), connection.clone(), &queue)
@@ -1078,27 +1007,12 @@ async fn an_unreachable_database_dead_letters_nothing(kind: Kind) {
             })
             .await;
             running.abort();
-            let dead = channel
-                .queue_declare(
-                    dead_queue.as_str().into(),
-                    QueueDeclareOptions {
-                        passive: true,
-                        ..QueueDeclareOptions::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .unwrap()
-                .message_count();
+            let dead = rabbitmq::waiting(&channel, &dead_queue).await;
             delete_rabbitmq(&queue, &exchange).await;
             u64::from(dead)
         }
         Kind::Nats => {
-            let js = jetstream::new(
-                async_nats::connect(NATS)
-                    .await
-                    .expect("NATS must be reachable at 127.0.0.1:4222"),
-            );
+            let js = nats::connect().await;
             let stream = ns.to_uppercase();
             let dead_stream = format!("{stream}_DEAD");
             let consumer = NatsConsumer::new(inbox.clone(), js.clone(), &stream, "orders")
@@ -1135,17 +1049,8 @@ async fn an_unreachable_database_dead_letters_nothing(kind: Kind) {
             })
             .await;
             running.abort();
-            let dead = js
-                .get_stream(&dead_stream)
-                .await
-                .unwrap()
-                .info()
-                .await
-                .unwrap()
-                .state
-                .messages;
-            let _ = js.delete_stream(&stream).await;
-            let _ = js.delete_stream(&dead_stream).await;
+            let dead = nats::messages(&js, &dead_stream).await;
+            nats::delete(&js, [&stream, &dead_stream]).await;
             dead
         }
     };

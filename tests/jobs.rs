@@ -4,9 +4,12 @@
 
 #![cfg(feature = "sqlite")]
 
+use std::time::Duration;
+
+use axum::response::IntoResponse;
 use axum_idempotency::{
-    Engine, Fingerprint, Fingerprinter, Lookup, Outcome, Rejection, RunError, Scope, SqliteStore,
-    Tx, TxError,
+    Engine, Execution, Fingerprint, Fingerprinter, Lookup, Outcome, Rejection, RunError, Scope,
+    SqliteStore, Tx, TxError,
 };
 use http::StatusCode;
 use sqlx::{Sqlite, SqlitePool};
@@ -129,20 +132,36 @@ async fn a_store_that_fails_is_named_as_the_cause() {
     }
 }
 
+/// Leased work under a 30 s lease, with nothing to recover, that answers `answer`.
+async fn run_leased<R>(
+    engine: &Engine<Sqlite>,
+    (scope, fingerprint): &(Scope, Fingerprint),
+    answer: R,
+) -> Result<Execution, RunError>
+where
+    R: IntoResponse + Send + 'static,
+{
+    engine
+        .run_leased(
+            scope,
+            *fingerprint,
+            Duration::from_secs(30),
+            || async { None::<&str> },
+            |_lease| async move { answer },
+        )
+        .await
+}
+
 #[tokio::test]
 async fn a_failing_leased_job_gets_its_response_back_as_an_error_and_the_key_runs_afresh() {
     let (engine, _pool) = engine().await;
-    let (scope, fingerprint) = invoice("invoice-leased-failing");
-    let lease = std::time::Duration::from_secs(30);
-    let failed = engine
-        .run_leased(
-            &scope,
-            fingerprint,
-            lease,
-            || async { None::<&str> },
-            |_lease| async { (StatusCode::BAD_GATEWAY, "the bank did not answer") },
-        )
-        .await;
+    let job = invoice("invoice-leased-failing");
+    let failed = run_leased(
+        &engine,
+        &job,
+        (StatusCode::BAD_GATEWAY, "the bank did not answer"),
+    )
+    .await;
     match failed {
         Err(RunError::Failed(response)) => {
             assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
@@ -151,14 +170,7 @@ async fn a_failing_leased_job_gets_its_response_back_as_an_error_and_the_key_run
         other => panic!("expected the work's failure, got {other:?}"),
     }
 
-    let again = engine
-        .run_leased(
-            &scope,
-            fingerprint,
-            lease,
-            || async { None::<&str> },
-            |_lease| async { "invoiced" },
-        )
+    let again = run_leased(&engine, &job, "invoiced")
         .await
         .expect("the lease was let go: runs afresh");
     assert_eq!(again.outcome, Outcome::Executed);
@@ -167,16 +179,8 @@ async fn a_failing_leased_job_gets_its_response_back_as_an_error_and_the_key_run
 #[tokio::test]
 async fn a_leased_job_on_a_failing_store_is_told_the_cause() {
     let (engine, pool) = engine().await;
-    let (scope, fingerprint) = invoice("invoice-leased-store-down");
+    let job = invoice("invoice-leased-store-down");
     pool.close().await;
-    let down = engine
-        .run_leased(
-            &scope,
-            fingerprint,
-            std::time::Duration::from_secs(30),
-            || async { None::<&str> },
-            |_lease| async { "never runs" },
-        )
-        .await;
+    let down = run_leased(&engine, &job, "never runs").await;
     assert!(matches!(down, Err(RunError::Store(_))), "{down:?}");
 }

@@ -1916,16 +1916,10 @@ mod through_a_broker {
     use axum_idempotency::outbox::{
         Backoff, Dispatcher, Outbox, OutboxRecord, RabbitMqSender, SendOutcome, Sender, Status,
     };
-    use lapin::options::{
-        BasicGetOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-        QueueDeleteOptions,
-    };
-    use lapin::types::FieldTable;
-    use lapin::{Connection, ConnectionProperties};
+    use lapin::options::BasicGetOptions;
 
     use crate::common::link::Plug;
-
-    const RABBITMQ: &str = "127.0.0.1:5672";
+    use crate::common::rabbitmq;
 
     /// The broker sender, a few milliseconds late at random, so the two dispatchers' sends
     /// interleave differently on every run.
@@ -1973,16 +1967,11 @@ mod through_a_broker {
         }
         let ids = super::enqueue_all(&pool, &outbox, messages).await;
 
-        let admin = Connection::connect(
-            &format!("amqp://guest:guest@{RABBITMQ}/%2f"),
-            ConnectionProperties::default(),
-        )
-        .await
-        .expect("RabbitMQ at 127.0.0.1:5672");
+        let admin = rabbitmq::connect().await;
         let channel = admin.create_channel().await.unwrap();
         let exchange = crate::common::unique("outbox.order");
         let queue = crate::common::unique("outbox.order");
-        let broker: SocketAddr = RABBITMQ.parse().unwrap();
+        let broker: SocketAddr = rabbitmq::ADDRESS.parse().unwrap();
         let mut plugs = Vec::new();
         let mut faults = Vec::new();
         let (stop, stopped) = tokio::sync::watch::channel(false);
@@ -1996,21 +1985,7 @@ mod through_a_broker {
                 .unwrap();
             if n == 0 {
                 sender.declare().await.unwrap();
-                let declare = QueueDeclareOptions::default();
-                channel
-                    .queue_declare(queue.as_str().into(), declare, FieldTable::default())
-                    .await
-                    .unwrap();
-                channel
-                    .queue_bind(
-                        queue.as_str().into(),
-                        exchange.as_str().into(),
-                        "orders".into(),
-                        QueueBindOptions::default(),
-                        FieldTable::default(),
-                    )
-                    .await
-                    .unwrap();
+                rabbitmq::bind_queue(&channel, &queue, &exchange, "orders", false).await;
             }
             faults.push(keep_dropping(plug.clone()));
             plugs.push(plug);
@@ -2094,14 +2069,7 @@ mod through_a_broker {
         let spoiled = spoiled.load(Ordering::SeqCst);
         assert!(spoiled > 0, "the link dropped no send");
 
-        channel
-            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-            .await
-            .unwrap();
-        channel
-            .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
-            .await
-            .unwrap();
+        rabbitmq::delete(&channel, [&queue], &exchange).await;
         crate::databases::drop_postgres(pool, schema).await;
     }
 }

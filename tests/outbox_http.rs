@@ -10,15 +10,18 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum_idempotency::error::Rejection;
 use axum_idempotency::outbox::{
-    DownstreamKey, HttpSender, LookupOutcome, Message, Outbox, OutboxRecord, SendOutcome, Sender,
+    DownstreamKey, HttpSender, LookupOutcome, Message, OutboxRecord, SendOutcome, Sender,
 };
 use bytes::Bytes;
+use common::sqlite::TempOutbox;
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpListener;
+
+mod common;
 
 /// What the downstream saw of the last `POST`: its headers and body.
 type Seen = Arc<Mutex<Option<(HeaderMap, String)>>>;
@@ -70,21 +73,13 @@ async fn downstream(seen: Seen) -> String {
     format!("http://{address}")
 }
 
-/// A stored outbox message with `key`, as the dispatcher hands it to a sender.
-async fn record(key: &str) -> (OutboxRecord, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!(
-        "sqlite://{}?mode=rwc",
-        dir.path().join("outbox.db").display()
-    );
-    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
-    let outbox = Outbox::new(pool.clone());
-    outbox.migrate().await.unwrap();
+/// A stored outbox message with `key`, as the dispatcher hands it to a sender, and the outbox
+/// it is stored in.
+async fn record(key: &str) -> (OutboxRecord, TempOutbox) {
+    let outbox = TempOutbox::new().await;
     let key = DownstreamKey::new(key).unwrap();
     let message = Message::json("charges", key, &serde_json::json!({ "amount": 12.5 })).unwrap();
-    let mut conn = pool.acquire().await.unwrap();
-    let id = outbox.enqueue(&mut conn, message).await.unwrap();
-    (outbox.status(id).await.unwrap().unwrap(), dir)
+    (outbox.record(message).await, outbox)
 }
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;

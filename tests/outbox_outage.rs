@@ -9,45 +9,24 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum_idempotency::outbox::{
-    DownstreamKey, Message, NatsSender, Outbox, OutboxRecord, RabbitMqSender, SendOutcome, Sender,
+    DownstreamKey, Message, NatsSender, OutboxRecord, RabbitMqSender, SendOutcome, Sender,
 };
 use common::logs::Captured;
-use common::vip::Vip;
-use lapin::options::{
-    ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
-use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
-use tokio::net::TcpListener;
+use common::sqlite::TempOutbox;
+use common::vip::{Vip, dead_address};
+use common::{nats, rabbitmq};
 use tokio::time::Instant;
-
-const RABBITMQ: &str = "127.0.0.1:5672";
-const NATS: &str = "127.0.0.1:4222";
 
 /// How long a send may take while the broker is away: it must not wait for the broker.
 const PROMPT: Duration = Duration::from_secs(3);
 
-/// A stored outbox message of `topic`, as the dispatcher hands it to a sender.
-async fn record(topic: &str) -> (OutboxRecord, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!(
-        "sqlite://{}?mode=rwc",
-        dir.path().join("outbox.db").display()
-    );
-    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
-    let outbox = Outbox::new(pool.clone());
-    outbox.migrate().await.unwrap();
+/// A stored outbox message of `topic`, as the dispatcher hands it to a sender, and the
+/// outbox it is stored in.
+async fn record(topic: &str) -> (OutboxRecord, TempOutbox) {
+    let outbox = TempOutbox::new().await;
     let key = DownstreamKey::new(common::unique("outage")).unwrap();
     let message = Message::json(topic, key, &serde_json::json!({ "amount": 1250 })).unwrap();
-    let mut conn = pool.acquire().await.unwrap();
-    let id = outbox.enqueue(&mut conn, message).await.unwrap();
-    (outbox.status(id).await.unwrap().unwrap(), dir)
-}
-
-/// An address where nothing listens.
-async fn dead_address() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    listener.local_addr().unwrap()
+    (outbox.record(message).await, outbox)
 }
 
 /// One send, which must end within `PROMPT`.
@@ -115,13 +94,8 @@ async fn rabbitmq_sends_during_an_outage_are_unavailable_and_one_warning_and_one
         .finish();
     let _guard = tracing::subscriber::set_default(subscriber);
 
-    let broker: SocketAddr = RABBITMQ.parse().unwrap();
-    let admin = Connection::connect(
-        &format!("amqp://guest:guest@{RABBITMQ}/%2f"),
-        ConnectionProperties::default(),
-    )
-    .await
-    .expect("RabbitMQ at 127.0.0.1:5672");
+    let broker: SocketAddr = rabbitmq::ADDRESS.parse().unwrap();
+    let admin = rabbitmq::connect().await;
     let exchange = common::unique("outbox.outage");
     let queue = common::unique("outbox.outage");
     let vip = Vip::start(broker).await;
@@ -133,24 +107,7 @@ async fn rabbitmq_sends_during_an_outage_are_unavailable_and_one_warning_and_one
     .unwrap();
     sender.declare().await.unwrap();
     let channel = admin.create_channel().await.unwrap();
-    let declare = QueueDeclareOptions {
-        auto_delete: true,
-        ..QueueDeclareOptions::default()
-    };
-    channel
-        .queue_declare(queue.as_str().into(), declare, FieldTable::default())
-        .await
-        .unwrap();
-    channel
-        .queue_bind(
-            queue.as_str().into(),
-            exchange.as_str().into(),
-            "payment.succeeded".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    rabbitmq::bind_queue(&channel, &queue, &exchange, "payment.succeeded", true).await;
     let (record, _dir) = record("payment.succeeded").await;
 
     through_an_outage(&vip, broker, &sender, &record).await;
@@ -159,19 +116,12 @@ async fn rabbitmq_sends_during_an_outage_are_unavailable_and_one_warning_and_one
     assert_eq!(captured.lines("RabbitMQ sender reconnected"), 1);
     assert_eq!(captured.lines("could not reconnect"), 0);
 
-    channel
-        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-        .await
-        .unwrap();
-    channel
-        .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
-        .await
-        .unwrap();
+    rabbitmq::delete(&channel, [&queue], &exchange).await;
 }
 
 #[tokio::test]
 async fn nats_sends_during_an_outage_are_unavailable_and_deliver_once_it_is_back() {
-    let broker: SocketAddr = NATS.parse().unwrap();
+    let broker: SocketAddr = nats::ADDRESS.parse().unwrap();
     let vip = Vip::start(broker).await;
     let stream = common::unique("OUTBOX_OUTAGE");
     let subject = format!("{stream}.paid");
@@ -187,7 +137,5 @@ async fn nats_sends_during_an_outage_are_unavailable_and_deliver_once_it_is_back
 
     through_an_outage(&vip, broker, &sender, &record).await;
 
-    let admin = async_nats::connect(format!("nats://{NATS}")).await.unwrap();
-    let jetstream = async_nats::jetstream::new(admin);
-    jetstream.delete_stream(&stream).await.unwrap();
+    nats::delete(&nats::connect().await, [&stream]).await;
 }

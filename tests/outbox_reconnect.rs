@@ -10,25 +10,12 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum_idempotency::outbox::{
-    Backoff, Dispatcher, DownstreamKey, Message, NatsSender, Outbox, RabbitMqSender, Sender, Status,
+    Backoff, Dispatcher, DownstreamKey, Message, NatsSender, RabbitMqSender, Sender, Status,
 };
-use common::vip::Vip;
-use lapin::options::{
-    ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
-use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
-use tokio::net::TcpListener;
+use common::sqlite::TempOutbox;
+use common::vip::{Vip, dead_address};
+use common::{nats, rabbitmq};
 use tokio::time::Instant;
-
-const RABBITMQ: &str = "127.0.0.1:5672";
-const NATS: &str = "127.0.0.1:4222";
-
-/// An address where nothing listens.
-async fn dead_address() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    listener.local_addr().unwrap()
-}
 
 /// A probe backoff of an hour: after an outage, only the sender's word that it reconnected can
 /// explain a delivery within `DRAINED` of the broker's return.
@@ -46,14 +33,8 @@ async fn drains_once_the_sender_reconnects(
     sender: impl Sender,
     topic: &str,
 ) {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!(
-        "sqlite://{}?mode=rwc",
-        dir.path().join("outbox.db").display()
-    );
-    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
-    let outbox = Outbox::new(pool.clone());
-    outbox.migrate().await.unwrap();
+    let temp = TempOutbox::new().await;
+    let outbox = &temp.outbox;
     let dispatcher = Dispatcher::new(outbox.clone(), sender)
         .poll_interval(Duration::from_millis(200))
         .probe_backoff(Backoff::exponential(PROBE_CAP, PROBE_CAP));
@@ -68,8 +49,7 @@ async fn drains_once_the_sender_reconnects(
     for n in 0..5 {
         let key = DownstreamKey::new(common::unique(&format!("drain{n}"))).unwrap();
         let message = Message::json(topic, key, &serde_json::json!({ "amount": n })).unwrap();
-        let mut conn = pool.acquire().await.unwrap();
-        ids.push(outbox.enqueue(&mut conn, message).await.unwrap());
+        ids.push(temp.enqueue(message).await);
     }
     outbox.wake();
     // Paused: a send found the broker unreachable.
@@ -108,13 +88,8 @@ async fn drains_once_the_sender_reconnects(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_messages_paused_by_an_outage_go_as_soon_as_the_sender_reconnects() {
-    let broker: SocketAddr = RABBITMQ.parse().unwrap();
-    let admin = Connection::connect(
-        &format!("amqp://guest:guest@{RABBITMQ}/%2f"),
-        ConnectionProperties::default(),
-    )
-    .await
-    .expect("RabbitMQ at 127.0.0.1:5672");
+    let broker: SocketAddr = rabbitmq::ADDRESS.parse().unwrap();
+    let admin = rabbitmq::connect().await;
     let exchange = common::unique("outbox.drain");
     let queue = common::unique("outbox.drain");
     let vip = Vip::start(broker).await;
@@ -126,40 +101,16 @@ async fn rabbitmq_messages_paused_by_an_outage_go_as_soon_as_the_sender_reconnec
     .unwrap();
     sender.declare().await.unwrap();
     let channel = admin.create_channel().await.unwrap();
-    channel
-        .queue_declare(
-            queue.as_str().into(),
-            QueueDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    channel
-        .queue_bind(
-            queue.as_str().into(),
-            exchange.as_str().into(),
-            "payment.succeeded".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    rabbitmq::bind_queue(&channel, &queue, &exchange, "payment.succeeded", false).await;
 
     drains_once_the_sender_reconnects(&vip, broker, sender, "payment.succeeded").await;
 
-    channel
-        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-        .await
-        .unwrap();
-    channel
-        .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
-        .await
-        .unwrap();
+    rabbitmq::delete(&channel, [&queue], &exchange).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_messages_paused_by_an_outage_go_as_soon_as_the_client_reconnects() {
-    let broker: SocketAddr = NATS.parse().unwrap();
+    let broker: SocketAddr = nats::ADDRESS.parse().unwrap();
     let vip = Vip::start(broker).await;
     let stream = common::unique("OUTBOX_DRAIN");
     let subject = format!("{stream}.paid");
@@ -174,7 +125,5 @@ async fn nats_messages_paused_by_an_outage_go_as_soon_as_the_client_reconnects()
 
     drains_once_the_sender_reconnects(&vip, broker, sender, "payment.succeeded").await;
 
-    let admin = async_nats::connect(format!("nats://{NATS}")).await.unwrap();
-    let jetstream = async_nats::jetstream::new(admin);
-    jetstream.delete_stream(&stream).await.unwrap();
+    nats::delete(&nats::connect().await, [&stream]).await;
 }

@@ -10,8 +10,11 @@ use axum_idempotency::outbox::{DownstreamKey, Message, Outbox};
 use axum_idempotency::{IdempotencyLayer, SqliteStore, Tx, TxError};
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
+use serde_json::Value;
 use sqlx::{Sqlite, SqlitePool};
 use tower::ServiceExt;
+
+mod common;
 
 async fn pool() -> SqlitePool {
     // One connection: every handle of the pool sees the same in-memory database.
@@ -22,17 +25,33 @@ async fn pool() -> SqlitePool {
         .unwrap()
 }
 
-async fn call(app: Router, key: &str, body: &'static str) -> (StatusCode, serde_json::Value) {
-    let request = Request::post("/charges")
+/// The idempotency store on `pool`, migrated, beside the app's table that `create` makes.
+async fn store_with(pool: &SqlitePool, create: &'static str) -> SqliteStore {
+    sqlx::query(create).execute(pool).await.unwrap();
+    let store = SqliteStore::new(pool.clone());
+    store.migrate().await.unwrap();
+    store
+}
+
+/// A keyed `POST` of `body` to `path`: the status and the JSON body, if any.
+async fn call(app: &Router, path: &str, key: &str, body: &'static str) -> (StatusCode, Value) {
+    let request = Request::post(path)
         .header("idempotency-key", key)
         .header("content-type", "application/json")
         .body(Body::from(body))
         .unwrap();
-    let response = app.oneshot(request).await.unwrap();
+    let response = app.clone().oneshot(request).await.unwrap();
     let status = response.status();
     let bytes = response.into_body().collect().await.unwrap().to_bytes();
-    let body = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+    let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
     (status, body)
+}
+
+/// The detail of `answer`, which must be a `500 idempotency_layer_missing`.
+fn layer_missing_detail((status, problem): &(StatusCode, Value)) -> &str {
+    assert_eq!(*status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(problem["code"], "idempotency_layer_missing");
+    problem["detail"].as_str().unwrap()
 }
 
 #[tokio::test]
@@ -42,10 +61,8 @@ async fn a_tx_on_a_route_without_the_layer_is_answered_with_the_fix() {
         Ok(StatusCode::CREATED)
     }
     let app = Router::new().route("/charges", post(charge));
-    let (status, problem) = call(app, "k1", "{}").await;
-    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(problem["code"], "idempotency_layer_missing");
-    let detail = problem["detail"].as_str().unwrap();
+    let answer = call(&app, "/charges", "k1", "{}").await;
+    let detail = layer_missing_detail(&answer);
     assert!(
         detail.contains("IdempotencyLayer") && detail.contains("route_layer"),
         "the detail names the fix: {detail}"
@@ -74,12 +91,7 @@ async fn charge(
 #[tokio::test]
 async fn an_enqueue_refused_for_a_reused_downstream_key_is_final_and_commits_nothing() {
     let pool = pool().await;
-    sqlx::query("CREATE TABLE charges (body TEXT NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let store = SqliteStore::new(pool.clone());
-    store.migrate().await.unwrap();
+    let store = store_with(&pool, "CREATE TABLE charges (body TEXT NOT NULL)").await;
     let outbox = Outbox::new(pool.clone());
     outbox.migrate().await.unwrap();
     let app = Router::new()
@@ -87,9 +99,9 @@ async fn an_enqueue_refused_for_a_reused_downstream_key_is_final_and_commits_not
         .route_layer(IdempotencyLayer::new(store).allow_anonymous())
         .with_state(outbox);
 
-    let (first, _) = call(app.clone(), "k1", r#"{"amount":1}"#).await;
+    let (first, _) = call(&app, "/charges", "k1", r#"{"amount":1}"#).await;
     assert_eq!(first, StatusCode::ACCEPTED);
-    let (second, problem) = call(app.clone(), "k2", r#"{"amount":2}"#).await;
+    let (second, problem) = call(&app, "/charges", "k2", r#"{"amount":2}"#).await;
     assert_eq!(second, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(problem["code"], "idempotency_key_reused");
     let charges: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
@@ -98,7 +110,7 @@ async fn an_enqueue_refused_for_a_reused_downstream_key_is_final_and_commits_not
         .unwrap();
     assert_eq!(charges, 1, "the refused request's own write rolled back");
     // Final, so stored: a retry of the refused request replays the refusal.
-    let (again, problem) = call(app, "k2", r#"{"amount":2}"#).await;
+    let (again, problem) = call(&app, "/charges", "k2", r#"{"amount":2}"#).await;
     assert_eq!(again, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(problem["code"], "idempotency_key_reused");
 }
@@ -110,14 +122,8 @@ struct Audit;
 
 /// A SQLite file of its own with the idempotency tables and an `entries` table.
 async fn database(dir: &tempfile::TempDir, name: &str) -> (SqlitePool, SqliteStore) {
-    let url = format!("sqlite://{}?mode=rwc", dir.path().join(name).display());
-    let pool = SqlitePool::connect(&url).await.unwrap();
-    sqlx::query("CREATE TABLE entries (note TEXT NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let store = SqliteStore::new(pool.clone());
-    store.migrate().await.unwrap();
+    let pool = common::sqlite::file_pool(dir.path(), name).await;
+    let store = store_with(&pool, "CREATE TABLE entries (note TEXT NOT NULL)").await;
     (pool, store)
 }
 
@@ -126,18 +132,6 @@ async fn entries(pool: &SqlitePool) -> Vec<String> {
         .fetch_all(pool)
         .await
         .unwrap()
-}
-
-async fn post_to(app: &Router, path: &str, key: &str) -> (StatusCode, serde_json::Value) {
-    let request = Request::post(path)
-        .header("idempotency-key", key)
-        .body(Body::empty())
-        .unwrap();
-    let response = app.clone().oneshot(request).await.unwrap();
-    let status = response.status();
-    let bytes = response.into_body().collect().await.unwrap().to_bytes();
-    let body = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
-    (status, body)
 }
 
 #[tokio::test]
@@ -194,7 +188,7 @@ async fn two_layers_of_one_driver_each_hand_their_own_tx_to_the_handler() {
                 .tx_marker::<Audit>(),
         );
 
-    assert_eq!(post_to(&app, "/book", "k1").await.0, StatusCode::CREATED);
+    assert_eq!(call(&app, "/book", "k1", "").await.0, StatusCode::CREATED);
     assert_eq!(
         entries(&ledger).await,
         ["booked"],
@@ -202,28 +196,26 @@ async fn two_layers_of_one_driver_each_hand_their_own_tx_to_the_handler() {
     );
     assert!(entries(&audit).await.is_empty());
 
-    assert_eq!(post_to(&app, "/note", "k2").await.0, StatusCode::CREATED);
+    assert_eq!(call(&app, "/note", "k2", "").await.0, StatusCode::CREATED);
     assert_eq!(entries(&audit).await, ["noted"]);
 
     assert_eq!(
-        post_to(&app, "/transfer", "k3").await.0,
+        call(&app, "/transfer", "k3", "").await.0,
         StatusCode::CREATED
     );
     assert_eq!(entries(&ledger).await, ["booked", "transferred"]);
     assert_eq!(entries(&audit).await, ["noted", "transfer seen"]);
     // A retry replays: neither database is written again.
     assert_eq!(
-        post_to(&app, "/transfer", "k3").await.0,
+        call(&app, "/transfer", "k3", "").await.0,
         StatusCode::CREATED
     );
     assert_eq!(entries(&ledger).await, ["booked", "transferred"]);
     assert_eq!(entries(&audit).await, ["noted", "transfer seen"]);
 
     // The audit layer's transaction is not handed out under the ledger's marker.
-    let (status, problem) = post_to(&app, "/misrouted", "k4").await;
-    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(problem["code"], "idempotency_layer_missing");
-    let detail = problem["detail"].as_str().unwrap();
+    let answer = call(&app, "/misrouted", "k4", "").await;
+    let detail = layer_missing_detail(&answer);
     assert!(
         detail.contains("tx_marker::<") && detail.contains("Ledger>()"),
         "the detail names the marker: {detail}"

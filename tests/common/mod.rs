@@ -14,6 +14,9 @@
 //!   plug to pull between an app and what it depends on.
 //! - [`vip`]: a TCP forwarder standing in for a virtual IP that moves between servers.
 //! - [`brokers`]: a private NATS server and RabbitMQ node, to stop and start again.
+//! - [`rabbitmq`], [`nats`]: the shared RabbitMQ and NATS JetStream, and cleaning up a test's
+//!   names there.
+//! - [`sqlite`]: SQLite files of a test's own, and an outbox on one.
 
 #![allow(dead_code, unreachable_pub, unused_imports)]
 
@@ -29,9 +32,15 @@ pub(crate) mod logs;
 pub(crate) mod lossy;
 pub(crate) mod markdown;
 pub(crate) mod names;
+#[cfg(feature = "nats")]
+pub(crate) mod nats;
 #[cfg(feature = "postgres")]
 pub(crate) mod pg_cluster;
 pub(crate) mod process;
+#[cfg(feature = "rabbitmq")]
+pub(crate) mod rabbitmq;
+#[cfg(feature = "server")]
+pub(crate) mod sqlite;
 pub(crate) mod vip;
 
 #[cfg(feature = "server")]

@@ -14,6 +14,12 @@ pub(crate) struct Vip {
     accept: JoinHandle<()>,
 }
 
+/// An address where nothing listens: where a `Vip` moves to cut the link.
+pub(crate) async fn dead_address() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    listener.local_addr().expect("addr")
+}
+
 impl Vip {
     /// Listens on a free loopback port and forwards each connection to `target`.
     pub(crate) async fn start(target: SocketAddr) -> Self {

@@ -15,20 +15,14 @@ use axum_idempotency::client::{Backoff, IdempotentRetryLayer};
 use bytes::Bytes;
 use common::example_db::{Db, ExampleDatabase as Database};
 use common::process::{self, Http, Process};
+use common::{nats, rabbitmq};
 use http::{Request, StatusCode};
 use http_body_util::BodyExt as _;
 use http_body_util::Full;
-use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
-};
-use lapin::types::FieldTable;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions};
 use lapin::{BasicProperties, Connection};
 use serde_json::{Value, json};
 use tower::{Layer as _, ServiceExt as _};
-
-const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-const NATS: &str = "nats://127.0.0.1:4222";
 
 #[derive(Clone, Copy, Debug)]
 enum Kind {
@@ -57,30 +51,16 @@ impl Broker {
                 .subsec_nanos()
         );
         let (amqp, js) = match kind {
-            Kind::RabbitMq => (
-                Some(
-                    Connection::connect(AMQP, Default::default())
-                        .await
-                        .expect("RabbitMQ must be reachable at 127.0.0.1:5672"),
-                ),
-                None,
-            ),
-            Kind::Nats => (
-                None,
-                Some(jetstream::new(
-                    async_nats::connect(NATS)
-                        .await
-                        .expect("NATS must be reachable at 127.0.0.1:4222"),
-                )),
-            ),
+            Kind::RabbitMq => (Some(rabbitmq::connect().await), None),
+            Kind::Nats => (None, Some(nats::connect().await)),
         };
         Self { kind, ns, amqp, js }
     }
 
     fn url(&self) -> &'static str {
         match self.kind {
-            Kind::RabbitMq => AMQP,
-            Kind::Nats => NATS,
+            Kind::RabbitMq => rabbitmq::URL,
+            Kind::Nats => nats::URL,
         }
     }
 
@@ -142,28 +122,12 @@ impl Broker {
         match self.kind {
             Kind::RabbitMq => {
                 let channel = self.amqp.as_ref().unwrap().create_channel().await.unwrap();
-                let queue = channel
-                    .queue_declare(
-                        format!("{}.dead", self.queue()).into(),
-                        QueueDeclareOptions {
-                            passive: true,
-                            ..QueueDeclareOptions::default()
-                        },
-                        FieldTable::default(),
-                    )
-                    .await
-                    .unwrap();
-                u64::from(queue.message_count())
+                let dead = format!("{}.dead", self.queue());
+                u64::from(rabbitmq::waiting(&channel, &dead).await)
             }
             Kind::Nats => {
-                let mut stream = self
-                    .js
-                    .as_ref()
-                    .unwrap()
-                    .get_stream(self.stream("ORDERS_DEAD"))
-                    .await
-                    .unwrap();
-                stream.info().await.unwrap().state.messages
+                let js = self.js.as_ref().unwrap();
+                nats::messages(js, &self.stream("ORDERS_DEAD")).await
             }
         }
     }
@@ -175,18 +139,7 @@ impl Broker {
                 let channel = self.amqp.as_ref().unwrap().create_channel().await.unwrap();
                 let mut waiting = 0;
                 for queue in [self.queue(), format!("{}.retry", self.queue())] {
-                    let declared = channel
-                        .queue_declare(
-                            queue.into(),
-                            QueueDeclareOptions {
-                                passive: true,
-                                ..QueueDeclareOptions::default()
-                            },
-                            FieldTable::default(),
-                        )
-                        .await
-                        .unwrap();
-                    waiting += declared.message_count();
+                    waiting += rabbitmq::waiting(&channel, &queue).await;
                 }
                 waiting == 0
             }
@@ -230,27 +183,17 @@ impl Broker {
             Kind::RabbitMq => {
                 let connection = self.amqp.as_ref().unwrap();
                 let channel = connection.create_channel().await.unwrap();
-                for queue in [
+                let queues = [
                     self.queue(),
                     format!("{}.retry", self.queue()),
                     format!("{}.dead", self.queue()),
-                ] {
-                    let _ = channel
-                        .queue_delete(queue.into(), QueueDeleteOptions::default())
-                        .await;
-                }
-                let _ = channel
-                    .exchange_delete(
-                        format!("{}.payments", self.ns).into(),
-                        ExchangeDeleteOptions::default(),
-                    )
-                    .await;
+                ];
+                rabbitmq::delete(&channel, queues, &format!("{}.payments", self.ns)).await;
             }
             Kind::Nats => {
                 let js = self.js.as_ref().unwrap();
-                for stream in ["PAYMENTS", "ORDERS_DEAD"] {
-                    let _ = js.delete_stream(self.stream(stream)).await;
-                }
+                let streams = ["PAYMENTS", "ORDERS_DEAD"].map(|stream| self.stream(stream));
+                nats::delete(js, streams).await;
             }
         }
     }

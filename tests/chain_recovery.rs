@@ -25,8 +25,6 @@ use http::{Request, StatusCode};
 use http_body_util::Full;
 use serde_json::json;
 
-const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-const NATS: &str = "nats://127.0.0.1:4222";
 /// The bound: the chain shows every payment within this long of the restart.
 const CONVERGENCE: Duration = Duration::from_secs(30);
 
@@ -284,8 +282,8 @@ async fn pay(
 /// every payment is charged once at the provider and applied once in orders.
 async fn payments_killed_mid_charge_converges_within_30_s_of_its_restart(kind: Kind, db: Db) {
     let url = match kind {
-        Kind::RabbitMq => AMQP,
-        Kind::Nats => NATS,
+        Kind::RabbitMq => common::rabbitmq::URL,
+        Kind::Nats => common::nats::URL,
     };
     let provider_env = [("FAULT_LATENCY_MS", "1500"), ("FAULT_LATENCY_RATE", "1")];
     let mut chain = Chain::start(url.to_owned(), db, &provider_env, true).await;

@@ -6,12 +6,10 @@ mod common;
 
 use async_nats::jetstream::stream::Config;
 use axum_idempotency::outbox::{NatsSender, RabbitMqSender};
-use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions};
+use common::{nats, rabbitmq};
+use lapin::options::ExchangeDeclareOptions;
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties, ExchangeKind};
-
-const RABBITMQ: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-const NATS: &str = "nats://127.0.0.1:4222";
+use lapin::{Connection, ExchangeKind};
 
 /// Whether `exchange` exists with exactly these settings: a declare with other ones fails.
 async fn exchange_is(
@@ -31,11 +29,9 @@ async fn exchange_is(
 
 #[tokio::test]
 async fn rabbitmq_sender_declares_a_durable_topic_exchange_once_and_keeps_an_existing_one() {
-    let connection = Connection::connect(RABBITMQ, ConnectionProperties::default())
-        .await
-        .expect("RabbitMQ at 127.0.0.1:5672");
+    let connection = rabbitmq::connect().await;
     let made_here = common::unique("outbox.declare");
-    let sender = RabbitMqSender::connect(RABBITMQ, made_here.as_str())
+    let sender = RabbitMqSender::connect(rabbitmq::URL, made_here.as_str())
         .await
         .unwrap();
     sender.declare().await.unwrap();
@@ -45,7 +41,7 @@ async fn rabbitmq_sender_declares_a_durable_topic_exchange_once_and_keeps_an_exi
     // An operator's transient fanout exchange: the sender publishes to it as it is.
     let made_before = common::unique("outbox.declare");
     assert!(exchange_is(&connection, &made_before, ExchangeKind::Fanout, false).await);
-    let sender = RabbitMqSender::connect(RABBITMQ, made_before.as_str())
+    let sender = RabbitMqSender::connect(rabbitmq::URL, made_before.as_str())
         .await
         .unwrap();
     sender.declare().await.unwrap();
@@ -53,24 +49,16 @@ async fn rabbitmq_sender_declares_a_durable_topic_exchange_once_and_keeps_an_exi
 
     let channel = connection.create_channel().await.unwrap();
     for exchange in [made_here, made_before] {
-        let options = ExchangeDeleteOptions::default();
-        channel
-            .exchange_delete(exchange.as_str().into(), options)
-            .await
-            .unwrap();
+        rabbitmq::delete_exchange(&channel, &exchange).await;
     }
 }
 
 #[tokio::test]
 async fn nats_sender_declares_its_stream_once_and_keeps_an_existing_one() {
-    let jetstream = async_nats::jetstream::new(
-        async_nats::connect(NATS)
-            .await
-            .expect("NATS at 127.0.0.1:4222"),
-    );
+    let jetstream = nats::connect().await;
     let made_here = common::unique("OUTBOX_DECLARE");
     let subject = format!("{made_here}.events.>");
-    let sender = NatsSender::connect(NATS).await.unwrap();
+    let sender = NatsSender::connect(nats::URL).await.unwrap();
     sender
         .declare_stream(&made_here, [subject.as_str()])
         .await
@@ -99,7 +87,5 @@ async fn nats_sender_declares_its_stream_once_and_keeps_an_existing_one() {
         "used as it is"
     );
 
-    for stream in [made_here, made_before] {
-        jetstream.delete_stream(&stream).await.unwrap();
-    }
+    nats::delete(&jetstream, [made_here, made_before]).await;
 }

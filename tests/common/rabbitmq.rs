@@ -74,6 +74,11 @@ pub(crate) async fn delete<Q: AsRef<str>>(
             .await
             .unwrap();
     }
+    delete_exchange(channel, exchange).await;
+}
+
+/// Deletes `exchange`.
+pub(crate) async fn delete_exchange(channel: &Channel, exchange: &str) {
     channel
         .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
         .await

@@ -320,8 +320,7 @@ impl<DB: Backend, M: 'static, S: Send + Sync> FromRequestParts<S> for Tx<DB, M> 
 
 /// A statement of the request's transaction failed: the handler's error for database work
 /// through [`Tx`] (see the [module docs](crate::tx#conflicts-are-run-again)). `?` converts any
-/// `sqlx::Error` into it, and, with the `outbox` feature, any error of
-/// [`Outbox::enqueue`](crate::outbox::Outbox::enqueue).
+/// `sqlx::Error` into it, and, with the `outbox` feature, any error of `Outbox::enqueue`.
 ///
 /// As a response, a conflict abort tells the layer to run the request again (the client never
 /// sees it); a downstream key already enqueued for another intent is the final `422

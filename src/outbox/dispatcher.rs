@@ -209,10 +209,13 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         let mut window = Window::new(&self);
         let mut stopping = false;
         // Set when a claim found less than it asked for (nothing more is due) or failed: no
-        // claim before a wake or this time.
+        // claim before a wake or this time. A wake is taken in at once, even while claims are
+        // under way: they may have read the table before its commit, so it is owed a claim
+        // that starts after it, which no claim finding little may rest it away.
         let mut resting: Option<Instant> = None;
         loop {
-            if !stopping && resting.is_none() {
+            if !stopping && (resting.is_none() || window.woken()) {
+                resting = None;
                 window.refill();
             }
             window.settle();
@@ -226,24 +229,20 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
                     stopping = true;
                     window.stop();
                 }
-                event = window.next() => {
-                    match window.handle(event) {
-                        Some(Ok(Found { claimed, asked })) if claimed < asked => {
-                            resting = Some(Instant::now() + self.poll_interval);
-                        }
-                        Some(Ok(_)) | None => {}
-                        Some(Err(error)) => {
-                            tracing::warn!(%error, "outbox claim failed; retrying after the poll interval");
-                            resting = Some(Instant::now() + self.poll_interval);
-                        }
+                event = window.next() => match window.handle(event) {
+                    // Found all it asked for: more is likely due, even if a claim that ran
+                    // alongside found less.
+                    Some(Ok(Found { claimed, asked })) if claimed >= asked => resting = None,
+                    Some(Ok(_)) => resting = Some(Instant::now() + self.poll_interval),
+                    None => {}
+                    Some(Err(error)) => {
+                        tracing::warn!(%error, "outbox claim failed; retrying after the poll interval");
+                        resting = Some(Instant::now() + self.poll_interval);
                     }
-                    if window.take_woken() {
-                        resting = None;
-                    }
-                }
+                },
                 // The outbox's sender lives as long as `self.outbox`: this never fails.
-                _ = woken.changed(), if rest.is_some() => resting = None,
-                () = heard.notified(), if rest.is_some() => resting = None,
+                _ = woken.changed(), if !stopping => window.wake(),
+                () = heard.notified(), if !stopping => window.wake(),
                 () = sleep_until(rest), if rest.is_some() => resting = None,
             }
         }

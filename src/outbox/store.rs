@@ -253,8 +253,9 @@ impl<DB: Backend> Outbox<DB> {
     /// Messages enqueued on the handler's [`Tx`](crate::Tx) need no call.
     ///
     /// Never call it before the commit: a dispatcher woken then finds nothing yet, and the
-    /// message waits for its next poll. A wake that comes while a dispatcher is busy makes it
-    /// claim once more when it is done.
+    /// message waits for its next poll. A wake that comes while a dispatcher is busy (claims
+    /// under way may have read the table before the commit) makes it claim again as soon as
+    /// it has room, whatever those claims find.
     ///
     /// ```
     /// # fn run(outbox: axum_idempotency::outbox::Outbox<sqlx::Sqlite>) {

@@ -10,9 +10,9 @@ use tokio::sync::watch;
 use crate::{Backend, Tx};
 
 /// The wake signal of one outbox and its clones. A watch channel rather than a `Notify`: a
-/// wake reaches every dispatcher, and one that is busy when it comes (a claim under way that
-/// may have read the table before the commit) still sees it when it next rests, so it claims
-/// once more instead of sleeping through a message.
+/// wake reaches every dispatcher, and one that is busy when it comes still sees it; each
+/// dispatcher then owes the wake a claim that starts after it (a claim under way may have read
+/// the table before the commit), and does not rest until it has started one.
 #[derive(Clone)]
 pub(crate) struct Wake(Arc<watch::Sender<()>>);
 

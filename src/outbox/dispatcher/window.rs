@@ -143,10 +143,15 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         }
     }
 
-    /// Whether messages were made due since last asked, so the dispatcher claims now rather
-    /// than after resting.
-    pub(super) fn take_woken(&mut self) -> bool {
-        std::mem::take(&mut self.woken)
+    /// Whether messages were made due (a commit, a paused topic's probe) that no claim started
+    /// since has looked for: the dispatcher claims for them rather than resting.
+    pub(super) fn woken(&self) -> bool {
+        self.woken
+    }
+
+    /// Messages were committed: the next claim is for them, even with claims under way.
+    pub(super) fn wake(&mut self) {
+        self.woken = true;
     }
 
     /// Nothing held, nothing being written: a shutdown may return.
@@ -219,10 +224,12 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         }
     }
 
+    /// Starts a claim of up to `limit` messages; it covers every wake before it.
     pub(super) fn claim(&mut self, limit: usize) {
         let dispatcher = self.dispatcher;
         let probe = !self.busy;
         self.asked += limit;
+        self.woken = false;
         self.claims.push(Box::pin(async move {
             let (claim, claimed) = dispatcher.claim(limit, probe).await;
             Event::Claimed(claim, claimed)

@@ -13,17 +13,15 @@ use sqlx::error::DatabaseError;
 use sqlx::mysql::{MySqlConnection, MySqlDatabaseError, MySqlRow};
 use sqlx::{AssertSqlSafe, MySql, Pool, Row, Transaction};
 
+use super::claim::fused_then_rounds;
 use super::literal::{Statement, Syntax};
-use super::protocol::{BeganClaim, NewRecord, PurgePace};
-use super::sql::{ClaimPath, Dialect, bound, classify, identity_values, lifetime_values};
+use super::{Claimed, PurgePace, Storage, alike, bound, identity_values, lifetime_values};
 use crate::error::Error;
 use crate::migrate;
-use crate::record::{Millis, StoredResponse};
+use crate::record::{Millis, NewRecord, StoredResponse};
 use crate::scope::ScopedKey;
 
-impl super::Records for MySql {
-    type Protocol = super::sql::SqlStore<MySql>;
-}
+bound!(MySql);
 
 /// InnoDB's "lock wait timeout exceeded".
 const LOCK_WAIT_TIMEOUT: u16 = 1205;
@@ -45,7 +43,7 @@ const TAKEN: &str = "45I01";
 
 /// `innodb_lock_wait_timeout` for a bound: whole seconds only, and 0 is not accepted, so it is
 /// rounded up and no duplicate gives up early.
-pub(super) fn lock_wait_secs(lock_wait: Duration) -> i64 {
+pub(crate) fn lock_wait_secs(lock_wait: Duration) -> i64 {
     let secs = lock_wait.as_millis().div_ceil(1000);
     i64::try_from(secs).map_or(MAX_LOCK_WAIT_SECS, |secs| secs.clamp(1, MAX_LOCK_WAIT_SECS))
 }
@@ -87,33 +85,55 @@ fn record_update<'a>(record: &'a NewRecord<'a>) -> Statement<'a> {
     update
 }
 
-impl ClaimPath for MySql {
+/// Begins a transaction that already holds the claim on `record`'s key: the procedure's call is
+/// the statement that begins it. `None`, with nothing left open, when a live record holds the
+/// key.
+pub(crate) async fn begin_claimed<'a>(
+    pool: &'a Pool<MySql>,
+    record: &'a NewRecord<'a>,
+    lock_wait: Duration,
+) -> Result<Option<Transaction<'static, MySql>>, Error> {
+    match pool.begin_with(claim_call(record, lock_wait)).await {
+        Ok(tx) => Ok(Some(tx)),
+        Err(error) if taken(&error) => Ok(None),
+        Err(error) => Err(classify(error)),
+    }
+}
+
+impl Storage for MySql {
+    alike!();
+
+    // InnoDB finishes a delete after the statement returns: its purge threads remove the
+    // delete-marked rows and index entries in the background, beside the requests. Smaller
+    // batches and a longer rest leave room for that work.
+    const PURGE_PACE: PurgePace = PurgePace {
+        batch: 250,
+        rest: 2,
+    };
+
+    async fn claim_record<'a>(
+        pool: &'a Pool<Self>,
+        record: &'a NewRecord<'a>,
+        wait: Duration,
+        begun: Option<Transaction<'static, Self>>,
+    ) -> Result<Claimed<Self>, Error> {
+        let fused = begin_claimed(pool, record, wait);
+        fused_then_rounds(pool, record, wait, begun, fused).await
+    }
+
     // The claim procedure bounds its own wait, so the transaction begins plainly.
     async fn begin(
         pool: &Pool<Self>,
         _lock_wait: Duration,
     ) -> Result<Transaction<'static, Self>, Error> {
-        pool.begin().await.map_err(classify::<Self>)
-    }
-
-    // The procedure's call is the statement that begins the transaction.
-    async fn begin_claimed<'a>(
-        pool: &'a Pool<Self>,
-        record: &'a NewRecord<'a>,
-        lock_wait: Duration,
-    ) -> Result<BeganClaim<Self>, Error> {
-        match pool.begin_with(claim_call(record, lock_wait)).await {
-            Ok(tx) => Ok(BeganClaim::Ours(tx)),
-            Err(error) if taken(&error) => Ok(BeganClaim::Taken),
-            Err(error) => Err(classify::<Self>(error)),
-        }
+        pool.begin().await.map_err(classify)
     }
 
     // A claim is the first statement of its transaction, so the procedure's own
     // `START TRANSACTION` commits an empty one and goes on in its place. When the key is taken
     // the procedure has rolled back: the caller reads the winner's record outside a
     // transaction, and the `ROLLBACK` its dropped `Transaction` sends is silent.
-    async fn claim<'a>(
+    async fn claim_in<'a>(
         conn: &'a mut MySqlConnection,
         record: &'a NewRecord<'a>,
         lock_wait: Duration,
@@ -124,7 +144,7 @@ impl ClaimPath for MySql {
         {
             Ok(_) => Ok(true),
             Err(error) if taken(&error) => Ok(false),
-            Err(error) => Err(classify::<Self>(error)),
+            Err(error) => Err(classify(error)),
         }
     }
 
@@ -148,8 +168,8 @@ impl ClaimPath for MySql {
         bound(&record_update(record))
             .execute(&mut *tx)
             .await
-            .map_err(classify::<Self>)?;
-        tx.commit().await.map_err(classify::<Self>)
+            .map_err(classify)?;
+        tx.commit().await.map_err(classify)
     }
 
     // The wait for a concurrent claimer is the insert's wait for the key's row, bounded by the
@@ -162,7 +182,7 @@ impl ClaimPath for MySql {
         expires_at: Millis,
         lock_wait: Duration,
     ) -> Result<Option<Transaction<'static, Self>>, Error> {
-        let mut tx = pool.begin().await.map_err(classify::<Self>)?;
+        let mut tx = pool.begin().await.map_err(classify)?;
         sqlx::raw_sql(AssertSqlSafe(format!(
             "SET @axum_idempotency_wait = @@SESSION.innodb_lock_wait_timeout, \
              SESSION innodb_lock_wait_timeout = {}",
@@ -170,16 +190,16 @@ impl ClaimPath for MySql {
         )))
         .execute(&mut *tx)
         .await
-        .map_err(classify::<Self>)?;
+        .map_err(classify)?;
         let claimed = insert_key(&mut tx, key, now, expires_at).await;
         sqlx::raw_sql("SET SESSION innodb_lock_wait_timeout = @axum_idempotency_wait")
             .execute(&mut *tx)
             .await
-            .map_err(classify::<Self>)?;
+            .map_err(classify)?;
         if claimed? {
             return Ok(Some(tx));
         }
-        tx.rollback().await.map_err(classify::<Self>)?;
+        tx.rollback().await.map_err(classify)?;
         Ok(None)
     }
 }
@@ -211,10 +231,10 @@ async fn insert_key(
             .bind(now.column())
             .execute(tx)
             .await
-            .map_err(classify::<MySql>)?;
+            .map_err(classify)?;
             Ok(replaced.rows_affected() == 1)
         }
-        Err(error) => Err(classify::<MySql>(error)),
+        Err(error) => Err(classify(error)),
     }
 }
 
@@ -224,74 +244,71 @@ fn migration_locked(row: &MySqlRow) -> bool {
     matches!(row.try_get::<Option<i64>, _>(0), Ok(Some(1)))
 }
 
-impl Dialect for MySql {
-    const SCHEMA: migrate::Schema<Self> = migrate::Schema {
-        versions_table: "idempotency_schema_versions",
-        scripts: &[(1, include_str!("../../migrations/mysql/0001_store.sql"))],
-        begin: "BEGIN",
-        // DDL commits implicitly, so the transaction cannot serialise two instances migrating
-        // at once; a named lock held by the session can. Lock names are server-wide, so the
-        // name carries the database (hashed: names stop at 64 characters), and apps on other
-        // databases of the same server do not queue behind each other. MariaDB has no "wait
-        // forever" (a negative timeout returns NULL at once), so the wait is an hour, after
-        // which migrate fails.
-        lock: Some("SELECT GET_LOCK(CONCAT('axum_idempotency.migrate:', MD5(DATABASE())), 3600)"),
-        unlock: Some("DO RELEASE_LOCK(CONCAT('axum_idempotency.migrate:', MD5(DATABASE())))"),
-        lock_granted: migration_locked,
-        record: "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES (?, ?)",
-    };
-    const VERSIONS_TABLE_EXISTS: &'static str = "SELECT COUNT(*) FROM information_schema.tables \
+const SCHEMA: migrate::Schema<MySql> = migrate::Schema {
+    versions_table: "idempotency_schema_versions",
+    scripts: &[(1, include_str!("../../migrations/mysql/0001_store.sql"))],
+    begin: "BEGIN",
+    // DDL commits implicitly, so the transaction cannot serialise two instances migrating
+    // at once; a named lock held by the session can. Lock names are server-wide, so the
+    // name carries the database (hashed: names stop at 64 characters), and apps on other
+    // databases of the same server do not queue behind each other. MariaDB has no "wait
+    // forever" (a negative timeout returns NULL at once), so the wait is an hour, after
+    // which migrate fails.
+    lock: Some("SELECT GET_LOCK(CONCAT('axum_idempotency.migrate:', MD5(DATABASE())), 3600)"),
+    unlock: Some("DO RELEASE_LOCK(CONCAT('axum_idempotency.migrate:', MD5(DATABASE())))"),
+    lock_granted: migration_locked,
+    record: "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES (?, ?)",
+};
+const VERSIONS_TABLE_EXISTS: &str = "SELECT COUNT(*) FROM information_schema.tables \
         WHERE table_schema = DATABASE() AND table_name = 'idempotency_schema_versions'";
-    const FIND: &'static str = "SELECT state, fingerprint, status, headers, body, created_at, expires_at, lease_expires_at \
+const FIND: &str = "SELECT state, fingerprint, status, headers, body, created_at, expires_at, lease_expires_at \
         FROM idempotency_records WHERE key_digest = ?";
-    // A claim that replaced an expired record while this waited for the row moved its
-    // expires_at index entry out of range, so the replacement survives without a re-check.
-    const PURGE: &'static str =
-        "DELETE FROM idempotency_records WHERE expires_at <= ? ORDER BY expires_at LIMIT ?";
-    // InnoDB finishes a delete after the statement returns: its purge threads remove the
-    // delete-marked rows and index entries in the background, beside the requests. Smaller
-    // batches and a longer rest leave room for that work.
-    const PURGE_PACE: PurgePace = PurgePace {
-        batch: 250,
-        rest: 2,
-    };
+// A claim that replaced an expired record while this waited for the row moved its
+// expires_at index entry out of range, so the replacement survives without a re-check.
+const PURGE: &str =
+    "DELETE FROM idempotency_records WHERE expires_at <= ? ORDER BY expires_at LIMIT ?";
 
-    // sqlx's CLIENT_FOUND_ROWS makes an UPDATE count the rows it matched, changed or not, so a
-    // renewal to the same expiry still reports its one row.
-    const RENEW_LEASE: &'static str = "UPDATE idempotency_records SET lease_expires_at = ? \
+// sqlx's CLIENT_FOUND_ROWS makes an UPDATE count the rows it matched, changed or not, so a
+// renewal to the same expiry still reports its one row.
+const RENEW_LEASE: &str = "UPDATE idempotency_records SET lease_expires_at = ? \
         WHERE key_digest = ? AND lease_owner = ? AND state = 'processing'";
-    const FORGET: &'static str = "DELETE FROM idempotency_records WHERE key_digest = ?";
-    const PURGE_KEYS: &'static str =
-        "DELETE FROM idempotency_inbox WHERE expires_at <= ? ORDER BY expires_at LIMIT ?";
-    const KEY_HELD: &'static str =
-        "SELECT 1 FROM idempotency_inbox WHERE key_digest = ? AND expires_at > ?";
-    const TAKE_OVER_LEASE: &'static str = "UPDATE idempotency_records SET lease_owner = ?, lease_expires_at = ? \
+const FORGET: &str = "DELETE FROM idempotency_records WHERE key_digest = ?";
+const PURGE_KEYS: &str =
+    "DELETE FROM idempotency_inbox WHERE expires_at <= ? ORDER BY expires_at LIMIT ?";
+const KEY_HELD: &str = "SELECT 1 FROM idempotency_inbox WHERE key_digest = ? AND expires_at > ?";
+const TAKE_OVER_LEASE: &str = "UPDATE idempotency_records SET lease_owner = ?, lease_expires_at = ? \
         WHERE key_digest = ? AND state = 'processing' AND lease_expires_at <= ?";
-    const FINISH_LEASED: &'static str = "UPDATE idempotency_records \
+const FINISH_LEASED: &str = "UPDATE idempotency_records \
         SET state = ?, status = ?, headers = ?, body = ?, lease_owner = NULL, lease_expires_at = NULL \
         WHERE key_digest = ? AND lease_owner = ?";
-    const RELEASE_LEASE: &'static str = "DELETE FROM idempotency_records \
+const RELEASE_LEASE: &str = "DELETE FROM idempotency_records \
         WHERE key_digest = ? AND lease_owner = ? AND state = 'processing'";
 
-    fn rows_affected(result: &Self::QueryResult) -> u64 {
-        result.rows_affected()
-    }
+/// Whether the error means "a lock wait ran out".
+fn is_busy(error: &dyn DatabaseError) -> bool {
+    error
+        .try_downcast_ref::<MySqlDatabaseError>()
+        .is_some_and(|error| error.number() == LOCK_WAIT_TIMEOUT)
+}
 
-    fn is_busy(error: &dyn DatabaseError) -> bool {
-        error
-            .try_downcast_ref::<MySqlDatabaseError>()
-            .is_some_and(|error| error.number() == LOCK_WAIT_TIMEOUT)
-    }
+/// Whether the database rolled the transaction back to resolve a deadlock or a conflict.
+pub(super) fn is_conflict(error: &dyn DatabaseError) -> bool {
+    error
+        .try_downcast_ref::<MySqlDatabaseError>()
+        .is_some_and(|error| CONFLICT_ERRORS.contains(&error.number()))
+}
 
-    fn is_created_meanwhile(error: &dyn DatabaseError) -> bool {
-        error
+/// Whether a migration failed because another migrator did the same work at the same time: a
+/// conflict, or the claim procedure created by another migrator between this one's
+/// `DROP PROCEDURE IF EXISTS` and its `CREATE PROCEDURE`.
+fn migration_raced(error: &dyn DatabaseError) -> bool {
+    is_conflict(error)
+        || error
             .try_downcast_ref::<MySqlDatabaseError>()
             .is_some_and(|error| error.number() == PROCEDURE_EXISTS)
-    }
+}
 
-    fn is_conflict(error: &dyn DatabaseError) -> bool {
-        error
-            .try_downcast_ref::<MySqlDatabaseError>()
-            .is_some_and(|error| CONFLICT_ERRORS.contains(&error.number()))
-    }
+/// The crate's error for a database error.
+pub(crate) fn classify(error: sqlx::Error) -> Error {
+    super::classify(error, is_busy, is_conflict)
 }

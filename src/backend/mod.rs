@@ -20,18 +20,23 @@ use sqlx::{Pool, Transaction};
 use crate::backoff::Backoff;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
-use crate::migrate;
 use crate::record::{Millis, NewRecord, Record, RecordState, StoredResponse};
 
 mod claim;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod literal;
+mod migrate;
 #[cfg(feature = "mysql")]
 pub(crate) mod mysql;
+#[cfg(feature = "outbox")]
+mod outbox;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+
+#[cfg(feature = "outbox")]
+pub(crate) use outbox::{Claim, Claimed as ClaimedMessage, Lease, Settlement};
 
 pub(crate) use sealed::Storage;
 
@@ -43,25 +48,14 @@ pub(crate) use sealed::Storage;
 /// [`IdempotencyLayer<Postgres>`](crate::IdempotencyLayer), [`Engine<Postgres>`](crate::Engine)
 /// and [`Tx<Postgres>`](crate::Tx). Code of your own that is generic over the backend bounds
 /// its parameter with `DB: Backend`.
+#[cfg_attr(
+    feature = "outbox",
+    doc = "\nThe outbox's [`Outbox<Postgres>`](crate::outbox::Outbox) takes it too."
+)]
 ///
 /// The trait is sealed: how each database claims a key, leases work or keeps outbox messages is
 /// internal to this crate and may change in any release without a change to this trait.
-#[cfg(not(feature = "outbox"))]
 pub trait Backend: Storage {}
-
-/// A database this crate keeps its tables in: `sqlx::Sqlite`, `sqlx::Postgres` and
-/// `sqlx::MySql` (MySQL 8 and MariaDB), each behind the cargo feature of its name.
-///
-/// It is the one type parameter of the crate's generic types, as in sqlx:
-/// [`Store<Postgres>`](crate::Store) (alias `PgStore`),
-/// [`IdempotencyLayer<Postgres>`](crate::IdempotencyLayer), [`Engine<Postgres>`](crate::Engine),
-/// [`Tx<Postgres>`](crate::Tx) and [`Outbox<Postgres>`](crate::outbox::Outbox). Code of your own
-/// that is generic over the backend bounds its parameter with `DB: Backend`.
-///
-/// The trait is sealed: how each database claims a key, leases work or keeps outbox messages is
-/// internal to this crate and may change in any release without a change to this trait.
-#[cfg(feature = "outbox")]
-pub trait Backend: Storage + crate::outbox::Ops {}
 
 #[cfg(feature = "sqlite")]
 impl Backend for sqlx::Sqlite {}
@@ -110,6 +104,8 @@ mod sealed {
     #![allow(unreachable_pub)]
 
     use super::*;
+    #[cfg(feature = "outbox")]
+    use crate::outbox::{DownstreamKey, Message, MessageId, OutboxRecord};
     use crate::record::LeaseClaim;
     use crate::scope::ScopedKey;
 
@@ -248,6 +244,132 @@ mod sealed {
             now: Millis,
             limit: u32,
         ) -> impl Future<Output = Result<u64, Error>> + Send;
+
+        /// Whether the database takes one writer at a time, so a dispatcher's own writes are
+        /// better queued in the process than in the database's lock wait.
+        #[cfg(feature = "outbox")]
+        const ONE_WRITER: bool = false;
+
+        /// Applies the outbox's schema versions not yet applied; safe when run by two
+        /// instances at once.
+        #[cfg(feature = "outbox")]
+        fn migrate_outbox(
+            pool: &Pool<Self>,
+        ) -> impl Future<Output = Result<(), crate::outbox::Error>> + Send;
+
+        /// Inserts a pending message, after taking its ordering key's lock if it has one;
+        /// `None` when its downstream key is already present.
+        #[cfg(feature = "outbox")]
+        fn insert(
+            conn: &mut Self::Connection,
+            message: &Message,
+            now: i64,
+        ) -> impl Future<Output = Result<Option<MessageId>, sqlx::Error>> + Send;
+
+        /// Reads one message by id.
+        #[cfg(feature = "outbox")]
+        fn fetch_by_id(
+            conn: &mut Self::Connection,
+            id: MessageId,
+        ) -> impl Future<Output = Result<Option<OutboxRecord>, sqlx::Error>> + Send;
+
+        /// Reads one message by downstream key.
+        #[cfg(feature = "outbox")]
+        fn fetch_by_key(
+            conn: &mut Self::Connection,
+            key: &DownstreamKey,
+        ) -> impl Future<Output = Result<Option<OutboxRecord>, sqlx::Error>> + Send;
+
+        /// The message that holds `id` back in its key's order, if any.
+        #[cfg(feature = "outbox")]
+        fn fetch_blocker(
+            conn: &mut Self::Connection,
+            id: MessageId,
+        ) -> impl Future<Output = Result<Option<OutboxRecord>, sqlx::Error>> + Send;
+
+        /// Leases due messages, skipping those another dispatcher holds, and begins the
+        /// attempts of those sent now (see [`Claim`]); returns the claim as made, at the time
+        /// it had its connection (see [`Claim::at`]).
+        #[cfg(feature = "outbox")]
+        fn claim_due(
+            pool: &Pool<Self>,
+            claim: Claim,
+        ) -> impl Future<Output = (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>)> + Send;
+
+        /// Records that the sender is about to be called on a message the claim did not begin
+        /// an attempt for (a resend after a lookup): one more attempt, outcome unknown until
+        /// settled, so a crash during the call leads to a lookup, not a blind resend. `false`
+        /// when the lease was lost to another dispatcher.
+        #[cfg(feature = "outbox")]
+        fn begin_attempt(
+            pool: &Pool<Self>,
+            id: MessageId,
+            token: i64,
+            now: i64,
+        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+        /// Extends the `leases` to `until`; returns the messages whose lease still held.
+        #[cfg(feature = "outbox")]
+        fn renew_leases(
+            pool: &Pool<Self>,
+            leases: &[Lease],
+            until: i64,
+        ) -> impl Future<Output = Result<Vec<MessageId>, sqlx::Error>> + Send;
+
+        /// Gives back `leases` of messages claimed with an attempt begun but never sent, as if
+        /// the claim had not begun it: one attempt fewer, the last outcome known again, no
+        /// `last_attempt_at` when no attempt is left, the lease released. Returns the messages
+        /// given back.
+        #[cfg(feature = "outbox")]
+        fn release_unsent(
+            pool: &Pool<Self>,
+            leases: &[Lease],
+        ) -> impl Future<Output = Result<Vec<MessageId>, sqlx::Error>> + Send;
+
+        /// Writes outcomes and releases their leases, in one write; returns the messages whose
+        /// lease still held (the others were left as they were).
+        #[cfg(feature = "outbox")]
+        fn settle(
+            pool: &Pool<Self>,
+            outcomes: &[(Lease, Settlement)],
+        ) -> impl Future<Output = Result<Vec<MessageId>, sqlx::Error>> + Send;
+
+        /// Deletes up to `limit` delivered or skipped messages finished before `before`.
+        #[cfg(feature = "outbox")]
+        fn purge_finished(
+            pool: &Pool<Self>,
+            before: i64,
+            limit: i64,
+        ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+        /// Makes the pending messages of `topic` due at `from` due at `to` instead; returns
+        /// how many moved. For a paused topic whose destination is back before its next probe:
+        /// its messages were given back due at that probe.
+        #[cfg(feature = "outbox")]
+        fn advance(
+            pool: &Pool<Self>,
+            topic: &str,
+            from: i64,
+            to: i64,
+        ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+        /// Puts a failed message back to pending, due now, its attempts counted afresh; `false`
+        /// when it is not failed.
+        #[cfg(feature = "outbox")]
+        fn requeue(
+            pool: &Pool<Self>,
+            id: MessageId,
+            now: i64,
+        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+        /// Sets a failed message aside as skipped, finished now; `false` when it is not
+        /// failed.
+        #[cfg(feature = "outbox")]
+        fn skip(
+            pool: &Pool<Self>,
+            id: MessageId,
+            now: i64,
+        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
     }
 }
 
@@ -259,17 +381,14 @@ mod sealed {
 /// lease_expires_at, key_digest, now), `FINISH_LEASED` (state, status, headers, body,
 /// key_digest, lease_owner), `RELEASE_LEASE` (key_digest, lease_owner), `FORGET` (key_digest),
 /// `PURGE` and `PURGE_KEYS` (now, limit), `VERSIONS_TABLE_EXISTS` (a count, 0 or 1) and the
-/// migration `SCHEMA`; its functions `classify` (the crate's error for a database error) and
-/// `migration_raced` (whether a migration collided with a concurrent one).
+/// migration `SCHEMA`; its functions `classify` (the crate's error for a database error),
+/// `migration_raced` (whether a migration collided with a concurrent one) and `apply` (the
+/// migration runner, from [`migrate::runner`]).
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 macro_rules! alike {
     () => {
         async fn migrate_records(pool: &sqlx::Pool<Self>) -> Result<(), $crate::error::Error> {
-            $crate::backend::migrate_retrying(
-                || $crate::migrate::apply(pool, &SCHEMA),
-                migration_raced,
-            )
-            .await
+            $crate::backend::migrate_retrying(|| apply(pool, &SCHEMA), migration_raced).await
         }
 
         async fn check_schema(pool: &sqlx::Pool<Self>) -> Result<(), $crate::error::Error> {

@@ -17,13 +17,25 @@ use sqlx::{Pool, Sqlite, Transaction};
 
 use super::claim::rounds;
 use super::literal::{Statement, Syntax};
+use super::migrate::{self, runner};
+#[cfg(feature = "outbox")]
+use super::outbox::{
+    Claim, Claimed as ClaimedMessage, claiming, json_batches, outbox_alike, outbox_decoder,
+};
 use super::{Claimed, PurgePace, Storage, alike, bound, record_values};
 use crate::error::Error;
-use crate::migrate;
+#[cfg(feature = "outbox")]
+use crate::outbox::{Message, MessageId};
 use crate::record::{Millis, NewRecord};
 use crate::scope::ScopedKey;
 
 bound!(Sqlite);
+runner!(Sqlite);
+#[cfg(feature = "outbox")]
+outbox_decoder!(Sqlite);
+
+#[cfg(feature = "outbox")]
+mod outbox_sql;
 
 /// SQLite's extended code for a violated primary key, SQLITE_CONSTRAINT_PRIMARYKEY.
 const CONSTRAINT_PRIMARY_KEY: &str = "1555";
@@ -80,6 +92,85 @@ fn record_insert<'a>(record: &'a NewRecord<'a>) -> Statement<'a> {
 
 impl Storage for Sqlite {
     alike!();
+    #[cfg(feature = "outbox")]
+    outbox_alike!();
+    #[cfg(feature = "outbox")]
+    json_batches!();
+
+    #[cfg(feature = "outbox")]
+    const ONE_WRITER: bool = true;
+
+    #[cfg(feature = "outbox")]
+    async fn insert(
+        conn: &mut SqliteConnection,
+        message: &Message,
+        now: i64,
+    ) -> Result<Option<MessageId>, sqlx::Error> {
+        // The single writer already orders the ids of one key as their transactions commit.
+        let id: Option<i64> = sqlx::query_scalar(outbox_sql::INSERT)
+            .bind(message.topic())
+            .bind(message.key().as_str())
+            .bind(message.payload())
+            .bind(now)
+            .bind(now)
+            .bind(message.ordering())
+            .fetch_optional(conn)
+            .await?;
+        Ok(id.map(MessageId::from))
+    }
+
+    // Probed first, unless the previous claim found all it asked for: an UPDATE takes the
+    // write lock even when it matches nothing. Then `HOLD` leases the first due messages that
+    // are not sent now, and `BEGIN` those that are, up to what is left of the limit.
+    #[cfg(feature = "outbox")]
+    async fn claim_due(
+        pool: &Pool<Self>,
+        claim: Claim,
+    ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>) {
+        claiming(pool, claim, |mut conn, claim| async move {
+            if claim.probe {
+                let due: bool = sqlx::query_scalar(outbox_sql::CLAIM_PROBE)
+                    .bind(claim.now)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                if !due {
+                    return Ok(Vec::new());
+                }
+            }
+            let update = |sql, limit: i64| {
+                sqlx::query(sql)
+                    .bind(claim.lease_until)
+                    .bind(claim.token)
+                    .bind(claim.now)
+                    .bind(limit)
+                    .bind(claim.max_attempts)
+            };
+            let mut claimed = Vec::new();
+            for row in update(outbox_sql::CLAIM_HOLD, claim.limit)
+                .fetch_all(&mut *conn)
+                .await?
+            {
+                claimed.push(ClaimedMessage {
+                    record: outbox_record(&row)?,
+                    attempt_begun: false,
+                });
+            }
+            let left = claim.limit.saturating_sub(claimed.len() as i64);
+            if left > 0 {
+                for row in update(outbox_sql::CLAIM_BEGIN, left)
+                    .fetch_all(&mut *conn)
+                    .await?
+                {
+                    claimed.push(ClaimedMessage {
+                        record: outbox_record(&row)?,
+                        attempt_begun: true,
+                    });
+                }
+            }
+            Ok(claimed)
+        })
+        .await
+    }
 
     // Every claim waits for the one write lock while a batch holds it: a short batch keeps that
     // wait within the busy handler's first few naps.
@@ -195,7 +286,7 @@ impl Storage for Sqlite {
 
 const SCHEMA: migrate::Schema<Sqlite> = migrate::Schema {
     versions_table: "idempotency_schema_versions",
-    scripts: &[(1, include_str!("../../migrations/sqlite/0001_store.sql"))],
+    scripts: &[(1, include_str!("../../../migrations/sqlite/0001_store.sql"))],
     // The write lock taken up front serialises concurrent migrators.
     begin: "BEGIN IMMEDIATE",
     lock: None,

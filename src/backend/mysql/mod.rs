@@ -15,13 +15,25 @@ use sqlx::{AssertSqlSafe, MySql, Pool, Row, Transaction};
 
 use super::claim::fused_then_rounds;
 use super::literal::{Statement, Syntax};
+use super::migrate::{self, runner};
+#[cfg(feature = "outbox")]
+use super::outbox::{
+    Claim, Claimed as ClaimedMessage, Lease, Settlement, claiming, outbox_alike, outbox_decoder,
+};
 use super::{Claimed, PurgePace, Storage, alike, bound, identity_values, lifetime_values};
 use crate::error::Error;
-use crate::migrate;
+#[cfg(feature = "outbox")]
+use crate::outbox::{Message, MessageId, OutboxRecord, from_millis};
 use crate::record::{Millis, NewRecord, StoredResponse};
 use crate::scope::ScopedKey;
 
 bound!(MySql);
+runner!(MySql);
+#[cfg(feature = "outbox")]
+outbox_decoder!(MySql);
+
+#[cfg(feature = "outbox")]
+mod outbox_sql;
 
 /// InnoDB's "lock wait timeout exceeded".
 const LOCK_WAIT_TIMEOUT: u16 = 1205;
@@ -102,6 +114,116 @@ pub(crate) async fn begin_claimed<'a>(
 
 impl Storage for MySql {
     alike!();
+    #[cfg(feature = "outbox")]
+    outbox_alike!();
+
+    #[cfg(feature = "outbox")]
+    async fn insert(
+        conn: &mut MySqlConnection,
+        message: &Message,
+        now: i64,
+    ) -> Result<Option<MessageId>, sqlx::Error> {
+        if let Some(key) = message.ordering() {
+            sqlx::query(outbox_sql::ORDER_LOCK)
+                .bind(key)
+                .execute(&mut *conn)
+                .await?;
+        }
+        // A duplicate key only undoes this statement in InnoDB, not the caller's transaction.
+        let inserted = sqlx::query(outbox_sql::INSERT)
+            .bind(message.topic())
+            .bind(message.key().as_str())
+            .bind(message.payload())
+            .bind(now)
+            .bind(now)
+            .bind(message.ordering())
+            .execute(conn)
+            .await;
+        match inserted {
+            Ok(done) => i64::try_from(done.last_insert_id())
+                .map(|id| Some(MessageId::from(id)))
+                .map_err(|e| sqlx::Error::Decode(format!("outbox id out of range: {e}").into())),
+            Err(sqlx::Error::Database(e)) if e.is_unique_violation() => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    // Without `UPDATE … RETURNING`: in one transaction, lock the due rows, then lease each,
+    // beginning the attempts of those sent now.
+    #[cfg(feature = "outbox")]
+    async fn claim_due(
+        pool: &Pool<Self>,
+        claim: Claim,
+    ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>) {
+        claiming(pool, claim, |mut conn, claim| async move {
+            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+            let rows = sqlx::query(outbox_sql::CLAIM_SELECT)
+                .bind(claim.now)
+                .bind(claim.now)
+                .bind(claim.limit)
+                .fetch_all(&mut *tx)
+                .await?;
+            let mut claimed = Vec::with_capacity(rows.len());
+            for row in &rows {
+                claimed.push(lease_locked(&mut tx, outbox_record(row)?, &claim).await?);
+            }
+            tx.commit().await?;
+            Ok(claimed)
+        })
+        .await
+    }
+
+    #[cfg(feature = "outbox")]
+    async fn renew_leases(
+        pool: &Pool<Self>,
+        leases: &[Lease],
+        until: i64,
+    ) -> Result<Vec<MessageId>, sqlx::Error> {
+        per_lease(pool, outbox_sql::RENEW_LEASES, leases, Some(until)).await
+    }
+
+    #[cfg(feature = "outbox")]
+    async fn release_unsent(
+        pool: &Pool<Self>,
+        leases: &[Lease],
+    ) -> Result<Vec<MessageId>, sqlx::Error> {
+        per_lease(pool, outbox_sql::RELEASE_UNSENT, leases, None).await
+    }
+
+    // Without `UPDATE … RETURNING`, a batch could only say how many leases held, not which;
+    // one statement per lease counts the rows it matched (CLIENT_FOUND_ROWS), 1 exactly when
+    // the lease was still ours.
+    #[cfg(feature = "outbox")]
+    async fn settle(
+        pool: &Pool<Self>,
+        outcomes: &[(Lease, Settlement)],
+    ) -> Result<Vec<MessageId>, sqlx::Error> {
+        if outcomes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut tx = pool.begin().await?;
+        let mut settled = Vec::with_capacity(outcomes.len());
+        for (lease, settlement) in outcomes {
+            let done = sqlx::query(outbox_sql::SETTLE)
+                .bind(settlement.status.as_str())
+                .bind(settlement.receipt.as_deref())
+                .bind(settlement.last_error.as_deref())
+                .bind(i64::from(settlement.attempts))
+                .bind(settlement.outcome_unknown)
+                .bind(settlement.next_attempt_at)
+                .bind(settlement.finished_at)
+                .bind(settlement.last_attempt_at)
+                .bind(lease.id.get())
+                .bind(lease.token)
+                .execute(&mut *tx)
+                .await?;
+            if done.rows_affected() == 1 {
+                settled.push(lease.id);
+            }
+        }
+        tx.commit().await?;
+        Ok(settled)
+    }
 
     // InnoDB finishes a delete after the statement returns: its purge threads remove the
     // delete-marked rows and index entries in the background, beside the requests. Smaller
@@ -246,7 +368,7 @@ fn migration_locked(row: &MySqlRow) -> bool {
 
 const SCHEMA: migrate::Schema<MySql> = migrate::Schema {
     versions_table: "idempotency_schema_versions",
-    scripts: &[(1, include_str!("../../migrations/mysql/0001_store.sql"))],
+    scripts: &[(1, include_str!("../../../migrations/mysql/0001_store.sql"))],
     begin: "BEGIN",
     // DDL commits implicitly, so the transaction cannot serialise two instances migrating
     // at once; a named lock held by the session can. Lock names are server-wide, so the
@@ -311,4 +433,68 @@ fn migration_raced(error: &dyn DatabaseError) -> bool {
 /// The crate's error for a database error.
 pub(crate) fn classify(error: sqlx::Error) -> Error {
     super::classify(error, is_busy, is_conflict)
+}
+
+/// Leases `record`, a due message `claim` locked in `tx`: begins its attempt if it is sent
+/// now, else only holds it.
+#[cfg(feature = "outbox")]
+async fn lease_locked(
+    tx: &mut MySqlConnection,
+    mut record: OutboxRecord,
+    claim: &Claim,
+) -> Result<ClaimedMessage, sqlx::Error> {
+    let attempt_begun = claim.begins(&record);
+    let lease = if attempt_begun {
+        sqlx::query(outbox_sql::CLAIM_BEGIN)
+            .bind(claim.lease_until)
+            .bind(claim.token)
+            .bind(claim.now)
+    } else {
+        sqlx::query(outbox_sql::CLAIM_HOLD)
+            .bind(claim.lease_until)
+            .bind(claim.token)
+    };
+    lease.bind(record.id.get()).execute(tx).await?;
+    if attempt_begun {
+        // What `CLAIM_BEGIN` wrote, so the record matches the row.
+        record.attempts += 1;
+        record.outcome_unknown = true;
+        record.last_attempt_at = Some(from_millis(claim.now));
+    }
+    Ok(ClaimedMessage {
+        record,
+        attempt_begun,
+    })
+}
+
+/// Runs `sql` on each of `leases` (binding `until` first, when given, as a renewal does), all
+/// in one transaction, and answers the ids whose lease was still held: one matched row.
+#[cfg(feature = "outbox")]
+async fn per_lease(
+    pool: &Pool<MySql>,
+    sql: &'static str,
+    leases: &[Lease],
+    until: Option<i64>,
+) -> Result<Vec<MessageId>, sqlx::Error> {
+    if leases.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut tx = pool.begin().await?;
+    let mut held = Vec::with_capacity(leases.len());
+    for lease in leases {
+        let mut query = sqlx::query(sql);
+        if let Some(until) = until {
+            query = query.bind(until);
+        }
+        let done = query
+            .bind(lease.id.get())
+            .bind(lease.token)
+            .execute(&mut *tx)
+            .await?;
+        if done.rows_affected() == 1 {
+            held.push(lease.id);
+        }
+    }
+    tx.commit().await?;
+    Ok(held)
 }

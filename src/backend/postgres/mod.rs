@@ -11,18 +11,32 @@
 
 use std::time::Duration;
 
+#[cfg(feature = "outbox")]
+use sqlx::Row;
 use sqlx::error::DatabaseError;
 use sqlx::{AssertSqlSafe, PgConnection, Pool, Postgres, Transaction};
 
 use super::claim::fused_then_rounds;
 use super::literal::{Statement, Syntax};
+use super::migrate::{self, runner};
+#[cfg(feature = "outbox")]
+use super::outbox::{
+    Claim, Claimed as ClaimedMessage, claiming, json_batches, outbox_alike, outbox_decoder,
+};
 use super::{Claimed, Storage, alike, bound, record_values};
 use crate::error::Error;
-use crate::migrate;
+#[cfg(feature = "outbox")]
+use crate::outbox::{Message, MessageId};
 use crate::record::{Millis, NewRecord, StoredResponse};
 use crate::scope::ScopedKey;
 
 bound!(Postgres);
+runner!(Postgres);
+#[cfg(feature = "outbox")]
+outbox_decoder!(Postgres);
+
+#[cfg(feature = "outbox")]
+mod outbox_sql;
 
 /// The largest response (headers and body) a record's statement writes into its text: past it,
 /// the text (twice the bytes, in hexadecimal) costs the database more parsing than the exchange
@@ -151,6 +165,64 @@ pub(crate) async fn begin_claimed<'a>(
 
 impl Storage for Postgres {
     alike!();
+    #[cfg(feature = "outbox")]
+    outbox_alike!();
+    #[cfg(feature = "outbox")]
+    json_batches!();
+
+    // ON CONFLICT rather than catching the unique violation: an error would abort the caller's
+    // whole transaction.
+    #[cfg(feature = "outbox")]
+    async fn insert(
+        conn: &mut PgConnection,
+        message: &Message,
+        now: i64,
+    ) -> Result<Option<MessageId>, sqlx::Error> {
+        if let Some(key) = message.ordering() {
+            sqlx::query(outbox_sql::ORDER_LOCK)
+                .bind(key)
+                .execute(&mut *conn)
+                .await?;
+        }
+        let id: Option<i64> = sqlx::query_scalar(outbox_sql::INSERT)
+            .bind(message.topic())
+            .bind(message.key().as_str())
+            .bind(message.payload())
+            .bind(now)
+            .bind(now)
+            .bind(message.ordering())
+            .fetch_optional(conn)
+            .await?;
+        Ok(id.map(MessageId::from))
+    }
+
+    // One statement leases the due rows, begins the attempts of those sent now and returns
+    // them as it left them.
+    #[cfg(feature = "outbox")]
+    async fn claim_due(
+        pool: &Pool<Self>,
+        claim: Claim,
+    ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>) {
+        claiming(pool, claim, |mut conn, claim| async move {
+            let rows = sqlx::query(outbox_sql::CLAIM)
+                .bind(claim.lease_until)
+                .bind(claim.token)
+                .bind(claim.now)
+                .bind(claim.limit)
+                .bind(claim.max_attempts)
+                .fetch_all(&mut *conn)
+                .await?;
+            rows.iter()
+                .map(|row| {
+                    Ok(ClaimedMessage {
+                        record: outbox_record(row)?,
+                        attempt_begun: row.try_get("attempt_begun")?,
+                    })
+                })
+                .collect()
+        })
+        .await
+    }
 
     async fn claim_record<'a>(
         pool: &'a Pool<Self>,
@@ -269,7 +341,10 @@ impl Storage for Postgres {
 
 const SCHEMA: migrate::Schema<Postgres> = migrate::Schema {
     versions_table: "idempotency_schema_versions",
-    scripts: &[(1, include_str!("../../migrations/postgres/0001_store.sql"))],
+    scripts: &[(
+        1,
+        include_str!("../../../migrations/postgres/0001_store.sql"),
+    )],
     begin: "BEGIN",
     // A transaction-scoped advisory lock: two instances starting at once migrate one after
     // the other, and the second finds nothing left to do. The number is this crate's own.

@@ -1,13 +1,15 @@
 //! The databases this crate keeps its tables in: the public, sealed [`Backend`], and behind it
-//! one private module per database that holds everything the crate does there (claiming keys,
-//! keeping records and dedupe keys, leases, purging, migrating), implemented for its concrete
-//! sqlx type.
+//! one crate-private trait, [`Storage`], and one module per database (`postgres/`, `mysql/`,
+//! `sqlite/`) that implements it for its concrete sqlx type: everything the crate does there
+//! (claiming keys, keeping records and dedupe keys, leases, purging, the outbox's table,
+//! migrating).
 //!
 //! What every database runs alike (binding the same values to its own statement text, reading
-//! a record back) is written once, in the macro [`alike`], and expanded in each database's
-//! module, where the types are concrete: no generic code has to spell out what a database can
-//! encode or decode. What differs is the database's own code, in its own file: how it claims a
-//! key, begins the claim's transaction and commits the record.
+//! a row back, running the migrations) is written once, in macros ([`alike`], [`bound`],
+//! [`migrate::runner`], and the outbox's in [`outbox`]), and expanded in each database's module,
+//! where the types are concrete: no generic code has to spell out what a database can encode or
+//! decode. What differs is the database's own code, in its own folder: how it claims a key,
+//! begins the claim's transaction and commits the record, and how it leases due messages.
 
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 use std::borrow::Cow;
@@ -109,7 +111,8 @@ mod sealed {
     use crate::record::LeaseClaim;
     use crate::scope::ScopedKey;
 
-    /// What the crate does in one database, implemented once per concrete sqlx type.
+    /// What the crate does in one database, implemented once per concrete sqlx type: the
+    /// records and dedupe keys first, then (with the `outbox` feature) the outbox's table.
     ///
     /// The records' guarantees: a claim gives its transaction the key alone (a concurrent
     /// claimer of the same key waits for that transaction to end, no longer than the claim's

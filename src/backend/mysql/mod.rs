@@ -114,6 +114,107 @@ pub(crate) async fn begin_claimed<'a>(
 
 impl Storage for MySql {
     alike!();
+
+    // InnoDB finishes a delete after the statement returns: its purge threads remove the
+    // delete-marked rows and index entries in the background, beside the requests. Smaller
+    // batches and a longer rest leave room for that work.
+    const PURGE_PACE: PurgePace = PurgePace {
+        batch: 250,
+        rest: 2,
+    };
+
+    async fn claim_record<'a>(
+        pool: &'a Pool<Self>,
+        record: &'a NewRecord<'a>,
+        wait: Duration,
+        begun: Option<Transaction<'static, Self>>,
+    ) -> Result<Claimed<Self>, Error> {
+        let fused = begin_claimed(pool, record, wait);
+        fused_then_rounds(pool, record, wait, begun, fused).await
+    }
+
+    // The claim procedure bounds its own wait, so the transaction begins plainly.
+    async fn begin(
+        pool: &Pool<Self>,
+        _lock_wait: Duration,
+    ) -> Result<Transaction<'static, Self>, Error> {
+        pool.begin().await.map_err(classify)
+    }
+
+    // A claim is the first statement of its transaction, so the procedure's own
+    // `START TRANSACTION` commits an empty one and goes on in its place. When the key is taken
+    // the procedure has rolled back: the caller reads the winner's record outside a
+    // transaction, and the `ROLLBACK` its dropped `Transaction` sends is silent.
+    async fn claim_in<'a>(
+        conn: &'a mut MySqlConnection,
+        record: &'a NewRecord<'a>,
+        lock_wait: Duration,
+    ) -> Result<bool, Error> {
+        match sqlx::raw_sql(claim_call(record, lock_wait))
+            .execute(conn)
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(error) if taken(&error) => Ok(false),
+            Err(error) => Err(classify(error)),
+        }
+    }
+
+    // Here the claim's row is the key's lock: a session lock such as `GET_LOCK` holds on one
+    // node of a Galera cluster only, and a locking read of an absent row takes a gap lock that
+    // concurrent claimers all get, then deadlock on. So the row is written twice, as the claim
+    // and with the outcome.
+    //
+    // The record and the `COMMIT` go as two commands, never as one multi-statement query. On
+    // a Galera cluster a transaction aborted for a replicated one must fail its `COMMIT`;
+    // sent in one query with the record's `UPDATE`, that `COMMIT` was sometimes answered OK
+    // for a transaction the cluster had rolled back (MariaDB 10.11, galera-4: about one
+    // contended storm in a hundred), and the client got an answer whose writes were gone.
+    // Sent apart, the abort is reported (1213) and the request runs again.
+    async fn commit_record<'a>(
+        mut tx: Transaction<'static, Self>,
+        record: &'a NewRecord<'a>,
+    ) -> Result<(), Error> {
+        // A statement of its own, so it is prepared once per connection and sent with its
+        // values bound: the server does not parse it again, and no value is written out.
+        bound(&record_update(record))
+            .execute(&mut *tx)
+            .await
+            .map_err(classify)?;
+        tx.commit().await.map_err(classify)
+    }
+
+    // The wait for a concurrent claimer is the insert's wait for the key's row, bounded by the
+    // session's `innodb_lock_wait_timeout`, set for the claim alone and restored whatever its
+    // outcome, before the handler runs.
+    async fn claim_key<'a>(
+        pool: &'a Pool<Self>,
+        key: &'a ScopedKey,
+        now: Millis,
+        expires_at: Millis,
+        lock_wait: Duration,
+    ) -> Result<Option<Transaction<'static, Self>>, Error> {
+        let mut tx = pool.begin().await.map_err(classify)?;
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "SET @axum_idempotency_wait = @@SESSION.innodb_lock_wait_timeout, \
+             SESSION innodb_lock_wait_timeout = {}",
+            lock_wait_secs(lock_wait)
+        )))
+        .execute(&mut *tx)
+        .await
+        .map_err(classify)?;
+        let claimed = insert_key(&mut tx, key, now, expires_at).await;
+        sqlx::raw_sql("SET SESSION innodb_lock_wait_timeout = @axum_idempotency_wait")
+            .execute(&mut *tx)
+            .await
+            .map_err(classify)?;
+        if claimed? {
+            return Ok(Some(tx));
+        }
+        tx.rollback().await.map_err(classify)?;
+        Ok(None)
+    }
+
     #[cfg(feature = "outbox")]
     outbox_alike!();
 
@@ -223,106 +324,6 @@ impl Storage for MySql {
         }
         tx.commit().await?;
         Ok(settled)
-    }
-
-    // InnoDB finishes a delete after the statement returns: its purge threads remove the
-    // delete-marked rows and index entries in the background, beside the requests. Smaller
-    // batches and a longer rest leave room for that work.
-    const PURGE_PACE: PurgePace = PurgePace {
-        batch: 250,
-        rest: 2,
-    };
-
-    async fn claim_record<'a>(
-        pool: &'a Pool<Self>,
-        record: &'a NewRecord<'a>,
-        wait: Duration,
-        begun: Option<Transaction<'static, Self>>,
-    ) -> Result<Claimed<Self>, Error> {
-        let fused = begin_claimed(pool, record, wait);
-        fused_then_rounds(pool, record, wait, begun, fused).await
-    }
-
-    // The claim procedure bounds its own wait, so the transaction begins plainly.
-    async fn begin(
-        pool: &Pool<Self>,
-        _lock_wait: Duration,
-    ) -> Result<Transaction<'static, Self>, Error> {
-        pool.begin().await.map_err(classify)
-    }
-
-    // A claim is the first statement of its transaction, so the procedure's own
-    // `START TRANSACTION` commits an empty one and goes on in its place. When the key is taken
-    // the procedure has rolled back: the caller reads the winner's record outside a
-    // transaction, and the `ROLLBACK` its dropped `Transaction` sends is silent.
-    async fn claim_in<'a>(
-        conn: &'a mut MySqlConnection,
-        record: &'a NewRecord<'a>,
-        lock_wait: Duration,
-    ) -> Result<bool, Error> {
-        match sqlx::raw_sql(claim_call(record, lock_wait))
-            .execute(conn)
-            .await
-        {
-            Ok(_) => Ok(true),
-            Err(error) if taken(&error) => Ok(false),
-            Err(error) => Err(classify(error)),
-        }
-    }
-
-    // Here the claim's row is the key's lock: a session lock such as `GET_LOCK` holds on one
-    // node of a Galera cluster only, and a locking read of an absent row takes a gap lock that
-    // concurrent claimers all get, then deadlock on. So the row is written twice, as the claim
-    // and with the outcome.
-    //
-    // The record and the `COMMIT` go as two commands, never as one multi-statement query. On
-    // a Galera cluster a transaction aborted for a replicated one must fail its `COMMIT`;
-    // sent in one query with the record's `UPDATE`, that `COMMIT` was sometimes answered OK
-    // for a transaction the cluster had rolled back (MariaDB 10.11, galera-4: about one
-    // contended storm in a hundred), and the client got an answer whose writes were gone.
-    // Sent apart, the abort is reported (1213) and the request runs again.
-    async fn commit_record<'a>(
-        mut tx: Transaction<'static, Self>,
-        record: &'a NewRecord<'a>,
-    ) -> Result<(), Error> {
-        // A statement of its own, so it is prepared once per connection and sent with its
-        // values bound: the server does not parse it again, and no value is written out.
-        bound(&record_update(record))
-            .execute(&mut *tx)
-            .await
-            .map_err(classify)?;
-        tx.commit().await.map_err(classify)
-    }
-
-    // The wait for a concurrent claimer is the insert's wait for the key's row, bounded by the
-    // session's `innodb_lock_wait_timeout`, set for the claim alone and restored whatever its
-    // outcome, before the handler runs.
-    async fn claim_key<'a>(
-        pool: &'a Pool<Self>,
-        key: &'a ScopedKey,
-        now: Millis,
-        expires_at: Millis,
-        lock_wait: Duration,
-    ) -> Result<Option<Transaction<'static, Self>>, Error> {
-        let mut tx = pool.begin().await.map_err(classify)?;
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "SET @axum_idempotency_wait = @@SESSION.innodb_lock_wait_timeout, \
-             SESSION innodb_lock_wait_timeout = {}",
-            lock_wait_secs(lock_wait)
-        )))
-        .execute(&mut *tx)
-        .await
-        .map_err(classify)?;
-        let claimed = insert_key(&mut tx, key, now, expires_at).await;
-        sqlx::raw_sql("SET SESSION innodb_lock_wait_timeout = @axum_idempotency_wait")
-            .execute(&mut *tx)
-            .await
-            .map_err(classify)?;
-        if claimed? {
-            return Ok(Some(tx));
-        }
-        tx.rollback().await.map_err(classify)?;
-        Ok(None)
     }
 }
 

@@ -165,64 +165,6 @@ pub(crate) async fn begin_claimed<'a>(
 
 impl Storage for Postgres {
     alike!();
-    #[cfg(feature = "outbox")]
-    outbox_alike!();
-    #[cfg(feature = "outbox")]
-    json_batches!();
-
-    // ON CONFLICT rather than catching the unique violation: an error would abort the caller's
-    // whole transaction.
-    #[cfg(feature = "outbox")]
-    async fn insert(
-        conn: &mut PgConnection,
-        message: &Message,
-        now: i64,
-    ) -> Result<Option<MessageId>, sqlx::Error> {
-        if let Some(key) = message.ordering() {
-            sqlx::query(outbox_sql::ORDER_LOCK)
-                .bind(key)
-                .execute(&mut *conn)
-                .await?;
-        }
-        let id: Option<i64> = sqlx::query_scalar(outbox_sql::INSERT)
-            .bind(message.topic())
-            .bind(message.key().as_str())
-            .bind(message.payload())
-            .bind(now)
-            .bind(now)
-            .bind(message.ordering())
-            .fetch_optional(conn)
-            .await?;
-        Ok(id.map(MessageId::from))
-    }
-
-    // One statement leases the due rows, begins the attempts of those sent now and returns
-    // them as it left them.
-    #[cfg(feature = "outbox")]
-    async fn claim_due(
-        pool: &Pool<Self>,
-        claim: Claim,
-    ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>) {
-        claiming(pool, claim, |mut conn, claim| async move {
-            let rows = sqlx::query(outbox_sql::CLAIM)
-                .bind(claim.lease_until)
-                .bind(claim.token)
-                .bind(claim.now)
-                .bind(claim.limit)
-                .bind(claim.max_attempts)
-                .fetch_all(&mut *conn)
-                .await?;
-            rows.iter()
-                .map(|row| {
-                    Ok(ClaimedMessage {
-                        record: outbox_record(row)?,
-                        attempt_begun: row.try_get("attempt_begun")?,
-                    })
-                })
-                .collect()
-        })
-        .await
-    }
 
     async fn claim_record<'a>(
         pool: &'a Pool<Self>,
@@ -336,6 +278,65 @@ impl Storage for Postgres {
             Err(error) if taken(&error) => Err(Error::Conflict),
             Err(error) => Err(classify(error)),
         }
+    }
+
+    #[cfg(feature = "outbox")]
+    outbox_alike!();
+    #[cfg(feature = "outbox")]
+    json_batches!();
+
+    // ON CONFLICT rather than catching the unique violation: an error would abort the caller's
+    // whole transaction.
+    #[cfg(feature = "outbox")]
+    async fn insert(
+        conn: &mut PgConnection,
+        message: &Message,
+        now: i64,
+    ) -> Result<Option<MessageId>, sqlx::Error> {
+        if let Some(key) = message.ordering() {
+            sqlx::query(outbox_sql::ORDER_LOCK)
+                .bind(key)
+                .execute(&mut *conn)
+                .await?;
+        }
+        let id: Option<i64> = sqlx::query_scalar(outbox_sql::INSERT)
+            .bind(message.topic())
+            .bind(message.key().as_str())
+            .bind(message.payload())
+            .bind(now)
+            .bind(now)
+            .bind(message.ordering())
+            .fetch_optional(conn)
+            .await?;
+        Ok(id.map(MessageId::from))
+    }
+
+    // One statement leases the due rows, begins the attempts of those sent now and returns
+    // them as it left them.
+    #[cfg(feature = "outbox")]
+    async fn claim_due(
+        pool: &Pool<Self>,
+        claim: Claim,
+    ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>) {
+        claiming(pool, claim, |mut conn, claim| async move {
+            let rows = sqlx::query(outbox_sql::CLAIM)
+                .bind(claim.lease_until)
+                .bind(claim.token)
+                .bind(claim.now)
+                .bind(claim.limit)
+                .bind(claim.max_attempts)
+                .fetch_all(&mut *conn)
+                .await?;
+            rows.iter()
+                .map(|row| {
+                    Ok(ClaimedMessage {
+                        record: outbox_record(row)?,
+                        attempt_begun: row.try_get("attempt_begun")?,
+                    })
+                })
+                .collect()
+        })
+        .await
     }
 }
 

@@ -92,85 +92,6 @@ fn record_insert<'a>(record: &'a NewRecord<'a>) -> Statement<'a> {
 
 impl Storage for Sqlite {
     alike!();
-    #[cfg(feature = "outbox")]
-    outbox_alike!();
-    #[cfg(feature = "outbox")]
-    json_batches!();
-
-    #[cfg(feature = "outbox")]
-    const ONE_WRITER: bool = true;
-
-    #[cfg(feature = "outbox")]
-    async fn insert(
-        conn: &mut SqliteConnection,
-        message: &Message,
-        now: i64,
-    ) -> Result<Option<MessageId>, sqlx::Error> {
-        // The single writer already orders the ids of one key as their transactions commit.
-        let id: Option<i64> = sqlx::query_scalar(outbox_sql::INSERT)
-            .bind(message.topic())
-            .bind(message.key().as_str())
-            .bind(message.payload())
-            .bind(now)
-            .bind(now)
-            .bind(message.ordering())
-            .fetch_optional(conn)
-            .await?;
-        Ok(id.map(MessageId::from))
-    }
-
-    // Probed first, unless the previous claim found all it asked for: an UPDATE takes the
-    // write lock even when it matches nothing. Then `HOLD` leases the first due messages that
-    // are not sent now, and `BEGIN` those that are, up to what is left of the limit.
-    #[cfg(feature = "outbox")]
-    async fn claim_due(
-        pool: &Pool<Self>,
-        claim: Claim,
-    ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>) {
-        claiming(pool, claim, |mut conn, claim| async move {
-            if claim.probe {
-                let due: bool = sqlx::query_scalar(outbox_sql::CLAIM_PROBE)
-                    .bind(claim.now)
-                    .fetch_one(&mut *conn)
-                    .await?;
-                if !due {
-                    return Ok(Vec::new());
-                }
-            }
-            let update = |sql, limit: i64| {
-                sqlx::query(sql)
-                    .bind(claim.lease_until)
-                    .bind(claim.token)
-                    .bind(claim.now)
-                    .bind(limit)
-                    .bind(claim.max_attempts)
-            };
-            let mut claimed = Vec::new();
-            for row in update(outbox_sql::CLAIM_HOLD, claim.limit)
-                .fetch_all(&mut *conn)
-                .await?
-            {
-                claimed.push(ClaimedMessage {
-                    record: outbox_record(&row)?,
-                    attempt_begun: false,
-                });
-            }
-            let left = claim.limit.saturating_sub(claimed.len() as i64);
-            if left > 0 {
-                for row in update(outbox_sql::CLAIM_BEGIN, left)
-                    .fetch_all(&mut *conn)
-                    .await?
-                {
-                    claimed.push(ClaimedMessage {
-                        record: outbox_record(&row)?,
-                        attempt_begun: true,
-                    });
-                }
-            }
-            Ok(claimed)
-        })
-        .await
-    }
 
     // Every claim waits for the one write lock while a batch holds it: a short batch keeps that
     // wait within the busy handler's first few naps.
@@ -281,6 +202,86 @@ impl Storage for Sqlite {
             Err(error) if record_exists(&error) => Err(Error::Conflict),
             Err(error) => Err(classify(error)),
         }
+    }
+
+    #[cfg(feature = "outbox")]
+    outbox_alike!();
+    #[cfg(feature = "outbox")]
+    json_batches!();
+
+    #[cfg(feature = "outbox")]
+    const ONE_WRITER: bool = true;
+
+    #[cfg(feature = "outbox")]
+    async fn insert(
+        conn: &mut SqliteConnection,
+        message: &Message,
+        now: i64,
+    ) -> Result<Option<MessageId>, sqlx::Error> {
+        // The single writer already orders the ids of one key as their transactions commit.
+        let id: Option<i64> = sqlx::query_scalar(outbox_sql::INSERT)
+            .bind(message.topic())
+            .bind(message.key().as_str())
+            .bind(message.payload())
+            .bind(now)
+            .bind(now)
+            .bind(message.ordering())
+            .fetch_optional(conn)
+            .await?;
+        Ok(id.map(MessageId::from))
+    }
+
+    // Probed first, unless the previous claim found all it asked for: an UPDATE takes the
+    // write lock even when it matches nothing. Then `HOLD` leases the first due messages that
+    // are not sent now, and `BEGIN` those that are, up to what is left of the limit.
+    #[cfg(feature = "outbox")]
+    async fn claim_due(
+        pool: &Pool<Self>,
+        claim: Claim,
+    ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>) {
+        claiming(pool, claim, |mut conn, claim| async move {
+            if claim.probe {
+                let due: bool = sqlx::query_scalar(outbox_sql::CLAIM_PROBE)
+                    .bind(claim.now)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                if !due {
+                    return Ok(Vec::new());
+                }
+            }
+            let update = |sql, limit: i64| {
+                sqlx::query(sql)
+                    .bind(claim.lease_until)
+                    .bind(claim.token)
+                    .bind(claim.now)
+                    .bind(limit)
+                    .bind(claim.max_attempts)
+            };
+            let mut claimed = Vec::new();
+            for row in update(outbox_sql::CLAIM_HOLD, claim.limit)
+                .fetch_all(&mut *conn)
+                .await?
+            {
+                claimed.push(ClaimedMessage {
+                    record: outbox_record(&row)?,
+                    attempt_begun: false,
+                });
+            }
+            let left = claim.limit.saturating_sub(claimed.len() as i64);
+            if left > 0 {
+                for row in update(outbox_sql::CLAIM_BEGIN, left)
+                    .fetch_all(&mut *conn)
+                    .await?
+                {
+                    claimed.push(ClaimedMessage {
+                        record: outbox_record(&row)?,
+                        attempt_begun: true,
+                    });
+                }
+            }
+            Ok(claimed)
+        })
+        .await
     }
 }
 

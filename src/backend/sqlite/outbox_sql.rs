@@ -43,7 +43,7 @@ pub(super) const CLAIM_PROBE: &str = concat!(
 );
 // RETURNING sees only the row as updated, so one statement could not tell a message whose
 // attempt it began from one whose last outcome was already unknown. The lease columns are
-// not among the record's, so `hold`, which writes nothing else, returns the rows as they
+// not among the record's, so `CLAIM_HOLD`, which writes nothing else, returns the rows as they
 // were. Once it has leased the first `limit` due messages that are not sent now, the first
 // due ones left are those that are.
 pub(super) const CLAIM_HOLD: &str = concat!(

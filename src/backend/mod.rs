@@ -38,7 +38,7 @@ pub(crate) mod postgres;
 mod sqlite;
 
 #[cfg(feature = "outbox")]
-pub(crate) use outbox::{Claim, Claimed as ClaimedMessage, Lease, Settlement};
+pub(crate) use outbox::{Claim, ClaimedMessage, Lease, Settlement};
 
 pub(crate) use sealed::Storage;
 

@@ -61,7 +61,7 @@ impl Claim {
 /// attempt (if not, its last outcome is unknown and it is looked up first, or it has used up
 /// its attempts).
 #[derive(Debug, Clone)]
-pub struct Claimed {
+pub struct ClaimedMessage {
     pub record: OutboxRecord,
     pub attempt_begun: bool,
 }
@@ -435,10 +435,10 @@ pub(super) async fn claiming<DB, Fut>(
     pool: &sqlx::Pool<DB>,
     claim: Claim,
     run: impl FnOnce(sqlx::pool::PoolConnection<DB>, Claim) -> Fut,
-) -> (Claim, Result<Vec<Claimed>, sqlx::Error>)
+) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>)
 where
     DB: sqlx::Database,
-    Fut: Future<Output = Result<Vec<Claimed>, sqlx::Error>>,
+    Fut: Future<Output = Result<Vec<ClaimedMessage>, sqlx::Error>>,
 {
     let conn = match pool.acquire().await {
         Ok(conn) => conn,

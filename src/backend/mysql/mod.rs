@@ -18,7 +18,7 @@ use super::literal::{Statement, Syntax};
 use super::migrate::{self, runner};
 #[cfg(feature = "outbox")]
 use super::outbox::{
-    Claim, Claimed as ClaimedMessage, Lease, Settlement, claiming, outbox_alike, outbox_decoder,
+    Claim, ClaimedMessage, Lease, Settlement, claiming, outbox_alike, outbox_decoder,
 };
 use super::{Claimed, PurgePace, Storage, alike, bound, identity_values, lifetime_values};
 use crate::error::Error;

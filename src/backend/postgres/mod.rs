@@ -20,9 +20,7 @@ use super::claim::fused_then_rounds;
 use super::literal::{Statement, Syntax};
 use super::migrate::{self, runner};
 #[cfg(feature = "outbox")]
-use super::outbox::{
-    Claim, Claimed as ClaimedMessage, claiming, json_batches, outbox_alike, outbox_decoder,
-};
+use super::outbox::{Claim, ClaimedMessage, claiming, json_batches, outbox_alike, outbox_decoder};
 use super::{Claimed, Storage, alike, bound, record_values};
 use crate::error::Error;
 #[cfg(feature = "outbox")]

@@ -146,8 +146,6 @@ pub mod key;
 mod key_syntax;
 #[cfg(feature = "server")]
 pub mod layer;
-#[cfg(feature = "server")]
-mod migrate;
 #[cfg(feature = "outbox")]
 pub mod outbox;
 #[cfg(feature = "server")]

@@ -7,7 +7,7 @@
 //! failure (5xx, timeout, panic) rolls the claim back with everything else, so "failed,
 //! retryable" is represented by the absence of a record and the next attempt executes afresh.
 
-// The types are `pub` for the sealed store protocol's signatures; the module is private, so
+// The types are `pub` for the sealed backend's signatures; the module is private, so
 // nothing here is reachable from outside the crate.
 #![allow(unreachable_pub)]
 
@@ -22,6 +22,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
+use crate::scope::{Scope, ScopedKey};
 
 /// The lifecycle state of a record.
 ///
@@ -158,6 +159,33 @@ impl Record {
     pub(crate) fn is_expired(&self, now: Millis) -> bool {
         self.expires_at <= now
     }
+}
+
+/// A record about to be written by a claim.
+#[derive(Debug)]
+pub struct NewRecord<'a> {
+    /// The record's primary key.
+    pub key: ScopedKey,
+    /// The scope it belongs to, stored in clear for operators (the raw key is not).
+    pub scope: &'a Scope,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// `Processing` for a claim before the handler runs, or a final state.
+    pub state: RecordState,
+    /// The response, for a final state.
+    pub response: Option<&'a StoredResponse>,
+    pub created_at: Millis,
+    pub expires_at: Millis,
+    /// For a claim that outlives its transaction: the holder and when its lease runs out.
+    pub lease: Option<LeaseClaim>,
+}
+
+/// The holder of a lease and when the lease runs out unless renewed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseClaim {
+    /// An id unique to one holder, so only it can renew, finish or release the claim.
+    pub owner: [u8; 16],
+    pub until: Millis,
 }
 
 /// A point in time as records keep it: whole milliseconds since the Unix epoch, the one unit

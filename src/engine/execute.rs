@@ -8,19 +8,19 @@ use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 
-use super::claim::Claim;
 use super::metrics::{self, ClaimResult};
 use super::outcome::{Answer, Logged, Outcome};
 use super::{Engine, RunError, Verdict};
 use sqlx::Transaction;
 
 use crate::Backend;
+use crate::backend::{Claimed, is_conflict_abort};
 use crate::backoff::Backoff;
 use crate::error::{Error, Rejection};
 use crate::fingerprint::{Fingerprint, Verbatim};
-use crate::record::RecordState;
+use crate::record::{NewRecord, RecordState};
 use crate::scope::{IdempotencyContext, Scope, ScopedKey};
-use crate::store::{NewRecord, Opened, Protocol, is_conflict_abort};
+use crate::store::Opened;
 use crate::tx::TxSlot;
 
 /// One intent as the engine attempts it: what it claims and records under, and what it has
@@ -104,7 +104,6 @@ impl<DB: Backend> Engine<DB> {
         let started = Instant::now();
         let opened = self
             .store
-            .protocol()
             .open(&attempt.key, self.store.clock().now(), self.settings.wait)
             .await;
         match opened {
@@ -142,12 +141,12 @@ impl<DB: Backend> Engine<DB> {
         let (key, fingerprint) = (attempt.key, attempt.fingerprint);
         let record = self.new_record(key, attempt.scope, fingerprint, RecordState::Processing);
         let tx = match self.claim(&record, begun).await {
-            Ok(Claim::Ours(tx)) => tx,
-            Ok(Claim::Theirs(record)) => {
+            Ok(Claimed::Ours(tx)) => tx,
+            Ok(Claimed::Theirs(record)) => {
                 let request = attempt.request.take();
                 return Attempted::Answered(self.answer_stored(key, record, fingerprint, request));
             }
-            Ok(Claim::Held) => return Attempted::Answered(held()),
+            Ok(Claimed::Held) => return Attempted::Answered(held()),
             Err(error @ RunError::Rejected(Rejection::InProgress { .. })) => {
                 return Attempted::Answered(Answer::reject(error, Logged::InFlight));
             }
@@ -244,7 +243,7 @@ impl<DB: Backend> Engine<DB> {
             response: Some(&stored),
             ..*record
         };
-        match self.store.protocol().commit_record(tx, &completed).await {
+        match self.store.commit_record(tx, &completed).await {
             // Only now can others see the work's writes, so only now is it told.
             Ok(()) => slot.take_after_commit().run(),
             Err(Error::Conflict) => return Attempted::Conflicted,
@@ -288,8 +287,8 @@ impl<DB: Backend> Engine<DB> {
             )
         };
         let answer = match self.claim(&record, None).await {
-            Ok(Claim::Ours(tx)) => {
-                match self.store.protocol().commit_record(tx, &record).await {
+            Ok(Claimed::Ours(tx)) => {
+                match self.store.commit_record(tx, &record).await {
                     Ok(()) => {}
                     Err(Error::Conflict) => return Attempted::Conflicted,
                     Err(error) => return Attempted::Answered(Answer::store_failed(error)),
@@ -298,10 +297,10 @@ impl<DB: Backend> Engine<DB> {
                 self.remember(&record, RecordState::FailedPermanent, &stored, request);
                 Answer::respond(response, Outcome::Executed, Logged::FailedPermanent)
             }
-            Ok(Claim::Theirs(record)) => {
+            Ok(Claimed::Theirs(record)) => {
                 self.answer_stored(key, record, fingerprint, attempt.request.take())
             }
-            Ok(Claim::Held) => held(),
+            Ok(Claimed::Held) => held(),
             Err(error) => Answer::reject(error, Logged::Retryable),
         };
         Attempted::Answered(answer)

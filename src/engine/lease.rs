@@ -11,16 +11,15 @@ use std::time::Duration;
 use axum::response::{IntoResponse, Response};
 use tokio::sync::watch;
 
-use super::claim::Claim;
 use super::execute::held;
 use super::outcome::{Answer, Classification, Execution, Logged, Outcome};
 use super::{Engine, RunError};
 use crate::Backend;
+use crate::backend::Claimed;
 use crate::error::{Error, Rejection};
 use crate::fingerprint::Fingerprint;
-use crate::record::{Millis, RecordState};
+use crate::record::{LeaseClaim, Millis, NewRecord, RecordState};
 use crate::scope::{Scope, ScopedKey};
-use crate::store::{LeaseClaim, NewRecord, Protocol};
 
 impl<DB: Backend> Engine<DB> {
     /// Runs `work` once for `scope` under a lease, for work that cannot live inside one
@@ -151,7 +150,7 @@ impl<DB: Backend> Engine<DB> {
         claim_at: impl Fn(Millis) -> LeaseClaim + Send + 'static,
         lost: watch::Sender<bool>,
     ) -> AbortOnDrop {
-        let store = self.store.protocol().clone();
+        let store = self.store.clone();
         let clock = self.store.clock().clone();
         AbortOnDrop(tokio::spawn(async move {
             let mut tick = tokio::time::interval((lease / 3).max(Duration::from_millis(10)));
@@ -178,7 +177,7 @@ impl<DB: Backend> Engine<DB> {
         response: Response,
         recovered: bool,
     ) -> Answer {
-        let store = self.store.protocol();
+        let store = &self.store;
         let response = match self.buffer(response).await {
             Ok(response) => response,
             Err(rejection) => {
@@ -217,7 +216,7 @@ impl<DB: Backend> Engine<DB> {
         fingerprint: Fingerprint,
         claim_at: impl Fn(Millis) -> LeaseClaim,
     ) -> Result<bool, Answer> {
-        let store = self.store.protocol();
+        let store = &self.store;
         let now = self.store.clock().now();
         match store.lookup(&key).await {
             Err(error) => Err(Answer::store_failed(error)),
@@ -240,16 +239,16 @@ impl<DB: Backend> Engine<DB> {
                     ..self.new_record(key, scope, fingerprint, RecordState::Processing)
                 };
                 match self.claim(&record, None).await {
-                    Ok(Claim::Ours(tx)) => match store.commit_record(tx, &record).await {
+                    Ok(Claimed::Ours(tx)) => match store.commit_record(tx, &record).await {
                         Ok(()) => Ok(false),
                         // Another caller's claim committed first: it holds the lease now.
                         Err(Error::Conflict) => Err(Answer::in_flight()),
                         Err(error) => Err(Answer::store_failed(error)),
                     },
-                    Ok(Claim::Theirs(record)) => {
+                    Ok(Claimed::Theirs(record)) => {
                         Err(self.answer_stored(key, record, fingerprint, None))
                     }
-                    Ok(Claim::Held) => Err(held()),
+                    Ok(Claimed::Held) => Err(held()),
                     Err(rejection) => Err(Answer::reject(rejection, Logged::InFlight)),
                 }
             }

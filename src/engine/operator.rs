@@ -10,7 +10,6 @@ use crate::Backend;
 use crate::error::Error;
 use crate::record::RecordState;
 use crate::scope::Scope;
-use crate::store::Protocol;
 
 /// What the store holds under one scoped key, as [`Engine::lookup`] reports it.
 #[derive(Debug)]
@@ -34,7 +33,7 @@ impl<DB: Backend> Engine<DB> {
     /// the key's digest, never the key or the stored body.
     pub async fn lookup(&self, scope: &Scope) -> Result<Lookup, Error> {
         let key = scope.scoped_key();
-        let record = self.store.protocol().lookup(&key).await?;
+        let record = self.store.lookup(&key).await?;
         let lookup = match record {
             None => Lookup::Absent,
             Some(record) if record.is_expired(self.store.clock().now()) => Lookup::Absent,
@@ -73,7 +72,7 @@ impl<DB: Backend> Engine<DB> {
     /// holds the key's row: the delete waits for it to end, then deletes what it committed.
     pub async fn forget(&self, scope: &Scope, reason: &str) -> Result<bool, Error> {
         let key = scope.scoped_key();
-        let deleted = self.store.protocol().forget(&key).await?;
+        let deleted = self.store.forget(&key).await?;
         if let Some(cache) = &self.settings.cache {
             cache.remove(&key);
         }

@@ -8,9 +8,9 @@ use super::{Engine, IDEMPOTENT_REPLAYED};
 use crate::Backend;
 use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Verbatim};
+use crate::record::NewRecord;
 use crate::record::{Record, RecordState, StoredResponse};
 use crate::scope::ScopedKey;
-use crate::store::NewRecord;
 
 /// Headers never stored for replay unless asked for by [`Engine::replay_header`]: they belong
 /// to the first exchange (cookies, dates) or to the connection, not to the resource.

@@ -149,7 +149,7 @@ use crate::error::Error;
 use crate::fingerprint::{Fingerprint, Fingerprinter};
 use crate::key::IdempotencyKey;
 use crate::scope::Scope;
-use crate::store::{Protocol, Store};
+use crate::store::Store;
 use crate::tx::Tx;
 
 mod decide;
@@ -418,7 +418,6 @@ impl<DB: Backend> Inbox<DB> {
         let store = self.engine.store();
         // The inbox's engine keeps a key only for a commit: any live key is applied.
         store
-            .protocol()
             .key_held(&scope.scoped_key(), store.clock().now())
             .await
     }

@@ -282,7 +282,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
             probe,
         };
         let _turn = self.outbox.write_turn().await;
-        DB::claim(self.outbox.pool(), claim).await
+        DB::claim_due(self.outbox.pool(), claim).await
     }
 
     /// Decides what a claimed message needs (a lookup, a send, or failing for good), does it,

@@ -153,7 +153,6 @@ mod store;
 mod wake;
 
 pub use crate::backoff::Backoff;
-pub(crate) use backend::Ops;
 #[cfg(feature = "nats")]
 pub use broker::NatsSender;
 #[cfg(feature = "rabbitmq")]
@@ -164,5 +163,6 @@ pub use http::HttpSender;
 pub use message::{DownstreamKey, InvalidDownstreamKey, Message};
 pub use sender::{LookupOutcome, Reconnected, SendOutcome, Sender};
 pub use status::{MessageId, OutboxRecord, Status};
+pub(crate) use status::{from_millis, now_millis};
 pub use store::Outbox;
 pub use wake::EnqueueTarget;

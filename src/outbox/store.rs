@@ -85,7 +85,7 @@ impl<DB: Backend> Outbox<DB> {
     ///
     /// Idempotent, and safe when several instances of the app start at the same time.
     pub async fn migrate(&self) -> Result<(), Error> {
-        DB::migrate(&self.pool).await
+        DB::migrate_outbox(&self.pool).await
     }
 
     /// Writes `message` as pending on `target`, inside whatever transaction `target` is in.

@@ -22,29 +22,22 @@
 //! How a backend claims a key (statements, lock waits, error codes) is internal to this crate
 //! and may change in any release without a change to these types.
 
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-mod literal;
-mod protocol;
-mod sql;
-
-#[cfg(feature = "mysql")]
-mod mysql;
-#[cfg(feature = "postgres")]
-mod postgres;
-#[cfg(feature = "sqlite")]
-mod sqlite;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use protocol::{BeganClaim, LeaseClaim, NewRecord, Opened, Protocol};
-
 use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use sqlx::Pool;
+use sqlx::{Pool, Transaction};
+use tokio::sync::OnceCell;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Claimed, PurgePace};
 use crate::error::Error;
-use crate::record::Clock;
+use crate::record::{Clock, LeaseClaim, Millis, NewRecord, Record, RecordState, StoredResponse};
+use crate::scope::ScopedKey;
+
+pub(crate) use crate::backend::{is_conflict_abort, is_unreachable};
 
 /// Records in SQLite: embedded, one file, no server.
 ///
@@ -119,7 +112,10 @@ pub type MySqlStore = Store<sqlx::MySql>;
 ///
 /// Name it by its alias: `SqliteStore`, `PgStore` or `MySqlStore`.
 pub struct Store<DB: Backend> {
-    protocol: DB::Protocol,
+    pool: Pool<DB>,
+    /// Set once the schema is known to be current, by a check or a migration, and shared by
+    /// the store's clones: the check costs one look at the database per store, not per request.
+    schema_current: Arc<OnceCell<()>>,
     /// What "now" is for retention, leases and the purge: the wall clock, or a test's.
     clock: Clock,
 }
@@ -128,20 +124,24 @@ impl<DB: Backend> Store<DB> {
     /// A store on `pool`, the same pool the handlers' writes go to.
     pub fn new(pool: Pool<DB>) -> Self {
         Self {
-            protocol: DB::Protocol::on(pool),
+            pool,
+            schema_current: Arc::default(),
             clock: Clock::System,
         }
     }
 
     /// The pool this store and the handlers' transactions use.
     pub fn pool(&self) -> &Pool<DB> {
-        self.protocol.pool()
+        &self.pool
     }
 
     /// Creates or upgrades the store's tables; a no-op when they are current. Safe to call from
     /// several instances at once: they migrate one after the other.
     pub async fn migrate(&self) -> Result<(), Error> {
-        self.protocol.migrate().await
+        DB::migrate_records(&self.pool).await?;
+        // Already set by a check that passed, or being set by one now: either way it is true.
+        let _ = self.schema_current.set(());
+        Ok(())
     }
 
     /// Deletes every record and inbox key expired by now; returns how many it deleted.
@@ -159,7 +159,19 @@ impl<DB: Backend> Store<DB> {
     /// `idempotency_records` and `idempotency_inbox` (the inbox's keys) where `expires_at`
     /// (milliseconds since the Unix epoch) is past, in SQL of your own.
     pub async fn purge_expired(&self) -> Result<u64, Error> {
-        self.protocol.purge_expired(self.clock.now()).await
+        self.schema_current().await?;
+        let now = self.clock.now();
+        let PurgePace { batch: limit, rest } = DB::PURGE_PACE;
+        let mut total = 0;
+        loop {
+            let started = Instant::now();
+            let deleted = DB::purge_batch(&self.pool, now, limit).await?;
+            total += deleted;
+            if deleted < u64::from(limit) {
+                return Ok(total);
+            }
+            tokio::time::sleep(started.elapsed() * rest).await;
+        }
     }
 
     /// Spawns a task that purges expired records every `every`, logging what it deleted and any
@@ -185,11 +197,6 @@ impl<DB: Backend> Store<DB> {
         })
     }
 
-    /// The protocol the engine drives.
-    pub(crate) fn protocol(&self) -> &DB::Protocol {
-        &self.protocol
-    }
-
     /// The clock this store and the engines on it read.
     pub(crate) fn clock(&self) -> &Clock {
         &self.clock
@@ -205,7 +212,8 @@ impl<DB: Backend> Store<DB> {
 impl<DB: Backend> Clone for Store<DB> {
     fn clone(&self) -> Self {
         Self {
-            protocol: self.protocol.clone(),
+            pool: self.pool.clone(),
+            schema_current: self.schema_current.clone(),
             clock: self.clock.clone(),
         }
     }
@@ -217,60 +225,182 @@ impl<DB: Backend> fmt::Debug for Store<DB> {
     }
 }
 
-pub(crate) use sealed::Records;
-
-/// Whether `error` says the database cannot be reached right now rather than that a statement
-/// failed: the connection broke or was refused (I/O, TLS), no connection could be had in time,
-/// the pool was closed, or the server reported a connection failure or its own shutdown
-/// (SQLSTATE class `08`, `57P01`–`57P03`). Nothing about the work is wrong; the same work
-/// succeeds once the database is back, so callers treat it as an outage, not as an attempt.
-pub(crate) fn is_unreachable(error: &sqlx::Error) -> bool {
-    match error {
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(database) => database.code().is_some_and(|code| {
-            code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03")
-        }),
-        _ => false,
-    }
+/// What [`Store::open`] found under a key.
+#[derive(Debug)]
+pub(crate) enum Opened<DB: sqlx::Database> {
+    /// A live record holds the key: answer from it.
+    Live(Record),
+    /// No live record: a transaction is begun to claim the key in.
+    Claimable {
+        tx: Transaction<'static, DB>,
+        /// Whether an expired record is being replaced.
+        expired: bool,
+    },
 }
 
-/// Whether the database aborted the transaction `error` came from to resolve a conflict with a
-/// concurrent one (a serialization failure, a deadlock, a Galera certification conflict), as
-/// the backends in this build recognise it; SQLite, one writer at a time, has no such aborts.
-/// Such a transaction is gone, and running it again is safe.
-#[cfg_attr(
-    not(any(feature = "postgres", feature = "mysql")),
-    allow(unused_variables)
-)]
-pub(crate) fn is_conflict_abort(error: &sqlx::Error) -> bool {
-    let Some(database) = error.as_database_error() else {
-        return false;
-    };
-    #[cfg(feature = "postgres")]
-    if <sqlx::Postgres as sql::Dialect>::is_conflict(database) {
-        return true;
-    }
-    #[cfg(feature = "mysql")]
-    if <sqlx::MySql as sql::Dialect>::is_conflict(database) {
-        return true;
-    }
-    false
+/// What a claim keeps under its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Keep {
+    /// A record, written with the outcome when the claim's transaction commits.
+    Record,
+    /// The key alone, as a dedupe key: no record, no response (see `Engine::keys_only`).
+    Key,
 }
 
-mod sealed {
-    // `pub` inside a private module is the sealed-trait idiom: `Backend` names it as a
-    // supertrait while no one outside the crate can implement or call it.
-    #![allow(unreachable_pub)]
+/// How many times a dedupe key's claim runs in all while the database picks it as a deadlock
+/// victim.
+const KEY_CLAIM_ATTEMPTS: u32 = 3;
 
-    use super::Protocol;
+/// The steps the engine drives: each checks the schema first where it is the first use of the
+/// store, and leaves the how to the database's backend.
+impl<DB: Backend> Store<DB> {
+    /// Fails with [`Error::SchemaOutdated`] while the schema is older than this code: every
+    /// claim would fail on a missing table, column or function, and a client would retry in
+    /// vain. Checked on the store's first use, and again on each use until it passes, so a
+    /// migration run meanwhile by another instance is noticed without a restart.
+    async fn schema_current(&self) -> Result<(), Error> {
+        if self.schema_current.initialized() {
+            return Ok(());
+        }
+        self.schema_current
+            .get_or_try_init(|| DB::check_schema(&self.pool))
+            .await
+            .copied()
+    }
 
-    /// How a database keeps idempotency records: the protocol the engine drives.
-    pub trait Records: sqlx::Database {
-        /// The records table's protocol on this database.
-        type Protocol: Protocol<Database = Self>;
+    /// Reads a committed record outside any transaction: the fast path for replays.
+    pub(crate) async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, Error> {
+        self.schema_current().await?;
+        let mut conn = self.pool.acquire().await?;
+        DB::find(&mut conn, key).await
+    }
+
+    /// Reads the record under `key` and, unless it is live at `now`, begins a transaction to
+    /// claim the key in, its lock waits bounded by `wait`.
+    pub(crate) async fn open(
+        &self,
+        key: &ScopedKey,
+        now: Millis,
+        wait: Duration,
+    ) -> Result<Opened<DB>, Error> {
+        match self.lookup(key).await? {
+            Some(record) if !record.is_expired(now) => Ok(Opened::Live(record)),
+            // The read's connection went back to the pool and the claim's transaction takes
+            // one afresh, through sqlx's public API: beginning on the very connection needs a
+            // call sqlx hides from its docs. The extra checkout is paid only here, for a key
+            // this instance saw lately that holds no live record: a retry after a retryable
+            // failure.
+            found => Ok(Opened::Claimable {
+                tx: DB::begin(&self.pool, wait).await?,
+                expired: found.is_some(),
+            }),
+        }
+    }
+
+    /// Claims `record`'s key, keeping what `keep` says, in `begun` (from [`open`](Self::open))
+    /// if given; or reads the live record that holds it. A concurrent claimer is waited for
+    /// within `wait` ([`Error::Busy`] past it). How is the database's own algorithm.
+    pub(crate) async fn claim(
+        &self,
+        record: &NewRecord<'_>,
+        keep: Keep,
+        wait: Duration,
+        begun: Option<Transaction<'static, DB>>,
+    ) -> Result<Claimed<DB>, Error> {
+        self.schema_current().await?;
+        match keep {
+            Keep::Record => DB::claim_record(&self.pool, record, wait, begun).await,
+            Keep::Key => self.claim_key(record, wait).await,
+        }
+    }
+
+    /// Claims the record's key alone, as a dedupe key; a deadlock victim claims again.
+    async fn claim_key(
+        &self,
+        record: &NewRecord<'_>,
+        wait: Duration,
+    ) -> Result<Claimed<DB>, Error> {
+        for _ in 0..KEY_CLAIM_ATTEMPTS {
+            let claimed = DB::claim_key(
+                &self.pool,
+                &record.key,
+                record.created_at,
+                record.expires_at,
+                wait,
+            )
+            .await;
+            match claimed {
+                Ok(Some(tx)) => return Ok(Claimed::Ours(tx)),
+                Ok(None) => return Ok(Claimed::Held),
+                Err(Error::Conflict) => {}
+                Err(error) => return Err(error),
+            }
+        }
+        Err(Error::Conflict)
+    }
+
+    /// Writes `record` under the key claimed in `tx` and commits. [`Error::Conflict`] when a
+    /// live record holds the key: the transaction is then rolled back, the work's writes with
+    /// it.
+    pub(crate) async fn commit_record(
+        &self,
+        tx: Transaction<'static, DB>,
+        record: &NewRecord<'_>,
+    ) -> Result<(), Error> {
+        DB::commit_record(tx, record).await
+    }
+
+    /// Whether a committed dedupe key holds `key` and is live at `now`.
+    #[cfg(feature = "inbox")]
+    pub(crate) async fn key_held(&self, key: &ScopedKey, now: Millis) -> Result<bool, Error> {
+        self.schema_current().await?;
+        DB::key_held(&self.pool, key, now).await
+    }
+
+    /// Extends a lease held by `lease.owner` to `lease.until`; `false` if it is no longer held.
+    pub(crate) async fn renew_lease(
+        &self,
+        key: &ScopedKey,
+        lease: LeaseClaim,
+    ) -> Result<bool, Error> {
+        DB::renew_lease(&self.pool, key, lease).await
+    }
+
+    /// Takes over a processing record whose lease ran out by `now`; `false` if the lease is
+    /// still live or someone else took it first.
+    pub(crate) async fn take_over_lease(
+        &self,
+        key: &ScopedKey,
+        lease: LeaseClaim,
+        now: Millis,
+    ) -> Result<bool, Error> {
+        DB::take_over_lease(&self.pool, key, lease, now).await
+    }
+
+    /// Records the outcome of leased work and ends the lease; `false` if the lease was lost.
+    pub(crate) async fn finish_leased(
+        &self,
+        key: &ScopedKey,
+        owner: [u8; 16],
+        state: RecordState,
+        response: &StoredResponse,
+    ) -> Result<bool, Error> {
+        DB::finish_leased(&self.pool, key, owner, state, response).await
+    }
+
+    /// Deletes the claim of leased work that failed retryably; `false` if the lease was lost.
+    pub(crate) async fn release_lease(
+        &self,
+        key: &ScopedKey,
+        owner: [u8; 16],
+    ) -> Result<bool, Error> {
+        DB::release_lease(&self.pool, key, owner).await
+    }
+
+    /// Deletes the record under `key`, whatever its state: an operator's explicit decision.
+    /// `false` if there was none.
+    pub(crate) async fn forget(&self, key: &ScopedKey) -> Result<bool, Error> {
+        self.schema_current().await?;
+        DB::forget(&self.pool, key).await
     }
 }

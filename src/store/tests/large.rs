@@ -8,8 +8,9 @@ use http::{HeaderMap, StatusCode};
 
 use super::{now_ms, protocol_of, record, scope};
 use crate::Backend;
+use crate::backend::Claimed;
 use crate::record::{RecordState, StoredResponse};
-use crate::store::{BeganClaim, Protocol, Store};
+use crate::store::Store;
 
 /// `store` is migrated.
 pub(super) async fn a_record_too_large_to_write_out_is_claimed_with_bound_values<DB: Backend>(
@@ -33,16 +34,8 @@ pub(super) async fn a_record_too_large_to_write_out_is_claimed_with_bound_values
         60_000,
     );
 
-    // A claim that writes the record (MySQL's) is claimed the unfused way; one that only locks
-    // the key is sent with `BEGIN` and writes the record when it commits.
-    let tx = match protocol.begin_claimed(&claim, wait).await.expect("claim") {
-        BeganClaim::Ours(tx) => tx,
-        BeganClaim::Unfused => {
-            let mut tx = protocol.begin(wait).await.expect("begin");
-            assert!(protocol.claim(&mut tx, &claim, wait).await.expect("claim"));
-            tx
-        }
-        BeganClaim::Taken => panic!("a fresh key is taken"),
+    let Claimed::Ours(tx) = protocol.claimed(&claim, wait).await.expect("claim") else {
+        panic!("a fresh key is taken");
     };
     protocol.commit_record(tx, &claim).await.expect("commit");
 

@@ -13,9 +13,9 @@ use crate::engine::{Engine, Outcome, RunError};
 use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Fingerprinter};
 use crate::key::IdempotencyKey;
-use crate::record::{Millis, RecordState};
+use crate::record::{LeaseClaim, Millis, NewRecord, RecordState};
 use crate::scope::Scope;
-use crate::store::{LeaseClaim, NewRecord, Protocol, Store};
+use crate::store::Store;
 use crate::tx::Tx;
 
 /// A job's scope and fingerprint, chosen equal to those of `POST /effects` with
@@ -48,7 +48,7 @@ async fn abandoned_claim<DB: Backend>(
     fingerprint: Fingerprint,
     until_ms: i64,
 ) {
-    let store = engine.store().protocol();
+    let store = super::protocol_of(engine.store());
     let mut tx = store.begin(Duration::from_secs(1)).await.expect("begin");
     let now = until_ms - 1_000;
     let record = NewRecord {

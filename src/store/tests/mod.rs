@@ -1,6 +1,6 @@
 //! The store protocol against real databases: how a claim waits, replaces, purges and reports
-//! a busy or deadlocked key, below the engine. These drive [`Protocol`] directly, which is
-//! crate-private, so they live here rather than in `tests/`.
+//! a busy or deadlocked key, below the engine. These drive the store's steps and its backend's
+//! directly, which are crate-private, so they live here rather than in `tests/`.
 //!
 //! Each test works in a schema (PostgreSQL), database (MariaDB/MySQL) or file (SQLite) of its
 //! own, dropped at its end, so tests run in parallel. The servers are found at
@@ -10,12 +10,19 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use std::time::Duration;
+
+use sqlx::Transaction;
+
 use crate::{
+    Backend,
+    backend::Claimed,
+    error::Error,
     fingerprint::Fingerprinter,
     key::IdempotencyKey,
-    record::{Millis, RecordState, StoredResponse},
-    scope::Scope,
-    store::{NewRecord, Store},
+    record::{Millis, NewRecord, Record, RecordState, StoredResponse},
+    scope::{Scope, ScopedKey},
+    store::{Keep, Opened, Store},
 };
 
 mod large;
@@ -39,9 +46,134 @@ fn unique(prefix: &str) -> String {
     )
 }
 
-/// The protocol the engine drives a public store through.
-fn protocol_of<DB: crate::Backend>(store: &Store<DB>) -> DB::Protocol {
-    store.protocol().clone()
+/// The steps of a public store and of its backend, as the engine and the backend's own claim
+/// drive them.
+fn protocol_of<DB: Backend>(store: &Store<DB>) -> Steps<DB> {
+    Steps {
+        store: store.clone(),
+    }
+}
+
+/// A store's steps, and its backend's below it, under the names the tests use.
+struct Steps<DB: Backend> {
+    store: Store<DB>,
+}
+
+impl<DB: Backend> Clone for Steps<DB> {
+    fn clone(&self) -> Self {
+        protocol_of(&self.store)
+    }
+}
+
+impl<DB: Backend> Steps<DB> {
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    fn pool(&self) -> &sqlx::Pool<DB> {
+        self.store.pool()
+    }
+
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    async fn migrate(&self) -> Result<(), Error> {
+        self.store.migrate().await
+    }
+
+    async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, Error> {
+        self.store.lookup(key).await
+    }
+
+    async fn open(
+        &self,
+        key: &ScopedKey,
+        now: Millis,
+        wait: Duration,
+    ) -> Result<Opened<DB>, Error> {
+        self.store.open(key, now, wait).await
+    }
+
+    /// The store's claim of a record, as the engine makes it.
+    async fn claimed(&self, record: &NewRecord<'_>, wait: Duration) -> Result<Claimed<DB>, Error> {
+        self.store.claim(record, Keep::Record, wait, None).await
+    }
+
+    async fn begin(&self, wait: Duration) -> Result<Transaction<'static, DB>, Error> {
+        DB::begin(self.store.pool(), wait).await
+    }
+
+    /// The backend's claim in a begun transaction.
+    async fn claim(
+        &self,
+        conn: &mut DB::Connection,
+        record: &NewRecord<'_>,
+        wait: Duration,
+    ) -> Result<bool, Error> {
+        DB::claim_in(conn, record, wait).await
+    }
+
+    async fn find(
+        &self,
+        conn: &mut DB::Connection,
+        key: &ScopedKey,
+    ) -> Result<Option<Record>, Error> {
+        DB::find(conn, key).await
+    }
+
+    async fn commit_record(
+        &self,
+        tx: Transaction<'static, DB>,
+        record: &NewRecord<'_>,
+    ) -> Result<(), Error> {
+        self.store.commit_record(tx, record).await
+    }
+
+    #[cfg(feature = "mysql")]
+    async fn purge_expired_batch(&self, now: Millis, limit: u32) -> Result<u64, Error> {
+        DB::purge_batch(self.store.pool(), now, limit).await
+    }
+
+    #[cfg(feature = "mysql")]
+    async fn purge_expired(&self) -> Result<u64, Error> {
+        self.store.purge_expired().await
+    }
+}
+
+/// What a claim sent with the statement that begins its transaction did.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[derive(Debug)]
+enum BeganClaim<DB: sqlx::Database> {
+    /// The transaction is begun and holds the claim.
+    Ours(Transaction<'static, DB>),
+    /// A live record holds the key. Nothing was left open.
+    Taken,
+}
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+impl<DB: sqlx::Database> BeganClaim<DB> {
+    fn of(began: Option<Transaction<'static, DB>>) -> Self {
+        began.map_or(Self::Taken, Self::Ours)
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Steps<sqlx::Postgres> {
+    async fn begin_claimed(
+        &self,
+        record: &NewRecord<'_>,
+        wait: Duration,
+    ) -> Result<BeganClaim<sqlx::Postgres>, Error> {
+        let began = crate::backend::postgres::begin_claimed(self.store.pool(), record, wait).await;
+        began.map(BeganClaim::of)
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl Steps<sqlx::MySql> {
+    async fn begin_claimed(
+        &self,
+        record: &NewRecord<'_>,
+        wait: Duration,
+    ) -> Result<BeganClaim<sqlx::MySql>, Error> {
+        let began = crate::backend::mysql::begin_claimed(self.store.pool(), record, wait).await;
+        began.map(BeganClaim::of)
+    }
 }
 
 /// Milliseconds since the epoch, as records keep time.

@@ -6,16 +6,18 @@ use std::time::Duration;
 use sqlx::Connection;
 use sqlx::mysql::MySqlPool;
 
-use super::{MySqlDatabase as TestDb, completed, finished, now_ms, protocol_of, record, scope};
+use super::{
+    BeganClaim, MySqlDatabase as TestDb, Steps, completed, finished, now_ms, protocol_of, record,
+    scope,
+};
 use crate::error::Error;
 use crate::key::IdempotencyKey;
 use crate::record::{Millis, RecordState};
 use crate::scope::Scope;
-use crate::store::sql::SqlStore;
-use crate::store::{BeganClaim, MySqlStore, Protocol};
+use crate::store::MySqlStore;
 
 /// A store on `db`, migrated, over a pool of eight, driven as the engine drives it.
-async fn migrated(db: &TestDb) -> SqlStore<sqlx::MySql> {
+async fn migrated(db: &TestDb) -> Steps<sqlx::MySql> {
     let store = MySqlStore::new(db.pool(8).await);
     store.migrate().await.unwrap();
     protocol_of(&store)
@@ -262,13 +264,13 @@ async fn claim_replaces_an_expired_record_in_place() {
 fn lock_wait_is_rounded_up_to_whole_seconds() {
     for (wait, secs) in [(0, 1), (10, 1), (1000, 1), (1001, 2), (1500, 2), (5000, 5)] {
         assert_eq!(
-            crate::store::mysql::lock_wait_secs(Duration::from_millis(wait)),
+            crate::backend::mysql::lock_wait_secs(Duration::from_millis(wait)),
             secs,
             "a wait of {wait} ms"
         );
     }
     assert_eq!(
-        crate::store::mysql::lock_wait_secs(Duration::MAX),
+        crate::backend::mysql::lock_wait_secs(Duration::MAX),
         1_073_741_824,
         "the server's largest"
     );
@@ -374,7 +376,7 @@ async fn deadlocks_are_conflicts_not_errors() {
         update(1).execute(&mut *second)
     );
     let outcomes = [one.map(drop), two.map(drop)]
-        .map(|outcome| outcome.map_err(crate::store::sql::classify::<sqlx::MySql>));
+        .map(|outcome| outcome.map_err(crate::backend::mysql::classify));
     assert_eq!(
         outcomes
             .iter()
@@ -444,8 +446,8 @@ async fn purge_deletes_expired_records_in_batches_and_keeps_live_ones() {
             .unwrap(),
         1000
     );
-    assert_eq!(store.purge_expired(Millis::now()).await.unwrap(), 1_500);
-    assert_eq!(store.purge_expired(Millis::now()).await.unwrap(), 0);
+    assert_eq!(store.purge_expired().await.unwrap(), 1_500);
+    assert_eq!(store.purge_expired().await.unwrap(), 0);
     assert_eq!(
         count(store.pool(), "SELECT COUNT(*) FROM idempotency_records").await,
         3

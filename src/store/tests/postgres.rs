@@ -6,19 +6,18 @@ use std::time::{Duration, Instant};
 use sqlx::PgConnection;
 
 use super::{
-    PgSchema, completed, finished, now_ms, protocol_of, record, scope,
+    BeganClaim, PgSchema, Steps, completed, finished, now_ms, protocol_of, record, scope,
     until_a_session_waits_for_a_lock,
 };
 use crate::error::Error;
 use crate::key::IdempotencyKey;
 use crate::record::RecordState;
 use crate::scope::Scope;
-use crate::store::sql::SqlStore;
-use crate::store::{BeganClaim, PgStore, Protocol};
+use crate::store::PgStore;
 
 /// A store on a fresh schema whose connections all run with `lock_timeout = 37s`, a value no
 /// claim bound uses: seeing it inside a claim transaction means the session's setting is back.
-async fn store(schema: &PgSchema, connections: u32) -> SqlStore<sqlx::Postgres> {
+async fn store(schema: &PgSchema, connections: u32) -> Steps<sqlx::Postgres> {
     let store = PgStore::new(schema.pool(connections).await);
     store.migrate().await.unwrap();
     let mut opened = Vec::new();
@@ -187,7 +186,7 @@ async fn expired_lease_is_taken_over_only_after_asking_recovery() {
 /// Whether the pool's connection runs its next statement in a transaction begun earlier, and
 /// its `lock_timeout`. A simple query, so that a statement outside a transaction starts its own
 /// transaction at the statement's own start.
-async fn session_state(store: &SqlStore<sqlx::Postgres>) -> (bool, String) {
+async fn session_state(store: &Steps<sqlx::Postgres>) -> (bool, String) {
     use sqlx::Row;
     let row =
         sqlx::raw_sql("SELECT now() <> statement_timestamp(), current_setting('lock_timeout')")

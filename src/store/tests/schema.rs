@@ -6,9 +6,10 @@ use std::time::Duration;
 
 use super::{now_ms, protocol_of, record, scope};
 use crate::Backend;
+use crate::backend::Claimed;
 use crate::error::Error;
 use crate::record::RecordState;
-use crate::store::{BeganClaim, Protocol, Store};
+use crate::store::Store;
 
 fn assert_outdated<T: std::fmt::Debug>(outcome: Result<T, Error>, found: i64, expected: i64) {
     match outcome {
@@ -38,8 +39,7 @@ pub(super) async fn an_unmigrated_store_names_the_fix_until_migrated<DB: Backend
     let wait = Duration::from_secs(1);
 
     assert_outdated(protocol.lookup(&key).await, 0, expected);
-    assert_outdated(protocol.begin_claimed(&claim, wait).await, 0, expected);
-    assert_outdated(protocol.begin(wait).await, 0, expected);
+    assert_outdated(protocol.claimed(&claim, wait).await, 0, expected);
     assert_outdated(
         protocol.open(&key, claim.created_at, wait).await,
         0,
@@ -48,14 +48,8 @@ pub(super) async fn an_unmigrated_store_names_the_fix_until_migrated<DB: Backend
 
     store.migrate().await.expect("migrate");
     assert!(protocol.lookup(&key).await.expect("lookup").is_none());
-    let tx = match protocol.begin_claimed(&claim, wait).await.expect("claim") {
-        BeganClaim::Ours(tx) => tx,
-        BeganClaim::Unfused => {
-            let mut tx = protocol.begin(wait).await.expect("begin");
-            assert!(protocol.claim(&mut tx, &claim, wait).await.expect("claim"));
-            tx
-        }
-        BeganClaim::Taken => panic!("a fresh key is taken"),
+    let Claimed::Ours(tx) = protocol.claimed(&claim, wait).await.expect("claim") else {
+        panic!("a fresh key is taken");
     };
     protocol.commit_record(tx, &claim).await.expect("commit");
     assert!(protocol.lookup(&key).await.expect("lookup").is_some());

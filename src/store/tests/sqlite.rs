@@ -78,7 +78,6 @@ async fn a_new_keys_record_is_written_once_with_commit_and_the_connection_stays_
 
     use super::{completed, finished, now_ms, protocol_of, record, scope};
     use crate::record::RecordState;
-    use crate::store::Protocol;
 
     let (pool, path) = fresh(1).await;
     let store = SqliteStore::new(pool.clone());

@@ -11,19 +11,39 @@
 
 use std::time::Duration;
 
+#[cfg(feature = "outbox")]
+use sqlx::Row;
 use sqlx::error::DatabaseError;
 use sqlx::{AssertSqlSafe, PgConnection, Pool, Postgres, Transaction};
 
+use super::claim::fused_then_rounds;
 use super::literal::{Statement, Syntax};
-use super::protocol::{BeganClaim, NewRecord};
-use super::sql::{ClaimPath, Dialect, bound, classify, inline_fits, record_values};
+use super::migrate::{self, runner};
+#[cfg(feature = "outbox")]
+use super::outbox::{Claim, ClaimedMessage, claiming, json_batches, outbox_alike, outbox_decoder};
+use super::{Claimed, Storage, alike, bound, record_values};
 use crate::error::Error;
-use crate::migrate;
-use crate::record::Millis;
+#[cfg(feature = "outbox")]
+use crate::outbox::{Message, MessageId};
+use crate::record::{Millis, NewRecord, StoredResponse};
 use crate::scope::ScopedKey;
 
-impl super::Records for Postgres {
-    type Protocol = super::sql::SqlStore<Postgres>;
+bound!(Postgres);
+runner!(Postgres);
+#[cfg(feature = "outbox")]
+outbox_decoder!(Postgres);
+
+#[cfg(feature = "outbox")]
+mod outbox_sql;
+
+/// The largest response (headers and body) a record's statement writes into its text: past it,
+/// the text (twice the bytes, in hexadecimal) costs the database more parsing than the exchange
+/// it saves, and the statement is sent with its values bound.
+const INLINE_RESPONSE_LIMIT: usize = 64 * 1024;
+
+/// Whether a statement carrying `response` is written with its values in its text.
+fn inline_fits(response: Option<&StoredResponse>) -> bool {
+    response.is_none_or(|response| response.stored_len() <= INLINE_RESPONSE_LIMIT)
 }
 
 /// The primary key's constraint, which the claim procedure violates on purpose when a live
@@ -120,37 +140,52 @@ fn key_lock(key: &ScopedKey) -> i64 {
     i64::from_be_bytes([a, b, c, d, e, f, g, h])
 }
 
-impl ClaimPath for Postgres {
+/// Begins a transaction that already holds the claim on `record`'s key, in the one exchange
+/// that begins it; `None`, with nothing left open, when a live record holds the key.
+///
+/// Sent as one simple query, the claim comes *before* `BEGIN`: the call runs in the implicit
+/// transaction of its query, which `BEGIN` turns into the transaction the handler goes on in,
+/// the advisory lock with it. If the call fails, the server rolls the implicit transaction
+/// back and skips `BEGIN`, so a refused claim leaves the connection idle, with nothing to
+/// roll back.
+pub(crate) async fn begin_claimed<'a>(
+    pool: &'a Pool<Postgres>,
+    record: &'a NewRecord<'a>,
+    lock_wait: Duration,
+) -> Result<Option<Transaction<'static, Postgres>>, Error> {
+    let claim = claim_call(record, lock_wait).inline("", "; BEGIN");
+    match pool.begin_with(claim).await {
+        Ok(tx) => Ok(Some(tx)),
+        Err(error) if taken(&error) => Ok(None),
+        Err(error) => Err(classify(error)),
+    }
+}
+
+impl Storage for Postgres {
+    alike!();
+
+    async fn claim_record<'a>(
+        pool: &'a Pool<Self>,
+        record: &'a NewRecord<'a>,
+        wait: Duration,
+        begun: Option<Transaction<'static, Self>>,
+    ) -> Result<Claimed<Self>, Error> {
+        let fused = begin_claimed(pool, record, wait);
+        fused_then_rounds(pool, record, wait, begun, fused).await
+    }
+
     // The claim procedure bounds its own wait, so the transaction begins plainly.
     async fn begin(
         pool: &Pool<Self>,
         _lock_wait: Duration,
     ) -> Result<Transaction<'static, Self>, Error> {
-        pool.begin().await.map_err(classify::<Self>)
-    }
-
-    // Sent as one simple query, the claim comes *before* `BEGIN`: the call runs in the implicit
-    // transaction of its query, which `BEGIN` turns into the transaction the handler goes on in,
-    // the advisory lock with it. If the call fails, the server rolls the implicit transaction
-    // back and skips `BEGIN`, so a refused claim leaves the connection idle, with nothing to
-    // roll back.
-    async fn begin_claimed<'a>(
-        pool: &'a Pool<Self>,
-        record: &'a NewRecord<'a>,
-        lock_wait: Duration,
-    ) -> Result<BeganClaim<Self>, Error> {
-        let claim = claim_call(record, lock_wait).inline("", "; BEGIN");
-        match pool.begin_with(claim).await {
-            Ok(tx) => Ok(BeganClaim::Ours(tx)),
-            Err(error) if taken(&error) => Ok(BeganClaim::Taken),
-            Err(error) => Err(classify::<Self>(error)),
-        }
+        pool.begin().await.map_err(classify)
     }
 
     // Inside a begun transaction the procedure's "taken" error would abort the transaction the
     // caller goes on to read the winner's record in, so the call runs under a savepoint, rolled
     // back to when the key is taken and released at once when it is ours.
-    async fn claim<'a>(
+    async fn claim_in<'a>(
         conn: &'a mut PgConnection,
         record: &'a NewRecord<'a>,
         lock_wait: Duration,
@@ -165,10 +200,10 @@ impl ClaimPath for Postgres {
                 sqlx::raw_sql(savepoint!("ROLLBACK TO SAVEPOINT"))
                     .execute(&mut *conn)
                     .await
-                    .map_err(classify::<Self>)?;
+                    .map_err(classify)?;
                 Ok(false)
             }
-            Err(error) => Err(classify::<Self>(error)),
+            Err(error) => Err(classify(error)),
         }
     }
 
@@ -191,7 +226,7 @@ impl ClaimPath for Postgres {
         {
             Ok(tx) => return Ok(Some(tx)),
             Err(error) if key_taken(&error) => {}
-            Err(error) => return Err(classify::<Self>(error)),
+            Err(error) => return Err(classify(error)),
         }
         let mut replace = key_insert(key, expires_at);
         replace
@@ -200,15 +235,15 @@ impl ClaimPath for Postgres {
                  WHERE idempotency_inbox.expires_at <= ",
             )
             .int8(now.column());
-        let mut tx = pool.begin().await.map_err(classify::<Self>)?;
+        let mut tx = pool.begin().await.map_err(classify)?;
         let replaced = sqlx::raw_sql(bounded(&replace, lock_wait, ""))
             .execute(&mut *tx)
             .await
-            .map_err(classify::<Self>)?;
+            .map_err(classify)?;
         if replaced.rows_affected() == 1 {
             return Ok(Some(tx));
         }
-        tx.rollback().await.map_err(classify::<Self>)?;
+        tx.rollback().await.map_err(classify)?;
         Ok(None)
     }
 
@@ -239,60 +274,127 @@ impl ClaimPath for Postgres {
             // Only a claim that bypassed the key's lock, or a snapshot older than the lock's
             // previous holder's commit, gets here: running the transaction again replays.
             Err(error) if taken(&error) => Err(Error::Conflict),
-            Err(error) => Err(classify::<Self>(error)),
+            Err(error) => Err(classify(error)),
         }
+    }
+
+    #[cfg(feature = "outbox")]
+    outbox_alike!();
+    #[cfg(feature = "outbox")]
+    json_batches!();
+
+    // ON CONFLICT rather than catching the unique violation: an error would abort the caller's
+    // whole transaction.
+    #[cfg(feature = "outbox")]
+    async fn insert(
+        conn: &mut PgConnection,
+        message: &Message,
+        now: i64,
+    ) -> Result<Option<MessageId>, sqlx::Error> {
+        if let Some(key) = message.ordering() {
+            sqlx::query(outbox_sql::ORDER_LOCK)
+                .bind(key)
+                .execute(&mut *conn)
+                .await?;
+        }
+        let id: Option<i64> = sqlx::query_scalar(outbox_sql::INSERT)
+            .bind(message.topic())
+            .bind(message.key().as_str())
+            .bind(message.payload())
+            .bind(now)
+            .bind(now)
+            .bind(message.ordering())
+            .fetch_optional(conn)
+            .await?;
+        Ok(id.map(MessageId::from))
+    }
+
+    // One statement leases the due rows, begins the attempts of those sent now and returns
+    // them as it left them.
+    #[cfg(feature = "outbox")]
+    async fn claim_due(
+        pool: &Pool<Self>,
+        claim: Claim,
+    ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>) {
+        claiming(pool, claim, |mut conn, claim| async move {
+            let rows = sqlx::query(outbox_sql::CLAIM)
+                .bind(claim.lease_until)
+                .bind(claim.token)
+                .bind(claim.now)
+                .bind(claim.limit)
+                .bind(claim.max_attempts)
+                .fetch_all(&mut *conn)
+                .await?;
+            rows.iter()
+                .map(|row| {
+                    Ok(ClaimedMessage {
+                        record: outbox_record(row)?,
+                        attempt_begun: row.try_get("attempt_begun")?,
+                    })
+                })
+                .collect()
+        })
+        .await
     }
 }
 
-impl Dialect for Postgres {
-    const SCHEMA: migrate::Schema<Self> = migrate::Schema {
-        versions_table: "idempotency_schema_versions",
-        scripts: &[(1, include_str!("../../migrations/postgres/0001_store.sql"))],
-        begin: "BEGIN",
-        // A transaction-scoped advisory lock: two instances starting at once migrate one after
-        // the other, and the second finds nothing left to do. The number is this crate's own.
-        lock: Some("SELECT pg_advisory_xact_lock(7351906218944770001)"),
-        unlock: None,
-        lock_granted: |_| true,
-        record: "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES ($1, $2)",
-    };
-    // Resolved through the search_path, as every other statement's tables are.
-    const VERSIONS_TABLE_EXISTS: &'static str =
-        "SELECT COUNT(to_regclass('idempotency_schema_versions'))";
-    const FIND: &'static str = "SELECT state, fingerprint, status, headers, body, created_at, expires_at, lease_expires_at \
+const SCHEMA: migrate::Schema<Postgres> = migrate::Schema {
+    versions_table: "idempotency_schema_versions",
+    scripts: &[(
+        1,
+        include_str!("../../../migrations/postgres/0001_store.sql"),
+    )],
+    begin: "BEGIN",
+    // A transaction-scoped advisory lock: two instances starting at once migrate one after
+    // the other, and the second finds nothing left to do. The number is this crate's own.
+    lock: Some("SELECT pg_advisory_xact_lock(7351906218944770001)"),
+    unlock: None,
+    lock_granted: |_| true,
+    record: "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES ($1, $2)",
+};
+// Resolved through the search_path, as every other statement's tables are.
+const VERSIONS_TABLE_EXISTS: &str = "SELECT COUNT(to_regclass('idempotency_schema_versions'))";
+const FIND: &str = "SELECT state, fingerprint, status, headers, body, created_at, expires_at, lease_expires_at \
         FROM idempotency_records WHERE key_digest = $1";
-    // The outer expiry test is repeated on purpose: a claim that replaced an expired record
-    // while this DELETE waited for its row lock must survive the re-check.
-    const PURGE: &'static str = "DELETE FROM idempotency_records WHERE expires_at <= $1 \
+// The outer expiry test is repeated on purpose: a claim that replaced an expired record
+// while this DELETE waited for its row lock must survive the re-check.
+const PURGE: &str = "DELETE FROM idempotency_records WHERE expires_at <= $1 \
         AND key_digest IN (SELECT key_digest FROM idempotency_records WHERE expires_at <= $1 LIMIT $2)";
 
-    const RENEW_LEASE: &'static str = "UPDATE idempotency_records SET lease_expires_at = $1 \
+const RENEW_LEASE: &str = "UPDATE idempotency_records SET lease_expires_at = $1 \
         WHERE key_digest = $2 AND lease_owner = $3 AND state = 'processing'";
-    const TAKE_OVER_LEASE: &'static str = "UPDATE idempotency_records SET lease_owner = $1, lease_expires_at = $2 \
+const TAKE_OVER_LEASE: &str = "UPDATE idempotency_records SET lease_owner = $1, lease_expires_at = $2 \
         WHERE key_digest = $3 AND state = 'processing' AND lease_expires_at <= $4";
-    const FINISH_LEASED: &'static str = "UPDATE idempotency_records \
+const FINISH_LEASED: &str = "UPDATE idempotency_records \
         SET state = $1, status = $2, headers = $3, body = $4, lease_owner = NULL, lease_expires_at = NULL \
         WHERE key_digest = $5 AND lease_owner = $6";
-    const RELEASE_LEASE: &'static str = "DELETE FROM idempotency_records \
+const RELEASE_LEASE: &str = "DELETE FROM idempotency_records \
         WHERE key_digest = $1 AND lease_owner = $2 AND state = 'processing'";
-    const FORGET: &'static str = "DELETE FROM idempotency_records WHERE key_digest = $1";
-    // The outer expiry test is repeated for the same reason as in `PURGE`.
-    const PURGE_KEYS: &'static str = "DELETE FROM idempotency_inbox WHERE expires_at <= $1 \
+const FORGET: &str = "DELETE FROM idempotency_records WHERE key_digest = $1";
+// The outer expiry test is repeated for the same reason as in `PURGE`.
+const PURGE_KEYS: &str = "DELETE FROM idempotency_inbox WHERE expires_at <= $1 \
         AND key_digest IN (SELECT key_digest FROM idempotency_inbox WHERE expires_at <= $1 LIMIT $2)";
-    const KEY_HELD: &'static str =
-        "SELECT 1 FROM idempotency_inbox WHERE key_digest = $1 AND expires_at > $2";
+const KEY_HELD: &str = "SELECT 1 FROM idempotency_inbox WHERE key_digest = $1 AND expires_at > $2";
 
-    fn rows_affected(result: &Self::QueryResult) -> u64 {
-        result.rows_affected()
-    }
+/// Whether the error means "a lock wait ran out".
+fn is_busy(error: &dyn DatabaseError) -> bool {
+    // lock_not_available
+    error.code().as_deref() == Some("55P03")
+}
 
-    fn is_busy(error: &dyn DatabaseError) -> bool {
-        // lock_not_available
-        error.code().as_deref() == Some("55P03")
-    }
+/// Whether the database rolled the transaction back to resolve a deadlock or a serialization
+/// conflict.
+pub(super) fn is_conflict(error: &dyn DatabaseError) -> bool {
+    // deadlock_detected, serialization_failure
+    matches!(error.code().as_deref(), Some("40P01" | "40001"))
+}
 
-    fn is_conflict(error: &dyn DatabaseError) -> bool {
-        // deadlock_detected, serialization_failure
-        matches!(error.code().as_deref(), Some("40P01" | "40001"))
-    }
+/// Whether a migration failed because another migrator did the same work at the same time.
+fn migration_raced(error: &dyn DatabaseError) -> bool {
+    is_conflict(error)
+}
+
+/// The crate's error for a database error.
+fn classify(error: sqlx::Error) -> Error {
+    super::classify(error, is_busy, is_conflict)
 }

@@ -3,69 +3,66 @@
 
 use sqlx::Sqlite;
 
-use super::private::{BatchSql, ClaimSql, Dialect, NewId};
-use super::{in_key_order, record_columns};
+use crate::backend::migrate::Schema;
+use crate::backend::outbox::{in_key_order, record_columns};
 
-impl Dialect for Sqlite {
-    const INSERT: &'static str = "INSERT INTO idempotency_outbox
+pub(super) const INSERT: &str = "INSERT INTO idempotency_outbox
             (topic, downstream_key, payload, status, created_at, next_attempt_at, ordering_key)
         VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6)
         ON CONFLICT (downstream_key) DO NOTHING
         RETURNING id";
-    const NEW_ID: NewId<Self> = NewId::Returning;
-    const FETCH_BY_ID: &'static str = concat!(
-        "SELECT ",
-        record_columns!(),
-        " FROM idempotency_outbox WHERE id = ?1"
-    );
-    const FETCH_BY_KEY: &'static str = concat!(
-        "SELECT ",
-        record_columns!(),
-        " FROM idempotency_outbox WHERE downstream_key = ?1"
-    );
-    const FETCH_BLOCKER: &'static str = concat!(
-        "SELECT ",
-        record_columns!(),
-        " FROM idempotency_outbox
+pub(super) const FETCH_BY_ID: &str = concat!(
+    "SELECT ",
+    record_columns!(),
+    " FROM idempotency_outbox WHERE id = ?1"
+);
+pub(super) const FETCH_BY_KEY: &str = concat!(
+    "SELECT ",
+    record_columns!(),
+    " FROM idempotency_outbox WHERE downstream_key = ?1"
+);
+pub(super) const FETCH_BLOCKER: &str = concat!(
+    "SELECT ",
+    record_columns!(),
+    " FROM idempotency_outbox
          WHERE ordering_key = (SELECT ordering_key FROM idempotency_outbox WHERE id = ?1)
            AND id < ?2 AND status IN ('pending', 'failed')
          ORDER BY id
          LIMIT 1"
-    );
-    // An UPDATE takes the database's write lock even when it matches nothing; reading first
-    // keeps an idle dispatcher from queueing behind (and stalling) the app's transactions.
-    const CLAIM_PROBE: Option<&'static str> = Some(concat!(
-        "SELECT EXISTS (
+);
+// An UPDATE takes the database's write lock even when it matches nothing; reading first
+// keeps an idle dispatcher from queueing behind (and stalling) the app's transactions.
+pub(super) const CLAIM_PROBE: &str = concat!(
+    "SELECT EXISTS (
              SELECT 1 FROM idempotency_outbox AS m
              WHERE status = 'pending' AND next_attempt_at <= ?1
                AND (lease_expires_at IS NULL OR lease_expires_at <= ?1)
                AND ",
-        in_key_order!("m"),
-        ")"
-    ));
-    // RETURNING sees only the row as updated, so one statement could not tell a message whose
-    // attempt it began from one whose last outcome was already unknown. The lease columns are
-    // not among the record's, so `hold`, which writes nothing else, returns the rows as they
-    // were. Once it has leased the first `limit` due messages that are not sent now, the first
-    // due ones left are those that are.
-    const CLAIM: ClaimSql = ClaimSql::TwoStatements {
-        hold: concat!(
-            "UPDATE idempotency_outbox SET lease_expires_at = ?1, lease_token = ?2
+    in_key_order!("m"),
+    ")"
+);
+// RETURNING sees only the row as updated, so one statement could not tell a message whose
+// attempt it began from one whose last outcome was already unknown. The lease columns are
+// not among the record's, so `CLAIM_HOLD`, which writes nothing else, returns the rows as they
+// were. Once it has leased the first `limit` due messages that are not sent now, the first
+// due ones left are those that are.
+pub(super) const CLAIM_HOLD: &str = concat!(
+    "UPDATE idempotency_outbox SET lease_expires_at = ?1, lease_token = ?2
              WHERE id IN (
                  SELECT id FROM idempotency_outbox AS m
                  WHERE status = 'pending' AND next_attempt_at <= ?3
                    AND (lease_expires_at IS NULL OR lease_expires_at <= ?3)
                    AND ",
-            in_key_order!("m"),
-            "
+    in_key_order!("m"),
+    "
                  ORDER BY next_attempt_at, id
                  LIMIT ?4)
                AND (outcome_unknown OR attempts >= ?5)
              RETURNING ",
-            record_columns!()
-        ),
-        begin: concat!(
-            "UPDATE idempotency_outbox
+    record_columns!()
+);
+pub(super) const CLAIM_BEGIN: &str = concat!(
+    "UPDATE idempotency_outbox
              SET lease_expires_at = ?1, lease_token = ?2,
                  attempts = attempts + 1, last_attempt_at = ?3, outcome_unknown = TRUE
              WHERE id IN (
@@ -74,37 +71,30 @@ impl Dialect for Sqlite {
                    AND (lease_expires_at IS NULL OR lease_expires_at <= ?3)
                    AND NOT outcome_unknown AND attempts < ?5
                    AND ",
-            in_key_order!("m"),
-            "
+    in_key_order!("m"),
+    "
                  ORDER BY next_attempt_at, id
                  LIMIT ?4)
              RETURNING ",
-            record_columns!()
-        ),
-    };
-    const ONE_WRITER: bool = true;
-    const BEGIN_ATTEMPT: &'static str = "UPDATE idempotency_outbox
+    record_columns!()
+);
+pub(super) const BEGIN_ATTEMPT: &str = "UPDATE idempotency_outbox
         SET attempts = attempts + 1, last_attempt_at = ?1, outcome_unknown = TRUE
         WHERE id = ?2 AND lease_token = ?3";
-    const RENEW_LEASES: BatchSql = BatchSql::Json(
-        "UPDATE idempotency_outbox SET lease_expires_at = ?1
+pub(super) const RENEW_LEASES: &str = "UPDATE idempotency_outbox SET lease_expires_at = ?1
          FROM (SELECT value ->> 'id' AS held_id, value ->> 'token' AS held_token
                FROM json_each(?2)) AS h
          WHERE id = h.held_id AND lease_token = h.held_token
-         RETURNING id",
-    );
-    const RELEASE_UNSENT: BatchSql = BatchSql::Json(
-        "UPDATE idempotency_outbox
+         RETURNING id";
+pub(super) const RELEASE_UNSENT: &str = "UPDATE idempotency_outbox
          SET last_attempt_at = CASE WHEN attempts = 1 THEN NULL ELSE last_attempt_at END,
              attempts = attempts - 1, outcome_unknown = FALSE,
              lease_expires_at = NULL, lease_token = NULL
          FROM (SELECT value ->> 'id' AS released_id, value ->> 'token' AS released_token
                FROM json_each(?1)) AS r
          WHERE id = r.released_id AND lease_token = r.released_token AND outcome_unknown
-         RETURNING id",
-    );
-    const SETTLE: BatchSql = BatchSql::Json(
-        "UPDATE idempotency_outbox
+         RETURNING id";
+pub(super) const SETTLE: &str = "UPDATE idempotency_outbox
          SET status = s.status, receipt = s.receipt, last_error = s.last_error,
              attempts = s.attempts, outcome_unknown = s.outcome_unknown, next_attempt_at = s.next_attempt_at,
              finished_at = s.finished_at,
@@ -120,31 +110,31 @@ impl Dialect for Sqlite {
                       value ->> 'last_attempt_at' AS last_attempt_at
                FROM json_each(?1)) AS s
          WHERE id = s.settled_id AND lease_token = s.token
-         RETURNING id",
-    );
-    const PURGE_FINISHED: &'static str = "DELETE FROM idempotency_outbox WHERE id IN (
+         RETURNING id";
+pub(super) const PURGE_FINISHED: &str = "DELETE FROM idempotency_outbox WHERE id IN (
         SELECT id FROM idempotency_outbox WHERE status IN ('delivered', 'skipped') AND finished_at < ?1
         ORDER BY finished_at LIMIT ?2)";
-    const REQUEUE: &'static str = "UPDATE idempotency_outbox
+pub(super) const REQUEUE: &str = "UPDATE idempotency_outbox
         SET status = 'pending', attempts = 0, next_attempt_at = ?1, requeued_at = ?1,
             finished_at = NULL,
             lease_expires_at = NULL, lease_token = NULL
         WHERE id = ?2 AND status = 'failed'";
-    const ADVANCE: &'static str = "UPDATE idempotency_outbox SET next_attempt_at = ?1
+pub(super) const ADVANCE: &str = "UPDATE idempotency_outbox SET next_attempt_at = ?1
         WHERE status = 'pending' AND next_attempt_at = ?2 AND topic = ?3";
-    const SKIP: &'static str = "UPDATE idempotency_outbox
+pub(super) const SKIP: &str = "UPDATE idempotency_outbox
         SET status = 'skipped', finished_at = ?1, lease_expires_at = NULL, lease_token = NULL
         WHERE id = ?2 AND status = 'failed'";
-    const MIGRATIONS: &'static [(i64, &'static str)] = &[(
+pub(super) const SCHEMA: Schema<Sqlite> = Schema {
+    // Apart from the records' versions, so the two schemas evolve independently.
+    versions_table: "idempotency_outbox_schema_versions",
+    scripts: &[(
         1,
         include_str!("../../../migrations/sqlite/outbox/0001_outbox.sql"),
-    )];
+    )],
     // The write lock taken up front serialises concurrent migrators.
-    const MIGRATION_BEGIN: &'static str = "BEGIN IMMEDIATE";
-    const MIGRATION_RECORD: &'static str =
-        "INSERT INTO idempotency_outbox_schema_versions (version, applied_at) VALUES (?1, ?2)";
-
-    fn rows_affected(result: &Self::QueryResult) -> u64 {
-        result.rows_affected()
-    }
-}
+    begin: "BEGIN IMMEDIATE",
+    lock: None,
+    unlock: None,
+    lock_granted: |_| true,
+    record: "INSERT INTO idempotency_outbox_schema_versions (version, applied_at) VALUES (?1, ?2)",
+};

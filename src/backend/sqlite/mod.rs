@@ -15,17 +15,25 @@ use sqlx::error::DatabaseError;
 use sqlx::sqlite::SqliteConnection;
 use sqlx::{Pool, Sqlite, Transaction};
 
+use super::claim::rounds;
 use super::literal::{Statement, Syntax};
-use super::protocol::{BeganClaim, NewRecord, PurgePace};
-use super::sql::{ClaimPath, Dialect, bound, classify, record_values};
+use super::migrate::{self, runner};
+#[cfg(feature = "outbox")]
+use super::outbox::{Claim, ClaimedMessage, claiming, json_batches, outbox_alike, outbox_decoder};
+use super::{Claimed, PurgePace, Storage, alike, bound, record_values};
 use crate::error::Error;
-use crate::migrate;
-use crate::record::Millis;
+#[cfg(feature = "outbox")]
+use crate::outbox::{Message, MessageId};
+use crate::record::{Millis, NewRecord};
 use crate::scope::ScopedKey;
 
-impl super::Records for Sqlite {
-    type Protocol = super::sql::SqlStore<Sqlite>;
-}
+bound!(Sqlite);
+runner!(Sqlite);
+#[cfg(feature = "outbox")]
+outbox_decoder!(Sqlite);
+
+#[cfg(feature = "outbox")]
+mod outbox_sql;
 
 /// SQLite's extended code for a violated primary key, SQLITE_CONSTRAINT_PRIMARYKEY.
 const CONSTRAINT_PRIMARY_KEY: &str = "1555";
@@ -80,30 +88,41 @@ fn record_insert<'a>(record: &'a NewRecord<'a>) -> Statement<'a> {
     write
 }
 
-impl ClaimPath for Sqlite {
+impl Storage for Sqlite {
+    alike!();
+
+    // Every claim waits for the one write lock while a batch holds it: a short batch keeps that
+    // wait within the busy handler's first few naps.
+    const PURGE_PACE: PurgePace = PurgePace {
+        batch: 250,
+        ..PurgePace::DEFAULT
+    };
+
     async fn begin(
         pool: &Pool<Self>,
         lock_wait: Duration,
     ) -> Result<Transaction<'static, Self>, Error> {
         pool.begin_with(begin_immediate(lock_wait).inline("", ""))
             .await
-            .map_err(classify::<Self>)
+            .map_err(classify)
     }
 
     // The claim is a read in the begun transaction: sent with `BEGIN`, it could not be a
-    // prepared statement, and compiling it afresh costs more than the hop it saves.
-    async fn begin_claimed<'a>(
-        _pool: &'a Pool<Self>,
-        _record: &'a NewRecord<'a>,
-        _lock_wait: Duration,
-    ) -> Result<BeganClaim<Self>, Error> {
-        Ok(BeganClaim::Unfused)
+    // prepared statement, and compiling it afresh costs more than the hop it saves. So every
+    // claim begins, then claims.
+    async fn claim_record<'a>(
+        pool: &'a Pool<Self>,
+        record: &'a NewRecord<'a>,
+        wait: Duration,
+        begun: Option<Transaction<'static, Self>>,
+    ) -> Result<Claimed<Self>, Error> {
+        rounds(pool, record, wait, begun).await
     }
 
     // The transaction holds the write lock, so nothing can change under the read. A new key,
     // the common case, finds no row and leaves the record's insert nothing to remove first; an
     // expired record is removed here, in the claim's transaction, which a rollback restores.
-    async fn claim<'a>(
+    async fn claim_in<'a>(
         conn: &'a mut SqliteConnection,
         record: &'a NewRecord<'a>,
         _lock_wait: Duration,
@@ -115,7 +134,7 @@ impl ClaimPath for Sqlite {
         .bind(record.created_at.column())
         .fetch_optional(&mut *conn)
         .await
-        .map_err(classify::<Self>)?;
+        .map_err(classify)?;
         match live {
             None => Ok(true),
             Some(true) => Ok(false),
@@ -124,7 +143,7 @@ impl ClaimPath for Sqlite {
                     .bind(&record.key.digest()[..])
                     .execute(conn)
                     .await
-                    .map_err(classify::<Self>)?;
+                    .map_err(classify)?;
                 Ok(true)
             }
         }
@@ -144,7 +163,7 @@ impl ClaimPath for Sqlite {
         let mut tx = pool
             .begin_with(begin_deferred(lock_wait).inline("", ""))
             .await
-            .map_err(classify::<Self>)?;
+            .map_err(classify)?;
         let claimed = sqlx::query(
             "INSERT INTO idempotency_inbox (key_digest, expires_at) VALUES (?1, ?2) \
              ON CONFLICT (key_digest) DO UPDATE SET expires_at = excluded.expires_at \
@@ -155,11 +174,11 @@ impl ClaimPath for Sqlite {
         .bind(now.column())
         .execute(&mut *tx)
         .await
-        .map_err(classify::<Self>)?;
+        .map_err(classify)?;
         if claimed.rows_affected() == 1 {
             return Ok(Some(tx));
         }
-        tx.rollback().await.map_err(classify::<Self>)?;
+        tx.rollback().await.map_err(classify)?;
         Ok(None)
     }
 
@@ -179,63 +198,143 @@ impl ClaimPath for Sqlite {
             // Only a write to the key by the work itself gets here: the write lock kept every
             // other claimer out since the claim.
             Err(error) if record_exists(&error) => Err(Error::Conflict),
-            Err(error) => Err(classify::<Self>(error)),
+            Err(error) => Err(classify(error)),
         }
+    }
+
+    #[cfg(feature = "outbox")]
+    outbox_alike!();
+    #[cfg(feature = "outbox")]
+    json_batches!();
+
+    #[cfg(feature = "outbox")]
+    const ONE_WRITER: bool = true;
+
+    #[cfg(feature = "outbox")]
+    async fn insert(
+        conn: &mut SqliteConnection,
+        message: &Message,
+        now: i64,
+    ) -> Result<Option<MessageId>, sqlx::Error> {
+        // The single writer already orders the ids of one key as their transactions commit.
+        let id: Option<i64> = sqlx::query_scalar(outbox_sql::INSERT)
+            .bind(message.topic())
+            .bind(message.key().as_str())
+            .bind(message.payload())
+            .bind(now)
+            .bind(now)
+            .bind(message.ordering())
+            .fetch_optional(conn)
+            .await?;
+        Ok(id.map(MessageId::from))
+    }
+
+    // Probed first, unless the previous claim found all it asked for: an UPDATE takes the
+    // write lock even when it matches nothing. Then `HOLD` leases the first due messages that
+    // are not sent now, and `BEGIN` those that are, up to what is left of the limit.
+    #[cfg(feature = "outbox")]
+    async fn claim_due(
+        pool: &Pool<Self>,
+        claim: Claim,
+    ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>) {
+        claiming(pool, claim, |mut conn, claim| async move {
+            if claim.probe {
+                let due: bool = sqlx::query_scalar(outbox_sql::CLAIM_PROBE)
+                    .bind(claim.now)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                if !due {
+                    return Ok(Vec::new());
+                }
+            }
+            let update = |sql, limit: i64| {
+                sqlx::query(sql)
+                    .bind(claim.lease_until)
+                    .bind(claim.token)
+                    .bind(claim.now)
+                    .bind(limit)
+                    .bind(claim.max_attempts)
+            };
+            let mut claimed = Vec::new();
+            for row in update(outbox_sql::CLAIM_HOLD, claim.limit)
+                .fetch_all(&mut *conn)
+                .await?
+            {
+                claimed.push(ClaimedMessage {
+                    record: outbox_record(&row)?,
+                    attempt_begun: false,
+                });
+            }
+            let left = claim.limit.saturating_sub(claimed.len() as i64);
+            if left > 0 {
+                for row in update(outbox_sql::CLAIM_BEGIN, left)
+                    .fetch_all(&mut *conn)
+                    .await?
+                {
+                    claimed.push(ClaimedMessage {
+                        record: outbox_record(&row)?,
+                        attempt_begun: true,
+                    });
+                }
+            }
+            Ok(claimed)
+        })
+        .await
     }
 }
 
-impl Dialect for Sqlite {
-    const SCHEMA: migrate::Schema<Self> = migrate::Schema {
-        versions_table: "idempotency_schema_versions",
-        scripts: &[(1, include_str!("../../migrations/sqlite/0001_store.sql"))],
-        // The write lock taken up front serialises concurrent migrators.
-        begin: "BEGIN IMMEDIATE",
-        lock: None,
-        unlock: None,
-        lock_granted: |_| true,
-        record: "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES (?1, ?2)",
-    };
-    const VERSIONS_TABLE_EXISTS: &'static str = "SELECT COUNT(*) FROM sqlite_master \
+const SCHEMA: migrate::Schema<Sqlite> = migrate::Schema {
+    versions_table: "idempotency_schema_versions",
+    scripts: &[(1, include_str!("../../../migrations/sqlite/0001_store.sql"))],
+    // The write lock taken up front serialises concurrent migrators.
+    begin: "BEGIN IMMEDIATE",
+    lock: None,
+    unlock: None,
+    lock_granted: |_| true,
+    record: "INSERT INTO idempotency_schema_versions (version, applied_at) VALUES (?1, ?2)",
+};
+const VERSIONS_TABLE_EXISTS: &str = "SELECT COUNT(*) FROM sqlite_master \
         WHERE type = 'table' AND name = 'idempotency_schema_versions'";
-    const FIND: &'static str = "SELECT state, fingerprint, status, headers, body, created_at, expires_at, lease_expires_at \
+const FIND: &str = "SELECT state, fingerprint, status, headers, body, created_at, expires_at, lease_expires_at \
         FROM idempotency_records WHERE key_digest = ?1";
-    const PURGE: &'static str = "DELETE FROM idempotency_records WHERE key_digest IN \
+const PURGE: &str = "DELETE FROM idempotency_records WHERE key_digest IN \
         (SELECT key_digest FROM idempotency_records WHERE expires_at <= ?1 LIMIT ?2)";
-    // Every claim waits for the one write lock while a batch holds it: a short batch keeps that
-    // wait within the busy handler's first few naps.
-    const PURGE_PACE: PurgePace = PurgePace {
-        batch: 250,
-        ..PurgePace::DEFAULT
-    };
 
-    const RENEW_LEASE: &'static str = "UPDATE idempotency_records SET lease_expires_at = ?1 \
+const RENEW_LEASE: &str = "UPDATE idempotency_records SET lease_expires_at = ?1 \
         WHERE key_digest = ?2 AND lease_owner = ?3 AND state = 'processing'";
-    const TAKE_OVER_LEASE: &'static str = "UPDATE idempotency_records SET lease_owner = ?1, lease_expires_at = ?2 \
+const TAKE_OVER_LEASE: &str = "UPDATE idempotency_records SET lease_owner = ?1, lease_expires_at = ?2 \
         WHERE key_digest = ?3 AND state = 'processing' AND lease_expires_at <= ?4";
-    const FINISH_LEASED: &'static str = "UPDATE idempotency_records \
+const FINISH_LEASED: &str = "UPDATE idempotency_records \
         SET state = ?1, status = ?2, headers = ?3, body = ?4, lease_owner = NULL, lease_expires_at = NULL \
         WHERE key_digest = ?5 AND lease_owner = ?6";
-    const RELEASE_LEASE: &'static str = "DELETE FROM idempotency_records \
+const RELEASE_LEASE: &str = "DELETE FROM idempotency_records \
         WHERE key_digest = ?1 AND lease_owner = ?2 AND state = 'processing'";
-    const FORGET: &'static str = "DELETE FROM idempotency_records WHERE key_digest = ?1";
-    const PURGE_KEYS: &'static str = "DELETE FROM idempotency_inbox WHERE key_digest IN \
+const FORGET: &str = "DELETE FROM idempotency_records WHERE key_digest = ?1";
+const PURGE_KEYS: &str = "DELETE FROM idempotency_inbox WHERE key_digest IN \
         (SELECT key_digest FROM idempotency_inbox WHERE expires_at <= ?1 LIMIT ?2)";
-    const KEY_HELD: &'static str =
-        "SELECT 1 FROM idempotency_inbox WHERE key_digest = ?1 AND expires_at > ?2";
+const KEY_HELD: &str = "SELECT 1 FROM idempotency_inbox WHERE key_digest = ?1 AND expires_at > ?2";
 
-    fn rows_affected(result: &Self::QueryResult) -> u64 {
-        result.rows_affected()
-    }
+/// Whether the error means "a lock wait ran out": SQLITE_BUSY and SQLITE_LOCKED, with their
+/// extended codes.
+fn is_busy(error: &dyn DatabaseError) -> bool {
+    error
+        .code()
+        .and_then(|code| code.parse::<i32>().ok())
+        .is_some_and(|code| matches!(code & 0xff, 5 | 6))
+}
 
-    fn is_busy(error: &dyn DatabaseError) -> bool {
-        // SQLITE_BUSY and SQLITE_LOCKED, with their extended codes.
-        error
-            .code()
-            .and_then(|code| code.parse::<i32>().ok())
-            .is_some_and(|code| matches!(code & 0xff, 5 | 6))
-    }
+/// SQLite, one writer at a time, aborts no transaction on a conflict, and its migrators queue
+/// on the write lock.
+fn no_conflict(_error: &dyn DatabaseError) -> bool {
+    false
+}
 
-    fn is_conflict(_error: &dyn DatabaseError) -> bool {
-        false
-    }
+/// Whether a migration failed because another migrator did the same work at the same time.
+fn migration_raced(error: &dyn DatabaseError) -> bool {
+    no_conflict(error)
+}
+
+/// The crate's error for a database error.
+fn classify(error: sqlx::Error) -> Error {
+    super::classify(error, is_busy, no_conflict)
 }

@@ -4,62 +4,59 @@
 
 use sqlx::Postgres;
 
-use super::private::{BatchSql, ClaimSql, Dialect, NewId};
-use super::{in_key_order, record_columns};
+use crate::backend::migrate::Schema;
+use crate::backend::outbox::{in_key_order, record_columns};
 
-impl Dialect for Postgres {
-    // ON CONFLICT rather than catching the unique violation: an error would abort the caller's
-    // whole transaction.
-    const INSERT: &'static str = "INSERT INTO idempotency_outbox
+// ON CONFLICT rather than catching the unique violation: an error would abort the caller's
+// whole transaction.
+pub(super) const INSERT: &str = "INSERT INTO idempotency_outbox
             (topic, downstream_key, payload, status, created_at, next_attempt_at, ordering_key)
         VALUES ($1, $2, $3, 'pending', $4, $5, $6)
         ON CONFLICT (downstream_key) DO NOTHING
         RETURNING id";
-    // A transaction-scoped advisory lock on the key's hash, in the two-key space (apart from
-    // the migration lock's one-key space), under the outbox's own class ("axob" in ASCII). Two
-    // keys with one hash only queue behind each other.
-    const ORDER_LOCK: Option<&'static str> =
-        Some("SELECT 1 FROM pg_advisory_xact_lock(1635282786, hashtext($1))");
-    const NEW_ID: NewId<Self> = NewId::Returning;
-    const FETCH_BY_ID: &'static str = concat!(
-        "SELECT ",
-        record_columns!(),
-        " FROM idempotency_outbox WHERE id = $1"
-    );
-    const FETCH_BY_KEY: &'static str = concat!(
-        "SELECT ",
-        record_columns!(),
-        " FROM idempotency_outbox WHERE downstream_key = $1"
-    );
-    const FETCH_BLOCKER: &'static str = concat!(
-        "SELECT ",
-        record_columns!(),
-        " FROM idempotency_outbox
+// A transaction-scoped advisory lock on the key's hash, in the two-key space (apart from
+// the migration lock's one-key space), under the outbox's own class ("axob" in ASCII). Two
+// keys with one hash only queue behind each other.
+pub(super) const ORDER_LOCK: &str = "SELECT 1 FROM pg_advisory_xact_lock(1635282786, hashtext($1))";
+pub(super) const FETCH_BY_ID: &str = concat!(
+    "SELECT ",
+    record_columns!(),
+    " FROM idempotency_outbox WHERE id = $1"
+);
+pub(super) const FETCH_BY_KEY: &str = concat!(
+    "SELECT ",
+    record_columns!(),
+    " FROM idempotency_outbox WHERE downstream_key = $1"
+);
+pub(super) const FETCH_BLOCKER: &str = concat!(
+    "SELECT ",
+    record_columns!(),
+    " FROM idempotency_outbox
          WHERE ordering_key = (SELECT ordering_key FROM idempotency_outbox WHERE id = $1)
            AND id < $2 AND status IN ('pending', 'failed')
          ORDER BY id
          LIMIT 1"
-    );
-    // The CTE sees each row as it was, so the one statement both decides which messages are
-    // sent now and tells the dispatcher which attempts it began. Ordered by the due index
-    // alone (ties in heap order): with `id` as a second key the plan sorts every due row
-    // before the limit applies.
-    //
-    // Here and in the batched writes below, `id = ANY (ARRAY(…))` repeats the join on the
-    // primary key as an index condition: the generic plan of a prepared statement guesses a
-    // hundred rows on the other side, and without it joins them by hashing the whole table.
-    //
-    // `FOR UPDATE` locks the rows of `m` only; the ordering rule's subquery reads without
-    // locking, so it sees an earlier message of the key that another claim holds locked.
-    const CLAIM: ClaimSql = ClaimSql::OneStatement(concat!(
-        "WITH due AS (
+);
+// The CTE sees each row as it was, so the one statement both decides which messages are
+// sent now and tells the dispatcher which attempts it began. Ordered by the due index
+// alone (ties in heap order): with `id` as a second key the plan sorts every due row
+// before the limit applies.
+//
+// Here and in the batched writes below, `id = ANY (ARRAY(…))` repeats the join on the
+// primary key as an index condition: the generic plan of a prepared statement guesses a
+// hundred rows on the other side, and without it joins them by hashing the whole table.
+//
+// `FOR UPDATE` locks the rows of `m` only; the ordering rule's subquery reads without
+// locking, so it sees an earlier message of the key that another claim holds locked.
+pub(super) const CLAIM: &str = concat!(
+    "WITH due AS (
              SELECT id AS due_id, NOT outcome_unknown AND attempts < $5 AS begins
              FROM idempotency_outbox AS m
              WHERE status = 'pending' AND next_attempt_at <= $3
                AND (lease_expires_at IS NULL OR lease_expires_at <= $3)
                AND ",
-        in_key_order!("m"),
-        "
+    in_key_order!("m"),
+    "
              ORDER BY next_attempt_at
              LIMIT $4
              FOR UPDATE SKIP LOCKED)
@@ -71,21 +68,18 @@ impl Dialect for Postgres {
          FROM due
          WHERE id = due_id AND id = ANY (ARRAY(SELECT due_id FROM due))
          RETURNING begins AS attempt_begun, ",
-        record_columns!()
-    ));
-    const BEGIN_ATTEMPT: &'static str = "UPDATE idempotency_outbox
+    record_columns!()
+);
+pub(super) const BEGIN_ATTEMPT: &str = "UPDATE idempotency_outbox
         SET attempts = attempts + 1, last_attempt_at = $1, outcome_unknown = TRUE
         WHERE id = $2 AND lease_token = $3";
-    const RENEW_LEASES: BatchSql = BatchSql::Json(
-        "UPDATE idempotency_outbox SET lease_expires_at = $1
+pub(super) const RENEW_LEASES: &str = "UPDATE idempotency_outbox SET lease_expires_at = $1
          FROM jsonb_to_recordset($2::jsonb) AS h(id bigint, token bigint)
          WHERE idempotency_outbox.id = h.id AND lease_token = h.token
            AND idempotency_outbox.id = ANY (ARRAY(
                SELECT (held ->> 'id')::bigint FROM jsonb_array_elements($2::jsonb) AS held))
-         RETURNING idempotency_outbox.id",
-    );
-    const RELEASE_UNSENT: BatchSql = BatchSql::Json(
-        "UPDATE idempotency_outbox
+         RETURNING idempotency_outbox.id";
+pub(super) const RELEASE_UNSENT: &str = "UPDATE idempotency_outbox
          SET last_attempt_at = CASE WHEN attempts = 1 THEN NULL ELSE last_attempt_at END,
              attempts = attempts - 1, outcome_unknown = FALSE,
              lease_expires_at = NULL, lease_token = NULL
@@ -94,10 +88,8 @@ impl Dialect for Postgres {
            AND idempotency_outbox.id = ANY (ARRAY(
                SELECT (released ->> 'id')::bigint
                FROM jsonb_array_elements($1::jsonb) AS released))
-         RETURNING idempotency_outbox.id",
-    );
-    const SETTLE: BatchSql = BatchSql::Json(
-        "UPDATE idempotency_outbox
+         RETURNING idempotency_outbox.id";
+pub(super) const SETTLE: &str = "UPDATE idempotency_outbox
          SET status = s.status, receipt = s.receipt, last_error = s.last_error,
              attempts = s.attempts,
              outcome_unknown = s.outcome_unknown, next_attempt_at = s.next_attempt_at,
@@ -112,36 +104,34 @@ impl Dialect for Postgres {
            AND idempotency_outbox.id = ANY (ARRAY(
                SELECT (settled ->> 'id')::bigint
                FROM jsonb_array_elements($1::jsonb) AS settled))
-         RETURNING idempotency_outbox.id",
-    );
-    const PURGE_FINISHED: &'static str = "DELETE FROM idempotency_outbox WHERE id IN (
+         RETURNING idempotency_outbox.id";
+pub(super) const PURGE_FINISHED: &str = "DELETE FROM idempotency_outbox WHERE id IN (
         SELECT id FROM idempotency_outbox WHERE status IN ('delivered', 'skipped') AND finished_at < $1
         ORDER BY finished_at LIMIT $2)";
-    const REQUEUE: &'static str = "UPDATE idempotency_outbox
+pub(super) const REQUEUE: &str = "UPDATE idempotency_outbox
         SET status = 'pending', attempts = 0, next_attempt_at = $1, requeued_at = $1,
             finished_at = NULL,
             lease_expires_at = NULL, lease_token = NULL
         WHERE id = $2 AND status = 'failed'";
-    const ADVANCE: &'static str = "UPDATE idempotency_outbox SET next_attempt_at = $1
+pub(super) const ADVANCE: &str = "UPDATE idempotency_outbox SET next_attempt_at = $1
         WHERE status = 'pending' AND next_attempt_at = $2 AND topic = $3";
-    const SKIP: &'static str = "UPDATE idempotency_outbox
+pub(super) const SKIP: &str = "UPDATE idempotency_outbox
         SET status = 'skipped', finished_at = $1, lease_expires_at = NULL, lease_token = NULL
         WHERE id = $2 AND status = 'failed'";
-    const MIGRATIONS: &'static [(i64, &'static str)] = &[(
+// `CREATE TABLE IF NOT EXISTS` alone races in PostgreSQL (both sessions see no table, one
+// fails on the catalog's unique index), so migrators queue on a transaction-scoped advisory
+// lock; the number is the outbox's own ("axoutbox" in ASCII). Advisory locks belong to one
+// database, so outboxes in other databases of the server do not queue behind each other.
+pub(super) const SCHEMA: Schema<Postgres> = Schema {
+    // Apart from the records' versions, so the two schemas evolve independently.
+    versions_table: "idempotency_outbox_schema_versions",
+    scripts: &[(
         1,
         include_str!("../../../migrations/postgres/outbox/0001_outbox.sql"),
-    )];
-    const MIGRATION_BEGIN: &'static str = "BEGIN";
-    // `CREATE TABLE IF NOT EXISTS` alone races in PostgreSQL (both sessions see no table, one
-    // fails on the catalog's unique index), so migrators queue on a transaction-scoped advisory
-    // lock; the number is the outbox's own ("axoutbox" in ASCII). Advisory locks belong to one
-    // database, so outboxes in other databases of the server do not queue behind each other.
-    const MIGRATION_LOCK: Option<&'static str> =
-        Some("SELECT pg_advisory_xact_lock(7023486169138753400)");
-    const MIGRATION_RECORD: &'static str =
-        "INSERT INTO idempotency_outbox_schema_versions (version, applied_at) VALUES ($1, $2)";
-
-    fn rows_affected(result: &Self::QueryResult) -> u64 {
-        result.rows_affected()
-    }
-}
+    )],
+    begin: "BEGIN",
+    lock: Some("SELECT pg_advisory_xact_lock(7023486169138753400)"),
+    unlock: None,
+    lock_granted: |_| true,
+    record: "INSERT INTO idempotency_outbox_schema_versions (version, applied_at) VALUES ($1, $2)",
+};

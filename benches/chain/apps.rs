@@ -1,8 +1,9 @@
-//! The chain's processes (the payments example and its provider), the database payments runs
-//! on, and the broker names of one run.
+//! The chain's processes (the payments example, its provider and the orders example that
+//! applies its events), the databases they run on, and the broker names of one run.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -33,12 +34,8 @@ pub(crate) fn build_examples() {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let status = std::process::Command::new(cargo)
         .args(["build", "--profile", "bench", "--example", "payments"])
-        .args([
-            "--example",
-            "payment_provider",
-            "--features",
-            &features.join(","),
-        ])
+        .args(["--example", "payment_provider", "--example", "orders"])
+        .args(["--features", &features.join(",")])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .status()
         .expect("cargo runs");
@@ -58,6 +55,8 @@ fn example(name: &str) -> PathBuf {
 pub(crate) struct Process {
     child: Child,
     pub(crate) url: String,
+    /// The last `consumer stats …` line it printed (orders with `ORDERS_CONSUMER_STATS_MS`).
+    stats: Arc<Mutex<String>>,
 }
 
 impl Process {
@@ -65,7 +64,10 @@ impl Process {
         let mut command = Command::new(example(name));
         command
             .env("BIND", "127.0.0.1:0")
-            .env("RUST_LOG", "error")
+            .env(
+                "RUST_LOG",
+                std::env::var("CHAIN_BENCH_LOG").unwrap_or_else(|_| "error".into()),
+            )
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -86,8 +88,26 @@ impl Process {
         })
         .await
         .expect("the example listens within 30 s");
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        Self { child, url }
+        let stats = Arc::new(Mutex::new(String::new()));
+        let last = Arc::clone(&stats);
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                if line.starts_with("consumer stats") {
+                    *last.lock().expect("stats") = line;
+                }
+            }
+        });
+        Self { child, url, stats }
+    }
+
+    /// Its process id, for its CPU time.
+    pub(crate) fn pid(&self) -> Vec<u32> {
+        self.child.id().into_iter().collect()
+    }
+
+    /// The inbox's counters as orders last printed them.
+    pub(crate) fn stats(&self) -> String {
+        self.stats.lock().expect("stats").clone()
     }
 
     /// SIGTERM, then waits for the exit: the requests in flight are answered, the dispatchers
@@ -185,7 +205,10 @@ impl Database {
                 .execute(&admin)
                 .await
                 .expect("schema");
-                let url = format!("{base}?options=-c%20search_path%3D{schema}");
+                // Named after the schema, so the backends serving it can be found for their CPU
+                // time.
+                let url =
+                    format!("{base}?options=-c%20search_path%3D{schema}&application_name={schema}");
                 Self::Postgres {
                     url,
                     admin,
@@ -258,6 +281,91 @@ impl Database {
         )
     }
 
+    /// PostgreSQL only: the CPU time so far of the backends serving this database's clients
+    /// but the bench (their pids are read now, so call it while they are connected), and
+    /// the outbox's rows inserted, updated, updated in place (HOT: no index written) and
+    /// deleted so far.
+    pub(crate) async fn server_side(&mut self) -> Option<(Duration, [u64; 4])> {
+        #[cfg(feature = "postgres")]
+        if let Self::Postgres {
+            admin,
+            schema,
+            pool,
+            ..
+        } = self
+        {
+            // The bench's own reader shares the name; its pid is left out.
+            let own: Option<i32> = match pool {
+                Some(pool) => sqlx::query_scalar("SELECT pg_backend_pid()")
+                    .fetch_one(&*pool)
+                    .await
+                    .ok(),
+                None => None,
+            };
+            let pids: Vec<i32> =
+                sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE application_name = $1")
+                    .bind(schema.as_str())
+                    .fetch_all(&*admin)
+                    .await
+                    .unwrap_or_default();
+            let pids: Vec<u32> = pids
+                .into_iter()
+                .filter(|pid| Some(*pid) != own)
+                .filter_map(|pid| u32::try_from(pid).ok())
+                .collect();
+            let tuples: (i64, i64, i64, i64) = sqlx::query_as(
+                "SELECT n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del FROM pg_stat_user_tables \
+                 WHERE schemaname = $1 AND relname = 'idempotency_outbox'",
+            )
+            .bind(schema.as_str())
+            .fetch_one(&*admin)
+            .await
+            .unwrap_or_default();
+            let count = |n: i64| u64::try_from(n).unwrap_or_default();
+            return Some((
+                crate::cpu::of_pids(&pids),
+                [
+                    count(tuples.0),
+                    count(tuples.1),
+                    count(tuples.2),
+                    count(tuples.3),
+                ],
+            ));
+        }
+        None
+    }
+
+    /// Orders' applied payments: the rows in `order_payments` and their distinct payment ids
+    /// (a payment applied twice makes the first larger); zero before orders created its tables.
+    pub(crate) async fn applied(&mut self) -> (u64, u64) {
+        const APPLIED: &str = "SELECT COUNT(*), COUNT(DISTINCT payment_id) FROM order_payments";
+        let row: Result<(i64, i64), _> = match self {
+            Self::Sqlite { url, pool, .. } => {
+                if pool.is_none() {
+                    *pool = sqlx::SqlitePool::connect(url).await.ok();
+                }
+                match pool {
+                    Some(pool) => sqlx::query_as(APPLIED).fetch_one(&*pool).await,
+                    None => Ok((0, 0)),
+                }
+            }
+            #[cfg(feature = "postgres")]
+            Self::Postgres { url, pool, .. } => {
+                if pool.is_none() {
+                    let options = sqlx::postgres::PgPoolOptions::new().max_connections(1);
+                    *pool = Some(options.connect(url).await.expect("PostgreSQL"));
+                }
+                let pool = pool.as_ref().expect("connected");
+                sqlx::query_as(APPLIED).fetch_one(pool).await
+            }
+        };
+        let (rows, distinct) = row.unwrap_or_default();
+        (
+            u64::try_from(rows).unwrap_or_default(),
+            u64::try_from(distinct).unwrap_or_default(),
+        )
+    }
+
     pub(crate) async fn cleanup(self) {
         match self {
             Self::Sqlite { pool, .. } => {
@@ -282,6 +390,25 @@ impl Database {
             }
         }
     }
+}
+
+/// The provider's charges, read from its SQLite file: how many, and how many distinct
+/// idempotency keys (one per payment; fewer than the charges means a payment charged twice).
+pub(crate) async fn charges(provider_db: &Path) -> (u64, u64) {
+    let url = format!("sqlite://{}?mode=ro", provider_db.display());
+    let Ok(pool) = sqlx::SqlitePool::connect(&url).await else {
+        return (0, 0);
+    };
+    let row: Result<(i64, i64), _> =
+        sqlx::query_as("SELECT COUNT(*), COUNT(DISTINCT idempotency_key) FROM charges")
+            .fetch_one(&pool)
+            .await;
+    pool.close().await;
+    let (charges, keys) = row.unwrap_or_default();
+    (
+        u64::try_from(charges).unwrap_or_default(),
+        u64::try_from(keys).unwrap_or_default(),
+    )
 }
 
 pub(crate) const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -386,6 +513,17 @@ impl Events {
                 let _ = channel
                     .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
                     .await;
+                // What orders declared, when the step ran it.
+                let consumed = format!("{ns}.orders.payment-succeeded");
+                for queue in [
+                    consumed.clone(),
+                    format!("{consumed}.retry"),
+                    format!("{consumed}.dead"),
+                ] {
+                    let _ = channel
+                        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                        .await;
+                }
                 let exchange = format!("{ns}.payments");
                 let _ = channel
                     .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
@@ -393,9 +531,11 @@ impl Events {
                 let _ = connection.close(200, "bench done".into()).await;
             }
             Self::Nats { js, ns } => {
-                let _ = js
-                    .delete_stream(format!("{}_PAYMENTS", ns.to_uppercase()))
-                    .await;
+                for stream in ["PAYMENTS", "ORDERS_DEAD"] {
+                    let _ = js
+                        .delete_stream(format!("{}_{stream}", ns.to_uppercase()))
+                        .await;
+                }
             }
         }
     }

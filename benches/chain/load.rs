@@ -10,7 +10,10 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use hyper_util::rt::TokioExecutor;
 
-const BODY: &str = r#"{"order_id":"1","amount":12.5,"currency":"EUR","payee":"acme"}"#;
+/// The orders the payments are spread over, ids 1 to this: the orders app of the outage step
+/// places them first, so each event applies; spread, so its consumer does not queue on one
+/// order's row.
+pub(crate) const ORDERS: u64 = 16;
 
 /// What the load got back.
 #[derive(Debug, Default)]
@@ -52,7 +55,10 @@ impl Load {
             .header("authorization", "Bearer alice-token")
             .header("idempotency-key", format!("{}-{n}", self.ns))
             .header("content-type", "application/json")
-            .body(Full::new(Bytes::from_static(BODY.as_bytes())))
+            .body(Full::new(Bytes::from(format!(
+                r#"{{"order_id":"{}","amount":12.5,"currency":"EUR","payee":"acme"}}"#,
+                n % ORDERS + 1
+            ))))
             .expect("request");
         let accepted = match self.client.request(request).await {
             Ok(response) => {
@@ -137,5 +143,35 @@ impl Load {
             let _ = slots.acquire_many(connections as u32).await;
         });
         (stop, running)
+    }
+}
+
+/// Places the [`ORDERS`] orders the payments are for, ids 1 to [`ORDERS`] in a fresh database,
+/// each large enough for every payment of a run.
+pub(crate) async fn place_orders(orders_url: &str, ns: &str) {
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    for n in 1..=ORDERS {
+        let body = r#"{"sku":"widget","quantity":1,"amount":1e9,"currency":"EUR"}"#;
+        let request = Request::post(format!("{orders_url}/orders"))
+            .header("authorization", "Bearer alice-token")
+            .header("idempotency-key", format!("{ns}-order-{n}"))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .expect("request");
+        let response = client.request(request).await.expect("orders answers");
+        assert_eq!(response.status(), StatusCode::CREATED, "order {n} placed");
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        let order: serde_json::Value = serde_json::from_slice(&body).expect("an order");
+        assert_eq!(
+            order["id"].as_u64(),
+            Some(n),
+            "the orders' ids are 1 to {ORDERS}"
+        );
     }
 }

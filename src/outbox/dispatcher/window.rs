@@ -1,4 +1,5 @@
-//! The dispatcher's sends in flight and the database writes around them.
+//! The dispatcher's sends in flight and when the database writes around them run; the writes
+//! and the sends themselves are the [`Flight`]'s, what each outcome means is `decide`'s.
 //!
 //! Up to `batch_size` sends run at once; a claim refills the window as they finish rather than
 //! after the last of a batch, so the downstream is never left idle while the dispatcher waits for

@@ -1,21 +1,22 @@
 //! The background task that delivers committed messages and records every outcome.
 
+mod decide;
+mod flight;
 mod metrics;
 mod window;
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::backend::{Claim, Claimed, Settlement};
-use super::status::{duration_millis, from_millis, now_millis, to_millis};
 use super::wake::Listen;
-use super::{Error, LookupOutcome, Outbox, OutboxRecord, SendOutcome, Sender, Status};
+use super::{Error, Outbox, Sender};
 use crate::Backend;
-use crate::backoff::{Backoff, random_u64};
+use crate::backoff::Backoff;
+use decide::Policy;
+use flight::Flight;
 use window::{Found, Window};
 
 /// Delivers outbox messages through a [`Sender`]: claims due messages under a lease, calls the
@@ -59,37 +60,28 @@ use window::{Found, Window};
 /// # }
 /// ```
 pub struct Dispatcher<DB: Backend, S> {
-    outbox: Outbox<DB>,
-    sender: Arc<S>,
+    flight: Flight<DB, S>,
     listen: Listen,
     poll_interval: Duration,
     batch_size: u32,
-    max_attempts: u32,
-    backoff: Backoff,
-    send_timeout: Duration,
-    lease: Duration,
-    lookup_grace: Duration,
-    give_up_after: Duration,
-    probe_backoff: Backoff,
 }
 
 impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// A dispatcher for `outbox` delivering through `sender`, with the defaults below.
     #[must_use]
     pub fn new(outbox: Outbox<DB>, sender: S) -> Self {
-        Self {
-            outbox,
-            sender: Arc::new(sender),
-            listen: Listen::default(),
-            poll_interval: Duration::from_secs(1),
-            batch_size: 16,
+        let policy = Policy {
             max_attempts: 10,
             backoff: Backoff::exponential(Duration::from_secs(1), Duration::from_secs(300)),
-            send_timeout: Duration::from_secs(30),
-            lease: Duration::from_secs(15),
             lookup_grace: Duration::from_secs(60),
             give_up_after: Duration::from_secs(6 * 60 * 60),
             probe_backoff: Backoff::exponential(Duration::from_secs(1), Duration::from_secs(30)),
+        };
+        Self {
+            flight: Flight::new(outbox, sender, policy),
+            listen: Listen::default(),
+            poll_interval: Duration::from_secs(1),
+            batch_size: 16,
         }
     }
 
@@ -117,13 +109,13 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
 
     /// After how many attempts a message that still did not go through fails for good;
     /// default 10. An attempt is a send the destination answered without doing the work
-    /// ([`SendOutcome::Retry`]) or whose outcome is unknown; an outage
-    /// ([`SendOutcome::Unavailable`]) is not one, however long it lasts, so this cap stops a
-    /// poison message, never an intent caught in an outage. The time budget,
-    /// [`give_up_after`](Self::give_up_after), bounds the rest.
+    /// ([`SendOutcome::Retry`](super::SendOutcome::Retry)) or whose outcome is unknown; an
+    /// outage ([`SendOutcome::Unavailable`](super::SendOutcome::Unavailable)) is not one,
+    /// however long it lasts, so this cap stops a poison message, never an intent caught in an
+    /// outage. The time budget, [`give_up_after`](Self::give_up_after), bounds the rest.
     #[must_use]
     pub fn max_attempts(mut self, attempts: u32) -> Self {
-        self.max_attempts = attempts.max(1);
+        self.flight.policy.max_attempts = attempts.max(1);
         self
     }
 
@@ -132,7 +124,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// client's `RetryPolicy::backoff` takes.
     #[must_use]
     pub fn backoff(mut self, backoff: Backoff) -> Self {
-        self.backoff = backoff;
+        self.flight.policy.backoff = backoff;
         self
     }
 
@@ -140,7 +132,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// default 30 s.
     #[must_use]
     pub fn send_timeout(mut self, timeout: Duration) -> Self {
-        self.send_timeout = timeout;
+        self.flight.send_timeout = timeout;
         self
     }
 
@@ -150,7 +142,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// messages within this long, and the next claim looks each up before any resend.
     #[must_use]
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease.max(MIN_LEASE);
+        self.flight.lease = lease.max(MIN_LEASE);
         self
     }
 
@@ -163,7 +155,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// at most about two send timeouts).
     #[must_use]
     pub fn lookup_grace(mut self, grace: Duration) -> Self {
-        self.lookup_grace = grace;
+        self.flight.policy.lookup_grace = grace;
         self
     }
 
@@ -178,7 +170,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// first (when the sender can) and fails only if the downstream does not hold it.
     #[must_use]
     pub fn give_up_after(mut self, budget: Duration) -> Self {
-        self.give_up_after = budget;
+        self.flight.policy.give_up_after = budget;
         self
     }
 
@@ -189,7 +181,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// [`Sender::reconnected`]) cuts the wait short: the next probe goes as soon as it says so.
     #[must_use]
     pub fn probe_backoff(mut self, backoff: Backoff) -> Self {
-        self.probe_backoff = backoff;
+        self.flight.policy.probe_backoff = backoff;
         self
     }
 
@@ -204,9 +196,9 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) {
         let mut shutdown = std::pin::pin!(shutdown);
         // Subscribed before the first claim, so a commit after that claim's read is seen.
-        let mut woken = self.outbox.wake_signal().subscribe();
+        let mut woken = self.flight.outbox.wake_signal().subscribe();
         let heard = self.listen.start(self.poll_interval);
-        let mut window = Window::new(&self);
+        let mut window = Window::new(&self.flight, self.batch_size);
         let mut stopping = false;
         // Set when a claim found less than it asked for (nothing more is due) or failed: no
         // claim before a wake or this time. A wake is taken in at once, even while claims are
@@ -240,7 +232,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
                         resting = Some(Instant::now() + self.poll_interval);
                     }
                 },
-                // The outbox's sender lives as long as `self.outbox`: this never fails.
+                // The outbox's sender lives as long as the outbox: this never fails.
                 _ = woken.changed(), if !stopping => window.wake(),
                 () = heard.notified(), if !stopping => window.wake(),
                 () = sleep_until(rest), if rest.is_some() => resting = None,
@@ -251,7 +243,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// Claims one batch of due messages, delivers them concurrently and records each outcome;
     /// returns how many were claimed. For jobs and tests that drive delivery themselves.
     pub async fn run_once(&self) -> Result<usize, Error> {
-        let mut window = Window::new(self);
+        let mut window = Window::new(&self.flight, self.batch_size);
         window.claim(self.batch_size as usize);
         let mut claimed = 0;
         loop {
@@ -267,369 +259,6 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
             }
         }
     }
-
-    /// Leases up to `limit` due messages, beginning the attempts of those sent now; `probe`
-    /// asks whether anything is due first, where that is cheaper than a claim finding nothing.
-    async fn claim(&self, limit: usize, probe: bool) -> (Claim, Result<Vec<Claimed>, sqlx::Error>) {
-        let now = now_millis();
-        let claim = Claim {
-            now,
-            lease_until: now.saturating_add(duration_millis(self.lease)),
-            // Any bit pattern is a token: all 64 random bits are kept, the sign included.
-            token: i64::from_ne_bytes(random_u64().to_ne_bytes()),
-            limit: i64::try_from(limit).unwrap_or(i64::MAX),
-            max_attempts: i64::from(self.max_attempts),
-            probe,
-        };
-        let _turn = self.outbox.write_turn().await;
-        DB::claim_due(self.outbox.pool(), claim).await
-    }
-
-    /// Decides what a claimed message needs (a lookup, a send, or failing for good), does it,
-    /// and returns the outcome to record; `None` when the lease was lost before sending.
-    async fn deliver(
-        &self,
-        claimed: Claimed,
-        token: i64,
-    ) -> Result<Option<Attempted>, sqlx::Error> {
-        let Claimed {
-            mut record,
-            attempt_begun,
-        } = claimed;
-        let mut looked_up = false;
-        loop {
-            let now = now_millis();
-            match self.before_send(&record, attempt_begun, looked_up, now) {
-                Step::LookUp => {
-                    looked_up = true;
-                    if let Some(settlement) = self.look_up(&record).await {
-                        return Ok(Some(settlement.into()));
-                    }
-                }
-                Step::GiveUp {
-                    why,
-                    attempts,
-                    reason,
-                } => return Ok(Some(Self::give_up(&record, attempts, why, reason).into())),
-                Step::BeginAttempt => {
-                    let begun = {
-                        let _turn = self.outbox.write_turn().await;
-                        DB::begin_attempt(self.outbox.pool(), record.id, token, now).await?
-                    };
-                    if !begun {
-                        tracing::warn!(message = %record.id, "outbox lease lost before sending");
-                        return Ok(None);
-                    }
-                    record.attempts += 1;
-                    record.outcome_unknown = true;
-                    break;
-                }
-                Step::Send => break,
-            }
-        }
-
-        // A message claimed ahead of a free send slot waited after its claim began the
-        // attempt; the attempt starts now, and its outcome records so.
-        let started = now_millis();
-        record.last_attempt_at = Some(from_millis(started));
-        let outcome = self
-            .bounded(self.sender.send(&record))
-            .await
-            .unwrap_or_else(|| SendOutcome::Unknown {
-                reason: format!("no answer within {:?}", self.send_timeout),
-            });
-        let mut attempted = self.settle_outcome(&record, outcome, now_millis());
-        attempted.settlement.last_attempt_at = Some(started);
-        Ok(Some(attempted))
-    }
-
-    /// What one send's outcome makes of the message.
-    fn settle_outcome(&self, record: &OutboxRecord, outcome: SendOutcome, now: i64) -> Attempted {
-        let attempts = record.attempts;
-        match outcome {
-            SendOutcome::Delivered { receipt } => delivered(receipt, now, attempts).into(),
-            SendOutcome::Rejected { reason } => {
-                Self::give_up(record, attempts, GiveUp::Rejected, reason).into()
-            }
-            // An outage is not an attempt: the one begun is given back, and the message stays
-            // due for the destination's next probe.
-            SendOutcome::Unavailable { after, reason } => {
-                let reason = format!("unavailable: {reason}");
-                if let Some(reason) = self.past_budget(record, now, Some(&reason)) {
-                    let attempts = attempts.saturating_sub(1);
-                    return Self::give_up(record, attempts, GiveUp::Budget, reason).into();
-                }
-                let at = now.saturating_add(duration_millis(after.unwrap_or_default()));
-                Attempted {
-                    settlement: retry_at(
-                        at,
-                        Some(reason.clone()),
-                        false,
-                        attempts.saturating_sub(1),
-                    ),
-                    outage: Some(Outage { after, reason }),
-                }
-            }
-            SendOutcome::Retry { after, reason } => {
-                if attempts >= self.max_attempts {
-                    let reason = Self::out_of_attempts(record, false, Some(&reason));
-                    return Self::give_up(record, attempts, GiveUp::Attempts, reason).into();
-                }
-                if let Some(reason) = self.past_budget(record, now, Some(&reason)) {
-                    return Self::give_up(record, attempts, GiveUp::Budget, reason).into();
-                }
-                let at = now.saturating_add(self.delay(attempts, after));
-                retry_at(at, Some(reason), false, attempts).into()
-            }
-            // Even on the last attempt or past the budget: the next claim looks it up before
-            // deciding to fail.
-            SendOutcome::Unknown { reason } => {
-                let at = now.saturating_add(self.delay(attempts, None));
-                retry_at(at, Some(reason), true, attempts).into()
-            }
-        }
-    }
-
-    /// What to do with a claimed message before its send, at `now`: `attempt_begun` when its
-    /// claim began the attempt (its last outcome was known), `looked_up` once a lookup of an
-    /// unknown outcome found nothing to settle. A plain decision, with no I/O.
-    fn before_send(
-        &self,
-        record: &OutboxRecord,
-        attempt_begun: bool,
-        looked_up: bool,
-        now: i64,
-    ) -> Step {
-        let last = record.last_error.as_deref();
-        if attempt_begun {
-            // The attempt the claim began is never made if the budget ran out: not counted.
-            return match self.past_budget(record, now, last) {
-                Some(reason) => Step::GiveUp {
-                    why: GiveUp::Budget,
-                    attempts: record.attempts.saturating_sub(1),
-                    reason,
-                },
-                None => Step::Send,
-            };
-        }
-        // An unknown outcome is looked up before anything else: it may have been delivered.
-        if record.outcome_unknown && !looked_up {
-            return Step::LookUp;
-        }
-        if let Some(reason) = self.past_budget(record, now, last) {
-            return Step::GiveUp {
-                why: GiveUp::Budget,
-                attempts: record.attempts,
-                reason,
-            };
-        }
-        if record.attempts >= self.max_attempts {
-            return Step::GiveUp {
-                why: GiveUp::Attempts,
-                attempts: record.attempts,
-                reason: Self::out_of_attempts(record, record.outcome_unknown, last),
-            };
-        }
-        Step::BeginAttempt
-    }
-
-    /// Why `record` is past its time budget at `now`, if it is; `last` is the last error seen.
-    fn past_budget(&self, record: &OutboxRecord, now: i64, last: Option<&str>) -> Option<String> {
-        let since = record.requeued_at.unwrap_or(record.created_at);
-        let age = now.saturating_sub(to_millis(since));
-        (age >= duration_millis(self.give_up_after)).then(|| {
-            let last = last.unwrap_or("no error recorded");
-            format!(
-                "gave up after {:?}, the time budget; last: {last}",
-                self.give_up_after
-            )
-        })
-    }
-
-    /// Why a message out of attempts fails; `unknown` when its last outcome is.
-    fn out_of_attempts(record: &OutboxRecord, unknown: bool, last: Option<&str>) -> String {
-        let last = last.unwrap_or("no error recorded");
-        if unknown {
-            format!(
-                "gave up after {} attempts; the last one's outcome is unknown: {last}",
-                record.attempts
-            )
-        } else {
-            format!("gave up after {} attempts: {last}", record.attempts)
-        }
-    }
-
-    /// Fails `record` for good: logged at `ERROR` and counted, so that an operator hears of
-    /// every message that needs a decision.
-    fn give_up(record: &OutboxRecord, attempts: u32, why: GiveUp, reason: String) -> Settlement {
-        tracing::error!(
-            message = %record.id,
-            topic = %record.topic,
-            attempts,
-            %reason,
-            "outbox message failed for good; requeue it once the cause is fixed"
-        );
-        metrics::failed(why);
-        failed(reason, attempts)
-    }
-
-    /// Asks the downstream about a message whose last outcome is unknown; the outcome to
-    /// record, or `None` when the message is to be sent again.
-    async fn look_up(&self, record: &OutboxRecord) -> Option<Settlement> {
-        let found = self.bounded(self.sender.lookup(record)).await;
-        let now = now_millis();
-        match found {
-            Some(LookupOutcome::Found { receipt }) => {
-                // An earlier attempt's outcome was unknown; the downstream has it, so the
-                // effect happened once and nothing is resent.
-                tracing::info!(
-                    id = record.id.get(),
-                    topic = %record.topic,
-                    attempts = record.attempts,
-                    "outbox message found delivered by a lookup; not resent"
-                );
-                Some(delivered(receipt, now, record.attempts))
-            }
-            Some(LookupOutcome::NotFound) => {
-                let last = record.last_attempt_at.map_or(0, to_millis);
-                let grace_ends = last.saturating_add(duration_millis(self.lookup_grace));
-                (now < grace_ends)
-                    .then(|| retry_at(grace_ends, record.last_error.clone(), true, record.attempts))
-            }
-            Some(LookupOutcome::Unsupported) => None,
-            Some(LookupOutcome::Failed { reason }) => {
-                let at = now.saturating_add(self.delay(record.attempts, None));
-                let error = format!("lookup failed: {reason}");
-                Some(retry_at(at, Some(error), true, record.attempts))
-            }
-            None => {
-                let at = now.saturating_add(self.delay(record.attempts, None));
-                Some(retry_at(
-                    at,
-                    Some("lookup timed out".to_owned()),
-                    true,
-                    record.attempts,
-                ))
-            }
-        }
-    }
-
-    /// The wait before the next probe of an unavailable destination, never shorter than its
-    /// `Retry-After`.
-    fn probe_wait(&self, probes: u32, outage: &Outage) -> Duration {
-        let wait = self.probe_backoff.delay(probes);
-        wait.max(outage.after.unwrap_or_default())
-    }
-
-    /// How often the leases held are renewed: every third of a lease, so a renewal that is
-    /// late or fails once still comes before the lease runs out.
-    fn renewal_interval(&self) -> Duration {
-        self.lease / 3
-    }
-
-    async fn bounded<T>(&self, call: impl Future<Output = T>) -> Option<T> {
-        tokio::time::timeout(self.send_timeout, call).await.ok()
-    }
-
-    fn delay(&self, attempt: u32, retry_after: Option<Duration>) -> i64 {
-        let wait = self.backoff.delay(attempt);
-        duration_millis(wait.max(retry_after.unwrap_or_default()))
-    }
-}
-
-fn delivered(receipt: String, now: i64, attempts: u32) -> Settlement {
-    Settlement {
-        status: Status::Delivered,
-        receipt: Some(receipt),
-        last_error: None,
-        attempts,
-        outcome_unknown: false,
-        next_attempt_at: now,
-        finished_at: Some(now),
-        last_attempt_at: None,
-    }
-}
-
-fn failed(reason: String, attempts: u32) -> Settlement {
-    let now = now_millis();
-    Settlement {
-        status: Status::Failed,
-        receipt: None,
-        last_error: Some(reason),
-        attempts,
-        outcome_unknown: false,
-        next_attempt_at: now,
-        finished_at: Some(now),
-        last_attempt_at: None,
-    }
-}
-
-fn retry_at(
-    at: i64,
-    last_error: Option<String>,
-    outcome_unknown: bool,
-    attempts: u32,
-) -> Settlement {
-    Settlement {
-        status: Status::Pending,
-        receipt: None,
-        last_error,
-        attempts,
-        outcome_unknown,
-        next_attempt_at: at,
-        finished_at: None,
-        last_attempt_at: None,
-    }
-}
-
-/// What an attempt leads to: the outcome to record, and whether it found the destination out
-/// of reach.
-pub(super) struct Attempted {
-    settlement: Settlement,
-    outage: Option<Outage>,
-}
-
-impl From<Settlement> for Attempted {
-    fn from(settlement: Settlement) -> Self {
-        Self {
-            settlement,
-            outage: None,
-        }
-    }
-}
-
-/// Why a message failed for good.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum GiveUp {
-    /// The downstream refused it.
-    Rejected,
-    /// Its attempts ran out.
-    Attempts,
-    /// Its time budget ran out.
-    Budget,
-}
-
-/// The next step for a claimed message before its send.
-#[derive(Debug)]
-enum Step {
-    /// Its last outcome is unknown: ask the downstream first.
-    LookUp,
-    /// It fails for good, with this many attempts counted.
-    GiveUp {
-        why: GiveUp,
-        attempts: u32,
-        reason: String,
-    },
-    /// Count an attempt under its lease, then send.
-    BeginAttempt,
-    /// Send: its attempt is already counted.
-    Send,
-}
-
-/// A destination that could not be reached, as one send found it.
-pub(super) struct Outage {
-    after: Option<Duration>,
-    reason: String,
 }
 
 #[cfg(feature = "postgres")]
@@ -660,7 +289,7 @@ impl<S: Sender> Dispatcher<sqlx::Postgres, S> {
     /// ```
     #[must_use]
     pub fn listen(mut self) -> Self {
-        self.listen = Listen::postgres(self.outbox.pool().connect_options());
+        self.listen = Listen::postgres(self.flight.outbox.pool().connect_options());
         self
     }
 }
@@ -670,13 +299,13 @@ impl<DB: Backend, S> fmt::Debug for Dispatcher<DB, S> {
         f.debug_struct("Dispatcher")
             .field("poll_interval", &self.poll_interval)
             .field("batch_size", &self.batch_size)
-            .field("max_attempts", &self.max_attempts)
-            .field("backoff", &self.backoff)
-            .field("send_timeout", &self.send_timeout)
-            .field("lease", &self.lease)
-            .field("lookup_grace", &self.lookup_grace)
-            .field("give_up_after", &self.give_up_after)
-            .field("probe_backoff", &self.probe_backoff)
+            .field("max_attempts", &self.flight.policy.max_attempts)
+            .field("backoff", &self.flight.policy.backoff)
+            .field("send_timeout", &self.flight.send_timeout)
+            .field("lease", &self.flight.lease)
+            .field("lookup_grace", &self.flight.policy.lookup_grace)
+            .field("give_up_after", &self.flight.policy.give_up_after)
+            .field("probe_backoff", &self.flight.policy.probe_backoff)
             .finish_non_exhaustive()
     }
 }

@@ -140,7 +140,6 @@
 //! message; SQLite's single writer gives the same guarantee. Timestamps come from the clock of
 //! the process writing them; dispatchers on several hosts assume clocks kept in sync.
 
-mod backend;
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 mod broker;
 mod dispatcher;

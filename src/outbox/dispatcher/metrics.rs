@@ -2,7 +2,7 @@
 //! nothing at all without it. The names and labels are documented in the guide's operations
 //! chapter; labels carry a fixed set of names, never a topic or a key.
 
-use super::GiveUp;
+use super::decide::GiveUp;
 
 /// Messages that failed for good, labelled with why: `rejected`, `attempts` or `budget`.
 #[cfg(feature = "metrics")]

@@ -1,4 +1,5 @@
-//! The dispatcher's sends in flight and the database writes around them.
+//! The dispatcher's sends in flight and when the database writes around them run; the writes
+//! and the sends themselves are the [`Flight`]'s, what each outcome means is `decide`'s.
 //!
 //! Up to `batch_size` sends run at once; a claim refills the window as they finish rather than
 //! after the last of a batch, so the downstream is never left idle while the dispatcher waits for
@@ -24,16 +25,15 @@ use futures_util::stream::FuturesUnordered;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::{Attempted, Dispatcher, metrics, retry_at};
+use super::decide::{self, Attempted, Outage};
+use super::flight::{Flight, Sent, Written};
+use super::metrics;
 use crate::Backend;
-use crate::outbox::backend::{Claim, Claimed, Lease, Settlement};
-use crate::outbox::status::{duration_millis, now_millis, to_millis};
-use crate::outbox::{MessageId, Sender};
+use crate::backend::{Claim, ClaimedMessage as Claimed, Lease, Settlement};
+use crate::outbox::Sender;
+use crate::outbox::status::{now_millis, to_millis};
 
 type Op<'d, T> = Pin<Box<dyn Future<Output = T> + Send + 'd>>;
-type Written = Result<Vec<MessageId>, sqlx::Error>;
-/// What a send ends with: the outcome to record, `None` when the lease was lost before it.
-type Sent = Result<Option<Attempted>, sqlx::Error>;
 
 /// What the dispatcher knows of a message it holds a lease on, from its claim until its
 /// outcome is recorded. Kept by lease, not by message: a message given back due now (a retry
@@ -87,8 +87,12 @@ pub(super) struct Found {
     pub(super) asked: usize,
 }
 
+/// A dispatcher's messages from their claim to their recorded outcome: which are sent when,
+/// which wait, which go back, and which writes run. Their I/O is the [`Flight`]'s.
 pub(super) struct Window<'d, DB: Backend, S> {
-    dispatcher: &'d Dispatcher<DB, S>,
+    flight: &'d Flight<DB, S>,
+    /// How many sends run at once.
+    batch: usize,
     held: HashMap<Lease, Held>,
     sends: FuturesUnordered<Op<'d, (Lease, String, Sent)>>,
     /// Claimed messages waiting for a send slot, oldest first; their leases are held and
@@ -118,9 +122,10 @@ pub(super) struct Window<'d, DB: Backend, S> {
 }
 
 impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
-    pub(super) fn new(dispatcher: &'d Dispatcher<DB, S>) -> Self {
+    pub(super) fn new(flight: &'d Flight<DB, S>, batch_size: u32) -> Self {
         Self {
-            dispatcher,
+            flight,
+            batch: batch_size as usize,
             held: HashMap::new(),
             sends: FuturesUnordered::new(),
             ready: VecDeque::new(),
@@ -132,12 +137,9 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             renewing: None,
             releasing: FuturesUnordered::new(),
             stopping: false,
-            next_renewal: Instant::now() + dispatcher.renewal_interval(),
+            next_renewal: Instant::now() + flight.renewal_interval(),
             paused: HashMap::new(),
-            reconnected: dispatcher
-                .sender
-                .reconnected()
-                .map(|signal| signal.subscribe()),
+            reconnected: flight.reconnected(),
             advancing: FuturesUnordered::new(),
             woken: false,
         }
@@ -195,12 +197,9 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                 held.settling = true;
             }
         }
-        let outbox = &self.dispatcher.outbox;
+        let flight = self.flight;
         self.releasing.push(Box::pin(async move {
-            let written = {
-                let _turn = outbox.write_turn().await;
-                DB::release_unsent(outbox.pool(), &unsent).await
-            };
+            let written = flight.release_unsent(&unsent).await;
             Event::Released(unsent, written)
         }));
     }
@@ -211,7 +210,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// while one is on its way (one at a time where the database has one writer), so slots
     /// freed meanwhile do not wait for the first claim's round trip.
     pub(super) fn refill(&mut self) {
-        let batch = self.dispatcher.batch_size as usize;
+        let batch = self.batch;
         let queued = self.sends.len() + self.ready.len() + self.asked;
         // Messages whose outcome waits to be written still hold a lease; a database slower
         // than the sends must not let them pile up without bound.
@@ -226,12 +225,12 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
 
     /// Starts a claim of up to `limit` messages; it covers every wake before it.
     pub(super) fn claim(&mut self, limit: usize) {
-        let dispatcher = self.dispatcher;
+        let flight = self.flight;
         let probe = !self.busy;
         self.asked += limit;
         self.woken = false;
         self.claims.push(Box::pin(async move {
-            let (claim, claimed) = dispatcher.claim(limit, probe).await;
+            let (claim, claimed) = flight.claim(limit, probe).await;
             Event::Claimed(claim, claimed)
         }));
     }
@@ -239,8 +238,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// Starts the waiting messages that the free send slots take, oldest first. One whose lease
     /// was lost meanwhile is not sent: its new holder looks it up first.
     fn start_sends(&mut self) {
-        let batch = self.dispatcher.batch_size as usize;
-        while self.sends.len() < batch {
+        while self.sends.len() < self.batch {
             let Some((lease, message)) = self.ready.pop_front() else {
                 return;
             };
@@ -255,10 +253,10 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             self.held.remove(&lease);
             return;
         }
-        let dispatcher = self.dispatcher;
+        let flight = self.flight;
         self.sends.push(Box::pin(async move {
             let topic = message.record.topic.clone();
-            (lease, topic, dispatcher.deliver(message, lease.token).await)
+            (lease, topic, flight.deliver(message, lease.token).await)
         }));
     }
 
@@ -284,18 +282,8 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// Gives a claimed message back to the database, due at `until`, the attempt its claim
     /// began not counted.
     fn put_back(&mut self, lease: Lease, message: Claimed, until: i64) {
-        let Claimed {
-            record,
-            attempt_begun,
-        } = message;
-        // An attempt is begun only for a message whose last outcome is known.
-        let (attempts, unknown) = if attempt_begun {
-            (record.attempts.saturating_sub(1), false)
-        } else {
-            (record.attempts, record.outcome_unknown)
-        };
-        let unchanged = retry_at(until, record.last_error, unknown, attempts);
-        self.outcomes.push((lease, unchanged));
+        self.outcomes
+            .push((lease, decide::given_back(message, until)));
     }
 
     /// Learns from a finished send whether its topic's destination is reachable: an outage
@@ -313,39 +301,10 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         };
         let now = now_millis();
         let until = match self.paused.get_mut(topic) {
-            None => {
-                tracing::warn!(
-                    topic,
-                    reason = %outage.reason,
-                    "outbox paused: destination unreachable; probing it with one message until it answers"
-                );
-                metrics::paused(true);
-                let wait = self.dispatcher.probe_wait(1, outage);
-                let until = now.saturating_add(duration_millis(wait));
-                self.paused.insert(
-                    topic.to_owned(),
-                    Paused {
-                        since: Instant::now(),
-                        probes: 1,
-                        until,
-                        probe: None,
-                        waiting: Vec::new(),
-                        moved_from: None,
-                    },
-                );
-                let (held_back, ready) = std::mem::take(&mut self.ready)
-                    .into_iter()
-                    .partition(|(_, message)| message.record.topic == topic);
-                self.ready = ready;
-                for (lease, message) in held_back {
-                    self.put_back(lease, message, until);
-                }
-                until
-            }
+            None => self.pause(topic, outage, now),
             Some(paused) if paused.probe == Some(lease) => {
                 paused.probes += 1;
-                let wait = self.dispatcher.probe_wait(paused.probes, outage);
-                paused.until = now.saturating_add(duration_millis(wait));
+                paused.until = decide::next_probe(&self.flight.policy, paused.probes, outage, now);
                 paused.probe = None;
                 tracing::debug!(topic, probes = paused.probes, reason = %outage.reason, "outbox destination still unreachable");
                 let until = paused.until;
@@ -359,6 +318,37 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         };
         let settlement = &mut attempted.settlement;
         settlement.next_attempt_at = settlement.next_attempt_at.max(until);
+    }
+
+    /// Pauses `topic`, whose destination a send found unavailable at `now`: its messages
+    /// waiting for a send slot go back until the first probe, which it returns.
+    fn pause(&mut self, topic: &str, outage: &Outage, now: i64) -> i64 {
+        tracing::warn!(
+            topic,
+            reason = %outage.reason,
+            "outbox paused: destination unreachable; probing it with one message until it answers"
+        );
+        metrics::paused(true);
+        let until = decide::next_probe(&self.flight.policy, 1, outage, now);
+        self.paused.insert(
+            topic.to_owned(),
+            Paused {
+                since: Instant::now(),
+                probes: 1,
+                until,
+                probe: None,
+                waiting: Vec::new(),
+                moved_from: None,
+            },
+        );
+        let (held_back, ready) = std::mem::take(&mut self.ready)
+            .into_iter()
+            .partition(|(_, message)| message.record.topic == topic);
+        self.ready = ready;
+        for (lease, message) in held_back {
+            self.put_back(lease, message, until);
+        }
+        until
     }
 
     /// A probe that ended without an answer of the destination (its lease or its write was
@@ -428,13 +418,9 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
 
     /// Makes the pending messages of `topic` due at `from` due at `to`.
     fn advance(&mut self, topic: String, from: i64, to: i64) {
-        let outbox = &self.dispatcher.outbox;
+        let flight = self.flight;
         self.advancing.push(Box::pin(async move {
-            let advanced = {
-                let _turn = outbox.write_turn().await;
-                DB::advance(outbox.pool(), &topic, from, to).await
-            };
-            Event::Advanced(advanced)
+            Event::Advanced(flight.advance(&topic, from, to).await)
         }));
     }
 
@@ -450,12 +436,9 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                 held.settling = true;
             }
         }
-        let outbox = &self.dispatcher.outbox;
+        let flight = self.flight;
         self.settling = Some(Box::pin(async move {
-            let written = {
-                let _turn = outbox.write_turn().await;
-                DB::settle(outbox.pool(), &outcomes).await
-            };
+            let written = flight.settle(&outcomes).await;
             Event::Settled(
                 outcomes.into_iter().map(|(lease, _)| lease).collect(),
                 written,
@@ -464,9 +447,9 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     }
 
     fn renew(&mut self) {
-        let dispatcher = self.dispatcher;
-        self.next_renewal = Instant::now() + dispatcher.renewal_interval();
-        let until = now_millis().saturating_add(duration_millis(dispatcher.lease));
+        let flight = self.flight;
+        self.next_renewal = Instant::now() + flight.renewal_interval();
+        let until = flight.lease_until(now_millis());
         // Only leases the renewal moves later: one claimed this very millisecond needs none.
         let leases: Vec<_> = self
             .held
@@ -477,12 +460,8 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         if leases.is_empty() {
             return;
         }
-        let outbox = &dispatcher.outbox;
         self.renewing = Some(Box::pin(async move {
-            let written = {
-                let _turn = outbox.write_turn().await;
-                DB::renew_leases(outbox.pool(), &leases, until).await
-            };
+            let written = flight.renew(&leases, until).await;
             Event::Renewed(leases, until, written)
         }));
     }
@@ -549,7 +528,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         if self.held.is_empty() {
             // The first leases since the window was last empty: renew a third of a lease from
             // now, not at a tick left over from earlier work.
-            self.next_renewal = Instant::now() + self.dispatcher.renewal_interval();
+            self.next_renewal = Instant::now() + self.flight.renewal_interval();
         }
         let found = Found {
             claimed: claimed.len(),

@@ -43,11 +43,11 @@ pub(super) const FETCH_BLOCKER: &str = concat!(
 // Due order, ties in id (enqueue) order. The plan must read the due index in that order and
 // stop at the limit, however many messages are due. Knowing the limit, the planner picks a
 // bitmap scan and a sort of every due row instead whenever it expects fewer due rows than
-// the limit: on a table not yet analyzed (a new outbox's first minutes), or with statistics
-// older than a backlog. The backlog then slows each claim, which grows the backlog.
-// `LIMIT (SELECT $4)` hides the value from the planner, which then plans to read a tenth of
-// the due rows, and the ordered index scan wins at any estimate. It also marks the index
-// entries of finished messages dead as it passes them, which a bitmap scan never does.
+// the limit, as on a table not yet analyzed (a new outbox's first minutes). A backlog then
+// slows each claim, which grows the backlog. `LIMIT (SELECT $4)` hides the value from the
+// planner, which then plans to read a tenth of the due rows, and the ordered index scan wins
+// at any estimate. It also marks the index entries of finished messages dead as it passes
+// them, which a bitmap scan never does.
 //
 // Here and in the batched writes below, `id = ANY (ARRAY(…))` repeats the join on the
 // primary key as an index condition: the generic plan of a prepared statement guesses a

@@ -22,8 +22,10 @@ CREATE TABLE IF NOT EXISTS idempotency_outbox (
     -- Messages with the same ordering key are delivered one at a time, in id order.
     ordering_key TEXT
 );
+-- The claim's: pending messages only, in the order it takes them, so it reads them in index
+-- order and stops at its limit. Finished messages, most of the table, are not in it.
 CREATE INDEX IF NOT EXISTS idempotency_outbox_due
-    ON idempotency_outbox (status, next_attempt_at);
+    ON idempotency_outbox (next_attempt_at, id) WHERE status = 'pending';
 -- Serves the claim's check for an earlier unfinished message of the same ordering key.
 CREATE INDEX IF NOT EXISTS idempotency_outbox_ordering
     ON idempotency_outbox (ordering_key, status, id) WHERE ordering_key IS NOT NULL;

@@ -38,9 +38,16 @@ pub(super) const FETCH_BLOCKER: &str = concat!(
          LIMIT 1"
 );
 // The CTE sees each row as it was, so the one statement both decides which messages are
-// sent now and tells the dispatcher which attempts it began. Ordered by the due index
-// alone (ties in heap order): with `id` as a second key the plan sorts every due row
-// before the limit applies.
+// sent now and tells the dispatcher which attempts it began.
+//
+// Due order, ties in id (enqueue) order. The plan must read the due index in that order and
+// stop at the limit, however many messages are due. Knowing the limit, the planner picks a
+// bitmap scan and a sort of every due row instead whenever it expects fewer due rows than
+// the limit, as on a table not yet analyzed (a new outbox's first minutes). A backlog then
+// slows each claim, which grows the backlog. `LIMIT (SELECT $4)` hides the value from the
+// planner, which then plans to read a tenth of the due rows, and the ordered index scan wins
+// at any estimate. It also marks the index entries of finished messages dead as it passes
+// them, which a bitmap scan never does.
 //
 // Here and in the batched writes below, `id = ANY (ARRAY(…))` repeats the join on the
 // primary key as an index condition: the generic plan of a prepared statement guesses a
@@ -57,8 +64,8 @@ pub(super) const CLAIM: &str = concat!(
                AND ",
     in_key_order!("m"),
     "
-             ORDER BY next_attempt_at
-             LIMIT $4
+             ORDER BY next_attempt_at, id
+             LIMIT (SELECT $4)
              FOR UPDATE SKIP LOCKED)
          UPDATE idempotency_outbox
          SET lease_expires_at = $1, lease_token = $2,

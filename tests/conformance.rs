@@ -77,10 +77,10 @@ mod suite {
     };
     use serde_json::json;
 
-    use crate::common::{App, Backend, Db, body, second_instance, serve, unique};
+    use crate::common::{App, Backend, Db, body, second_instance, serve, serve_fresh, unique};
 
     async fn app<DB: Db>() -> App<DB> {
-        serve(DB::fresh(16).await.pool, |layer| layer).await
+        serve_fresh::<DB>(16, |layer| layer).await
     }
 
     pub(crate) async fn replay_reproduces_status_headers_and_body_with_replay_header<DB: Db>() {
@@ -115,13 +115,11 @@ mod suite {
         );
         assert_eq!(app.executions(), 1);
         assert_eq!(DB::count_effects(&app.pool, "replay").await, 1);
+        app.dispose().await;
     }
 
     pub(crate) async fn cached_replays_are_answered_without_reading_the_store<DB: Db>() {
-        let app = serve(DB::fresh(8).await.pool, |layer| {
-            layer.cache_replays(1 << 20)
-        })
-        .await;
+        let app = serve_fresh::<DB>(8, |layer| layer.cache_replays(1 << 20)).await;
         let key = unique("cached");
         let first = app
             .post("/effects", Some("alice"), Some(&key), &body("cached"))
@@ -165,6 +163,7 @@ mod suite {
         );
         assert_eq!(app.executions(), 3);
         assert_eq!(DB::count_effects(&app.pool, "cached").await, 2);
+        app.dispose().await;
     }
 
     pub(crate) async fn cached_replays_tell_the_same_intent_from_the_same_bytes<DB: Db>() {
@@ -237,11 +236,14 @@ mod suite {
 
         assert_eq!(one.executions() + two.executions(), 1);
         assert_eq!(DB::count_effects(&one.pool, "cached-intent").await, 1);
+        one.dispose().await;
+        two.dispose().await;
+        DB::dispose(isolated).await;
     }
 
     pub(crate) async fn cached_record_stops_answering_at_its_expiry<DB: Db>() {
         let clock = ManualClock::new(SystemTime::now());
-        let app = serve(DB::fresh(8).await.pool, |layer| {
+        let app = serve_fresh::<DB>(8, |layer| {
             layer
                 .retention(Duration::from_millis(400))
                 .cache_replays(1 << 20)
@@ -267,6 +269,7 @@ mod suite {
         assert_eq!(app.executions(), 2);
         assert_eq!(DB::count_effects(&app.pool, "cached-ttl").await, 2);
         assert_eq!(DB::count_records(&app.pool).await, 1);
+        app.dispose().await;
     }
 
     pub(crate) async fn storm_across_two_caching_instances_executes_once<DB: Db>() {
@@ -296,6 +299,9 @@ mod suite {
         }
         assert_eq!(one.executions() + two.executions(), 1);
         assert_eq!(DB::count_effects(&one.pool, "cached-storm").await, 1);
+        one.dispose().await;
+        two.dispose().await;
+        DB::dispose(isolated).await;
     }
 
     async fn storm<DB: Db>(apps: &[&App<DB>], n: usize, label: &str) -> Vec<crate::common::Reply> {
@@ -330,6 +336,7 @@ mod suite {
             assert_eq!(reply.body, first.body);
         }
         assert_eq!(replies.iter().filter(|r| !r.replayed()).count(), 1);
+        app.dispose().await;
     }
 
     pub(crate) async fn two_instances_on_separate_pools_execute_once<DB: Db>() {
@@ -343,6 +350,9 @@ mod suite {
             replies.iter().all(|r| r.status == StatusCode::CREATED),
             "{replies:?}"
         );
+        one.dispose().await;
+        two.dispose().await;
+        DB::dispose(isolated).await;
     }
 
     pub(crate) async fn two_instances_split_duplicates_of_many_keys_execute_each_once<DB: Db>() {
@@ -513,6 +523,9 @@ mod suite {
         assert_eq!(DB::count_effects(&one.pool, "expiring").await, 2);
         assert_eq!(DB::count_records(&one.pool).await, 3);
         assert_eq!(open_transactions::<DB>(&isolated.url).await, 0);
+        one.dispose().await;
+        two.dispose().await;
+        DB::dispose(isolated).await;
     }
 
     pub(crate) async fn panic_leaves_no_record_and_the_retry_executes_once<DB: Db>() {
@@ -553,6 +566,7 @@ mod suite {
                 .replayed()
         );
         assert_eq!(app.executions(), 2, "executed once after the crash");
+        app.dispose().await;
     }
 
     pub(crate) async fn server_error_leaves_no_record_and_the_retry_executes_once<DB: Db>() {
@@ -590,6 +604,7 @@ mod suite {
         }
         assert_eq!(DB::count_records(&app.pool).await, 0);
         assert_eq!(DB::count_effects(&app.pool, "retryable").await, 0);
+        app.dispose().await;
     }
 
     pub(crate) async fn final_client_error_is_replayed_with_its_writes_undone<DB: Db>() {
@@ -627,6 +642,7 @@ mod suite {
         }
         assert_eq!(app.executions(), 5);
         assert_eq!(DB::count_records(&app.pool).await, 5);
+        app.dispose().await;
     }
 
     pub(crate) async fn changed_intent_is_rejected_without_execution<DB: Db>() {
@@ -659,10 +675,11 @@ mod suite {
             "neither the old nor the new parameters ran again"
         );
         assert_eq!(DB::count_effects(&app.pool, "reuse").await, 1);
+        app.dispose().await;
     }
 
     pub(crate) async fn equivalent_json_and_ignored_fields_replay<DB: Db>() {
-        let app = serve(DB::fresh(8).await.pool, |layer| {
+        let app = serve_fresh::<DB>(8, |layer| {
             layer.ignore_json_fields(["/trace_id", "/request_time"])
         })
         .await;
@@ -685,6 +702,7 @@ mod suite {
         );
         assert_eq!(same.body, first.body);
         assert_eq!(app.executions(), 1);
+        app.dispose().await;
     }
 
     pub(crate) async fn other_principal_and_other_route_are_isolated<DB: Db>() {
@@ -713,6 +731,7 @@ mod suite {
             .await;
         assert!(bob_again.replayed());
         assert_eq!(bob_again.body, bob.body);
+        app.dispose().await;
     }
 
     pub(crate) async fn concrete_path_and_query_are_part_of_the_intent<DB: Db>() {
@@ -759,11 +778,12 @@ mod suite {
             .await;
         assert_eq!(changed.status, StatusCode::UNPROCESSABLE_ENTITY);
         assert_eq!(app.executions(), 2);
+        app.dispose().await;
     }
 
     pub(crate) async fn expired_key_is_a_new_intent_claimed_once<DB: Db>() {
         let clock = ManualClock::new(SystemTime::now());
-        let app = serve(DB::fresh(16).await.pool, |layer| {
+        let app = serve_fresh::<DB>(16, |layer| {
             layer
                 .retention(Duration::from_millis(400))
                 .clock(clock.clone())
@@ -792,6 +812,7 @@ mod suite {
         assert_eq!(replies.iter().filter(|r| !r.replayed()).count(), 1);
         assert!(replies.iter().all(|r| r.status == StatusCode::CREATED));
         assert_eq!(DB::count_records(&app.pool).await, 1);
+        app.dispose().await;
     }
 
     pub(crate) async fn purge_deletes_only_expired_records<DB: Db>() {
@@ -843,13 +864,13 @@ mod suite {
                 .expect("purge"),
             0
         );
+        short.dispose().await;
+        long.dispose().await;
+        DB::dispose(isolated).await;
     }
 
     pub(crate) async fn body_over_the_limit_is_rejected_before_any_claim<DB: Db>() {
-        let app = serve(DB::fresh(8).await.pool, |layer| {
-            layer.max_request_body(1024)
-        })
-        .await;
+        let app = serve_fresh::<DB>(8, |layer| layer.max_request_body(1024)).await;
         let big = json!({ "label": "big", "pad": "x".repeat(2048) }).to_string();
         let reply = app
             .post("/effects", Some("alice"), Some(&unique("big")), &big)
@@ -858,6 +879,7 @@ mod suite {
         assert_eq!(reply.code(), "idempotency_body_too_large");
         assert_eq!(app.executions(), 0);
         assert_eq!(DB::count_records(&app.pool).await, 0);
+        app.dispose().await;
     }
 
     /// Sends a keyed `POST /effects` head on a raw connection, declaring `length` body bytes.
@@ -898,7 +920,7 @@ mod suite {
     }
 
     pub(crate) async fn declared_body_over_the_limit_is_refused_before_it_is_sent<DB: Db>() {
-        let app = serve(DB::fresh(8).await.pool, |layer| layer).await;
+        let app = serve_fresh::<DB>(8, |layer| layer).await;
         let started = Instant::now();
         // 50 MiB declared against the default 1 MiB, and never sent.
         let mut stream = send_head(&app, 50 * 1024 * 1024).await;
@@ -915,12 +937,13 @@ mod suite {
         );
         assert_eq!(app.executions(), 0);
         assert_eq!(DB::count_records(&app.pool).await, 0);
+        app.dispose().await;
     }
 
     pub(crate) async fn slow_body_is_answered_by_the_deadline_and_its_connection_closed<DB: Db>() {
         use tokio::io::AsyncWriteExt;
         let deadline = Duration::from_secs(1);
-        let app = serve(DB::fresh(8).await.pool, |layer| layer.deadline(deadline)).await;
+        let app = serve_fresh::<DB>(8, |layer| layer.deadline(deadline)).await;
         let started = Instant::now();
         let stream = send_head(&app, 100).await;
         let (mut reader, mut writer) = stream.into_split();
@@ -968,10 +991,11 @@ mod suite {
         assert!(closed, "the connection is closed within deadline + 5 s");
         assert!(started.elapsed() < deadline + Duration::from_secs(5));
         assert_eq!(app.executions(), 1, "only the normal request ran");
+        app.dispose().await;
     }
 
     pub(crate) async fn duplicate_past_the_wait_gets_409_with_retry_after<DB: Db>() {
-        let app = serve(DB::fresh(8).await.pool, |layer| {
+        let app = serve_fresh::<DB>(8, |layer| {
             layer.wait_for_in_flight(Duration::from_millis(200))
         })
         .await;
@@ -998,6 +1022,7 @@ mod suite {
             .await;
         assert!(later.replayed());
         assert_eq!(later.body, original.body);
+        app.dispose().await;
     }
 
     pub(crate) async fn missing_or_malformed_key_is_rejected<DB: Db>() {
@@ -1044,6 +1069,7 @@ mod suite {
             quoted.replayed(),
             "bare and sf-string spellings are one key"
         );
+        app.dispose().await;
     }
 
     pub(crate) async fn missing_principal_is_401_unless_anonymous_is_allowed<DB: Db>() {
@@ -1055,7 +1081,7 @@ mod suite {
         assert_eq!(reply.code(), "idempotency_principal_missing");
         assert_eq!(app.executions(), 0);
 
-        let open = serve(DB::fresh(8).await.pool, |layer| layer.allow_anonymous()).await;
+        let open = serve_fresh::<DB>(8, |layer| layer.allow_anonymous()).await;
         let key = unique("anon");
         let first = open.post("/effects", None, Some(&key), &body("anon")).await;
         assert_eq!(first.status, StatusCode::CREATED);
@@ -1068,6 +1094,8 @@ mod suite {
             .post("/effects", Some("alice"), Some(&key), &body("anon"))
             .await;
         assert!(!alice.replayed(), "the anonymous scope is not alice's");
+        app.dispose().await;
+        open.dispose().await;
     }
 
     pub(crate) async fn transaction_held_past_the_handler_is_rolled_back_with_an_error<DB: Db>() {
@@ -1080,6 +1108,7 @@ mod suite {
         tokio::time::sleep(Duration::from_millis(800)).await;
         assert_eq!(DB::count_effects(&app.pool, "held").await, 0);
         assert_eq!(DB::count_records(&app.pool).await, 0);
+        app.dispose().await;
     }
 
     pub(crate) async fn oversized_response_is_rolled_back<DB: Db>() {
@@ -1091,6 +1120,7 @@ mod suite {
         assert_eq!(reply.code(), "idempotency_response_too_large");
         assert_eq!(DB::count_effects(&app.pool, "big").await, 0);
         assert_eq!(DB::count_records(&app.pool).await, 0);
+        app.dispose().await;
     }
 
     pub(crate) async fn job_and_http_request_racing_on_one_key_execute_once<DB: Db>() {
@@ -1159,6 +1189,7 @@ mod suite {
             mismatch,
             Err(RunError::Rejected(Rejection::KeyReused))
         ));
+        app.dispose().await;
     }
 
     pub(crate) async fn migrate_twice_and_concurrently_is_a_no_op<DB: Db>() {
@@ -1170,6 +1201,8 @@ mod suite {
         b.expect("second concurrent migrate");
         store.migrate().await.expect("third migrate is a no-op");
         assert_eq!(DB::count_records(&isolated.pool).await, 0);
+        drop((store, other));
+        DB::dispose(isolated).await;
     }
 
     pub(crate) async fn clients_hanging_up_mid_request_leave_no_open_transaction<DB: Db>() {
@@ -1209,6 +1242,8 @@ mod suite {
         );
         assert_eq!(DB::count_records(&app.pool).await, keys.len() as i64);
         assert_eq!(open_transactions::<DB>(&isolated.url).await, 0);
+        app.dispose().await;
+        DB::dispose(isolated).await;
     }
 
     /// Sessions of this test's database left idle inside a transaction (none on SQLite).
@@ -1306,12 +1341,13 @@ mod suite {
             0,
             "no records without a key"
         );
+        app.dispose().await;
     }
 
     pub(crate) async fn unkeyed_requests_follow_the_layers_classification<DB: Db>() {
         // A rule that keeps nothing of a 201: the unkeyed path rolls it back as the keyed one
         // would, rather than committing by its own idea of success.
-        let app = serve(DB::fresh(16).await.pool, |layer| {
+        let app = serve_fresh::<DB>(16, |layer| {
             layer.classify(|status| {
                 if status == StatusCode::CREATED {
                     Classification::Retryable
@@ -1334,6 +1370,7 @@ mod suite {
             0,
             "classified retryable: rolled back"
         );
+        app.dispose().await;
     }
 
     /// A job's scope and fingerprint, chosen equal to those of `POST /effects` with `body(label)`
@@ -1409,6 +1446,7 @@ mod suite {
             1,
             "renewal kept the lease past its 600 ms while the work ran"
         );
+        app.dispose().await;
     }
 
     pub(crate) async fn holder_that_dies_mid_work_is_taken_over_after_its_lease<DB: Db>() {
@@ -1458,5 +1496,6 @@ mod suite {
             taken.response.body().as_ref(),
             b"finished by the next worker"
         );
+        app.dispose().await;
     }
 }

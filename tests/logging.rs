@@ -5,7 +5,7 @@ mod common;
 
 use axum_idempotency::{IdempotencyKey, Scope};
 use common::logs::Captured;
-use common::{Backend, serve};
+use common::serve_fresh;
 
 // A current-thread runtime keeps every task (server, engine) on the thread that owns the
 // subscriber set below.
@@ -19,7 +19,7 @@ async fn logs_carry_a_digest_of_the_key_never_the_key_or_a_body() {
         .finish();
     let _guard = tracing::subscriber::set_default(subscriber);
 
-    let app = serve(sqlx::Sqlite::fresh(4).await.pool, |layer| layer).await;
+    let app = serve_fresh::<sqlx::Sqlite>(4, |layer| layer).await;
     let key = "the-raw-key-3f9a7c21e5b84d06";
     let secret = r#"{"label":"body-marker-7d1e"}"#;
     app.post("/effects", Some("alice"), Some(key), secret).await;
@@ -60,4 +60,5 @@ async fn logs_carry_a_digest_of_the_key_never_the_key_or_a_body() {
         !logs.contains("body-marker-7d1e") && !logs.contains("other-marker-2b"),
         "a body leaked:\n{logs}"
     );
+    app.dispose().await;
 }

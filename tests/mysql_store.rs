@@ -254,6 +254,9 @@ async fn fifty_duplicates_across_two_pools_execute_once_without_5xx() {
             assert_eq!(reply.body, first[0].body);
         }
     }
+    one.dispose().await;
+    two.dispose().await;
+    <MySql as Backend>::dispose(isolated).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -301,4 +304,7 @@ async fn duplicates_queued_behind_a_rolled_back_original_execute_once_more_witho
     for reply in &replies {
         assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
     }
+    one.dispose().await;
+    two.dispose().await;
+    <MySql as Backend>::dispose(isolated).await;
 }

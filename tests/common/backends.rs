@@ -422,12 +422,38 @@ pub(crate) struct App<DB: Db> {
     pub(crate) layer: IdempotencyLayer<DB>,
     client: Client<HttpConnector, Full<Bytes>>,
     server: tokio::task::JoinHandle<()>,
+    /// The database the app was served on when it made its own (see [`serve_fresh`]).
+    isolated: Option<Isolated<DB>>,
 }
 
 impl<DB: Db> Drop for App<DB> {
     fn drop(&mut self) {
         self.server.abort();
     }
+}
+
+impl<DB: Db> App<DB> {
+    /// Stops serving, closes the app's pool and removes the database the app made for
+    /// itself, if it did. A test that panics never gets here and so keeps its database for a
+    /// post-mortem.
+    pub(crate) async fn dispose(mut self) {
+        self.server.abort();
+        self.pool.close().await;
+        if let Some(isolated) = self.isolated.take() {
+            DB::dispose(isolated).await;
+        }
+    }
+}
+
+/// Serves the test routes on a database of their own; [`App::dispose`] removes it.
+pub(crate) async fn serve_fresh<DB: Db>(
+    max_connections: u32,
+    configure: impl FnOnce(IdempotencyLayer<DB>) -> IdempotencyLayer<DB>,
+) -> App<DB> {
+    let isolated = DB::fresh(max_connections).await;
+    let mut app = serve(isolated.pool.clone(), configure).await;
+    app.isolated = Some(isolated);
+    app
 }
 
 /// Migrates, creates the effects table unless it exists, and serves the test routes.
@@ -472,6 +498,7 @@ pub(crate) async fn serve<DB: Db>(
         layer,
         client,
         server,
+        isolated: None,
     }
 }
 

@@ -574,7 +574,9 @@ pub mod backends {}
 ///
 /// One thing is an optimisation. On PostgreSQL each claim first takes the key's transaction-scoped
 /// advisory lock (`pg_try_advisory_xact_lock`, else `pg_advisory_xact_lock`), so a duplicate of an
-/// in-flight request queues behind the original for at most `wait_for_in_flight`; `migrate()` takes
+/// in-flight request queues behind the original for at most `wait_for_in_flight`. Advisory locks
+/// belong to the whole database, so the lock's number mixes in the records table's oid: the same
+/// key in two schemas (two apps or tenants on one database) takes two locks. `migrate()` takes
 /// an advisory lock (PostgreSQL) or `GET_LOCK` (MySQL) so that two instances migrate one after the
 /// other. Without them duplicates still resolve on the key, by waiting on its row or by being
 /// aborted and run again. Where an engine lacks the functions, the calls fail, so a port leaves

@@ -7,7 +7,8 @@
 //!
 //! Duplicates of a request still in flight wait for it and replay its answer whatever the
 //! isolation level the server runs transactions at: a claim that must start over because its
-//! snapshot predates the original's commit is no reason to answer "in progress".
+//! snapshot predates the original's commit is no reason to answer "in progress". The same key
+//! in two schemas of one PostgreSQL database is two keys: neither waits for the other.
 
 mod common;
 
@@ -340,6 +341,77 @@ mod postgres {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn duplicates_of_an_in_flight_request_wait_and_replay_at_repeatable_read() {
         duplicates_at("repeatable read").await;
+    }
+
+    /// Two apps (or tenants) keep their records in two schemas of one database; the same
+    /// client key reaching both is two intents, and neither waits for the other's.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn one_key_in_flight_in_two_schemas_of_one_database_runs_in_both_at_once() {
+        use axum_idempotency::{Engine, Fingerprinter, Outcome, Scope};
+        use std::time::Duration;
+
+        let (one, two) = (Postgres::fresh(2).await, Postgres::fresh(2).await);
+        let engine = |isolated: &common::Isolated<Postgres>| {
+            Engine::new(Store::new(isolated.pool.clone()))
+                .wait_for_in_flight(Duration::from_secs(30))
+        };
+        let (first, second) = (engine(&one), engine(&two));
+        first.store().migrate().await.expect("migrate one");
+        second.store().migrate().await.expect("migrate two");
+        let scope = Scope::new(
+            "alice",
+            "POST",
+            "/orders",
+            unique("tenant-key").parse().expect("key"),
+        );
+        let fingerprint = Fingerprinter::new().fingerprint_value("order", b"same body");
+        let (started, finished) = (
+            Arc::new(tokio::sync::Notify::new()),
+            Arc::new(tokio::sync::Notify::new()),
+        );
+
+        // The first holds its key until the second has run, or gives up after 20 s.
+        let held = tokio::spawn({
+            let (scope, started, finished) =
+                (scope.clone(), Arc::clone(&started), Arc::clone(&finished));
+            async move {
+                first
+                    .run(&scope, fingerprint, move |_tx: Tx<Postgres>| {
+                        let (started, finished) = (Arc::clone(&started), Arc::clone(&finished));
+                        async move {
+                            started.notify_one();
+                            let waited =
+                                tokio::time::timeout(Duration::from_secs(20), finished.notified())
+                                    .await;
+                            if waited.is_ok() {
+                                StatusCode::CREATED
+                            } else {
+                                StatusCode::CONFLICT
+                            }
+                        }
+                    })
+                    .await
+            }
+        });
+        started.notified().await;
+        let other = second
+            .run(&scope, fingerprint, |_tx: Tx<Postgres>| async {
+                StatusCode::CREATED
+            })
+            .await;
+        finished.notify_one();
+        let held = held.await.expect("first run");
+        Postgres::dispose(one).await;
+        Postgres::dispose(two).await;
+
+        let other = other.expect("the second schema's run");
+        assert_eq!(other.outcome, Outcome::Executed);
+        let held = held.expect("the first schema's run");
+        assert_eq!(
+            held.response.status(),
+            StatusCode::CREATED,
+            "the second schema's run finished while the first held the key"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

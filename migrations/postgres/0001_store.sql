@@ -65,13 +65,16 @@ LANGUAGE plpgsql
 SECURITY INVOKER
 AS $$
 DECLARE
+    -- Advisory locks belong to the whole database: the table's oid in the number keeps the
+    -- keys of two schemas (two apps, two tenants) from waiting for each other.
+    table_lock_number  BIGINT := lock_number # ('idempotency_records'::regclass::oid::BIGINT << 32);
     saved_lock_timeout TEXT;
     found_expires_at   BIGINT;
 BEGIN
-    IF NOT pg_try_advisory_xact_lock(lock_number) THEN
+    IF NOT pg_try_advisory_xact_lock(table_lock_number) THEN
         saved_lock_timeout := current_setting('lock_timeout');
         PERFORM set_config('lock_timeout', greatest(lock_wait_ms, 1) || 'ms', true);
-        PERFORM pg_advisory_xact_lock(lock_number);
+        PERFORM pg_advisory_xact_lock(table_lock_number);
         PERFORM set_config('lock_timeout', saved_lock_timeout, true);
         IF current_setting('transaction_isolation') <> 'read committed' THEN
             RAISE serialization_failure USING

@@ -134,7 +134,8 @@ fn record_call<'a>(record: &'a NewRecord<'a>) -> Statement<'a> {
 /// The number of the transaction-scoped advisory lock every claim of `key` takes. The
 /// one-number form: a lock space of its own, apart from the two-number locks apps often use,
 /// and 64 bits of the digest make two in-flight keys sharing a number vanishingly rare (they
-/// would only queue one behind the other).
+/// would only queue one behind the other). The lock procedure mixes in the table's oid, so
+/// the same key in another schema's table takes another lock.
 fn key_lock(key: &ScopedKey) -> i64 {
     let [a, b, c, d, e, f, g, h, ..] = *key.digest();
     i64::from_be_bytes([a, b, c, d, e, f, g, h])

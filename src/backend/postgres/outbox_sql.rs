@@ -14,10 +14,11 @@ pub(super) const INSERT: &str = "INSERT INTO idempotency_outbox
         VALUES ($1, $2, $3, 'pending', $4, $5, $6)
         ON CONFLICT (downstream_key) DO NOTHING
         RETURNING id";
-// A transaction-scoped advisory lock on the key's hash, in the two-key space (apart from
-// the migration lock's one-key space), under the outbox's own class ("axob" in ASCII). Two
-// keys with one hash only queue behind each other.
-pub(super) const ORDER_LOCK: &str = "SELECT 1 FROM pg_advisory_xact_lock(1635282786, hashtext($1))";
+// A transaction-scoped advisory lock on the key's 64-bit hash, seeded with the table's oid:
+// advisory locks belong to the whole database, and the seed keeps the outboxes of two schemas
+// (two apps, two tenants) from queueing behind each other. Two keys with one hash only queue.
+pub(super) const ORDER_LOCK: &str = "SELECT 1 FROM pg_advisory_xact_lock(
+        hashtextextended($1, 'idempotency_outbox'::regclass::oid::bigint))";
 pub(super) const FETCH_BY_ID: &str = concat!(
     "SELECT ",
     record_columns!(),

@@ -795,11 +795,16 @@ pub mod jobs {}
 ///   connection that is down, `503`, `429`. The sender reports
 ///   [`SendOutcome::Unavailable`](crate::outbox::SendOutcome::Unavailable). It spends none of
 ///   the message's attempts. The dispatcher pauses that destination (the message's topic: one
-///   sender may serve several, and the others keep flowing), leaves its messages waiting in the
-///   database, and probes it with one real message at a time on a jittered backoff
-///   ([`Dispatcher::probe_backoff`](crate::outbox::Dispatcher::probe_backoff), 1 s doubling to
-///   30 s, never earlier than a `Retry-After`). The first probe that gets an answer resumes the
-///   topic at full speed. A sender that knows when its client has reconnected says so
+///   sender may serve several, and the others keep flowing): its claims leave the topic out, so
+///   its messages wait in the database untouched however large the backlog grows, and it
+///   probes the destination with one real message at a time, claimed on its own, on a jittered
+///   backoff ([`Dispatcher::probe_backoff`](crate::outbox::Dispatcher::probe_backoff), 1 s
+///   doubling to 30 s, never earlier than a `Retry-After`). A probe that finds the destination
+///   still away is the only message written meanwhile, due again later, its attempt not
+///   counted. The first probe that gets an answer resumes the topic at full speed. While a
+///   topic with a large backlog is paused, each claim of the other topics reads past its
+///   waiting messages (on PostgreSQL about 10 ms and 700–1,000 buffers per claim with 30,000
+///   waiting), where otherwise it reads only what it takes. A sender that knows when its client has reconnected says so
 ///   ([`Sender::reconnected`](crate::outbox::Sender::reconnected)), and the dispatcher then
 ///   probes at once rather than at the next probe, which after a long outage is up to 30 s
 ///   away: the broker senders made with `connect` do, so their topics drain as soon as the

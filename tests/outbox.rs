@@ -184,6 +184,7 @@ conformance!(
     the_lookup_grace_counts_from_the_send_not_the_claim,
     an_outage_is_not_an_attempt,
     an_outage_pauses_the_destination_and_probes_one_message_at_a_time,
+    a_paused_topic_waits_untouched_while_other_topics_flow,
     a_message_gives_up_at_its_time_budget_and_says_why,
     messages_of_one_ordering_key_arrive_in_enqueue_order_one_at_a_time_through_faults,
     a_failed_message_holds_its_key_until_requeued_or_skipped,
@@ -1407,6 +1408,164 @@ async fn an_outage_pauses_the_destination_and_probes_one_message_at_a_time<DB: B
     }
     let _ = stop.send(());
     task.await.unwrap();
+}
+
+/// A sender for two destinations, one per topic; the one of `PAUSED_TOPIC` can be made
+/// unreachable. It records how many times each key was delivered.
+#[derive(Clone, Default)]
+struct TwoDestinations(Arc<TwoDestinationsInner>);
+
+#[derive(Default)]
+struct TwoDestinationsInner {
+    /// While set, sends of `PAUSED_TOPIC` answer `Unavailable`.
+    down: AtomicBool,
+    refused: AtomicU64,
+    deliveries: Mutex<HashMap<String, u32>>,
+}
+
+const PAUSED_TOPIC: &str = "refunds";
+
+impl TwoDestinations {
+    fn delivered(&self, prefix: &str) -> usize {
+        let deliveries = self.0.deliveries.lock().unwrap();
+        deliveries.keys().filter(|k| k.starts_with(prefix)).count()
+    }
+}
+
+impl Sender for TwoDestinations {
+    async fn send(&self, message: &OutboxRecord) -> SendOutcome {
+        if message.topic == PAUSED_TOPIC && self.0.down.load(Ordering::SeqCst) {
+            self.0.refused.fetch_add(1, Ordering::SeqCst);
+            return SendOutcome::Unavailable {
+                after: None,
+                reason: "connection refused".into(),
+            };
+        }
+        let key = message.downstream_key.to_string();
+        *self.0.deliveries.lock().unwrap().entry(key).or_default() += 1;
+        SendOutcome::Delivered {
+            receipt: format!("receipt-{}", message.id),
+        }
+    }
+}
+
+/// What a dispatcher writes of a waiting message.
+fn written(record: &OutboxRecord) -> impl PartialEq + std::fmt::Debug + use<> {
+    (
+        record.status,
+        record.attempts,
+        record.outcome_unknown,
+        record.next_attempt_at,
+        record.last_attempt_at,
+        record.last_error.clone(),
+    )
+}
+
+/// A destination that is down pauses its own topic alone: the other topic's messages are all
+/// delivered meanwhile, and the paused topic's backlog waits in the database unwritten, but
+/// for the probes, one message each; once the destination is back, each message of the
+/// backlog is delivered once, no attempt spent on the outage.
+async fn a_paused_topic_waits_untouched_while_other_topics_flow<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    let (backlog, others) = (2_000, 200);
+    let message = |topic: &str, name: String| {
+        let key = DownstreamKey::new(name).unwrap();
+        Message::json(topic, key, &serde_json::json!({ "amount": "1.00" })).unwrap()
+    };
+    let mut tx = pool.begin().await.unwrap();
+    let mut paused_ids = Vec::new();
+    // The backlog first: it is due before every message of the other topic.
+    for n in 0..backlog {
+        let refund = message(PAUSED_TOPIC, format!("refund-{n}"));
+        paused_ids.push(outbox.enqueue(&mut tx, refund).await.unwrap());
+    }
+    for n in 0..others {
+        outbox
+            .enqueue(&mut tx, message("charges", format!("charge-{n}")))
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+
+    let destinations = TwoDestinations::default();
+    destinations.0.down.store(true, Ordering::SeqCst);
+    let dispatcher = Dispatcher::new(outbox.clone(), destinations.clone())
+        .batch_size(20)
+        .poll_interval(Duration::from_millis(50))
+        .backoff(Backoff::exponential(Duration::ZERO, Duration::ZERO))
+        .probe_backoff(Backoff::exponential(
+            Duration::from_millis(200),
+            Duration::from_millis(400),
+        ));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let started = tokio::time::Instant::now();
+    let task = tokio::spawn(dispatcher.run(async {
+        let _ = stopped.await;
+    }));
+
+    while destinations.delivered("charge-") < others {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{} of {others} messages of the other topic delivered in 10 s",
+            destinations.delivered("charge-")
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Paused: the backlog waits as it is, but for one message per probe.
+    let refused_before = destinations.0.refused.load(Ordering::SeqCst);
+    let mut before = Vec::new();
+    for &id in &paused_ids {
+        before.push(written(&outbox.status(id).await.unwrap().unwrap()));
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut rewritten = 0;
+    for (&id, before) in paused_ids.iter().zip(&before) {
+        let now = written(&outbox.status(id).await.unwrap().unwrap());
+        if now != *before {
+            rewritten += 1;
+        }
+    }
+    let probes = destinations.0.refused.load(Ordering::SeqCst) - refused_before;
+    assert!(
+        rewritten <= probes,
+        "{rewritten} of the paused topic's {backlog} messages written while paused, over {probes} probes"
+    );
+    // Probes wait a jittered backoff of at most 400 ms: a few per second, the two reads of
+    // the backlog included, and far fewer than its messages.
+    assert!(
+        (1..=backlog as u64 / 20).contains(&probes),
+        "{probes} probes while paused"
+    );
+    assert_eq!(destinations.delivered("refund-"), 0);
+
+    destinations.0.down.store(false, Ordering::SeqCst);
+    let back = tokio::time::Instant::now();
+    while destinations.delivered("refund-") < backlog {
+        assert!(
+            back.elapsed() < Duration::from_secs(30),
+            "{} of the {backlog} paused messages delivered 30 s after the destination came back",
+            destinations.delivered("refund-")
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = stop.send(());
+    task.await.unwrap();
+
+    let deliveries = destinations.0.deliveries.lock().unwrap().clone();
+    assert_eq!(deliveries.len(), backlog + others);
+    assert!(
+        deliveries.values().all(|&n| n == 1),
+        "a message delivered twice"
+    );
+    for &id in &paused_ids {
+        let delivered = outbox.status(id).await.unwrap().unwrap();
+        assert_eq!(
+            (delivered.status, delivered.attempts),
+            (Status::Delivered, 1),
+            "{delivered:?}"
+        );
+    }
 }
 
 /// A message that cannot be delivered within its time budget fails for good, and its record

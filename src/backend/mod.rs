@@ -38,7 +38,7 @@ pub(crate) mod postgres;
 mod sqlite;
 
 #[cfg(feature = "outbox")]
-pub(crate) use outbox::{Claim, ClaimedMessage, Lease, Settlement};
+pub(crate) use outbox::{Claim, ClaimedMessage, Lease, Settlement, Topics};
 
 pub(crate) use sealed::Storage;
 
@@ -290,13 +290,14 @@ mod sealed {
             id: MessageId,
         ) -> impl Future<Output = Result<Option<OutboxRecord>, sqlx::Error>> + Send;
 
-        /// Leases due messages, skipping those another dispatcher holds, and begins the
-        /// attempts of those sent now (see [`Claim`]); returns the claim as made, at the time
-        /// it had its connection (see [`Claim::at`]).
+        /// Leases due messages of `topics`, skipping those another dispatcher holds, and
+        /// begins the attempts of those sent now (see [`Claim`]); returns the claim as made,
+        /// at the time it had its connection (see [`Claim::at`]).
         #[cfg(feature = "outbox")]
         fn claim_due(
             pool: &Pool<Self>,
             claim: Claim,
+            topics: &Topics,
         ) -> impl Future<Output = (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>)> + Send;
 
         /// Records that the sender is about to be called on a message the claim did not begin
@@ -343,17 +344,6 @@ mod sealed {
             pool: &Pool<Self>,
             before: i64,
             limit: i64,
-        ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
-
-        /// Makes the pending messages of `topic` due at `from` due at `to` instead; returns
-        /// how many moved. For a paused topic whose destination is back before its next probe:
-        /// its messages were given back due at that probe.
-        #[cfg(feature = "outbox")]
-        fn advance(
-            pool: &Pool<Self>,
-            topic: &str,
-            from: i64,
-            to: i64,
         ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
         /// Puts a failed message back to pending, due now, its attempts counted afresh; `false`

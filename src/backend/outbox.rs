@@ -57,6 +57,42 @@ impl Claim {
     }
 }
 
+/// Which topics' messages a claim takes: a dispatcher leaves its paused destinations alone,
+/// and claims a paused one's probe on its own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Topics {
+    /// Every topic but these, the paused ones (none: every topic).
+    Except(Vec<String>),
+    /// This topic only: a paused destination's probe.
+    Only(String),
+}
+
+impl Topics {
+    /// The topics the claim leaves out.
+    #[cfg(any(feature = "sqlite", feature = "mysql"))]
+    pub fn skipped(&self) -> &[String] {
+        match self {
+            Self::Except(skipped) => skipped,
+            Self::Only(_) => &[],
+        }
+    }
+
+    /// The one topic the claim takes, if it takes only one.
+    #[cfg(any(feature = "sqlite", feature = "mysql"))]
+    pub fn only(&self) -> Option<&str> {
+        match self {
+            Self::Except(_) => None,
+            Self::Only(topic) => Some(topic),
+        }
+    }
+
+    /// The topics left out, as the JSON array the claims of SQLite and MySQL take.
+    #[cfg(any(feature = "sqlite", feature = "mysql"))]
+    pub fn skipped_json(&self) -> Result<String, sqlx::Error> {
+        serde_json::to_string(self.skipped()).map_err(|error| sqlx::Error::Encode(error.into()))
+    }
+}
+
 /// A message a claim leased: its row as the claim left it, and whether the claim began an
 /// attempt (if not, its last outcome is unknown and it is looked up first, or it has used up
 /// its attempts).
@@ -212,8 +248,8 @@ pub(super) use outbox_decoder;
 /// database whose `impl` it is expanded in. The statements are that module's `outbox_sql`
 /// constants: `FETCH_BY_ID` (id), `FETCH_BY_KEY` (downstream_key), `FETCH_BLOCKER` (id, id),
 /// `BEGIN_ATTEMPT` (last_attempt_at, id, lease_token), `PURGE_FINISHED` (finished_before,
-/// limit), `ADVANCE` (the new time, the time they were due, the topic), `REQUEUE` and `SKIP`
-/// (now, id), and its migration `outbox_sql::SCHEMA`; rows are read by its `outbox_record`.
+/// limit), `REQUEUE` and `SKIP` (now, id), and its migration `outbox_sql::SCHEMA`; rows are
+/// read by its `outbox_record`.
 macro_rules! outbox_alike {
     () => {
         async fn migrate_outbox(pool: &sqlx::Pool<Self>) -> Result<(), $crate::outbox::Error> {
@@ -292,21 +328,6 @@ macro_rules! outbox_alike {
             let done = sqlx::query(outbox_sql::PURGE_FINISHED)
                 .bind(before)
                 .bind(limit)
-                .execute(pool)
-                .await?;
-            Ok(done.rows_affected())
-        }
-
-        async fn advance(
-            pool: &sqlx::Pool<Self>,
-            topic: &str,
-            from: i64,
-            to: i64,
-        ) -> Result<u64, sqlx::Error> {
-            let done = sqlx::query(outbox_sql::ADVANCE)
-                .bind(to)
-                .bind(from)
-                .bind(topic)
                 .execute(pool)
                 .await?;
             Ok(done.rows_affected())

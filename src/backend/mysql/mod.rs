@@ -18,7 +18,7 @@ use super::literal::{Statement, Syntax};
 use super::migrate::{self, runner};
 #[cfg(feature = "outbox")]
 use super::outbox::{
-    Claim, ClaimedMessage, Lease, Settlement, claiming, outbox_alike, outbox_decoder,
+    Claim, ClaimedMessage, Lease, Settlement, Topics, claiming, outbox_alike, outbox_decoder,
 };
 use super::{Claimed, PurgePace, Storage, alike, bound, identity_values, lifetime_values};
 use crate::error::Error;
@@ -255,12 +255,17 @@ impl Storage for MySql {
     async fn claim_due(
         pool: &Pool<Self>,
         claim: Claim,
+        topics: &Topics,
     ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>) {
         claiming(pool, claim, |mut conn, claim| async move {
+            let skipped = topics.skipped_json()?;
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
             let rows = sqlx::query(outbox_sql::CLAIM_SELECT)
                 .bind(claim.now)
                 .bind(claim.now)
+                .bind(skipped)
+                .bind(topics.only())
+                .bind(topics.only())
                 .bind(claim.limit)
                 .fetch_all(&mut *tx)
                 .await?;

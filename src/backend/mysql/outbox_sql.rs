@@ -37,6 +37,9 @@ pub(super) const FETCH_BLOCKER: &str = concat!(
          ORDER BY id
          LIMIT 1"
 );
+// The topics left out come as a JSON array, the one topic taken (a paused destination's
+// probe) as text or NULL, twice.
+//
 // `FOR UPDATE` locks the rows of `m`; the ordering rule's subquery is a consistent read
 // (MySQL: "a locking read clause in an outer statement does not lock the rows of a table
 // in a nested subquery"; MariaDB alike), so it sees, and waits behind, an earlier message
@@ -47,6 +50,7 @@ pub(super) const CLAIM_SELECT: &str = concat!(
     " FROM idempotency_outbox AS m
              WHERE status = 'pending' AND next_attempt_at <= ?
                AND (lease_expires_at IS NULL OR lease_expires_at <= ?)
+               AND NOT JSON_CONTAINS(?, JSON_QUOTE(topic)) AND (? IS NULL OR topic = ?)
                AND ",
     in_key_order!("m"),
     "
@@ -77,8 +81,6 @@ pub(super) const REQUEUE: &str = "UPDATE idempotency_outbox
             finished_at = NULL,
             lease_expires_at = NULL, lease_token = NULL
         WHERE id = ? AND status = 'failed'";
-pub(super) const ADVANCE: &str = "UPDATE idempotency_outbox SET next_attempt_at = ?
-        WHERE status = 'pending' AND next_attempt_at = ? AND topic = ?";
 pub(super) const SKIP: &str = "UPDATE idempotency_outbox
         SET status = 'skipped', finished_at = ?, lease_expires_at = NULL, lease_token = NULL
         WHERE id = ? AND status = 'failed'";

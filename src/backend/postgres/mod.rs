@@ -20,7 +20,9 @@ use super::claim::fused_then_rounds;
 use super::literal::{Statement, Syntax};
 use super::migrate::{self, runner};
 #[cfg(feature = "outbox")]
-use super::outbox::{Claim, ClaimedMessage, claiming, json_batches, outbox_alike, outbox_decoder};
+use super::outbox::{
+    Claim, ClaimedMessage, Topics, claiming, json_batches, outbox_alike, outbox_decoder,
+};
 use super::{Claimed, Storage, alike, bound, record_values};
 use crate::error::Error;
 #[cfg(feature = "outbox")]
@@ -316,16 +318,24 @@ impl Storage for Postgres {
     async fn claim_due(
         pool: &Pool<Self>,
         claim: Claim,
+        topics: &Topics,
     ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>) {
         claiming(pool, claim, |mut conn, claim| async move {
-            let rows = sqlx::query(outbox_sql::CLAIM)
+            let sql = match topics {
+                Topics::Except(_) => outbox_sql::CLAIM,
+                Topics::Only(_) => outbox_sql::CLAIM_TOPIC,
+            };
+            let query = sqlx::query(sql)
                 .bind(claim.lease_until)
                 .bind(claim.token)
                 .bind(claim.now)
                 .bind(claim.limit)
-                .bind(claim.max_attempts)
-                .fetch_all(&mut *conn)
-                .await?;
+                .bind(claim.max_attempts);
+            let query = match topics {
+                Topics::Except(skipped) => query.bind(skipped),
+                Topics::Only(topic) => query.bind(topic),
+            };
+            let rows = query.fetch_all(&mut *conn).await?;
             rows.iter()
                 .map(|row| {
                     Ok(ClaimedMessage {

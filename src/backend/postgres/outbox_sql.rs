@@ -54,17 +54,31 @@ pub(super) const FETCH_BLOCKER: &str = concat!(
 // primary key as an index condition: the generic plan of a prepared statement guesses a
 // hundred rows on the other side, and without it joins them by hashing the whole table.
 //
+// The topics are a filter on the rows the index scan reads, not an index condition: a
+// claim that leaves a paused topic out reads past that topic's due messages (they keep their
+// place in the due order, untouched while paused) to the first of the others. `<> ALL` keeps
+// the planner's estimate of the rows left high, so the ordered scan stays. A probe's claim,
+// of one topic alone, writes its test as a `CASE`, which the planner counts as half the rows:
+// `topic = $6` it counts as a handful on a table not yet analyzed, and then sorts every due
+// message to find the topic's first (15,600 buffers and 40 ms under 30,000 due, against 4
+// buffers and 0.4 ms).
+//
 // `FOR UPDATE` locks the rows of `m` only; the ordering rule's subquery reads without
 // locking, so it sees an earlier message of the key that another claim holds locked.
-pub(super) const CLAIM: &str = concat!(
-    "WITH due AS (
+macro_rules! claim {
+    ($topics:literal) => {
+        concat!(
+            "WITH due AS (
              SELECT id AS due_id, NOT outcome_unknown AND attempts < $5 AS begins
              FROM idempotency_outbox AS m
              WHERE status = 'pending' AND next_attempt_at <= $3
                AND (lease_expires_at IS NULL OR lease_expires_at <= $3)
                AND ",
-    in_key_order!("m"),
-    "
+            $topics,
+            "
+               AND ",
+            in_key_order!("m"),
+            "
              ORDER BY next_attempt_at, id
              LIMIT (SELECT $4)
              FOR UPDATE SKIP LOCKED)
@@ -76,8 +90,14 @@ pub(super) const CLAIM: &str = concat!(
          FROM due
          WHERE id = due_id AND id = ANY (ARRAY(SELECT due_id FROM due))
          RETURNING begins AS attempt_begun, ",
-    record_columns!()
-);
+            record_columns!()
+        )
+    };
+}
+/// The claim of every topic but those in `$6`.
+pub(super) const CLAIM: &str = claim!("topic <> ALL ($6::text[])");
+/// The claim of the topic `$6` alone.
+pub(super) const CLAIM_TOPIC: &str = claim!("CASE WHEN topic = $6 THEN TRUE ELSE FALSE END");
 pub(super) const BEGIN_ATTEMPT: &str = "UPDATE idempotency_outbox
         SET attempts = attempts + 1, last_attempt_at = $1, outcome_unknown = TRUE
         WHERE id = $2 AND lease_token = $3";
@@ -121,8 +141,6 @@ pub(super) const REQUEUE: &str = "UPDATE idempotency_outbox
             finished_at = NULL,
             lease_expires_at = NULL, lease_token = NULL
         WHERE id = $2 AND status = 'failed'";
-pub(super) const ADVANCE: &str = "UPDATE idempotency_outbox SET next_attempt_at = $1
-        WHERE status = 'pending' AND next_attempt_at = $2 AND topic = $3";
 pub(super) const SKIP: &str = "UPDATE idempotency_outbox
         SET status = 'skipped', finished_at = $1, lease_expires_at = NULL, lease_token = NULL
         WHERE id = $2 AND status = 'failed'";

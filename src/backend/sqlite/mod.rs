@@ -19,7 +19,9 @@ use super::claim::rounds;
 use super::literal::{Statement, Syntax};
 use super::migrate::{self, runner};
 #[cfg(feature = "outbox")]
-use super::outbox::{Claim, ClaimedMessage, claiming, json_batches, outbox_alike, outbox_decoder};
+use super::outbox::{
+    Claim, ClaimedMessage, Topics, claiming, json_batches, outbox_alike, outbox_decoder,
+};
 use super::{Claimed, PurgePace, Storage, alike, bound, record_values};
 use crate::error::Error;
 #[cfg(feature = "outbox")]
@@ -236,11 +238,16 @@ impl Storage for Sqlite {
     async fn claim_due(
         pool: &Pool<Self>,
         claim: Claim,
+        topics: &Topics,
     ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>) {
         claiming(pool, claim, |mut conn, claim| async move {
+            let skipped = topics.skipped_json()?;
+            let only = topics.only();
             if claim.probe {
                 let due: bool = sqlx::query_scalar(outbox_sql::CLAIM_PROBE)
                     .bind(claim.now)
+                    .bind(skipped.as_str())
+                    .bind(only)
                     .fetch_one(&mut *conn)
                     .await?;
                 if !due {
@@ -254,6 +261,8 @@ impl Storage for Sqlite {
                     .bind(claim.now)
                     .bind(limit)
                     .bind(claim.max_attempts)
+                    .bind(skipped.as_str())
+                    .bind(only)
             };
             let mut claimed = Vec::new();
             for row in update(outbox_sql::CLAIM_HOLD, claim.limit)

@@ -30,6 +30,9 @@ pub(super) const FETCH_BLOCKER: &str = concat!(
          ORDER BY id
          LIMIT 1"
 );
+// The topics left out come as a JSON array, the one topic taken (a paused destination's
+// probe) as text or NULL.
+//
 // An UPDATE takes the database's write lock even when it matches nothing; reading first
 // keeps an idle dispatcher from queueing behind (and stalling) the app's transactions.
 pub(super) const CLAIM_PROBE: &str = concat!(
@@ -37,6 +40,7 @@ pub(super) const CLAIM_PROBE: &str = concat!(
              SELECT 1 FROM idempotency_outbox AS m
              WHERE status = 'pending' AND next_attempt_at <= ?1
                AND (lease_expires_at IS NULL OR lease_expires_at <= ?1)
+               AND topic NOT IN (SELECT value FROM json_each(?2)) AND (?3 IS NULL OR topic = ?3)
                AND ",
     in_key_order!("m"),
     ")"
@@ -52,6 +56,8 @@ pub(super) const CLAIM_HOLD: &str = concat!(
                  SELECT id FROM idempotency_outbox AS m
                  WHERE status = 'pending' AND next_attempt_at <= ?3
                    AND (lease_expires_at IS NULL OR lease_expires_at <= ?3)
+                   AND topic NOT IN (SELECT value FROM json_each(?6))
+                   AND (?7 IS NULL OR topic = ?7)
                    AND ",
     in_key_order!("m"),
     "
@@ -69,6 +75,8 @@ pub(super) const CLAIM_BEGIN: &str = concat!(
                  SELECT id FROM idempotency_outbox AS m
                  WHERE status = 'pending' AND next_attempt_at <= ?3
                    AND (lease_expires_at IS NULL OR lease_expires_at <= ?3)
+                   AND topic NOT IN (SELECT value FROM json_each(?6))
+                   AND (?7 IS NULL OR topic = ?7)
                    AND NOT outcome_unknown AND attempts < ?5
                    AND ",
     in_key_order!("m"),
@@ -119,8 +127,6 @@ pub(super) const REQUEUE: &str = "UPDATE idempotency_outbox
             finished_at = NULL,
             lease_expires_at = NULL, lease_token = NULL
         WHERE id = ?2 AND status = 'failed'";
-pub(super) const ADVANCE: &str = "UPDATE idempotency_outbox SET next_attempt_at = ?1
-        WHERE status = 'pending' AND next_attempt_at = ?2 AND topic = ?3";
 pub(super) const SKIP: &str = "UPDATE idempotency_outbox
         SET status = 'skipped', finished_at = ?1, lease_expires_at = NULL, lease_token = NULL
         WHERE id = ?2 AND status = 'failed'";

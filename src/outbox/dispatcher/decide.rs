@@ -203,11 +203,17 @@ pub(crate) fn after_lookup(
     }
 }
 
-/// When a paused destination is probed next, after `probes` sends found it unavailable, the
-/// last as `outage`: the probe backoff's wait from `now`, never before its `Retry-After`.
-pub(crate) fn next_probe(policy: &Policy, probes: u32, outage: &Outage, now: i64) -> i64 {
+/// When a paused destination is probed next, after `probes` sends found it unavailable: the
+/// probe backoff's wait from `now`, never before the destination's `Retry-After`, if the last
+/// one gave it.
+pub(crate) fn next_probe(
+    policy: &Policy,
+    probes: u32,
+    retry_after: Option<Duration>,
+    now: i64,
+) -> i64 {
     let wait = policy.probe_backoff.delay(probes);
-    now.saturating_add(duration_millis(wait.max(outage.after.unwrap_or_default())))
+    now.saturating_add(duration_millis(wait.max(retry_after.unwrap_or_default())))
 }
 
 /// A claimed message given back unsent, due at `until`: the attempt its claim began is not
@@ -552,16 +558,12 @@ mod tests {
 
     #[test]
     fn probes_back_off_up_to_thirty_seconds_but_never_before_retry_after() {
-        let outage = |after| Outage {
-            after,
-            reason: "down".to_owned(),
-        };
         for probes in [1, 5, 50] {
-            let at = next_probe(&policy(), probes, &outage(None), T0);
+            let at = next_probe(&policy(), probes, None, T0);
             assert!((T0..=T0 + 30_000).contains(&at), "probe {probes} at {at}");
         }
         let long = Some(Duration::from_secs(90));
-        assert!(next_probe(&policy(), 1, &outage(long), T0) >= T0 + 90_000);
+        assert!(next_probe(&policy(), 1, long, T0) >= T0 + 90_000);
     }
 
     #[test]

@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use super::decide::{self, Attempted, Policy, Step};
 use super::metrics;
 use crate::Backend;
-use crate::backend::{Claim, ClaimedMessage as Claimed, Lease, Settlement};
+use crate::backend::{Claim, ClaimedMessage as Claimed, Lease, Settlement, Topics};
 use crate::backoff::random_u64;
 use crate::outbox::status::{duration_millis, from_millis, now_millis};
 use crate::outbox::{LookupOutcome, MessageId, Outbox, OutboxRecord, SendOutcome, Sender};
@@ -58,12 +58,14 @@ impl<DB: Backend, S: Sender> Flight<DB, S> {
         now.saturating_add(duration_millis(self.lease))
     }
 
-    /// Leases up to `limit` due messages, beginning the attempts of those sent now; `probe`
-    /// asks whether anything is due first, where that is cheaper than a claim finding nothing.
+    /// Leases up to `limit` due messages of `topics`, beginning the attempts of those sent
+    /// now; `probe` asks whether anything is due first, where that is cheaper than a claim
+    /// finding nothing.
     pub(super) async fn claim(
         &self,
         limit: usize,
         probe: bool,
+        topics: &Topics,
     ) -> (Claim, Result<Vec<Claimed>, sqlx::Error>) {
         let now = now_millis();
         let claim = Claim {
@@ -76,7 +78,7 @@ impl<DB: Backend, S: Sender> Flight<DB, S> {
             probe,
         };
         let _turn = self.outbox.write_turn().await;
-        DB::claim_due(self.outbox.pool(), claim).await
+        DB::claim_due(self.outbox.pool(), claim, topics).await
     }
 
     /// Takes a claimed message through what it needs (a lookup, a send, or failing for good)
@@ -171,17 +173,6 @@ impl<DB: Backend, S: Sender> Flight<DB, S> {
     pub(super) async fn release_unsent(&self, leases: &[Lease]) -> Written {
         let _turn = self.outbox.write_turn().await;
         DB::release_unsent(self.outbox.pool(), leases).await
-    }
-
-    /// Makes the pending messages of `topic` due at `from` due at `to`.
-    pub(super) async fn advance(
-        &self,
-        topic: &str,
-        from: i64,
-        to: i64,
-    ) -> Result<u64, sqlx::Error> {
-        let _turn = self.outbox.write_turn().await;
-        DB::advance(self.outbox.pool(), topic, from, to).await
     }
 
     async fn bounded<T>(&self, call: impl Future<Output = T>) -> Option<T> {

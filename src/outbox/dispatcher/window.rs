@@ -11,14 +11,23 @@
 //! settle and one renewal run at a time; on a database with one writer they queue in the process,
 //! not in the database's lock wait.
 //!
+//! A destination found unavailable pauses its topic alone: the claims leave the topic out, so
+//! its messages wait in the database untouched however many there are, and the other topics
+//! keep flowing. A claim of its own, for one message of the topic, takes the probe when the
+//! probe backoff says; the probe's answer resumes the topic, whose messages the next claims
+//! then take at full speed. A probe that finds the destination still unavailable is the only
+//! message written meanwhile, its attempt not counted. The messages of the topic held when it
+//! paused (claimed with others, waiting for a send slot) go back once, due as they were.
+//!
 //! Nothing here can reorder two messages of one ordering key: a claim never hands out a
 //! message while an earlier one of its key is still pending, and each way a held message goes
-//! back (put back for a pause, given back unsent at shutdown, settled for a retry) writes it
+//! back (given back when its topic pauses or at shutdown, settled for a retry) writes it
 //! pending again, so it keeps its key's later messages in the database until it is delivered.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
@@ -28,8 +37,9 @@ use tokio::time::Instant;
 use super::decide::{self, Attempted, Outage};
 use super::flight::{Flight, Sent, Written};
 use super::metrics;
+use super::sleep_until;
 use crate::Backend;
-use crate::backend::{Claim, ClaimedMessage as Claimed, Lease, Settlement};
+use crate::backend::{Claim, ClaimedMessage as Claimed, Lease, Settlement, Topics};
 use crate::outbox::Sender;
 use crate::outbox::status::{now_millis, to_millis};
 
@@ -37,9 +47,9 @@ type Op<'d, T> = Pin<Box<dyn Future<Output = T> + Send + 'd>>;
 
 /// What the dispatcher knows of a message it holds a lease on, from its claim until its
 /// outcome is recorded. Kept by lease, not by message: a message given back due now (a retry
-/// at once, a pause's probe lost) can be claimed again by the dispatcher's other claim before
-/// the write that gave it back is reported, and the old lease's report must not touch the new
-/// one.
+/// at once, one of a topic that just paused, which its probe may take) can be claimed again by
+/// another of the dispatcher's claims before the write that gave it back is reported, and the
+/// old lease's report must not touch the new one.
 struct Held {
     /// The lease's expiry as last written.
     until: i64,
@@ -51,7 +61,7 @@ struct Held {
 
 /// Something that finished.
 pub(super) enum Event {
-    Claimed(Claim, Result<Vec<Claimed>, sqlx::Error>),
+    Claimed(Claim, Topics, Result<Vec<Claimed>, sqlx::Error>),
     Sent(Lease, String, Sent),
     Settled(Vec<Lease>, Written),
     Renewed(Vec<Lease>, i64, Written),
@@ -59,25 +69,32 @@ pub(super) enum Event {
     RenewalDue,
     /// The sender's client reconnected.
     Reconnected,
-    /// Messages of a paused topic were made due for a probe now.
-    Advanced(Result<u64, sqlx::Error>),
+    /// A paused topic's probe is due.
+    ProbeDue,
 }
 
-/// A topic whose destination is unavailable. Its messages wait in the database until `until`;
-/// the first claimed after that is the probe, and those claimed while the probe is out wait
-/// for its outcome: sent at once if it got through, put back until the next probe if not.
+/// A topic whose destination is unavailable. The claims leave it out; its messages wait in
+/// the database, as they were, until a probe gets an answer.
 struct Paused {
     since: Instant,
     /// How many sends found it unavailable: the first outage, then each probe.
     probes: u32,
-    /// When the next probe may go, in the stored timestamps' milliseconds.
+    /// When the next probe may be claimed, in the stored timestamps' milliseconds.
     until: i64,
-    /// The message being sent as the probe.
-    probe: Option<Lease>,
-    waiting: Vec<(Lease, Claimed)>,
-    /// The probe time the sender's reconnection moved up, if it did: messages given back
-    /// while their topic's messages were made due may still wait for it.
-    moved_from: Option<i64>,
+    /// The destination's `Retry-After` when it last said it was unavailable, if it gave one.
+    retry_after: Option<Duration>,
+    probe: Probe,
+}
+
+/// Where a paused topic's probe is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Probe {
+    /// Claimed at `until`.
+    Waiting,
+    /// Its claim is on its way.
+    Claiming,
+    /// Being sent under this lease.
+    Sending(Lease),
 }
 
 /// What a finished claim found.
@@ -110,14 +127,15 @@ pub(super) struct Window<'d, DB: Backend, S> {
     releasing: FuturesUnordered<Op<'d, Event>>,
     /// Shutting down: messages a claim brings that find no free slot are given back.
     stopping: bool,
+    /// Claims the probes of paused topics; a window of a single claim does not.
+    probing: bool,
     next_renewal: Instant,
     /// Paused topics; a sender may serve several destinations, one per topic.
     paused: HashMap<String, Paused>,
     /// The sender's signal that its client reconnected, if it has one.
     reconnected: Option<watch::Receiver<u64>>,
-    /// Writes that make a paused topic's messages due for a probe now.
-    advancing: FuturesUnordered<Op<'d, Event>>,
-    /// Messages were made due that no claim has looked for yet: claim without resting.
+    /// Messages were made due (a commit, a topic resumed) that no claim has looked for yet:
+    /// claim without resting.
     woken: bool,
 }
 
@@ -137,15 +155,24 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             renewing: None,
             releasing: FuturesUnordered::new(),
             stopping: false,
+            probing: false,
             next_renewal: Instant::now() + flight.renewal_interval(),
             paused: HashMap::new(),
             reconnected: flight.reconnected(),
-            advancing: FuturesUnordered::new(),
             woken: false,
         }
     }
 
-    /// Whether messages were made due (a commit, a paused topic's probe) that no claim started
+    /// Probes the topics that pause at their probe backoff's time (or when the sender's client
+    /// reconnects), and resumes them once one answers; without it, as for a single claim, a
+    /// topic that pauses stays paused for the window's life.
+    #[must_use]
+    pub(super) fn probing(mut self) -> Self {
+        self.probing = true;
+        self
+    }
+
+    /// Whether messages were made due (a commit, a paused topic resumed) that no claim started
     /// since has looked for: the dispatcher claims for them rather than resting.
     pub(super) fn woken(&self) -> bool {
         self.woken
@@ -163,7 +190,6 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             && self.settling.is_none()
             && self.renewing.is_none()
             && self.releasing.is_empty()
-            && self.advancing.is_empty()
     }
 
     /// For a shutdown: gives back the messages still waiting for a send slot without counting
@@ -172,9 +198,6 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// claim found them, lease released.
     pub(super) fn stop(&mut self) {
         self.stopping = true;
-        for paused in self.paused.values_mut() {
-            self.ready.extend(paused.waiting.drain(..));
-        }
         self.give_back();
     }
 
@@ -185,8 +208,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             if message.attempt_begun {
                 unsent.push(lease);
             } else {
-                let due = to_millis(message.record.next_attempt_at);
-                self.put_back(lease, message, due);
+                self.put_back(lease, message);
             }
         }
         if unsent.is_empty() {
@@ -223,16 +245,54 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         }
     }
 
-    /// Starts a claim of up to `limit` messages; it covers every wake before it.
+    /// Starts a claim of up to `limit` messages of the topics not paused; it covers every
+    /// wake before it.
     pub(super) fn claim(&mut self, limit: usize) {
-        let flight = self.flight;
         let probe = !self.busy;
-        self.asked += limit;
         self.woken = false;
+        let topics = Topics::Except(self.paused.keys().cloned().collect());
+        self.claim_of(topics, limit, probe);
+    }
+
+    fn claim_of(&mut self, topics: Topics, limit: usize, probe: bool) {
+        let flight = self.flight;
+        self.asked += limit;
         self.claims.push(Box::pin(async move {
-            let (claim, claimed) = flight.claim(limit, probe).await;
-            Event::Claimed(claim, claimed)
+            let (claim, claimed) = flight.claim(limit, probe, &topics).await;
+            Event::Claimed(claim, topics, claimed)
         }));
+    }
+
+    /// Claims the probe of each paused topic whose probe is due: one message of that topic
+    /// alone, which the claims of the others never take.
+    fn claim_probes(&mut self) {
+        if self.stopping || !self.probing {
+            return;
+        }
+        let now = now_millis();
+        let mut due = Vec::new();
+        for (topic, paused) in &mut self.paused {
+            if paused.probe == Probe::Waiting && paused.until <= now {
+                paused.probe = Probe::Claiming;
+                due.push(topic.clone());
+            }
+        }
+        for topic in due {
+            // Asking first whether one is due costs a statement a probe rarely saves.
+            self.claim_of(Topics::Only(topic), 1, false);
+        }
+    }
+
+    /// When the next paused topic's probe is due, if one waits for its time.
+    fn next_probe(&self) -> Option<Instant> {
+        let until = self
+            .paused
+            .values()
+            .filter(|paused| paused.probe == Probe::Waiting)
+            .map(|paused| paused.until)
+            .min()?;
+        let wait = u64::try_from(until.saturating_sub(now_millis())).unwrap_or(0);
+        Some(Instant::now() + Duration::from_millis(wait))
     }
 
     /// Starts the waiting messages that the free send slots take, oldest first. One whose lease
@@ -251,6 +311,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     fn start_send(&mut self, lease: Lease, message: Claimed) {
         if self.held.get(&lease).is_none_or(|held| held.lost) {
             self.held.remove(&lease);
+            self.probe_lost(lease, &message.record.topic);
             return;
         }
         let flight = self.flight;
@@ -260,85 +321,70 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         }));
     }
 
-    /// Queues a claimed message for a send slot, unless its topic is paused: then it is the
-    /// probe once the pause is over, waits for the probe while one is out, or goes back to the
-    /// database until the next probe.
+    /// Queues a claimed message for a send slot, unless its topic paused after its claim
+    /// began: then it goes back, due as it was, for the probe or the topic's resumption.
     fn admit(&mut self, lease: Lease, message: Claimed) {
-        let Some(paused) = self.paused.get_mut(&message.record.topic) else {
-            self.ready.push_back((lease, message));
-            return;
-        };
-        if paused.probe.is_some() {
-            paused.waiting.push((lease, message));
-        } else if paused.until <= now_millis() {
-            paused.probe = Some(lease);
-            self.ready.push_back((lease, message));
+        if self.paused.contains_key(&message.record.topic) {
+            self.put_back(lease, message);
         } else {
-            let until = paused.until;
-            self.put_back(lease, message, until);
+            self.ready.push_back((lease, message));
         }
     }
 
-    /// Gives a claimed message back to the database, due at `until`, the attempt its claim
-    /// began not counted.
-    fn put_back(&mut self, lease: Lease, message: Claimed, until: i64) {
+    /// Gives a claimed message back to the database unsent, due as it was, the attempt its
+    /// claim began not counted.
+    fn put_back(&mut self, lease: Lease, message: Claimed) {
+        let due = to_millis(message.record.next_attempt_at);
         self.outcomes
-            .push((lease, decide::given_back(message, until)));
+            .push((lease, decide::given_back(message, due)));
     }
 
     /// Learns from a finished send whether its topic's destination is reachable: an outage
     /// pauses the topic, a probe that got an answer resumes it.
-    fn observe(&mut self, lease: Lease, topic: &str, attempted: &mut Attempted) {
+    fn observe(&mut self, lease: Lease, topic: &str, attempted: &Attempted) {
+        let probing = self
+            .paused
+            .get(topic)
+            .is_some_and(|p| p.probe == Probe::Sending(lease));
         let Some(outage) = &attempted.outage else {
-            if self
-                .paused
-                .get(topic)
-                .is_some_and(|p| p.probe == Some(lease))
-            {
+            if probing {
                 self.resume(topic);
             }
             return;
         };
         let now = now_millis();
-        let until = match self.paused.get_mut(topic) {
+        match self.paused.get_mut(topic) {
             None => self.pause(topic, outage, now),
-            Some(paused) if paused.probe == Some(lease) => {
+            Some(paused) if probing => {
                 paused.probes += 1;
-                paused.until = decide::next_probe(&self.flight.policy, paused.probes, outage, now);
-                paused.probe = None;
+                paused.retry_after = outage.after;
+                paused.until =
+                    decide::next_probe(&self.flight.policy, paused.probes, outage.after, now);
+                paused.probe = Probe::Waiting;
                 tracing::debug!(topic, probes = paused.probes, reason = %outage.reason, "outbox destination still unreachable");
-                let until = paused.until;
-                for (lease, message) in std::mem::take(&mut paused.waiting) {
-                    self.put_back(lease, message, until);
-                }
-                until
             }
             // Sent before the pause began.
-            Some(paused) => paused.until,
-        };
-        let settlement = &mut attempted.settlement;
-        settlement.next_attempt_at = settlement.next_attempt_at.max(until);
+            Some(_) => {}
+        }
     }
 
-    /// Pauses `topic`, whose destination a send found unavailable at `now`: its messages
-    /// waiting for a send slot go back until the first probe, which it returns.
-    fn pause(&mut self, topic: &str, outage: &Outage, now: i64) -> i64 {
+    /// Pauses `topic`, whose destination a send found unavailable at `now`: the claims leave it
+    /// out from now on, and its messages waiting for a send slot go back, due as they were.
+    fn pause(&mut self, topic: &str, outage: &Outage, now: i64) {
         tracing::warn!(
             topic,
             reason = %outage.reason,
             "outbox paused: destination unreachable; probing it with one message until it answers"
         );
         metrics::paused(true);
-        let until = decide::next_probe(&self.flight.policy, 1, outage, now);
         self.paused.insert(
             topic.to_owned(),
             Paused {
                 since: Instant::now(),
                 probes: 1,
-                until,
-                probe: None,
-                waiting: Vec::new(),
-                moved_from: None,
+                until: decide::next_probe(&self.flight.policy, 1, outage.after, now),
+                retry_after: outage.after,
+                probe: Probe::Waiting,
             },
         );
         let (held_back, ready) = std::mem::take(&mut self.ready)
@@ -346,30 +392,32 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             .partition(|(_, message)| message.record.topic == topic);
         self.ready = ready;
         for (lease, message) in held_back {
-            self.put_back(lease, message, until);
+            self.put_back(lease, message);
         }
-        until
+    }
+
+    /// A probe claim that ended with no message to send (none of its topic due, or the claim
+    /// failed): the next one is claimed after the probe backoff.
+    fn no_probe(&mut self, topic: &str) {
+        if let Some(paused) = self.paused.get_mut(topic) {
+            paused.probe = Probe::Waiting;
+            let (probes, after) = (paused.probes, paused.retry_after);
+            paused.until = decide::next_probe(&self.flight.policy, probes, after, now_millis());
+        }
     }
 
     /// A probe that ended without an answer of the destination (its lease or its write was
-    /// lost): the messages that waited for it go back, due now, and the next one claimed is
-    /// the probe.
+    /// lost): another is claimed at once.
     fn probe_lost(&mut self, lease: Lease, topic: &str) {
-        let Some(paused) = self.paused.get_mut(topic) else {
-            return;
-        };
-        if paused.probe != Some(lease) {
-            return;
-        }
-        paused.probe = None;
-        let now = now_millis();
-        for (lease, message) in std::mem::take(&mut paused.waiting) {
-            self.put_back(lease, message, now);
+        if let Some(paused) = self.paused.get_mut(topic)
+            && paused.probe == Probe::Sending(lease)
+        {
+            paused.probe = Probe::Waiting;
+            paused.until = now_millis();
         }
     }
 
-    /// The destination answered the probe: its topic goes at full speed again, starting with
-    /// the messages that waited for the probe.
+    /// The destination answered the probe: the claims take its topic again, at once.
     fn resume(&mut self, topic: &str) {
         let Some(paused) = self.paused.remove(topic) else {
             return;
@@ -381,47 +429,23 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             "outbox resumed: destination reachable again"
         );
         metrics::paused(false);
-        for waiting in paused.waiting.into_iter().rev() {
-            self.ready.push_front(waiting);
-        }
-        if let Some(from) = paused.moved_from {
-            self.advance(topic.to_owned(), from, now_millis());
-        }
+        self.woken = true;
     }
 
-    /// The sender's client reconnected: each paused topic whose probe is not out is probed
-    /// now rather than at its backoff's time, its messages (given back due at that time)
-    /// made due now.
+    /// The sender's client reconnected: each paused topic whose probe waits is probed now
+    /// rather than at its backoff's time.
     fn probe_now(&mut self) {
         let now = now_millis();
-        let mut moves = Vec::new();
         for (topic, paused) in &mut self.paused {
-            if paused.probe.is_some() {
-                continue;
+            if paused.probe == Probe::Waiting && paused.until > now {
+                tracing::debug!(
+                    topic,
+                    "outbox destination's client reconnected; probing it now"
+                );
+                paused.until = now;
             }
-            if paused.until <= now {
-                self.woken = true;
-                continue;
-            }
-            tracing::debug!(
-                topic,
-                "outbox destination's client reconnected; probing it now"
-            );
-            paused.moved_from = Some(paused.until);
-            moves.push((topic.clone(), paused.until));
-            paused.until = now;
         }
-        for (topic, from) in moves {
-            self.advance(topic, from, now);
-        }
-    }
-
-    /// Makes the pending messages of `topic` due at `from` due at `to`.
-    fn advance(&mut self, topic: String, from: i64, to: i64) {
-        let flight = self.flight;
-        self.advancing.push(Box::pin(async move {
-            Event::Advanced(flight.advance(&topic, from, to).await)
-        }));
+        self.claim_probes();
     }
 
     /// Starts writing the outcomes that finished, unless a settle is still running (they go
@@ -470,6 +494,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     pub(super) async fn next(&mut self) -> Event {
         let renewal_due = !self.held.is_empty() && self.renewing.is_none();
         let paused = !self.paused.is_empty();
+        let probe = self.next_probe().filter(|_| self.probing && !self.stopping);
 
         tokio::select! {
             Some(event) = self.claims.next(), if !self.claims.is_empty() => event,
@@ -480,7 +505,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                 Event::Sent(lease, topic, sent)
             }
             () = tokio::time::sleep_until(self.next_renewal), if renewal_due => Event::RenewalDue,
-            Some(event) = self.advancing.next(), if !self.advancing.is_empty() => event,
+            () = sleep_until(probe), if probe.is_some() => Event::ProbeDue,
             () = raised(&mut self.reconnected), if paused => Event::Reconnected,
         }
     }
@@ -488,7 +513,12 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// Takes in what finished; a finished claim reports what it found.
     pub(super) fn handle(&mut self, event: Event) -> Option<Result<Found, sqlx::Error>> {
         match event {
-            Event::Claimed(claim, claimed) => return Some(self.claimed(claim, claimed)),
+            Event::Claimed(claim, Topics::Only(topic), claimed) => {
+                self.probe_claimed(claim, &topic, claimed);
+            }
+            Event::Claimed(claim, Topics::Except(_), claimed) => {
+                return Some(self.claimed(claim, claimed));
+            }
             Event::Sent(lease, topic, sent) => self.sent(lease, &topic, sent),
             Event::Settled(leases, written) => self.settled(&leases, written),
             Event::Renewed(leases, until, written) => self.renewed(leases, until, written),
@@ -504,13 +534,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             }
             Event::RenewalDue => self.renew(),
             Event::Reconnected => self.probe_now(),
-            Event::Advanced(advanced) => {
-                if let Err(error) = advanced {
-                    // Its messages stay due at the probe its backoff set.
-                    tracing::warn!(%error, "making a reconnected outbox destination's messages due failed");
-                }
-                self.woken = true;
-            }
+            Event::ProbeDue => self.claim_probes(),
         }
         None
     }
@@ -535,16 +559,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             asked,
         };
         for message in claimed {
-            let lease = Lease {
-                id: message.record.id,
-                token: claim.token,
-            };
-            let held = Held {
-                until: claim.lease_until,
-                settling: false,
-                lost: false,
-            };
-            self.held.insert(lease, held);
+            let lease = self.hold(&claim, &message);
             self.admit(lease, message);
         }
         self.start_sends();
@@ -554,9 +569,60 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         Ok(found)
     }
 
+    /// Holds the lease a claim took on `message`.
+    fn hold(&mut self, claim: &Claim, message: &Claimed) -> Lease {
+        let lease = Lease {
+            id: message.record.id,
+            token: claim.token,
+        };
+        let held = Held {
+            until: claim.lease_until,
+            settling: false,
+            lost: false,
+        };
+        self.held.insert(lease, held);
+        lease
+    }
+
+    /// Sends the probe a claim found for the paused `topic` ahead of the messages waiting for
+    /// a slot: the sooner it answers, the sooner the topic resumes.
+    fn probe_claimed(
+        &mut self,
+        claim: Claim,
+        topic: &str,
+        claimed: Result<Vec<Claimed>, sqlx::Error>,
+    ) {
+        self.asked = self.asked.saturating_sub(1);
+        let message = match claimed.map(|found| found.into_iter().next()) {
+            Ok(Some(message)) => message,
+            Ok(None) => return self.no_probe(topic),
+            Err(error) => {
+                tracing::warn!(topic, %error, "claiming an outbox probe failed; retrying after the probe backoff");
+                return self.no_probe(topic);
+            }
+        };
+        if self.held.is_empty() {
+            self.next_renewal = Instant::now() + self.flight.renewal_interval();
+        }
+        let lease = self.hold(&claim, &message);
+        match self.paused.get_mut(topic) {
+            Some(paused) if !self.stopping => {
+                paused.probe = Probe::Sending(lease);
+                self.ready.push_front((lease, message));
+                self.start_sends();
+            }
+            _ => {
+                self.ready.push_back((lease, message));
+                if self.stopping {
+                    self.stop();
+                }
+            }
+        }
+    }
+
     /// Takes a finished send's outcome to be written, unless the lease was lost meanwhile.
-    fn sent(&mut self, lease: Lease, topic: &str, mut sent: Sent) {
-        if let Ok(Some(attempted)) = &mut sent {
+    fn sent(&mut self, lease: Lease, topic: &str, sent: Sent) {
+        if let Ok(Some(attempted)) = &sent {
             self.observe(lease, topic, attempted);
         } else {
             self.probe_lost(lease, topic);

@@ -20,9 +20,10 @@ use sqlx::error::DatabaseError;
 use sqlx::{Pool, Transaction};
 
 use crate::backoff::Backoff;
+use crate::clock::Millis;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
-use crate::record::{Millis, NewRecord, Record, RecordState, StoredResponse};
+use crate::record::{NewRecord, Record, RecordState, StoredResponse};
 
 mod claim;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
@@ -106,6 +107,8 @@ mod sealed {
     #![allow(unreachable_pub)]
 
     use super::*;
+    #[cfg(feature = "outbox")]
+    use crate::clock::Clock;
     #[cfg(feature = "outbox")]
     use crate::outbox::{DownstreamKey, Message, MessageId, OutboxRecord};
     use crate::record::LeaseClaim;
@@ -266,7 +269,7 @@ mod sealed {
         fn insert(
             conn: &mut Self::Connection,
             message: &Message,
-            now: i64,
+            now: Millis,
         ) -> impl Future<Output = Result<Option<MessageId>, sqlx::Error>> + Send;
 
         /// Reads one message by id.
@@ -296,6 +299,7 @@ mod sealed {
         #[cfg(feature = "outbox")]
         fn claim_due(
             pool: &Pool<Self>,
+            clock: &Clock,
             claim: Claim,
         ) -> impl Future<Output = (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>)> + Send;
 
@@ -308,7 +312,7 @@ mod sealed {
             pool: &Pool<Self>,
             id: MessageId,
             token: i64,
-            now: i64,
+            now: Millis,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
         /// Extends the `leases` to `until`; returns the messages whose lease still held.
@@ -316,7 +320,7 @@ mod sealed {
         fn renew_leases(
             pool: &Pool<Self>,
             leases: &[Lease],
-            until: i64,
+            until: Millis,
         ) -> impl Future<Output = Result<Vec<MessageId>, sqlx::Error>> + Send;
 
         /// Gives back `leases` of messages claimed with an attempt begun but never sent, as if
@@ -341,7 +345,7 @@ mod sealed {
         #[cfg(feature = "outbox")]
         fn purge_finished(
             pool: &Pool<Self>,
-            before: i64,
+            before: Millis,
             limit: i64,
         ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
@@ -352,8 +356,8 @@ mod sealed {
         fn advance(
             pool: &Pool<Self>,
             topic: &str,
-            from: i64,
-            to: i64,
+            from: Millis,
+            to: Millis,
         ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
         /// Puts a failed message back to pending, due now, its attempts counted afresh; `false`
@@ -362,7 +366,7 @@ mod sealed {
         fn requeue(
             pool: &Pool<Self>,
             id: MessageId,
-            now: i64,
+            now: Millis,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
         /// Sets a failed message aside as skipped, finished now; `false` when it is not
@@ -371,7 +375,7 @@ mod sealed {
         fn skip(
             pool: &Pool<Self>,
             id: MessageId,
-            now: i64,
+            now: Millis,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
     }
 }
@@ -439,7 +443,7 @@ macro_rules! alike {
         async fn key_held<'a>(
             pool: &'a sqlx::Pool<Self>,
             key: &'a $crate::scope::ScopedKey,
-            now: $crate::record::Millis,
+            now: $crate::clock::Millis,
         ) -> Result<bool, $crate::error::Error> {
             let row = sqlx::query(KEY_HELD)
                 .bind(key.digest().to_vec())
@@ -469,7 +473,7 @@ macro_rules! alike {
             pool: &'a sqlx::Pool<Self>,
             key: &'a $crate::scope::ScopedKey,
             lease: $crate::record::LeaseClaim,
-            now: $crate::record::Millis,
+            now: $crate::clock::Millis,
         ) -> Result<bool, $crate::error::Error> {
             let done = sqlx::query(TAKE_OVER_LEASE)
                 .bind(lease.owner.to_vec())
@@ -530,7 +534,7 @@ macro_rules! alike {
 
         async fn purge_batch(
             pool: &sqlx::Pool<Self>,
-            now: $crate::record::Millis,
+            now: $crate::clock::Millis,
             limit: u32,
         ) -> Result<u64, $crate::error::Error> {
             let records = sqlx::query(PURGE)

@@ -77,10 +77,10 @@ use http::{HeaderName, StatusCode};
 use tracing::Instrument;
 
 use crate::Backend;
+#[cfg(feature = "test-util")]
+use crate::clock::ManualClock;
 use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Verbatim};
-#[cfg(feature = "test-util")]
-use crate::record::{Clock, ManualClock};
 use crate::scope::{IdempotencyContext, Scope, ScopedKey};
 use crate::store::Store;
 use crate::tx::{Tx, TxSlot};
@@ -299,11 +299,12 @@ impl<DB: Backend> Engine<DB> {
 
     /// Reads the time from `clock` instead of the wall clock: retention, leases, the replay
     /// cache and the purge of this engine's store (`engine.store().purge_expired()`) then move
-    /// only when the test moves it. For tests.
+    /// only when the test moves it. Give the same clock to an outbox
+    /// (`Outbox::timed_by`) and its messages age with the records. For tests.
     #[cfg(feature = "test-util")]
     #[must_use]
-    pub fn clock(mut self, clock: ManualClock) -> Self {
-        self.store.set_clock(Clock::Manual(clock));
+    pub fn timed_by(mut self, clock: ManualClock) -> Self {
+        self.store.set_clock(clock.into());
         self
     }
 

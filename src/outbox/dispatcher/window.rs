@@ -30,8 +30,8 @@ use super::flight::{Flight, Sent, Written};
 use super::metrics;
 use crate::Backend;
 use crate::backend::{Claim, ClaimedMessage as Claimed, Lease, Settlement};
+use crate::clock::Millis;
 use crate::outbox::Sender;
-use crate::outbox::status::{now_millis, to_millis};
 
 type Op<'d, T> = Pin<Box<dyn Future<Output = T> + Send + 'd>>;
 
@@ -42,7 +42,7 @@ type Op<'d, T> = Pin<Box<dyn Future<Output = T> + Send + 'd>>;
 /// one.
 struct Held {
     /// The lease's expiry as last written.
-    until: i64,
+    until: Millis,
     /// Its outcome is being written: a renewal that no longer finds the lease raced the settle.
     settling: bool,
     /// Another dispatcher took it over; its outcome is not recorded.
@@ -54,7 +54,7 @@ pub(super) enum Event {
     Claimed(Claim, Result<Vec<Claimed>, sqlx::Error>),
     Sent(Lease, String, Sent),
     Settled(Vec<Lease>, Written),
-    Renewed(Vec<Lease>, i64, Written),
+    Renewed(Vec<Lease>, Millis, Written),
     Released(Vec<Lease>, Written),
     RenewalDue,
     /// The sender's client reconnected.
@@ -70,14 +70,14 @@ struct Paused {
     since: Instant,
     /// How many sends found it unavailable: the first outage, then each probe.
     probes: u32,
-    /// When the next probe may go, in the stored timestamps' milliseconds.
-    until: i64,
+    /// When the next probe may go, by the outbox's clock.
+    until: Millis,
     /// The message being sent as the probe.
     probe: Option<Lease>,
     waiting: Vec<(Lease, Claimed)>,
     /// The probe time the sender's reconnection moved up, if it did: messages given back
     /// while their topic's messages were made due may still wait for it.
-    moved_from: Option<i64>,
+    moved_from: Option<Millis>,
 }
 
 /// What a finished claim found.
@@ -185,7 +185,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             if message.attempt_begun {
                 unsent.push(lease);
             } else {
-                let due = to_millis(message.record.next_attempt_at);
+                let due = Millis::from(message.record.next_attempt_at);
                 self.put_back(lease, message, due);
             }
         }
@@ -270,7 +270,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         };
         if paused.probe.is_some() {
             paused.waiting.push((lease, message));
-        } else if paused.until <= now_millis() {
+        } else if paused.until <= self.flight.now() {
             paused.probe = Some(lease);
             self.ready.push_back((lease, message));
         } else {
@@ -281,7 +281,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
 
     /// Gives a claimed message back to the database, due at `until`, the attempt its claim
     /// began not counted.
-    fn put_back(&mut self, lease: Lease, message: Claimed, until: i64) {
+    fn put_back(&mut self, lease: Lease, message: Claimed, until: Millis) {
         self.outcomes
             .push((lease, decide::given_back(message, until)));
     }
@@ -299,7 +299,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             }
             return;
         };
-        let now = now_millis();
+        let now = self.flight.now();
         let until = match self.paused.get_mut(topic) {
             None => self.pause(topic, outage, now),
             Some(paused) if paused.probe == Some(lease) => {
@@ -322,7 +322,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
 
     /// Pauses `topic`, whose destination a send found unavailable at `now`: its messages
     /// waiting for a send slot go back until the first probe, which it returns.
-    fn pause(&mut self, topic: &str, outage: &Outage, now: i64) -> i64 {
+    fn pause(&mut self, topic: &str, outage: &Outage, now: Millis) -> Millis {
         tracing::warn!(
             topic,
             reason = %outage.reason,
@@ -362,7 +362,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             return;
         }
         paused.probe = None;
-        let now = now_millis();
+        let now = self.flight.now();
         for (lease, message) in std::mem::take(&mut paused.waiting) {
             self.put_back(lease, message, now);
         }
@@ -385,7 +385,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             self.ready.push_front(waiting);
         }
         if let Some(from) = paused.moved_from {
-            self.advance(topic.to_owned(), from, now_millis());
+            self.advance(topic.to_owned(), from, self.flight.now());
         }
     }
 
@@ -393,7 +393,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// now rather than at its backoff's time, its messages (given back due at that time)
     /// made due now.
     fn probe_now(&mut self) {
-        let now = now_millis();
+        let now = self.flight.now();
         let mut moves = Vec::new();
         for (topic, paused) in &mut self.paused {
             if paused.probe.is_some() {
@@ -417,7 +417,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     }
 
     /// Makes the pending messages of `topic` due at `from` due at `to`.
-    fn advance(&mut self, topic: String, from: i64, to: i64) {
+    fn advance(&mut self, topic: String, from: Millis, to: Millis) {
         let flight = self.flight;
         self.advancing.push(Box::pin(async move {
             Event::Advanced(flight.advance(&topic, from, to).await)
@@ -449,7 +449,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     fn renew(&mut self) {
         let flight = self.flight;
         self.next_renewal = Instant::now() + flight.renewal_interval();
-        let until = flight.lease_until(now_millis());
+        let until = flight.lease_until(flight.now());
         // Only leases the renewal moves later: one claimed this very millisecond needs none.
         let leases: Vec<_> = self
             .held
@@ -601,7 +601,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     }
 
     /// Extends the leases a renewal found still held; one not found was taken over.
-    fn renewed(&mut self, leases: Vec<Lease>, until: i64, written: Written) {
+    fn renewed(&mut self, leases: Vec<Lease>, until: Millis, written: Written) {
         let renewed = match written {
             Ok(renewed) => renewed.into_iter().collect::<HashSet<_>>(),
             Err(error) => {

@@ -344,20 +344,13 @@ impl<DB: Backend> Engine<DB> {
         R: IntoResponse,
     {
         let judge = self.clone();
-        let answer = self
-            .run_verdict(scope, fingerprint, move |tx| {
-                let worked = work(tx);
-                let judge = judge.clone();
-                async move { judge.judge(worked.await.into_response()).await }
-            })
-            .await;
-        match answer.result {
-            Ok(Execution {
-                response,
-                outcome: Outcome::RolledBack,
-            }) => Err(RunError::Failed(response)),
-            result => result,
-        }
+        self.run_verdict(scope, fingerprint, move |tx| {
+            let worked = work(tx);
+            let judge = judge.clone();
+            async move { judge.judge(worked.await.into_response()).await }
+        })
+        .await
+        .result
     }
 
     /// [`run`](Self::run) for work that gives its [`Verdict`] itself (the inbox), its failure
@@ -395,7 +388,8 @@ impl<DB: Backend> Engine<DB> {
 
     /// [`run`](Self::run) for the layer: `work` gets the intent (the request it carries) with a
     /// transaction slot and the request's context, once per attempt, and its response is
-    /// judged by its status. A retryable response is answered as rolled back, not as an error.
+    /// judged by its status. A retryable response is rolled back and comes back as
+    /// [`RunError::Failed`], which holds it for the client.
     pub(crate) async fn run_in_slot<I, F, Fut, R>(
         &self,
         scope: &Scope,

@@ -424,8 +424,10 @@ pub mod orders {}
 ///   [the `tx` module](crate::tx#conflicts-are-run-again)).
 /// - Responses are buffered (bounded) to be stored; streaming responses (server-sent events)
 ///   do not belong under the layer.
-/// - Time is the application's clock (records keep milliseconds since the epoch): keep hosts
-///   in sync.
+/// - Time is the application's clock (records and outbox messages keep milliseconds since the
+///   epoch): keep hosts in sync. Tests replace it with one `ManualClock` (feature `test-util`),
+///   given to `timed_by(..)` on the layer or the engine and on the outbox: moving it ages
+///   records and messages together, with no sleeping through retention, retries or budgets.
 pub mod protocol {}
 
 /// # Backends

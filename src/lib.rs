@@ -91,7 +91,7 @@
 //! | `mysql` | `MySqlStore` (MySQL 8, MariaDB) |
 //! | `outbox` | the `outbox` module: `Outbox`, `Dispatcher`, `Sender`, `HttpSender` for HTTP APIs |
 //! | `client` | the `client` module: `IdempotentRetryLayer` for tower HTTP clients |
-//! | `test-util` | `ManualClock`, and `clock(..)` on the engine and the layer: time that tests move |
+//! | `test-util` | `ManualClock`, and `timed_by(..)` on the engine, the layer and the outbox: one time that tests move for records and messages |
 //! | `reqwest` | `client::IdempotentRetryMiddleware` for `reqwest-middleware` |
 //! | `inbox` | the `inbox` module: `Inbox`, a consumer that dedupes deliveries by business key |
 //! | `rabbitmq` | `inbox` + `inbox::rabbitmq::RabbitMqConsumer` (lapin); with `outbox`, `outbox::RabbitMqSender` |
@@ -130,6 +130,8 @@ mod broker;
 #[cfg(feature = "client")]
 pub mod client;
 #[cfg(feature = "server")]
+mod clock;
+#[cfg(feature = "server")]
 pub mod engine;
 #[cfg(feature = "server")]
 pub mod error;
@@ -159,6 +161,8 @@ pub mod tx;
 
 #[cfg(feature = "server")]
 pub use backend::Backend;
+#[cfg(feature = "test-util")]
+pub use clock::ManualClock;
 #[cfg(feature = "server")]
 pub use engine::{
     Classification, Engine, Execution, IDEMPOTENT_REPLAYED, Lease, Lookup, Outcome, RunError,
@@ -171,8 +175,6 @@ pub use fingerprint::{Fingerprint, Fingerprinter, canonical_json};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 #[cfg(feature = "server")]
 pub use layer::{IDEMPOTENCY_KEY, IdempotencyLayer, IdempotencyService};
-#[cfg(feature = "test-util")]
-pub use record::ManualClock;
 #[cfg(feature = "server")]
 pub use scope::{IdempotencyContext, Principal, Scope, ScopedKey};
 #[cfg(feature = "mysql")]

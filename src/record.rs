@@ -11,15 +11,10 @@
 // nothing here is reachable from outside the crate.
 #![allow(unreachable_pub)]
 
-#[cfg(feature = "test-util")]
-use std::sync::Arc;
-#[cfg(feature = "test-util")]
-use std::sync::atomic::{AtomicI64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 
+use crate::clock::Millis;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::scope::{Scope, ScopedKey};
@@ -186,108 +181,6 @@ pub struct LeaseClaim {
     /// An id unique to one holder, so only it can renew, finish or release the claim.
     pub owner: [u8; 16],
     pub until: Millis,
-}
-
-/// A point in time as records keep it: whole milliseconds since the Unix epoch, the one unit
-/// every table column, lease and expiry uses. The only reader of the wall clock is
-/// [`Millis::now`], so every part of the crate agrees on what "now" is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Millis(i64);
-
-impl Millis {
-    /// The current wall-clock time.
-    pub(crate) fn now() -> Self {
-        Self::from(SystemTime::now())
-    }
-
-    /// A time as a table column holds it.
-    pub(crate) const fn from_column(millis: i64) -> Self {
-        Self(millis)
-    }
-
-    /// The value a table column holds.
-    pub(crate) const fn column(self) -> i64 {
-        self.0
-    }
-
-    /// `span` later, saturating rather than wrapping for absurd spans.
-    pub(crate) fn after(self, span: Duration) -> Self {
-        Self(
-            self.0
-                .saturating_add(i64::try_from(span.as_millis()).unwrap_or(i64::MAX)),
-        )
-    }
-}
-
-/// Where an engine reads the time: the wall clock, or a [`ManualClock`] a test moves.
-#[derive(Debug, Clone, Default)]
-pub(crate) enum Clock {
-    #[default]
-    System,
-    #[cfg(feature = "test-util")]
-    Manual(ManualClock),
-}
-
-impl Clock {
-    pub(crate) fn now(&self) -> Millis {
-        match self {
-            Self::System => Millis::now(),
-            #[cfg(feature = "test-util")]
-            Self::Manual(clock) => Millis(clock.0.load(Ordering::Relaxed)),
-        }
-    }
-}
-
-/// A clock that stands still until moved, for tests of retention and leases that should not
-/// sleep through them. Give it to [`Engine::clock`](crate::Engine::clock) or
-/// [`IdempotencyLayer::clock`](crate::IdempotencyLayer::clock); clones share one time.
-///
-/// ```
-/// use std::time::{Duration, SystemTime};
-/// use axum_idempotency::ManualClock;
-///
-/// let clock = ManualClock::new(SystemTime::now());
-/// let start = clock.now();
-/// clock.advance(Duration::from_secs(25 * 3600));
-/// assert_eq!(clock.now().duration_since(start)?, Duration::from_secs(25 * 3600));
-/// # Ok::<(), std::time::SystemTimeError>(())
-/// ```
-#[cfg(feature = "test-util")]
-#[derive(Debug, Clone)]
-pub struct ManualClock(Arc<AtomicI64>);
-
-#[cfg(feature = "test-util")]
-impl ManualClock {
-    /// A clock standing at `time` (to the millisecond).
-    pub fn new(time: SystemTime) -> Self {
-        Self(Arc::new(AtomicI64::new(Millis::from(time).0)))
-    }
-
-    /// The time it stands at.
-    pub fn now(&self) -> SystemTime {
-        Millis(self.0.load(Ordering::Relaxed)).into()
-    }
-
-    /// Moves it `by` forward.
-    pub fn advance(&self, by: Duration) {
-        let by = i64::try_from(by.as_millis()).unwrap_or(i64::MAX);
-        self.0.fetch_add(by, Ordering::Relaxed);
-    }
-}
-
-impl From<SystemTime> for Millis {
-    fn from(time: SystemTime) -> Self {
-        // A clock set before 1970 reads as the epoch: expiries stay ordered, nothing panics.
-        Self(time.duration_since(UNIX_EPOCH).map_or(0, |since| {
-            i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
-        }))
-    }
-}
-
-impl From<Millis> for SystemTime {
-    fn from(millis: Millis) -> Self {
-        UNIX_EPOCH + Duration::from_millis(u64::try_from(millis.0).unwrap_or(0))
-    }
 }
 
 #[cfg(test)]

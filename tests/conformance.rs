@@ -247,7 +247,7 @@ mod suite {
             layer
                 .retention(Duration::from_millis(400))
                 .cache_replays(1 << 20)
-                .clock(clock.clone())
+                .timed_by(clock.clone())
         })
         .await;
         let key = unique("cached-ttl");
@@ -454,11 +454,11 @@ mod suite {
         let clock = ManualClock::new(SystemTime::now());
         let isolated = DB::fresh(8).await;
         let one = serve(isolated.pool.clone(), |layer| {
-            layer.retention(ttl).clock(clock.clone())
+            layer.retention(ttl).timed_by(clock.clone())
         })
         .await;
         let two = serve(DB::another_pool(&isolated, 8).await, |layer| {
-            layer.retention(ttl).clock(clock.clone())
+            layer.retention(ttl).timed_by(clock.clone())
         })
         .await;
         let key = unique("elsewhere");
@@ -786,7 +786,7 @@ mod suite {
         let app = serve_fresh::<DB>(16, |layer| {
             layer
                 .retention(Duration::from_millis(400))
-                .clock(clock.clone())
+                .timed_by(clock.clone())
         })
         .await;
         let key = unique("ttl");

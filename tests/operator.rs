@@ -89,7 +89,7 @@ async fn lookup_reads_time_from_the_engines_clock() {
     let engine = engine()
         .await
         .retention(Duration::from_secs(60))
-        .clock(clock.clone());
+        .timed_by(clock.clone());
     let fingerprint = Fingerprinter::new().fingerprint_value("order", b"{}");
     let alice = scope("alice");
     engine
@@ -119,7 +119,7 @@ async fn the_engines_store_purges_by_the_engines_clock() {
     let engine = engine()
         .await
         .retention(Duration::from_secs(60))
-        .clock(clock.clone());
+        .timed_by(clock.clone());
     let fingerprint = Fingerprinter::new().fingerprint_value("order", b"{}");
     engine
         .run(&scope("alice"), fingerprint, |_tx: Tx<Sqlite>| async {

@@ -2577,3 +2577,103 @@ mod mysql_migration_lock {
         crate::databases::drop_mysql(pool, database).await;
     }
 }
+
+/// Apart from `conformance!`'s list: the test needs the `test-util` feature's clock.
+#[cfg(feature = "test-util")]
+mod timed {
+    use super::*;
+    use axum_idempotency::{Engine, Fingerprint, Lookup, ManualClock, Outcome, Store, Tx};
+
+    conformance!(one_manual_clock_ages_records_and_messages_together);
+
+    /// A record and the message its job enqueued are aged by one `ManualClock`: moving it makes
+    /// the message's retry due and then spends its time budget, and expires the record, with
+    /// no waiting and no record or message timed by the wall clock.
+    async fn one_manual_clock_ages_records_and_messages_together<DB: Backend>(pool: Pool<DB>) {
+        let clock = ManualClock::new(SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000_000));
+        let start = clock.now();
+        let store = Store::new(pool.clone());
+        store.migrate().await.unwrap();
+        let engine = Engine::new(store)
+            .retention(Duration::from_secs(3600))
+            .timed_by(clock.clone());
+        let outbox = outbox(&pool).await.timed_by(clock.clone());
+        let busy = || SendOutcome::Retry {
+            after: Some(Duration::from_secs(600)),
+            reason: "busy".into(),
+        };
+        let downstream = Downstream::answering([busy(), busy()]);
+        let dispatcher =
+            dispatcher(&outbox, &downstream).give_up_after(Duration::from_secs(2 * 3600));
+
+        let scope = Scope::new(
+            "nightly",
+            "POST",
+            "/jobs/charge",
+            "6b1d2f9e-3c4a-4e5b-8f7a-9d0c1b2a3e4f".parse().unwrap(),
+        );
+        let fingerprint = Fingerprint::from([3; 32]);
+        let job_outbox = outbox.clone();
+        let ran = engine
+            .run(&scope, fingerprint, move |mut tx: Tx<DB>| {
+                let outbox = job_outbox.clone();
+                async move {
+                    outbox
+                        .enqueue(&mut tx, charge("timed", "3.00"))
+                        .await
+                        .unwrap();
+                    axum::http::StatusCode::CREATED
+                }
+            })
+            .await
+            .unwrap();
+        assert_eq!(ran.outcome, Outcome::Executed);
+
+        // The first send is answered "busy, in ten minutes": due then by the clock.
+        assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+        let message = outbox.status_by_key(&key("timed")).await.unwrap().unwrap();
+        assert_eq!(message.created_at, start);
+        assert_eq!(message.last_attempt_at, Some(start));
+        assert_eq!(
+            message.next_attempt_at,
+            start + Duration::from_secs(600),
+            "the retry is timed by the outbox's clock"
+        );
+        assert_eq!(dispatcher.run_once().await.unwrap(), 0, "not due yet");
+
+        // Ten minutes later by the clock, and no later by the wall: the retry goes.
+        clock.advance(Duration::from_secs(601));
+        assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+        assert_eq!(downstream.sends().len(), 2);
+        let again = engine
+            .run(&scope, fingerprint, |_tx: Tx<DB>| async { "never runs" })
+            .await
+            .unwrap();
+        assert_eq!(again.outcome, Outcome::Replayed, "the record still counts");
+
+        // Past the record's retention (an hour) and the message's time budget (two hours).
+        clock.advance(Duration::from_secs(2 * 3600));
+        assert!(matches!(
+            engine.lookup(&scope).await.unwrap(),
+            Lookup::Absent
+        ));
+        assert_eq!(dispatcher.run_once().await.unwrap(), 1);
+        let failed = outbox.status_by_key(&key("timed")).await.unwrap().unwrap();
+        assert_eq!(failed.status, Status::Failed);
+        assert!(
+            failed
+                .last_error
+                .as_deref()
+                .is_some_and(|error| error.contains("time budget")),
+            "{:?}",
+            failed.last_error
+        );
+        assert_eq!(failed.finished_at, Some(clock.now()));
+        assert_eq!(
+            downstream.sends().len(),
+            2,
+            "nothing is sent past the budget"
+        );
+        assert_eq!(engine.store().purge_expired().await.unwrap(), 1);
+    }
+}

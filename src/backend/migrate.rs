@@ -120,7 +120,7 @@ macro_rules! runner {
                     })?;
                 sqlx::query(schema.record)
                     .bind(version)
-                    .bind($crate::record::Millis::now().column())
+                    .bind($crate::clock::Millis::now().column())
                     .execute(&mut *tx)
                     .await?;
             }

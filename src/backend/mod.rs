@@ -20,9 +20,10 @@ use sqlx::error::DatabaseError;
 use sqlx::{Pool, Transaction};
 
 use crate::backoff::Backoff;
+use crate::clock::Millis;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
-use crate::record::{Millis, NewRecord, Record, RecordState, StoredResponse};
+use crate::record::{NewRecord, Record, RecordState, StoredResponse};
 
 mod claim;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
@@ -106,6 +107,8 @@ mod sealed {
     #![allow(unreachable_pub)]
 
     use super::*;
+    #[cfg(feature = "outbox")]
+    use crate::clock::Clock;
     #[cfg(feature = "outbox")]
     use crate::outbox::{DownstreamKey, Message, MessageId, OutboxRecord};
     use crate::record::LeaseClaim;
@@ -266,7 +269,7 @@ mod sealed {
         fn insert(
             conn: &mut Self::Connection,
             message: &Message,
-            now: i64,
+            now: Millis,
         ) -> impl Future<Output = Result<Option<MessageId>, sqlx::Error>> + Send;
 
         /// Reads one message by id.
@@ -296,6 +299,7 @@ mod sealed {
         #[cfg(feature = "outbox")]
         fn claim_due(
             pool: &Pool<Self>,
+            clock: &Clock,
             claim: Claim,
             topics: &Topics,
         ) -> impl Future<Output = (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>)> + Send;
@@ -309,7 +313,7 @@ mod sealed {
             pool: &Pool<Self>,
             id: MessageId,
             token: i64,
-            now: i64,
+            now: Millis,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
         /// Extends the `leases` to `until`; returns the messages whose lease still held.
@@ -317,7 +321,7 @@ mod sealed {
         fn renew_leases(
             pool: &Pool<Self>,
             leases: &[Lease],
-            until: i64,
+            until: Millis,
         ) -> impl Future<Output = Result<Vec<MessageId>, sqlx::Error>> + Send;
 
         /// Gives back `leases` of messages claimed with an attempt begun but never sent, as if
@@ -342,7 +346,7 @@ mod sealed {
         #[cfg(feature = "outbox")]
         fn purge_finished(
             pool: &Pool<Self>,
-            before: i64,
+            before: Millis,
             limit: i64,
         ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
@@ -352,7 +356,7 @@ mod sealed {
         fn requeue(
             pool: &Pool<Self>,
             id: MessageId,
-            now: i64,
+            now: Millis,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
         /// Sets a failed message aside as skipped, finished now; `false` when it is not
@@ -361,7 +365,7 @@ mod sealed {
         fn skip(
             pool: &Pool<Self>,
             id: MessageId,
-            now: i64,
+            now: Millis,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
     }
 }
@@ -429,7 +433,7 @@ macro_rules! alike {
         async fn key_held<'a>(
             pool: &'a sqlx::Pool<Self>,
             key: &'a $crate::scope::ScopedKey,
-            now: $crate::record::Millis,
+            now: $crate::clock::Millis,
         ) -> Result<bool, $crate::error::Error> {
             let row = sqlx::query(KEY_HELD)
                 .bind(key.digest().to_vec())
@@ -459,7 +463,7 @@ macro_rules! alike {
             pool: &'a sqlx::Pool<Self>,
             key: &'a $crate::scope::ScopedKey,
             lease: $crate::record::LeaseClaim,
-            now: $crate::record::Millis,
+            now: $crate::clock::Millis,
         ) -> Result<bool, $crate::error::Error> {
             let done = sqlx::query(TAKE_OVER_LEASE)
                 .bind(lease.owner.to_vec())
@@ -520,7 +524,7 @@ macro_rules! alike {
 
         async fn purge_batch(
             pool: &sqlx::Pool<Self>,
-            now: $crate::record::Millis,
+            now: $crate::clock::Millis,
             limit: u32,
         ) -> Result<u64, $crate::error::Error> {
             let records = sqlx::query(PURGE)

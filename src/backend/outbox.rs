@@ -15,7 +15,8 @@ use std::future::Future;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 use serde::Serialize;
 
-use crate::outbox::{DownstreamKey, MessageId, OutboxRecord, Status, from_millis, now_millis};
+use crate::clock::{Clock, Millis};
+use crate::outbox::{DownstreamKey, MessageId, OutboxRecord, Status};
 
 /// A claim: the first due, unleased messages up to `limit` get `token` and a lease until
 /// `lease_until`, so no other dispatcher takes them before then. In the same write, each one
@@ -23,8 +24,8 @@ use crate::outbox::{DownstreamKey, MessageId, OutboxRecord, Status, from_millis,
 /// an attempt: one more attempt, outcome unknown until settled, `last_attempt_at` = `now`.
 #[derive(Debug, Clone, Copy)]
 pub struct Claim {
-    pub now: i64,
-    pub lease_until: i64,
+    pub now: Millis,
+    pub lease_until: Millis,
     pub token: i64,
     pub limit: i64,
     pub max_attempts: i64,
@@ -40,11 +41,11 @@ impl Claim {
     /// leases could be over before the dispatcher has them, and its next claim would take the
     /// same messages again.
     #[must_use]
-    pub fn at(self, now: i64) -> Self {
-        let lease = self.lease_until.saturating_sub(self.now);
+    pub fn at(self, now: Millis) -> Self {
+        let lease = self.lease_until.column().saturating_sub(self.now.column());
         Self {
             now,
-            lease_until: now.saturating_add(lease),
+            lease_until: Millis::from_column(now.column().saturating_add(lease)),
             ..self
         }
     }
@@ -119,12 +120,12 @@ pub struct Settlement {
     /// attempt the claim began turned out to be an outage, which is not an attempt.
     pub attempts: u32,
     pub outcome_unknown: bool,
-    pub next_attempt_at: i64,
-    pub finished_at: Option<i64>,
+    pub next_attempt_at: Millis,
+    pub finished_at: Option<Millis>,
     /// When the attempt's send started, where the claim began the attempt earlier (a message
     /// claimed ahead of a free send slot): it replaces the claim's time, so a lookup grace
     /// counts from the send. `None` leaves `last_attempt_at` as it is.
-    pub last_attempt_at: Option<i64>,
+    pub last_attempt_at: Option<Millis>,
 }
 
 /// The columns every read selects, under the names the one row decoder reads them by. A macro,
@@ -193,6 +194,7 @@ impl OutboxColumns {
             index: "status".into(),
             source: format!("unknown outbox status {:?}", self.status).into(),
         })?;
+        let time = |millis| Millis::from_column(millis).into();
         Ok(OutboxRecord {
             id: MessageId::from(self.id),
             topic: self.topic,
@@ -203,11 +205,11 @@ impl OutboxColumns {
             outcome_unknown: self.outcome_unknown,
             receipt: self.receipt,
             last_error: self.last_error,
-            created_at: from_millis(self.created_at),
-            next_attempt_at: from_millis(self.next_attempt_at),
-            last_attempt_at: self.last_attempt_at.map(from_millis),
-            finished_at: self.finished_at.map(from_millis),
-            requeued_at: self.requeued_at.map(from_millis),
+            created_at: time(self.created_at),
+            next_attempt_at: time(self.next_attempt_at),
+            last_attempt_at: self.last_attempt_at.map(time),
+            finished_at: self.finished_at.map(time),
+            requeued_at: self.requeued_at.map(time),
             ordering_key: self.ordering_key,
         })
     }
@@ -309,10 +311,10 @@ macro_rules! outbox_alike {
             pool: &sqlx::Pool<Self>,
             id: $crate::outbox::MessageId,
             token: i64,
-            now: i64,
+            now: $crate::clock::Millis,
         ) -> Result<bool, sqlx::Error> {
             let done = sqlx::query(outbox_sql::BEGIN_ATTEMPT)
-                .bind(now)
+                .bind(now.column())
                 .bind(id.get())
                 .bind(token)
                 .execute(pool)
@@ -322,11 +324,11 @@ macro_rules! outbox_alike {
 
         async fn purge_finished(
             pool: &sqlx::Pool<Self>,
-            before: i64,
+            before: $crate::clock::Millis,
             limit: i64,
         ) -> Result<u64, sqlx::Error> {
             let done = sqlx::query(outbox_sql::PURGE_FINISHED)
-                .bind(before)
+                .bind(before.column())
                 .bind(limit)
                 .execute(pool)
                 .await?;
@@ -336,10 +338,10 @@ macro_rules! outbox_alike {
         async fn requeue(
             pool: &sqlx::Pool<Self>,
             id: $crate::outbox::MessageId,
-            now: i64,
+            now: $crate::clock::Millis,
         ) -> Result<bool, sqlx::Error> {
             let done = sqlx::query(outbox_sql::REQUEUE)
-                .bind(now)
+                .bind(now.column())
                 .bind(id.get())
                 .execute(pool)
                 .await?;
@@ -349,10 +351,10 @@ macro_rules! outbox_alike {
         async fn skip(
             pool: &sqlx::Pool<Self>,
             id: $crate::outbox::MessageId,
-            now: i64,
+            now: $crate::clock::Millis,
         ) -> Result<bool, sqlx::Error> {
             let done = sqlx::query(outbox_sql::SKIP)
-                .bind(now)
+                .bind(now.column())
                 .bind(id.get())
                 .execute(pool)
                 .await?;
@@ -372,14 +374,14 @@ macro_rules! json_batches {
         async fn renew_leases(
             pool: &sqlx::Pool<Self>,
             leases: &[$crate::backend::outbox::Lease],
-            until: i64,
+            until: $crate::clock::Millis,
         ) -> Result<Vec<$crate::outbox::MessageId>, sqlx::Error> {
             if leases.is_empty() {
                 return Ok(Vec::new());
             }
             let held = $crate::backend::outbox::held(leases)?;
             let ids = sqlx::query_scalar::<_, i64>(outbox_sql::RENEW_LEASES)
-                .bind(until)
+                .bind(until.column())
                 .bind(held.as_str())
                 .fetch_all(pool)
                 .await?;
@@ -451,9 +453,10 @@ pub(super) fn outcomes(outcomes: &[(Lease, Settlement)]) -> Result<String, sqlx:
 
 /// Runs a claim: one connection for the probe and the statements after it (each acquire from
 /// the pool costs a round trip of its own, the pool pings the connection it hands out), and the
-/// claim made at the time it has that connection (see [`Claim::at`]).
+/// claim made at the time `clock` reads once it has that connection (see [`Claim::at`]).
 pub(super) async fn claiming<DB, Fut>(
     pool: &sqlx::Pool<DB>,
+    clock: &Clock,
     claim: Claim,
     run: impl FnOnce(sqlx::pool::PoolConnection<DB>, Claim) -> Fut,
 ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>)
@@ -465,7 +468,7 @@ where
         Ok(conn) => conn,
         Err(error) => return (claim, Err(error)),
     };
-    let claim = claim.at(now_millis());
+    let claim = claim.at(clock.now());
     (claim, run(conn, claim).await)
 }
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
@@ -513,9 +516,9 @@ impl<'a> Outcome<'a> {
             last_error: settlement.last_error.as_deref(),
             attempts: settlement.attempts,
             outcome_unknown: settlement.outcome_unknown,
-            next_attempt_at: settlement.next_attempt_at,
-            finished_at: settlement.finished_at,
-            last_attempt_at: settlement.last_attempt_at,
+            next_attempt_at: settlement.next_attempt_at.column(),
+            finished_at: settlement.finished_at.map(Millis::column),
+            last_attempt_at: settlement.last_attempt_at.map(Millis::column),
         }
     }
 }

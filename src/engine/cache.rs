@@ -22,8 +22,9 @@ use std::sync::Arc;
 use quick_cache::Weighter;
 use quick_cache::sync::Cache;
 
+use crate::clock::Millis;
 use crate::fingerprint::Verbatim;
-use crate::record::{Millis, Record, RecordState};
+use crate::record::{Record, RecordState};
 use crate::scope::ScopedKey;
 
 /// What one entry costs besides its headers and body: the key, the record's fixed fields and

@@ -2,10 +2,7 @@
 //! Its holder renews it; once it runs out another caller may take over, asking a recovery hook
 //! first whether the work in fact completed.
 
-use std::collections::hash_map::RandomState;
 use std::future::Future;
-use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::response::{IntoResponse, Response};
@@ -16,9 +13,11 @@ use super::outcome::{Answer, Classification, Execution, Logged, Outcome};
 use super::{Engine, RunError};
 use crate::Backend;
 use crate::backend::Claimed;
+use crate::backoff::random_u64;
+use crate::clock::Millis;
 use crate::error::{Error, Rejection};
 use crate::fingerprint::Fingerprint;
-use crate::record::{LeaseClaim, Millis, NewRecord, RecordState};
+use crate::record::{LeaseClaim, NewRecord, RecordState};
 use crate::scope::{Scope, ScopedKey};
 
 impl<DB: Backend> Engine<DB> {
@@ -282,16 +281,11 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// An id for one lease holder: unique per call, not a secret.
+/// An id for one lease holder: 128 random bits, unique per call, not a secret. Drawn rather
+/// than derived from the time, which a test's clock may hold still.
 fn lease_owner() -> [u8; 16] {
-    static CALLS: AtomicU64 = AtomicU64::new(0);
-    let seed = (
-        CALLS.fetch_add(1, Ordering::Relaxed),
-        Millis::now().column(),
-        std::process::id(),
-    );
     let mut owner = [0; 16];
-    owner[..8].copy_from_slice(&RandomState::new().hash_one(seed).to_be_bytes());
-    owner[8..].copy_from_slice(&RandomState::new().hash_one(seed).to_be_bytes());
+    owner[..8].copy_from_slice(&random_u64().to_be_bytes());
+    owner[8..].copy_from_slice(&random_u64().to_be_bytes());
     owner
 }

@@ -77,10 +77,10 @@ use http::{HeaderName, StatusCode};
 use tracing::Instrument;
 
 use crate::Backend;
+#[cfg(feature = "test-util")]
+use crate::clock::ManualClock;
 use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Verbatim};
-#[cfg(feature = "test-util")]
-use crate::record::{Clock, ManualClock};
 use crate::scope::{IdempotencyContext, Scope, ScopedKey};
 use crate::store::Store;
 use crate::tx::{Tx, TxSlot};
@@ -299,11 +299,12 @@ impl<DB: Backend> Engine<DB> {
 
     /// Reads the time from `clock` instead of the wall clock: retention, leases, the replay
     /// cache and the purge of this engine's store (`engine.store().purge_expired()`) then move
-    /// only when the test moves it. For tests.
+    /// only when the test moves it. Give the same clock to an outbox
+    /// (`Outbox::timed_by`) and its messages age with the records. For tests.
     #[cfg(feature = "test-util")]
     #[must_use]
-    pub fn clock(mut self, clock: ManualClock) -> Self {
-        self.store.set_clock(Clock::Manual(clock));
+    pub fn timed_by(mut self, clock: ManualClock) -> Self {
+        self.store.set_clock(clock.into());
         self
     }
 
@@ -343,20 +344,13 @@ impl<DB: Backend> Engine<DB> {
         R: IntoResponse,
     {
         let judge = self.clone();
-        let answer = self
-            .run_verdict(scope, fingerprint, move |tx| {
-                let worked = work(tx);
-                let judge = judge.clone();
-                async move { judge.judge(worked.await.into_response()).await }
-            })
-            .await;
-        match answer.result {
-            Ok(Execution {
-                response,
-                outcome: Outcome::RolledBack,
-            }) => Err(RunError::Failed(response)),
-            result => result,
-        }
+        self.run_verdict(scope, fingerprint, move |tx| {
+            let worked = work(tx);
+            let judge = judge.clone();
+            async move { judge.judge(worked.await.into_response()).await }
+        })
+        .await
+        .result
     }
 
     /// [`run`](Self::run) for work that gives its [`Verdict`] itself (the inbox), its failure
@@ -394,7 +388,8 @@ impl<DB: Backend> Engine<DB> {
 
     /// [`run`](Self::run) for the layer: `work` gets the intent (the request it carries) with a
     /// transaction slot and the request's context, once per attempt, and its response is
-    /// judged by its status. A retryable response is answered as rolled back, not as an error.
+    /// judged by its status. A retryable response is rolled back and comes back as
+    /// [`RunError::Failed`], which holds it for the client.
     pub(crate) async fn run_in_slot<I, F, Fut, R>(
         &self,
         scope: &Scope,

@@ -43,8 +43,6 @@ pub enum Outcome {
     Executed,
     /// A stored outcome was replayed; the work did not run.
     Replayed,
-    /// The work ran but its outcome was retryable, so everything was rolled back.
-    RolledBack,
     /// A lease that had run out was taken over and the recovery hook found the work done: its
     /// answer was recorded without running the work again.
     Recovered,
@@ -55,7 +53,7 @@ pub enum Outcome {
 pub struct Execution {
     /// The response: as the work produced it, or as stored (plus `Idempotent-Replayed: true`).
     pub response: http::Response<Bytes>,
-    /// Whether it was executed, replayed or rolled back.
+    /// Whether it was executed, replayed or recovered.
     pub outcome: Outcome,
 }
 
@@ -124,12 +122,12 @@ impl<F> Answer<F> {
         }
     }
 
-    /// The work failed and was rolled back: answered with its `response`, its `failure` handed
-    /// back to the caller.
+    /// The work failed and was rolled back: [`RunError::Failed`] with its `response`, its
+    /// `failure` handed back to the caller.
     pub(crate) fn rolled_back(response: http::Response<Bytes>, failure: F, logged: Logged) -> Self {
         Self {
             failure: Some(failure),
-            ..Self::respond(response, Outcome::RolledBack, logged)
+            ..Self::reject(RunError::Failed(response), logged)
         }
     }
 

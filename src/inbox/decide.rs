@@ -59,7 +59,8 @@ impl<DB: Backend> Inbox<DB> {
             (Ok(execution), _) if execution.outcome == Outcome::Replayed => {
                 return Verdict::Duplicate;
             }
-            (Ok(_), Some(failure)) => failure,
+            // The handler failed and its work was rolled back.
+            (_, Some(failure)) => failure,
             (Ok(_), None) => return Verdict::Applied,
             // Another delivery of the key still holds the claim past the wait: come back later
             // and find its outcome, rather than run the handler beside it.

@@ -316,11 +316,11 @@ impl<DB: Backend> IdempotencyLayer<DB> {
         self
     }
 
-    /// See [`Engine::clock`]: the layer's records age only when the test moves `clock`.
+    /// See [`Engine::timed_by`]: the layer's records age only when the test moves `clock`.
     #[cfg(feature = "test-util")]
     #[must_use]
-    pub fn clock(mut self, clock: crate::ManualClock) -> Self {
-        self.engine = self.engine.clock(clock);
+    pub fn timed_by(mut self, clock: crate::ManualClock) -> Self {
+        self.engine = self.engine.timed_by(clock);
         self
     }
 

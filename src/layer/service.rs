@@ -23,7 +23,7 @@ use tower_service::Service;
 use super::IdempotencyLayer;
 use super::principal::BoxFuture;
 use crate::Backend;
-use crate::engine::{Classification, Execution, Intent, RunError, Uncancelled};
+use crate::engine::{Classification, Intent, RunError, Uncancelled};
 use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Fingerprinter, Verbatim};
 use crate::key::IdempotencyKey;
@@ -221,7 +221,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
             body,
         };
         match within(deadline.remaining(), self.claimed(inner, &scope, received)).await {
-            Ok(ran) => Ok(ran?.response.map(Body::from)),
+            Ok(ran) => Ok(ran?.map(Body::from)),
             Err(timeout) => {
                 tracing::warn!(key = %scope.scoped_key(),
                     "no answer within the deadline; answered 503, the attempt finishes on its own");
@@ -281,13 +281,13 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     }
 
     /// Claims the key and runs the handler in its transaction, within the bound on concurrent
-    /// claims.
+    /// claims; the response the client gets, stored, replayed or rolled back.
     async fn claimed<S>(
         &self,
         inner: S,
         scope: &Scope,
         received: Received,
-    ) -> Result<Execution, Rejection>
+    ) -> Result<http::Response<Bytes>, Rejection>
     where
         S: Service<Request<Body>, Error = Infallible> + Clone + Send + 'static,
         S::Response: IntoResponse,
@@ -304,7 +304,8 @@ impl<DB: Backend> IdempotencyLayer<DB> {
         };
         let _held = permit.clone();
         let marker = self.config.marker;
-        self.engine
+        match self
+            .engine
             .run_in_slot(scope, received, move |received, slot, context| {
                 // Built here, not before: a replay answered from the cache never needs it.
                 // Built from copies, since a transaction aborted on a conflict runs again.
@@ -323,7 +324,12 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 }
             })
             .await
-            .map_err(RunError::into_rejection)
+        {
+            Ok(execution) => Ok(execution.response),
+            // Rolled back: the client gets the handler's own answer and may retry with the key.
+            Err(RunError::Failed(response)) => Ok(response),
+            Err(error) => Err(error.into_rejection()),
+        }
     }
 
     /// A request without a key: no claim, but `Tx` still works, resolved by the status.

@@ -162,6 +162,5 @@ pub use http::HttpSender;
 pub use message::{DownstreamKey, InvalidDownstreamKey, Message};
 pub use sender::{LookupOutcome, Reconnected, SendOutcome, Sender};
 pub use status::{MessageId, OutboxRecord, Status};
-pub(crate) use status::{from_millis, now_millis};
 pub use store::Outbox;
 pub use wake::EnqueueTarget;

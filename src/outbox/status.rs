@@ -1,7 +1,7 @@
 //! What the app can read back about a message: its id, its status and its delivery history.
 
 use std::fmt;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
 use serde::de::DeserializeOwned;
 
@@ -124,24 +124,4 @@ impl OutboxRecord {
     pub fn payload_json<T: DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
         serde_json::from_slice(&self.payload)
     }
-}
-
-/// Timestamps are stored as milliseconds since the Unix epoch (a BIGINT on every backend), taken
-/// from the clock of the process that writes them; dispatchers on several hosts therefore assume
-/// clocks kept in sync (NTP), within a small fraction of the lease.
-pub(crate) fn now_millis() -> i64 {
-    to_millis(SystemTime::now())
-}
-
-pub(crate) fn to_millis(time: SystemTime) -> i64 {
-    let since = time.duration_since(UNIX_EPOCH).unwrap_or_default();
-    i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
-}
-
-pub(crate) fn from_millis(millis: i64) -> SystemTime {
-    UNIX_EPOCH + Duration::from_millis(u64::try_from(millis).unwrap_or(0))
-}
-
-pub(crate) fn duration_millis(duration: Duration) -> i64 {
-    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
 }

@@ -7,10 +7,12 @@ use std::time::Duration;
 use sqlx::Pool;
 
 use super::message::valid_ordering_key;
-use super::status::{duration_millis, now_millis};
 use super::wake::{Notify, Wake};
 use super::{DownstreamKey, EnqueueTarget, Error, Message, MessageId, OutboxRecord};
 use crate::Backend;
+#[cfg(feature = "test-util")]
+use crate::ManualClock;
+use crate::clock::{Clock, Millis};
 
 /// The default [`Outbox::retention`]: a week, long past any client's retries of the request
 /// that enqueued a message.
@@ -64,6 +66,9 @@ pub struct Outbox<DB: Backend> {
     writing: Arc<tokio::sync::Mutex<()>>,
     wake: Wake,
     notify: Option<Notify<DB>>,
+    /// What "now" is for enqueuing, delivery, retries, leases, budgets and the purge: the
+    /// wall clock, or a test's.
+    clock: Clock,
 }
 
 impl<DB: Backend> Outbox<DB> {
@@ -77,6 +82,7 @@ impl<DB: Backend> Outbox<DB> {
             retention: DEFAULT_RETENTION,
             wake: Wake::new(),
             notify: None,
+            clock: Clock::System,
         }
     }
 
@@ -116,7 +122,7 @@ impl<DB: Backend> Outbox<DB> {
         }
         let mut target = target;
         let conn = target.connection();
-        if let Some(id) = DB::insert(conn, &message, now_millis()).await? {
+        if let Some(id) = DB::insert(conn, &message, self.now()).await? {
             if let Some(notify) = self.notify {
                 notify(conn).await?;
             }
@@ -174,7 +180,7 @@ impl<DB: Backend> Outbox<DB> {
         let Ok(_running) = self.purging.try_lock() else {
             return Ok(0);
         };
-        let before = now_millis().saturating_sub(duration_millis(self.retention));
+        let before = self.now().before(self.retention);
         let mut purged = 0;
         loop {
             let deleted = DB::purge_finished(&self.pool, before, PURGE_BATCH).await?;
@@ -212,7 +218,7 @@ impl<DB: Backend> Outbox<DB> {
     /// an earlier attempt still applies it once; if its last outcome was unknown, the next
     /// attempt looks it up first.
     pub async fn requeue(&self, id: MessageId) -> Result<bool, Error> {
-        Ok(DB::requeue(&self.pool, id, now_millis()).await?)
+        Ok(DB::requeue(&self.pool, id, self.now()).await?)
     }
 
     /// Sets a failed message aside for good, as [`Status::Skipped`], so that the later
@@ -233,7 +239,7 @@ impl<DB: Backend> Outbox<DB> {
     ///
     /// [`Status::Skipped`]: super::Status::Skipped
     pub async fn skip(&self, id: MessageId) -> Result<bool, Error> {
-        Ok(DB::skip(&self.pool, id, now_millis()).await?)
+        Ok(DB::skip(&self.pool, id, self.now()).await?)
     }
 
     /// The message that holds `id` back, if one does: the first message enqueued before it
@@ -267,8 +273,46 @@ impl<DB: Backend> Outbox<DB> {
         self.wake.wake();
     }
 
+    /// Reads the time from `clock` instead of the wall clock, for this outbox, its clones made
+    /// from now on and their [`Dispatcher`](super::Dispatcher)s: enqueue times, due times,
+    /// retries, leases, lookup graces, time budgets and the purge's retention move only when
+    /// the test moves it. Give the same clock to the engine or layer
+    /// ([`Engine::timed_by`](crate::Engine::timed_by)) and records and messages age together.
+    /// For tests.
+    ///
+    /// Only what is stored is timed by it: a dispatcher still sleeps its poll interval, and
+    /// renews its leases and bounds its sends, in real time.
+    ///
+    /// ```
+    /// # fn run(pool: sqlx::SqlitePool) {
+    /// use std::time::SystemTime;
+    /// use axum_idempotency::ManualClock;
+    /// use axum_idempotency::outbox::Outbox;
+    ///
+    /// let clock = ManualClock::new(SystemTime::now());
+    /// let outbox = Outbox::new(pool).timed_by(clock.clone());
+    /// # let _ = outbox;
+    /// # }
+    /// ```
+    #[cfg(feature = "test-util")]
+    #[must_use]
+    pub fn timed_by(mut self, clock: ManualClock) -> Self {
+        self.clock = clock.into();
+        self
+    }
+
     pub(crate) fn pool(&self) -> &Pool<DB> {
         &self.pool
+    }
+
+    /// The time by this outbox's clock.
+    pub(crate) fn now(&self) -> Millis {
+        self.clock.now()
+    }
+
+    /// The clock this outbox and its dispatchers read.
+    pub(crate) fn clock(&self) -> &Clock {
+        &self.clock
     }
 
     pub(crate) fn wake_signal(&self) -> &Wake {
@@ -296,6 +340,7 @@ impl<DB: Backend> Clone for Outbox<DB> {
             writing: Arc::clone(&self.writing),
             wake: self.wake.clone(),
             notify: self.notify,
+            clock: self.clock.clone(),
         }
     }
 }

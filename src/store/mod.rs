@@ -33,8 +33,9 @@ use sqlx::{Pool, Transaction};
 use tokio::sync::OnceCell;
 
 use crate::backend::{Backend, Claimed, PurgePace};
+use crate::clock::{Clock, Millis};
 use crate::error::Error;
-use crate::record::{Clock, LeaseClaim, Millis, NewRecord, Record, RecordState, StoredResponse};
+use crate::record::{LeaseClaim, NewRecord, Record, RecordState, StoredResponse};
 use crate::scope::ScopedKey;
 
 pub(crate) use crate::backend::{is_conflict_abort, is_unreachable};

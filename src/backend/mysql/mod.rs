@@ -21,10 +21,13 @@ use super::outbox::{
     Claim, ClaimedMessage, Lease, Settlement, Topics, claiming, outbox_alike, outbox_decoder,
 };
 use super::{Claimed, PurgePace, Storage, alike, bound, identity_values, lifetime_values};
+#[cfg(feature = "outbox")]
+use crate::clock::Clock;
+use crate::clock::Millis;
 use crate::error::Error;
 #[cfg(feature = "outbox")]
-use crate::outbox::{Message, MessageId, OutboxRecord, from_millis};
-use crate::record::{Millis, NewRecord, StoredResponse};
+use crate::outbox::{Message, MessageId, OutboxRecord};
+use crate::record::{NewRecord, StoredResponse};
 use crate::scope::ScopedKey;
 
 bound!(MySql);
@@ -222,7 +225,7 @@ impl Storage for MySql {
     async fn insert(
         conn: &mut MySqlConnection,
         message: &Message,
-        now: i64,
+        now: Millis,
     ) -> Result<Option<MessageId>, sqlx::Error> {
         if let Some(key) = message.ordering() {
             sqlx::query(outbox_sql::ORDER_LOCK)
@@ -235,8 +238,8 @@ impl Storage for MySql {
             .bind(message.topic())
             .bind(message.key().as_str())
             .bind(message.payload())
-            .bind(now)
-            .bind(now)
+            .bind(now.column())
+            .bind(now.column())
             .bind(message.ordering())
             .execute(conn)
             .await;
@@ -254,15 +257,16 @@ impl Storage for MySql {
     #[cfg(feature = "outbox")]
     async fn claim_due(
         pool: &Pool<Self>,
+        clock: &Clock,
         claim: Claim,
         topics: &Topics,
     ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>) {
-        claiming(pool, claim, |mut conn, claim| async move {
+        claiming(pool, clock, claim, |mut conn, claim| async move {
             let skipped = topics.skipped_json()?;
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
             let rows = sqlx::query(outbox_sql::CLAIM_SELECT)
-                .bind(claim.now)
-                .bind(claim.now)
+                .bind(claim.now.column())
+                .bind(claim.now.column())
                 .bind(skipped)
                 .bind(topics.only())
                 .bind(topics.only())
@@ -283,7 +287,7 @@ impl Storage for MySql {
     async fn renew_leases(
         pool: &Pool<Self>,
         leases: &[Lease],
-        until: i64,
+        until: Millis,
     ) -> Result<Vec<MessageId>, sqlx::Error> {
         per_lease(pool, outbox_sql::RENEW_LEASES, leases, Some(until)).await
     }
@@ -316,9 +320,9 @@ impl Storage for MySql {
                 .bind(settlement.last_error.as_deref())
                 .bind(i64::from(settlement.attempts))
                 .bind(settlement.outcome_unknown)
-                .bind(settlement.next_attempt_at)
-                .bind(settlement.finished_at)
-                .bind(settlement.last_attempt_at)
+                .bind(settlement.next_attempt_at.column())
+                .bind(settlement.finished_at.map(Millis::column))
+                .bind(settlement.last_attempt_at.map(Millis::column))
                 .bind(lease.id.get())
                 .bind(lease.token)
                 .execute(&mut *tx)
@@ -452,12 +456,12 @@ async fn lease_locked(
     let attempt_begun = claim.begins(&record);
     let lease = if attempt_begun {
         sqlx::query(outbox_sql::CLAIM_BEGIN)
-            .bind(claim.lease_until)
+            .bind(claim.lease_until.column())
             .bind(claim.token)
-            .bind(claim.now)
+            .bind(claim.now.column())
     } else {
         sqlx::query(outbox_sql::CLAIM_HOLD)
-            .bind(claim.lease_until)
+            .bind(claim.lease_until.column())
             .bind(claim.token)
     };
     lease.bind(record.id.get()).execute(tx).await?;
@@ -465,7 +469,7 @@ async fn lease_locked(
         // What `CLAIM_BEGIN` wrote, so the record matches the row.
         record.attempts += 1;
         record.outcome_unknown = true;
-        record.last_attempt_at = Some(from_millis(claim.now));
+        record.last_attempt_at = Some(claim.now.into());
     }
     Ok(ClaimedMessage {
         record,
@@ -480,7 +484,7 @@ async fn per_lease(
     pool: &Pool<MySql>,
     sql: &'static str,
     leases: &[Lease],
-    until: Option<i64>,
+    until: Option<Millis>,
 ) -> Result<Vec<MessageId>, sqlx::Error> {
     if leases.is_empty() {
         return Ok(Vec::new());
@@ -490,7 +494,7 @@ async fn per_lease(
     for lease in leases {
         let mut query = sqlx::query(sql);
         if let Some(until) = until {
-            query = query.bind(until);
+            query = query.bind(until.column());
         }
         let done = query
             .bind(lease.id.get())

@@ -24,10 +24,13 @@ use super::outbox::{
     Claim, ClaimedMessage, Topics, claiming, json_batches, outbox_alike, outbox_decoder,
 };
 use super::{Claimed, Storage, alike, bound, record_values};
+#[cfg(feature = "outbox")]
+use crate::clock::Clock;
+use crate::clock::Millis;
 use crate::error::Error;
 #[cfg(feature = "outbox")]
 use crate::outbox::{Message, MessageId};
-use crate::record::{Millis, NewRecord, StoredResponse};
+use crate::record::{NewRecord, StoredResponse};
 use crate::scope::ScopedKey;
 
 bound!(Postgres);
@@ -292,7 +295,7 @@ impl Storage for Postgres {
     async fn insert(
         conn: &mut PgConnection,
         message: &Message,
-        now: i64,
+        now: Millis,
     ) -> Result<Option<MessageId>, sqlx::Error> {
         if let Some(key) = message.ordering() {
             sqlx::query(outbox_sql::ORDER_LOCK)
@@ -304,8 +307,8 @@ impl Storage for Postgres {
             .bind(message.topic())
             .bind(message.key().as_str())
             .bind(message.payload())
-            .bind(now)
-            .bind(now)
+            .bind(now.column())
+            .bind(now.column())
             .bind(message.ordering())
             .fetch_optional(conn)
             .await?;
@@ -317,18 +320,19 @@ impl Storage for Postgres {
     #[cfg(feature = "outbox")]
     async fn claim_due(
         pool: &Pool<Self>,
+        clock: &Clock,
         claim: Claim,
         topics: &Topics,
     ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>) {
-        claiming(pool, claim, |mut conn, claim| async move {
+        claiming(pool, clock, claim, |mut conn, claim| async move {
             let sql = match topics {
                 Topics::Except(_) => outbox_sql::CLAIM,
                 Topics::Only(_) => outbox_sql::CLAIM_TOPIC,
             };
             let query = sqlx::query(sql)
-                .bind(claim.lease_until)
+                .bind(claim.lease_until.column())
                 .bind(claim.token)
-                .bind(claim.now)
+                .bind(claim.now.column())
                 .bind(claim.limit)
                 .bind(claim.max_attempts);
             let query = match topics {

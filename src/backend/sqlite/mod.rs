@@ -23,10 +23,13 @@ use super::outbox::{
     Claim, ClaimedMessage, Topics, claiming, json_batches, outbox_alike, outbox_decoder,
 };
 use super::{Claimed, PurgePace, Storage, alike, bound, record_values};
+#[cfg(feature = "outbox")]
+use crate::clock::Clock;
+use crate::clock::Millis;
 use crate::error::Error;
 #[cfg(feature = "outbox")]
 use crate::outbox::{Message, MessageId};
-use crate::record::{Millis, NewRecord};
+use crate::record::NewRecord;
 use crate::scope::ScopedKey;
 
 bound!(Sqlite);
@@ -216,15 +219,15 @@ impl Storage for Sqlite {
     async fn insert(
         conn: &mut SqliteConnection,
         message: &Message,
-        now: i64,
+        now: Millis,
     ) -> Result<Option<MessageId>, sqlx::Error> {
         // The single writer already orders the ids of one key as their transactions commit.
         let id: Option<i64> = sqlx::query_scalar(outbox_sql::INSERT)
             .bind(message.topic())
             .bind(message.key().as_str())
             .bind(message.payload())
-            .bind(now)
-            .bind(now)
+            .bind(now.column())
+            .bind(now.column())
             .bind(message.ordering())
             .fetch_optional(conn)
             .await?;
@@ -237,15 +240,16 @@ impl Storage for Sqlite {
     #[cfg(feature = "outbox")]
     async fn claim_due(
         pool: &Pool<Self>,
+        clock: &Clock,
         claim: Claim,
         topics: &Topics,
     ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>) {
-        claiming(pool, claim, |mut conn, claim| async move {
+        claiming(pool, clock, claim, |mut conn, claim| async move {
             let skipped = topics.skipped_json()?;
             let only = topics.only();
             if claim.probe {
                 let due: bool = sqlx::query_scalar(outbox_sql::CLAIM_PROBE)
-                    .bind(claim.now)
+                    .bind(claim.now.column())
                     .bind(skipped.as_str())
                     .bind(only)
                     .fetch_one(&mut *conn)
@@ -256,9 +260,9 @@ impl Storage for Sqlite {
             }
             let update = |sql, limit: i64| {
                 sqlx::query(sql)
-                    .bind(claim.lease_until)
+                    .bind(claim.lease_until.column())
                     .bind(claim.token)
-                    .bind(claim.now)
+                    .bind(claim.now.column())
                     .bind(limit)
                     .bind(claim.max_attempts)
                     .bind(skipped.as_str())

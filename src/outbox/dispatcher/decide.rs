@@ -6,11 +6,11 @@
 //! I/O and no clock reads, so that they can be tested, and explored, without a database. The
 //! only draw is the backoffs' jitter.
 
-use std::time::Duration;
+use std::time::{Duration, UNIX_EPOCH};
 
 use crate::backend::{ClaimedMessage as Claimed, Settlement};
 use crate::backoff::Backoff;
-use crate::outbox::status::{duration_millis, to_millis};
+use crate::clock::Millis;
 use crate::outbox::{LookupOutcome, OutboxRecord, SendOutcome, Status};
 
 /// The dispatcher's settings that its decisions depend on.
@@ -87,7 +87,7 @@ pub(crate) fn before_send(
     record: &OutboxRecord,
     attempt_begun: bool,
     looked_up: bool,
-    now: i64,
+    now: Millis,
 ) -> Step {
     let last = record.last_error.as_deref();
     if attempt_begun {
@@ -122,7 +122,7 @@ pub(crate) fn settle_outcome(
     policy: &Policy,
     record: &OutboxRecord,
     outcome: SendOutcome,
-    now: i64,
+    now: Millis,
 ) -> Attempted {
     let attempts = record.attempts;
     match outcome {
@@ -137,13 +137,13 @@ pub(crate) fn settle_outcome(
             if let Some(reason) = past_budget(policy, record, now, Some(&reason)) {
                 return give_up(GiveUp::Budget, attempts, reason, now);
             }
-            let at = now.saturating_add(delay(policy, attempts, after));
+            let at = now.after(delay(policy, attempts, after));
             retry_at(at, Some(reason), false, attempts).into()
         }
         // Even on the last attempt or past the budget: the next claim looks it up before
         // deciding to fail.
         SendOutcome::Unknown { reason } => {
-            let at = now.saturating_add(delay(policy, attempts, None));
+            let at = now.after(delay(policy, attempts, None));
             retry_at(at, Some(reason), true, attempts).into()
         }
     }
@@ -156,14 +156,14 @@ fn outage(
     record: &OutboxRecord,
     after: Option<Duration>,
     reason: String,
-    now: i64,
+    now: Millis,
 ) -> Attempted {
     let attempts = record.attempts.saturating_sub(1);
     let reason = format!("unavailable: {reason}");
     if let Some(reason) = past_budget(policy, record, now, Some(&reason)) {
         return give_up(GiveUp::Budget, attempts, reason, now);
     }
-    let at = now.saturating_add(duration_millis(after.unwrap_or_default()));
+    let at = now.after(after.unwrap_or_default());
     Attempted {
         settlement: retry_at(at, Some(reason.clone()), false, attempts),
         outage: Some(Outage { after, reason }),
@@ -178,16 +178,16 @@ pub(crate) fn after_lookup(
     policy: &Policy,
     record: &OutboxRecord,
     found: Option<LookupOutcome>,
-    now: i64,
+    now: Millis,
 ) -> Option<Settlement> {
     let attempts = record.attempts;
-    let again = || now.saturating_add(delay(policy, attempts, None));
+    let again = || now.after(delay(policy, attempts, None));
     match found {
         // The downstream has it: the effect happened once and nothing is resent.
         Some(LookupOutcome::Found { receipt }) => Some(delivered(receipt, now, attempts)),
         Some(LookupOutcome::NotFound) => {
-            let last = record.last_attempt_at.map_or(0, to_millis);
-            let grace_ends = last.saturating_add(duration_millis(policy.lookup_grace));
+            let last = Millis::from(record.last_attempt_at.unwrap_or(UNIX_EPOCH));
+            let grace_ends = last.after(policy.lookup_grace);
             (now < grace_ends)
                 .then(|| retry_at(grace_ends, record.last_error.clone(), true, attempts))
         }
@@ -210,15 +210,15 @@ pub(crate) fn next_probe(
     policy: &Policy,
     probes: u32,
     retry_after: Option<Duration>,
-    now: i64,
-) -> i64 {
+    now: Millis,
+) -> Millis {
     let wait = policy.probe_backoff.delay(probes);
-    now.saturating_add(duration_millis(wait.max(retry_after.unwrap_or_default())))
+    now.after(wait.max(retry_after.unwrap_or_default()))
 }
 
 /// A claimed message given back unsent, due at `until`: the attempt its claim began is not
 /// counted.
-pub(crate) fn given_back(message: Claimed, until: i64) -> Settlement {
+pub(crate) fn given_back(message: Claimed, until: Millis) -> Settlement {
     let Claimed {
         record,
         attempt_begun,
@@ -236,12 +236,11 @@ pub(crate) fn given_back(message: Claimed, until: i64) -> Settlement {
 fn past_budget(
     policy: &Policy,
     record: &OutboxRecord,
-    now: i64,
+    now: Millis,
     last: Option<&str>,
 ) -> Option<String> {
-    let since = record.requeued_at.unwrap_or(record.created_at);
-    let age = now.saturating_sub(to_millis(since));
-    (age >= duration_millis(policy.give_up_after)).then(|| {
+    let since = Millis::from(record.requeued_at.unwrap_or(record.created_at));
+    (now >= since.after(policy.give_up_after)).then(|| {
         let last = last.unwrap_or("no error recorded");
         format!(
             "gave up after {:?}, the time budget; last: {last}",
@@ -263,13 +262,13 @@ fn out_of_attempts(record: &OutboxRecord, unknown: bool, last: Option<&str>) -> 
     }
 }
 
-/// The wait before attempt `attempt + 1`, in milliseconds, never shorter than `retry_after`.
-fn delay(policy: &Policy, attempt: u32, retry_after: Option<Duration>) -> i64 {
+/// The wait before attempt `attempt + 1`, never shorter than `retry_after`.
+fn delay(policy: &Policy, attempt: u32, retry_after: Option<Duration>) -> Duration {
     let wait = policy.backoff.delay(attempt);
-    duration_millis(wait.max(retry_after.unwrap_or_default()))
+    wait.max(retry_after.unwrap_or_default())
 }
 
-fn give_up(why: GiveUp, attempts: u32, reason: String, now: i64) -> Attempted {
+fn give_up(why: GiveUp, attempts: u32, reason: String, now: Millis) -> Attempted {
     Attempted {
         settlement: Settlement {
             status: Status::Failed,
@@ -286,7 +285,7 @@ fn give_up(why: GiveUp, attempts: u32, reason: String, now: i64) -> Attempted {
     }
 }
 
-fn delivered(receipt: String, now: i64, attempts: u32) -> Settlement {
+fn delivered(receipt: String, now: Millis, attempts: u32) -> Settlement {
     Settlement {
         status: Status::Delivered,
         receipt: Some(receipt),
@@ -300,7 +299,7 @@ fn delivered(receipt: String, now: i64, attempts: u32) -> Settlement {
 }
 
 fn retry_at(
-    at: i64,
+    at: Millis,
     last_error: Option<String>,
     outcome_unknown: bool,
     attempts: u32,
@@ -321,11 +320,16 @@ fn retry_at(
 mod tests {
     use super::*;
     use crate::outbox::DownstreamKey;
-    use crate::outbox::status::from_millis;
 
     const HOUR: i64 = 60 * 60 * 1000;
-    /// When the test messages were enqueued.
-    const T0: i64 = 1_000_000_000_000;
+    /// When the test messages were enqueued, in milliseconds since the epoch.
+    const T0_MS: i64 = 1_000_000_000_000;
+    const T0: Millis = Millis::from_column(T0_MS);
+
+    /// `ms` milliseconds after `T0`.
+    fn at(ms: i64) -> Millis {
+        Millis::from_column(T0_MS + ms)
+    }
 
     fn policy() -> Policy {
         Policy {
@@ -349,8 +353,8 @@ mod tests {
             outcome_unknown,
             receipt: None,
             last_error: Some("earlier".to_owned()),
-            created_at: from_millis(T0),
-            next_attempt_at: from_millis(T0),
+            created_at: T0.into(),
+            next_attempt_at: T0.into(),
             last_attempt_at: None,
             finished_at: None,
             requeued_at: None,
@@ -373,41 +377,41 @@ mod tests {
 
     #[test]
     fn an_attempt_the_claim_began_is_sent_within_the_budget() {
-        let step = before_send(&policy(), &record(1, true), true, false, T0 + 1);
+        let step = before_send(&policy(), &record(1, true), true, false, at(1));
         assert!(matches!(step, Step::Send));
     }
 
     #[test]
     fn an_attempt_the_claim_began_past_the_budget_fails_uncounted() {
-        let step = before_send(&policy(), &record(2, true), true, false, T0 + 6 * HOUR);
+        let step = before_send(&policy(), &record(2, true), true, false, at(6 * HOUR));
         assert_eq!(gave_up(step), (GiveUp::Budget, 1));
     }
 
     #[test]
     fn an_unknown_outcome_is_looked_up_first_even_past_every_limit() {
-        let step = before_send(&policy(), &record(3, true), false, false, T0 + 7 * HOUR);
+        let step = before_send(&policy(), &record(3, true), false, false, at(7 * HOUR));
         assert!(matches!(step, Step::LookUp));
     }
 
     #[test]
     fn a_lookup_that_found_nothing_leads_to_an_attempt() {
-        let step = before_send(&policy(), &record(1, true), false, true, T0 + 1);
+        let step = before_send(&policy(), &record(1, true), false, true, at(1));
         assert!(matches!(step, Step::BeginAttempt));
     }
 
     #[test]
     fn a_message_out_of_attempts_or_budget_fails_before_its_send() {
-        let out = before_send(&policy(), &record(3, true), false, true, T0 + 1);
+        let out = before_send(&policy(), &record(3, true), false, true, at(1));
         assert_eq!(gave_up(out), (GiveUp::Attempts, 3));
-        let late = before_send(&policy(), &record(1, false), false, false, T0 + 6 * HOUR);
+        let late = before_send(&policy(), &record(1, false), false, false, at(6 * HOUR));
         assert_eq!(gave_up(late), (GiveUp::Budget, 1));
     }
 
     #[test]
     fn the_budget_counts_from_a_requeue() {
         let mut requeued = record(1, false);
-        requeued.requeued_at = Some(from_millis(T0 + 5 * HOUR));
-        let step = before_send(&policy(), &requeued, false, false, T0 + 6 * HOUR);
+        requeued.requeued_at = Some(at(5 * HOUR).into());
+        let step = before_send(&policy(), &requeued, false, false, at(6 * HOUR));
         assert!(matches!(step, Step::BeginAttempt));
     }
 
@@ -416,13 +420,13 @@ mod tests {
         let outcome = SendOutcome::Delivered {
             receipt: "r".to_owned(),
         };
-        let attempted = settle_outcome(&policy(), &record(1, true), outcome, T0 + 5);
+        let attempted = settle_outcome(&policy(), &record(1, true), outcome, at(5));
         let settlement = attempted.settlement;
         assert_eq!(settlement.status, Status::Delivered);
         assert_eq!(settlement.receipt.as_deref(), Some("r"));
         assert_eq!(
             (settlement.attempts, settlement.finished_at),
-            (1, Some(T0 + 5))
+            (1, Some(at(5)))
         );
         assert!(attempted.gave_up.is_none() && attempted.outage.is_none());
     }
@@ -450,7 +454,7 @@ mod tests {
             (settlement.status, settlement.attempts),
             (Status::Pending, 2)
         );
-        assert_eq!(settlement.next_attempt_at, T0 + 5_000);
+        assert_eq!(settlement.next_attempt_at, at(5_000));
         assert!(!settlement.outcome_unknown);
         assert!(attempted.outage.is_some() && attempted.gave_up.is_none());
     }
@@ -461,7 +465,7 @@ mod tests {
             after: None,
             reason: "down".to_owned(),
         };
-        let attempted = settle_outcome(&policy(), &record(2, true), outcome, T0 + 6 * HOUR);
+        let attempted = settle_outcome(&policy(), &record(2, true), outcome, at(6 * HOUR));
         assert_eq!(attempted.gave_up, Some(GiveUp::Budget));
         assert_eq!(attempted.settlement.attempts, 1);
         assert!(attempted.outage.is_none());
@@ -479,7 +483,7 @@ mod tests {
             (settlement.status, settlement.attempts),
             (Status::Pending, 1)
         );
-        assert_eq!(settlement.next_attempt_at, T0 + 2_000);
+        assert_eq!(settlement.next_attempt_at, at(2_000));
         assert!(!settlement.outcome_unknown);
     }
 
@@ -492,7 +496,7 @@ mod tests {
         let last = settle_outcome(&policy(), &record(3, true), retry(), T0);
         assert_eq!(last.gave_up, Some(GiveUp::Attempts));
         assert_eq!(last.settlement.attempts, 3);
-        let late = settle_outcome(&policy(), &record(1, true), retry(), T0 + 6 * HOUR);
+        let late = settle_outcome(&policy(), &record(1, true), retry(), at(6 * HOUR));
         assert_eq!(late.gave_up, Some(GiveUp::Budget));
     }
 
@@ -501,7 +505,7 @@ mod tests {
         let outcome = SendOutcome::Unknown {
             reason: "timeout".to_owned(),
         };
-        let attempted = settle_outcome(&policy(), &record(3, true), outcome, T0 + 7 * HOUR);
+        let attempted = settle_outcome(&policy(), &record(3, true), outcome, at(7 * HOUR));
         let settlement = &attempted.settlement;
         assert_eq!(
             (settlement.status, settlement.attempts),
@@ -525,12 +529,12 @@ mod tests {
     #[test]
     fn not_found_within_the_grace_waits_for_its_end_and_resends_after_it() {
         let mut sent = record(1, true);
-        sent.last_attempt_at = Some(from_millis(T0));
-        let within = after_lookup(&policy(), &sent, Some(LookupOutcome::NotFound), T0 + 1_000);
+        sent.last_attempt_at = Some(T0.into());
+        let within = after_lookup(&policy(), &sent, Some(LookupOutcome::NotFound), at(1_000));
         let within = within.expect("waits");
-        assert_eq!(within.next_attempt_at, T0 + 60_000);
+        assert_eq!(within.next_attempt_at, at(60_000));
         assert!(within.outcome_unknown);
-        let after = after_lookup(&policy(), &sent, Some(LookupOutcome::NotFound), T0 + 60_000);
+        let after = after_lookup(&policy(), &sent, Some(LookupOutcome::NotFound), at(60_000));
         assert!(after.is_none());
     }
 
@@ -559,11 +563,14 @@ mod tests {
     #[test]
     fn probes_back_off_up_to_thirty_seconds_but_never_before_retry_after() {
         for probes in [1, 5, 50] {
-            let at = next_probe(&policy(), probes, None, T0);
-            assert!((T0..=T0 + 30_000).contains(&at), "probe {probes} at {at}");
+            let probe = next_probe(&policy(), probes, None, T0);
+            assert!(
+                (T0..=at(30_000)).contains(&probe),
+                "probe {probes} at {probe:?}"
+            );
         }
         let long = Some(Duration::from_secs(90));
-        assert!(next_probe(&policy(), 1, long, T0) >= T0 + 90_000);
+        assert!(next_probe(&policy(), 1, long, T0) >= at(90_000));
     }
 
     #[test]
@@ -572,12 +579,12 @@ mod tests {
             record: record(2, true),
             attempt_begun: true,
         };
-        let settlement = given_back(begun, T0 + 9);
+        let settlement = given_back(begun, at(9));
         assert_eq!(
             (settlement.attempts, settlement.outcome_unknown),
             (1, false)
         );
-        assert_eq!(settlement.next_attempt_at, T0 + 9);
+        assert_eq!(settlement.next_attempt_at, at(9));
         let unknown = Claimed {
             record: record(2, true),
             attempt_begun: false,

@@ -14,7 +14,7 @@ use super::metrics;
 use crate::Backend;
 use crate::backend::{Claim, ClaimedMessage as Claimed, Lease, Settlement, Topics};
 use crate::backoff::random_u64;
-use crate::outbox::status::{duration_millis, from_millis, now_millis};
+use crate::clock::Millis;
 use crate::outbox::{LookupOutcome, MessageId, Outbox, OutboxRecord, SendOutcome, Sender};
 
 /// What a write reports: the messages whose lease it still found.
@@ -53,9 +53,14 @@ impl<DB: Backend, S: Sender> Flight<DB, S> {
         self.lease / 3
     }
 
+    /// The time by the outbox's clock: every decision about a message is made at it.
+    pub(super) fn now(&self) -> Millis {
+        self.outbox.now()
+    }
+
     /// When a lease taken or renewed at `now` runs out.
-    pub(super) fn lease_until(&self, now: i64) -> i64 {
-        now.saturating_add(duration_millis(self.lease))
+    pub(super) fn lease_until(&self, now: Millis) -> Millis {
+        now.after(self.lease)
     }
 
     /// Leases up to `limit` due messages of `topics`, beginning the attempts of those sent
@@ -67,7 +72,7 @@ impl<DB: Backend, S: Sender> Flight<DB, S> {
         probe: bool,
         topics: &Topics,
     ) -> (Claim, Result<Vec<Claimed>, sqlx::Error>) {
-        let now = now_millis();
+        let now = self.now();
         let claim = Claim {
             now,
             lease_until: self.lease_until(now),
@@ -78,7 +83,7 @@ impl<DB: Backend, S: Sender> Flight<DB, S> {
             probe,
         };
         let _turn = self.outbox.write_turn().await;
-        DB::claim_due(self.outbox.pool(), claim, topics).await
+        DB::claim_due(self.outbox.pool(), self.outbox.clock(), claim, topics).await
     }
 
     /// Takes a claimed message through what it needs (a lookup, a send, or failing for good)
@@ -90,7 +95,7 @@ impl<DB: Backend, S: Sender> Flight<DB, S> {
         } = claimed;
         let mut looked_up = false;
         loop {
-            let now = now_millis();
+            let now = self.now();
             match decide::before_send(&self.policy, &record, attempt_begun, looked_up, now) {
                 Step::LookUp => {
                     looked_up = true;
@@ -118,15 +123,15 @@ impl<DB: Backend, S: Sender> Flight<DB, S> {
     async fn send(&self, mut record: OutboxRecord) -> Attempted {
         // A message claimed ahead of a free send slot waited after its claim began the
         // attempt; the attempt starts now, and its outcome records so.
-        let started = now_millis();
-        record.last_attempt_at = Some(from_millis(started));
+        let started = self.now();
+        record.last_attempt_at = Some(started.into());
         let outcome = self
             .bounded(self.sender.send(&record))
             .await
             .unwrap_or_else(|| SendOutcome::Unknown {
                 reason: format!("no answer within {:?}", self.send_timeout),
             });
-        let mut attempted = decide::settle_outcome(&self.policy, &record, outcome, now_millis());
+        let mut attempted = decide::settle_outcome(&self.policy, &record, outcome, self.now());
         attempted.settlement.last_attempt_at = Some(started);
         report(&record, attempted)
     }
@@ -143,7 +148,7 @@ impl<DB: Backend, S: Sender> Flight<DB, S> {
                 "outbox message found delivered by a lookup; not resent"
             );
         }
-        decide::after_lookup(&self.policy, record, found, now_millis())
+        decide::after_lookup(&self.policy, record, found, self.now())
     }
 
     /// Counts an attempt under the lease `token`; `false` when the lease was lost.
@@ -151,7 +156,7 @@ impl<DB: Backend, S: Sender> Flight<DB, S> {
         &self,
         id: MessageId,
         token: i64,
-        now: i64,
+        now: Millis,
     ) -> Result<bool, sqlx::Error> {
         let _turn = self.outbox.write_turn().await;
         DB::begin_attempt(self.outbox.pool(), id, token, now).await
@@ -164,7 +169,7 @@ impl<DB: Backend, S: Sender> Flight<DB, S> {
     }
 
     /// Extends `leases` until `until`.
-    pub(super) async fn renew(&self, leases: &[Lease], until: i64) -> Written {
+    pub(super) async fn renew(&self, leases: &[Lease], until: Millis) -> Written {
         let _turn = self.outbox.write_turn().await;
         DB::renew_leases(self.outbox.pool(), leases, until).await
     }

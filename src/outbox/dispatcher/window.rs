@@ -40,8 +40,8 @@ use super::metrics;
 use super::sleep_until;
 use crate::Backend;
 use crate::backend::{Claim, ClaimedMessage as Claimed, Lease, Settlement, Topics};
+use crate::clock::Millis;
 use crate::outbox::Sender;
-use crate::outbox::status::{now_millis, to_millis};
 
 type Op<'d, T> = Pin<Box<dyn Future<Output = T> + Send + 'd>>;
 
@@ -52,7 +52,7 @@ type Op<'d, T> = Pin<Box<dyn Future<Output = T> + Send + 'd>>;
 /// old lease's report must not touch the new one.
 struct Held {
     /// The lease's expiry as last written.
-    until: i64,
+    until: Millis,
     /// Its outcome is being written: a renewal that no longer finds the lease raced the settle.
     settling: bool,
     /// Another dispatcher took it over; its outcome is not recorded.
@@ -64,7 +64,7 @@ pub(super) enum Event {
     Claimed(Claim, Topics, Result<Vec<Claimed>, sqlx::Error>),
     Sent(Lease, String, Sent),
     Settled(Vec<Lease>, Written),
-    Renewed(Vec<Lease>, i64, Written),
+    Renewed(Vec<Lease>, Millis, Written),
     Released(Vec<Lease>, Written),
     RenewalDue,
     /// The sender's client reconnected.
@@ -79,8 +79,8 @@ struct Paused {
     since: Instant,
     /// How many sends found it unavailable: the first outage, then each probe.
     probes: u32,
-    /// When the next probe may be claimed, in the stored timestamps' milliseconds.
-    until: i64,
+    /// When the next probe may be claimed, by the outbox's clock.
+    until: Millis,
     /// The destination's `Retry-After` when it last said it was unavailable, if it gave one.
     retry_after: Option<Duration>,
     probe: Probe,
@@ -269,7 +269,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         if self.stopping || !self.probing {
             return;
         }
-        let now = now_millis();
+        let now = self.flight.now();
         let mut due = Vec::new();
         for (topic, paused) in &mut self.paused {
             if paused.probe == Probe::Waiting && paused.until <= now {
@@ -291,8 +291,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             .filter(|paused| paused.probe == Probe::Waiting)
             .map(|paused| paused.until)
             .min()?;
-        let wait = u64::try_from(until.saturating_sub(now_millis())).unwrap_or(0);
-        Some(Instant::now() + Duration::from_millis(wait))
+        Some(Instant::now() + self.flight.now().until(until))
     }
 
     /// Starts the waiting messages that the free send slots take, oldest first. One whose lease
@@ -334,7 +333,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// Gives a claimed message back to the database unsent, due as it was, the attempt its
     /// claim began not counted.
     fn put_back(&mut self, lease: Lease, message: Claimed) {
-        let due = to_millis(message.record.next_attempt_at);
+        let due = Millis::from(message.record.next_attempt_at);
         self.outcomes
             .push((lease, decide::given_back(message, due)));
     }
@@ -352,7 +351,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             }
             return;
         };
-        let now = now_millis();
+        let now = self.flight.now();
         match self.paused.get_mut(topic) {
             None => self.pause(topic, outage, now),
             Some(paused) if probing => {
@@ -370,7 +369,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
 
     /// Pauses `topic`, whose destination a send found unavailable at `now`: the claims leave it
     /// out from now on, and its messages waiting for a send slot go back, due as they were.
-    fn pause(&mut self, topic: &str, outage: &Outage, now: i64) {
+    fn pause(&mut self, topic: &str, outage: &Outage, now: Millis) {
         tracing::warn!(
             topic,
             reason = %outage.reason,
@@ -402,7 +401,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         if let Some(paused) = self.paused.get_mut(topic) {
             paused.probe = Probe::Waiting;
             let (probes, after) = (paused.probes, paused.retry_after);
-            paused.until = decide::next_probe(&self.flight.policy, probes, after, now_millis());
+            paused.until = decide::next_probe(&self.flight.policy, probes, after, self.flight.now());
         }
     }
 
@@ -413,7 +412,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             && paused.probe == Probe::Sending(lease)
         {
             paused.probe = Probe::Waiting;
-            paused.until = now_millis();
+            paused.until = self.flight.now();
         }
     }
 
@@ -435,7 +434,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// The sender's client reconnected: each paused topic whose probe waits is probed now
     /// rather than at its backoff's time.
     fn probe_now(&mut self) {
-        let now = now_millis();
+        let now = self.flight.now();
         for (topic, paused) in &mut self.paused {
             if paused.probe == Probe::Waiting && paused.until > now {
                 tracing::debug!(
@@ -473,7 +472,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     fn renew(&mut self) {
         let flight = self.flight;
         self.next_renewal = Instant::now() + flight.renewal_interval();
-        let until = flight.lease_until(now_millis());
+        let until = flight.lease_until(flight.now());
         // Only leases the renewal moves later: one claimed this very millisecond needs none.
         let leases: Vec<_> = self
             .held
@@ -667,7 +666,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     }
 
     /// Extends the leases a renewal found still held; one not found was taken over.
-    fn renewed(&mut self, leases: Vec<Lease>, until: i64, written: Written) {
+    fn renewed(&mut self, leases: Vec<Lease>, until: Millis, written: Written) {
         let renewed = match written {
             Ok(renewed) => renewed.into_iter().collect::<HashSet<_>>(),
             Err(error) => {

@@ -9,11 +9,12 @@ use http::{Request, StatusCode};
 
 use super::{now_ms, unique};
 use crate::Backend;
+use crate::clock::Millis;
 use crate::engine::{Engine, Outcome, RunError};
 use crate::error::Rejection;
 use crate::fingerprint::{Fingerprint, Fingerprinter};
 use crate::key::IdempotencyKey;
-use crate::record::{LeaseClaim, Millis, NewRecord, RecordState};
+use crate::record::{LeaseClaim, NewRecord, RecordState};
 use crate::scope::Scope;
 use crate::store::Store;
 use crate::tx::Tx;

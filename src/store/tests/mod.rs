@@ -17,10 +17,11 @@ use sqlx::Transaction;
 use crate::{
     Backend,
     backend::Claimed,
+    clock::Millis,
     error::Error,
     fingerprint::Fingerprinter,
     key::IdempotencyKey,
-    record::{Millis, NewRecord, Record, RecordState, StoredResponse},
+    record::{NewRecord, Record, RecordState, StoredResponse},
     scope::{Scope, ScopedKey},
     store::{Keep, Opened, Store},
 };

@@ -10,9 +10,10 @@ use super::{
     BeganClaim, MySqlDatabase as TestDb, Steps, completed, finished, now_ms, protocol_of, record,
     scope,
 };
+use crate::clock::Millis;
 use crate::error::Error;
 use crate::key::IdempotencyKey;
-use crate::record::{Millis, RecordState};
+use crate::record::RecordState;
 use crate::scope::Scope;
 use crate::store::MySqlStore;
 

@@ -401,7 +401,8 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         if let Some(paused) = self.paused.get_mut(topic) {
             paused.probe = Probe::Waiting;
             let (probes, after) = (paused.probes, paused.retry_after);
-            paused.until = decide::next_probe(&self.flight.policy, probes, after, self.flight.now());
+            paused.until =
+                decide::next_probe(&self.flight.policy, probes, after, self.flight.now());
         }
     }
 

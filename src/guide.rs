@@ -2,8 +2,8 @@
 //!
 //! The crate docs and the README get a newcomer to a first replayed request: the README's
 //! "Use it" section, the repository's `examples/basic.rs`, is a complete service to copy, and
-//! `examples/orders` a fuller app. These chapters are for the developer wiring the layer into a real service and
-//! for the operator running it. They hold no code of the crate, only documentation; the
+//! `examples/chain/orders` a fuller app. These chapters are for the developer wiring the layer
+//! into a real service and for the operator running it. They hold no code of the crate, only documentation; the
 //! examples in them are compiled as doctests.
 //!
 //! A few words recur. The **principal** is the caller your authentication verified (a user id,
@@ -73,7 +73,7 @@
 /// The example below builds such a router on an in-memory SQLite database, to show every part
 /// in one place; it serves nothing. For a program that serves, read the README's "Use it"
 /// section, the repository's `examples/basic.rs` (graceful shutdown, a header read timeout),
-/// and `examples/orders` (all three backends).
+/// and `examples/chain/orders` (all three backends).
 ///
 #[cfg_attr(feature = "sqlite", doc = "```")]
 #[cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
@@ -341,7 +341,7 @@ pub mod layer {}
 /// {"type":"https://docs.rs/axum-idempotency/0.1.0/axum_idempotency/error/enum.Rejection.html#variant.KeyMissing","title":"Idempotency key missing","status":400,"detail":"this request requires an Idempotency-Key header","code":"idempotency_key_missing"}
 /// ```
 ///
-/// The example's whole code is in three files under `examples/orders/`, about 840 lines:
+/// The example's whole code is in three files under `examples/chain/orders/`, about 840 lines:
 /// `main.rs` the HTTP API, served through axum-server (a request head must arrive within 5 s;
 /// SIGTERM or Ctrl-C answers the requests in flight, then exits 0), `db.rs` its tables and how
 /// it runs the same SQL on the three databases, and `consumer.rs` a consumer of payment events

@@ -101,11 +101,11 @@
 //! # Further reading
 //!
 //! The example above runs in memory. The README's "Use it" section, the repository's
-//! `examples/basic.rs`, is a complete service on a SQLite file, and `examples/orders` a fuller
-//! app on any of the three databases. The [`guide`] takes it
-//! from here: every builder option, the backends and their waits, jobs,
-//! the outbox and the client, running it in production (purging, metrics and alerts, support
-//! cases, letting a record go) and performance.
+//! `examples/basic.rs`, is a complete service on a SQLite file, and `examples/chain/orders` a
+//! fuller app on any of the three databases. The [`guide`] takes it from here: every builder
+//! option, the backends and their waits, jobs, the outbox and the client, running it in
+//! production (purging, metrics and alerts, support cases, letting a record go) and
+//! performance.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 // The server half without a database (`server` or `outbox` alone) has nothing to keep records

@@ -1,9 +1,9 @@
 //! The outbox relay against the rate the payments example accepts payments, and the backlog a
 //! broker outage leaves: `cargo bench --bench chain --all-features`.
 //!
-//! The chain is the one users deploy: `examples/payments.rs` (each `POST /payments` a `202`
+//! The chain is the one users deploy: `examples/chain/payments.rs` (each `POST /payments` a `202`
 //! and an outbox message in the request's transaction), its dispatcher charging
-//! `examples/payment_provider.rs` over HTTP and then publishing a "payment succeeded" event to
+//! `examples/chain/payment_provider.rs` over HTTP and then publishing a "payment succeeded" event to
 //! RabbitMQ or NATS JetStream through the same outbox. Both examples run as processes, built by
 //! the bench with its own profile and features (`CHAIN_BENCH_BUILD=0` skips that).
 //!

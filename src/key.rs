@@ -34,6 +34,8 @@ use std::str::FromStr;
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 
+use crate::key_syntax::KeySyntaxError;
+
 /// The longest key accepted, in characters.
 pub const MAX_KEY_LEN: usize = crate::key_syntax::MAX_KEY_LEN;
 
@@ -167,6 +169,16 @@ pub enum KeyError {
         "the Idempotency-Key header starts with a quote but is not a valid structured-field string"
     )]
     MalformedString,
+}
+
+impl From<KeySyntaxError> for KeyError {
+    fn from(error: KeySyntaxError) -> Self {
+        match error {
+            KeySyntaxError::Empty => Self::Empty,
+            KeySyntaxError::InvalidCharacter => Self::InvalidCharacter,
+            KeySyntaxError::TooLong { len } => Self::TooLong { len },
+        }
+    }
 }
 
 #[cfg(test)]

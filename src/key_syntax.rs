@@ -39,17 +39,6 @@ pub(crate) fn check_key(key: &[u8]) -> Result<(), KeySyntaxError> {
     Ok(())
 }
 
-#[cfg(feature = "server")]
-impl From<KeySyntaxError> for crate::key::KeyError {
-    fn from(error: KeySyntaxError) -> Self {
-        match error {
-            KeySyntaxError::Empty => Self::Empty,
-            KeySyntaxError::InvalidCharacter => Self::InvalidCharacter,
-            KeySyntaxError::TooLong { len } => Self::TooLong { len },
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

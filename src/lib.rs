@@ -148,6 +148,10 @@ pub mod key;
 mod key_syntax;
 #[cfg(feature = "server")]
 pub mod layer;
+// The outbox's messages as data, below the outbox and the backend that stores them; shown
+// through `outbox`.
+#[cfg(feature = "outbox")]
+mod message;
 #[cfg(feature = "outbox")]
 pub mod outbox;
 #[cfg(feature = "server")]

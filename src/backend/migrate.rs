@@ -8,6 +8,8 @@
 
 use sqlx::Database;
 
+use crate::error::Error;
+
 /// One schema and how its backend migrates it.
 #[allow(missing_debug_implementations)]
 pub(crate) struct Schema<DB: Database> {
@@ -30,35 +32,52 @@ pub(crate) struct Schema<DB: Database> {
     pub(crate) record: &'static str,
 }
 
-/// Why a migration did not complete. Nothing of a failed version was applied where the
-/// database runs DDL in transactions; elsewhere the failing version's script stands as far as
-/// it got, and the next run starts that version again.
-#[derive(Debug)]
-pub(crate) enum Failure {
+/// Why a migration did not complete: the one error of the runner, for every schema. The store's
+/// [`Error`] and the outbox's error each map it the same way, a database failure as the
+/// database's error, the others as a migration error that this type's text describes.
+///
+/// Nothing of a failed version was applied where the database runs DDL in transactions;
+/// elsewhere the failing version's script stands as far as it got, and the next run starts
+/// that version again.
+// `pub` for the sealed trait's signatures; the module is private, so no user can reach it.
+#[allow(unreachable_pub)]
+#[derive(Debug, thiserror::Error)]
+pub enum MigrationError {
     /// The database failed outside a version's script.
-    Sql(sqlx::Error),
+    #[error(transparent)]
+    Sql(#[from] sqlx::Error),
     /// A version's script failed.
-    Script { version: i64, source: sqlx::Error },
+    #[error("version {version}: {source}")]
+    Script {
+        /// The version whose script failed.
+        version: i64,
+        /// What the database said.
+        source: sqlx::Error,
+    },
     /// The lock that serialises migrators was not granted in time.
+    #[error("the lock that serialises migrators was not granted")]
     LockRefused,
 }
 
-impl From<sqlx::Error> for Failure {
-    fn from(error: sqlx::Error) -> Self {
-        Self::Sql(error)
+impl From<MigrationError> for Error {
+    fn from(error: MigrationError) -> Self {
+        match error {
+            MigrationError::Sql(error) => Self::Database(error),
+            failed => Self::Migration(failed.to_string()),
+        }
     }
 }
 
-/// `async fn apply(pool, schema) -> Result<(), Failure>` for `$db`: applies `schema`'s versions
-/// newer than the recorded one, on one connection of `pool`. Written once here, expanded in
-/// each database's module, where the types are concrete.
+/// `async fn apply(pool, schema) -> Result<(), MigrationError>` for `$db`: applies `schema`'s
+/// versions newer than the recorded one, on one connection of `pool`. Written once here,
+/// expanded in each database's module, where the types are concrete.
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 macro_rules! runner {
     ($db:ty) => {
         async fn apply(
             pool: &sqlx::Pool<$db>,
             schema: &$crate::backend::migrate::Schema<$db>,
-        ) -> Result<(), $crate::backend::migrate::Failure> {
+        ) -> Result<(), $crate::backend::MigrationError> {
             // One connection throughout: a session lock is released by the session that took
             // it.
             let mut conn = pool.acquire().await?;
@@ -78,7 +97,7 @@ macro_rules! runner {
         async fn apply_on(
             conn: &mut <$db as sqlx::Database>::Connection,
             schema: &$crate::backend::migrate::Schema<$db>,
-        ) -> Result<(), $crate::backend::migrate::Failure> {
+        ) -> Result<(), $crate::backend::MigrationError> {
             use sqlx::{Connection as _, Row as _};
             // Wrapped: a bare `&'static str` here makes the future fail `Send` checks once
             // spawned.
@@ -89,7 +108,7 @@ macro_rules! runner {
                     .as_ref()
                     .is_some_and(|row| !(schema.lock_granted)(row))
                 {
-                    return Err($crate::backend::migrate::Failure::LockRefused);
+                    return Err($crate::backend::MigrationError::LockRefused);
                 }
             }
             // The table name is one of the crate's constants, never input.
@@ -114,7 +133,7 @@ macro_rules! runner {
                 sqlx::raw_sql(script)
                     .execute(&mut *tx)
                     .await
-                    .map_err(|source| $crate::backend::migrate::Failure::Script {
+                    .map_err(|source| $crate::backend::MigrationError::Script {
                         version,
                         source,
                     })?;

@@ -41,6 +41,7 @@ mod sqlite;
 #[cfg(feature = "outbox")]
 pub(crate) use outbox::{Claim, ClaimedMessage, Lease, Settlement, Topics};
 
+pub(crate) use migrate::MigrationError;
 pub(crate) use sealed::Storage;
 
 /// A database this crate keeps its tables in: `sqlx::Sqlite`, `sqlx::Postgres` and
@@ -53,7 +54,7 @@ pub(crate) use sealed::Storage;
 /// its parameter with `DB: Backend`.
 #[cfg_attr(
     feature = "outbox",
-    doc = "\nThe outbox's [`Outbox<Postgres>`](crate::outbox::Outbox) takes it too."
+    doc = "\nThe outbox's `Outbox<Postgres>` takes it too."
 )]
 ///
 /// The trait is sealed: how each database claims a key, leases work or keeps outbox messages is
@@ -110,7 +111,7 @@ mod sealed {
     #[cfg(feature = "outbox")]
     use crate::clock::Clock;
     #[cfg(feature = "outbox")]
-    use crate::outbox::{DownstreamKey, Message, MessageId, OutboxRecord};
+    use crate::message::{DownstreamKey, Message, MessageId, OutboxRecord};
     use crate::record::LeaseClaim;
     use crate::scope::ScopedKey;
 
@@ -132,7 +133,9 @@ mod sealed {
 
         /// Creates or upgrades the records' tables; a no-op when they are current. Safe to call
         /// from several instances at once.
-        fn migrate_records(pool: &Pool<Self>) -> impl Future<Output = Result<(), Error>> + Send;
+        fn migrate_records(
+            pool: &Pool<Self>,
+        ) -> impl Future<Output = Result<(), MigrationError>> + Send;
 
         /// Fails with [`Error::SchemaOutdated`] while the records' schema is older than this
         /// code.
@@ -261,7 +264,7 @@ mod sealed {
         #[cfg(feature = "outbox")]
         fn migrate_outbox(
             pool: &Pool<Self>,
-        ) -> impl Future<Output = Result<(), crate::outbox::Error>> + Send;
+        ) -> impl Future<Output = Result<(), MigrationError>> + Send;
 
         /// Inserts a pending message, after taking its ordering key's lock if it has one;
         /// `None` when its downstream key is already present.
@@ -384,7 +387,9 @@ mod sealed {
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 macro_rules! alike {
     () => {
-        async fn migrate_records(pool: &sqlx::Pool<Self>) -> Result<(), $crate::error::Error> {
+        async fn migrate_records(
+            pool: &sqlx::Pool<Self>,
+        ) -> Result<(), $crate::backend::MigrationError> {
             $crate::backend::migrate_retrying(|| apply(pool, &SCHEMA), migration_raced).await
         }
 
@@ -606,22 +611,22 @@ const MIGRATE_BACKOFF: Backoff =
 async fn migrate_retrying<Fut>(
     mut run: impl FnMut() -> Fut,
     raced: fn(&dyn DatabaseError) -> bool,
-) -> Result<(), Error>
+) -> Result<(), MigrationError>
 where
-    Fut: Future<Output = Result<(), migrate::Failure>>,
+    Fut: Future<Output = Result<(), MigrationError>>,
 {
     let mut attempt = 1;
-    let applied = loop {
+    loop {
         let applied = run().await;
         let collided = match &applied {
-            Err(migrate::Failure::Sql(error) | migrate::Failure::Script { source: error, .. }) => {
+            Err(MigrationError::Sql(error) | MigrationError::Script { source: error, .. }) => {
                 matches!(error, sqlx::Error::Database(db)
                     if db.is_unique_violation() || raced(db.as_ref()))
             }
             _ => false,
         };
         if !collided || attempt == MIGRATE_ATTEMPTS {
-            break applied;
+            return applied;
         }
         tracing::debug!(
             attempt,
@@ -629,16 +634,7 @@ where
         );
         tokio::time::sleep(MIGRATE_BACKOFF.delay(attempt)).await;
         attempt += 1;
-    };
-    applied.map_err(|failure| match failure {
-        migrate::Failure::Sql(error) => Error::Database(error),
-        migrate::Failure::Script { version, source } => {
-            Error::Migration(format!("version {version}: {source}"))
-        }
-        migrate::Failure::LockRefused => {
-            Error::Migration("the lock that serialises migrators was not granted".into())
-        }
-    })
+    }
 }
 
 /// [`Error::SchemaOutdated`] when `found`, the newest version recorded, is older than the last

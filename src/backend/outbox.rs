@@ -16,7 +16,7 @@ use std::future::Future;
 use serde::Serialize;
 
 use crate::clock::{Clock, Millis};
-use crate::outbox::{DownstreamKey, MessageId, OutboxRecord, Status};
+use crate::message::{DownstreamKey, MessageId, OutboxRecord, Status};
 
 /// A claim: the first due, unleased messages up to `limit` get `token` and a lease until
 /// `lease_until`, so no other dispatcher takes them before then. In the same write, each one
@@ -221,7 +221,7 @@ macro_rules! outbox_decoder {
     ($db:ty) => {
         fn outbox_record(
             row: &<$db as sqlx::Database>::Row,
-        ) -> Result<$crate::outbox::OutboxRecord, sqlx::Error> {
+        ) -> Result<$crate::message::OutboxRecord, sqlx::Error> {
             use sqlx::Row as _;
             $crate::backend::outbox::OutboxColumns {
                 id: row.try_get("id")?,
@@ -254,29 +254,16 @@ pub(super) use outbox_decoder;
 /// read by its `outbox_record`.
 macro_rules! outbox_alike {
     () => {
-        async fn migrate_outbox(pool: &sqlx::Pool<Self>) -> Result<(), $crate::outbox::Error> {
-            // The same errors as the store's `migrate`.
-            apply(pool, &outbox_sql::SCHEMA)
-                .await
-                .map_err(|failure| match failure {
-                    $crate::backend::migrate::Failure::Sql(error) => {
-                        $crate::outbox::Error::Database(error)
-                    }
-                    $crate::backend::migrate::Failure::Script { version, source } => {
-                        $crate::outbox::Error::Migration(format!("version {version}: {source}"))
-                    }
-                    $crate::backend::migrate::Failure::LockRefused => {
-                        $crate::outbox::Error::Migration(
-                            "the lock that serialises outbox migrations was not granted".into(),
-                        )
-                    }
-                })
+        async fn migrate_outbox(
+            pool: &sqlx::Pool<Self>,
+        ) -> Result<(), $crate::backend::MigrationError> {
+            apply(pool, &outbox_sql::SCHEMA).await
         }
 
         async fn fetch_by_id(
             conn: &mut Self::Connection,
-            id: $crate::outbox::MessageId,
-        ) -> Result<Option<$crate::outbox::OutboxRecord>, sqlx::Error> {
+            id: $crate::message::MessageId,
+        ) -> Result<Option<$crate::message::OutboxRecord>, sqlx::Error> {
             let row = sqlx::query(outbox_sql::FETCH_BY_ID)
                 .bind(id.get())
                 .fetch_optional(conn)
@@ -286,8 +273,8 @@ macro_rules! outbox_alike {
 
         async fn fetch_by_key(
             conn: &mut Self::Connection,
-            key: &$crate::outbox::DownstreamKey,
-        ) -> Result<Option<$crate::outbox::OutboxRecord>, sqlx::Error> {
+            key: &$crate::message::DownstreamKey,
+        ) -> Result<Option<$crate::message::OutboxRecord>, sqlx::Error> {
             let row = sqlx::query(outbox_sql::FETCH_BY_KEY)
                 .bind(key.as_str())
                 .fetch_optional(conn)
@@ -297,8 +284,8 @@ macro_rules! outbox_alike {
 
         async fn fetch_blocker(
             conn: &mut Self::Connection,
-            id: $crate::outbox::MessageId,
-        ) -> Result<Option<$crate::outbox::OutboxRecord>, sqlx::Error> {
+            id: $crate::message::MessageId,
+        ) -> Result<Option<$crate::message::OutboxRecord>, sqlx::Error> {
             let row = sqlx::query(outbox_sql::FETCH_BLOCKER)
                 .bind(id.get())
                 .bind(id.get())
@@ -309,7 +296,7 @@ macro_rules! outbox_alike {
 
         async fn begin_attempt(
             pool: &sqlx::Pool<Self>,
-            id: $crate::outbox::MessageId,
+            id: $crate::message::MessageId,
             token: i64,
             now: $crate::clock::Millis,
         ) -> Result<bool, sqlx::Error> {
@@ -337,7 +324,7 @@ macro_rules! outbox_alike {
 
         async fn requeue(
             pool: &sqlx::Pool<Self>,
-            id: $crate::outbox::MessageId,
+            id: $crate::message::MessageId,
             now: $crate::clock::Millis,
         ) -> Result<bool, sqlx::Error> {
             let done = sqlx::query(outbox_sql::REQUEUE)
@@ -350,7 +337,7 @@ macro_rules! outbox_alike {
 
         async fn skip(
             pool: &sqlx::Pool<Self>,
-            id: $crate::outbox::MessageId,
+            id: $crate::message::MessageId,
             now: $crate::clock::Millis,
         ) -> Result<bool, sqlx::Error> {
             let done = sqlx::query(outbox_sql::SKIP)
@@ -375,7 +362,7 @@ macro_rules! json_batches {
             pool: &sqlx::Pool<Self>,
             leases: &[$crate::backend::outbox::Lease],
             until: $crate::clock::Millis,
-        ) -> Result<Vec<$crate::outbox::MessageId>, sqlx::Error> {
+        ) -> Result<Vec<$crate::message::MessageId>, sqlx::Error> {
             if leases.is_empty() {
                 return Ok(Vec::new());
             }
@@ -387,14 +374,14 @@ macro_rules! json_batches {
                 .await?;
             Ok(ids
                 .into_iter()
-                .map($crate::outbox::MessageId::from)
+                .map($crate::message::MessageId::from)
                 .collect())
         }
 
         async fn release_unsent(
             pool: &sqlx::Pool<Self>,
             leases: &[$crate::backend::outbox::Lease],
-        ) -> Result<Vec<$crate::outbox::MessageId>, sqlx::Error> {
+        ) -> Result<Vec<$crate::message::MessageId>, sqlx::Error> {
             if leases.is_empty() {
                 return Ok(Vec::new());
             }
@@ -405,7 +392,7 @@ macro_rules! json_batches {
                 .await?;
             Ok(ids
                 .into_iter()
-                .map($crate::outbox::MessageId::from)
+                .map($crate::message::MessageId::from)
                 .collect())
         }
 
@@ -415,7 +402,7 @@ macro_rules! json_batches {
                 $crate::backend::outbox::Lease,
                 $crate::backend::outbox::Settlement,
             )],
-        ) -> Result<Vec<$crate::outbox::MessageId>, sqlx::Error> {
+        ) -> Result<Vec<$crate::message::MessageId>, sqlx::Error> {
             if outcomes.is_empty() {
                 return Ok(Vec::new());
             }
@@ -426,7 +413,7 @@ macro_rules! json_batches {
                 .await?;
             Ok(ids
                 .into_iter()
-                .map($crate::outbox::MessageId::from)
+                .map($crate::message::MessageId::from)
                 .collect())
         }
     };

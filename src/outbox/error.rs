@@ -1,6 +1,7 @@
 //! Errors the outbox reports to the application (for operators; never shown to clients).
 
 use super::DownstreamKey;
+use crate::backend::MigrationError;
 
 /// An outbox operation that did not complete.
 #[derive(Debug, thiserror::Error)]
@@ -22,4 +23,15 @@ pub enum Error {
     /// characters; nothing was written.
     #[error("an ordering key must be 1-255 characters")]
     InvalidOrderingKey,
+}
+
+// Mapped as the store's `Error` maps it: a database failure stays one, the rest is a migration
+// error whose text says which version failed, or that the lock was not granted.
+impl From<MigrationError> for Error {
+    fn from(error: MigrationError) -> Self {
+        match error {
+            MigrationError::Sql(error) => Self::Database(error),
+            failed => Self::Migration(failed.to_string()),
+        }
+    }
 }

@@ -145,13 +145,14 @@ mod broker;
 mod dispatcher;
 mod error;
 mod http;
-mod message;
 mod sender;
-mod status;
 mod store;
 mod wake;
 
 pub use crate::backoff::Backoff;
+pub use crate::message::{
+    DownstreamKey, InvalidDownstreamKey, Message, MessageId, OutboxRecord, Status,
+};
 #[cfg(feature = "nats")]
 pub use broker::NatsSender;
 #[cfg(feature = "rabbitmq")]
@@ -159,8 +160,6 @@ pub use broker::RabbitMqSender;
 pub use dispatcher::Dispatcher;
 pub use error::Error;
 pub use http::HttpSender;
-pub use message::{DownstreamKey, InvalidDownstreamKey, Message};
 pub use sender::{LookupOutcome, Reconnected, SendOutcome, Sender};
-pub use status::{MessageId, OutboxRecord, Status};
 pub use store::Outbox;
 pub use wake::EnqueueTarget;

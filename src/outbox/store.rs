@@ -6,13 +6,13 @@ use std::time::Duration;
 
 use sqlx::Pool;
 
-use super::message::valid_ordering_key;
 use super::wake::{Notify, Wake};
 use super::{DownstreamKey, EnqueueTarget, Error, Message, MessageId, OutboxRecord};
 use crate::Backend;
 #[cfg(feature = "test-util")]
 use crate::ManualClock;
 use crate::clock::{Clock, Millis};
+use crate::message::valid_ordering_key;
 
 /// The default [`Outbox::retention`]: a week, long past any client's retries of the request
 /// that enqueued a message.
@@ -91,7 +91,7 @@ impl<DB: Backend> Outbox<DB> {
     ///
     /// Idempotent, and safe when several instances of the app start at the same time.
     pub async fn migrate(&self) -> Result<(), Error> {
-        DB::migrate_outbox(&self.pool).await
+        DB::migrate_outbox(&self.pool).await.map_err(Error::from)
     }
 
     /// Writes `message` as pending on `target`, inside whatever transaction `target` is in.

@@ -26,7 +26,7 @@ use crate::clock::Clock;
 use crate::clock::Millis;
 use crate::error::Error;
 #[cfg(feature = "outbox")]
-use crate::outbox::{Message, MessageId, OutboxRecord};
+use crate::message::{Message, MessageId, OutboxRecord};
 use crate::record::{NewRecord, StoredResponse};
 use crate::scope::ScopedKey;
 

@@ -29,7 +29,7 @@ use crate::clock::Clock;
 use crate::clock::Millis;
 use crate::error::Error;
 #[cfg(feature = "outbox")]
-use crate::outbox::{Message, MessageId};
+use crate::message::{Message, MessageId};
 use crate::record::{NewRecord, StoredResponse};
 use crate::scope::ScopedKey;
 

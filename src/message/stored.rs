@@ -48,7 +48,7 @@ pub enum Status {
     /// Failed, then set aside by an operator ([`Outbox::skip`]) so that the later messages of
     /// its ordering key go on; never sent again.
     ///
-    /// [`Outbox::skip`]: super::Outbox::skip
+    /// [`Outbox::skip`]: crate::outbox::Outbox::skip
     Skipped,
 }
 
@@ -109,13 +109,13 @@ pub struct OutboxRecord {
     /// When an operator last put it back after it failed ([`Outbox::requeue`]); its time
     /// budget counts from then.
     ///
-    /// [`Outbox::requeue`]: super::Outbox::requeue
+    /// [`Outbox::requeue`]: crate::outbox::Outbox::requeue
     pub requeued_at: Option<SystemTime>,
     /// The [ordering key](super::Message::ordering_key) given at enqueue time. While an earlier
     /// message of the same key is pending or failed, this one waits behind it, however due:
     /// [`Outbox::blocked_by`] names that message.
     ///
-    /// [`Outbox::blocked_by`]: super::Outbox::blocked_by
+    /// [`Outbox::blocked_by`]: crate::outbox::Outbox::blocked_by
     pub ordering_key: Option<String>,
 }
 

@@ -26,6 +26,11 @@ CREATE TABLE IF NOT EXISTS idempotency_outbox (
 -- order and stops at its limit. Finished messages, most of the table, are not in it.
 CREATE INDEX IF NOT EXISTS idempotency_outbox_due
     ON idempotency_outbox (next_attempt_at, id) WHERE status = 'pending';
+-- A claim that leaves paused topics out: it finds the topics with pending messages one index
+-- probe each, then reads each other topic's due messages in due order, never the entries of a
+-- paused topic's backlog, which the index above has first.
+CREATE INDEX IF NOT EXISTS idempotency_outbox_topic_due
+    ON idempotency_outbox (topic, next_attempt_at, id) WHERE status = 'pending';
 -- Serves the claim's check for an earlier unfinished message of the same ordering key.
 CREATE INDEX IF NOT EXISTS idempotency_outbox_ordering
     ON idempotency_outbox (ordering_key, status, id) WHERE ordering_key IS NOT NULL;

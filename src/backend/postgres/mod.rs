@@ -326,7 +326,8 @@ impl Storage for Postgres {
     ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>) {
         claiming(pool, clock, claim, |mut conn, claim| async move {
             let sql = match topics {
-                Topics::Except(_) => outbox_sql::CLAIM,
+                Topics::Except(skipped) if skipped.is_empty() => outbox_sql::CLAIM,
+                Topics::Except(_) => outbox_sql::CLAIM_SKIPPING,
                 Topics::Only(_) => outbox_sql::CLAIM_TOPIC,
             };
             let query = sqlx::query(sql)

@@ -247,32 +247,43 @@ impl Storage for Sqlite {
         claiming(pool, clock, claim, |mut conn, claim| async move {
             let skipped = topics.skipped_json()?;
             let only = topics.only();
+            // Past paused topics' backlogs by the topic index; the due index otherwise.
+            let skipping = !topics.skipped().is_empty();
+            let (probe, hold, begin) = if skipping {
+                (
+                    outbox_sql::CLAIM_PROBE_SKIPPING,
+                    outbox_sql::CLAIM_HOLD_SKIPPING,
+                    outbox_sql::CLAIM_BEGIN_SKIPPING,
+                )
+            } else {
+                (
+                    outbox_sql::CLAIM_PROBE,
+                    outbox_sql::CLAIM_HOLD,
+                    outbox_sql::CLAIM_BEGIN,
+                )
+            };
             if claim.probe {
-                let due: bool = sqlx::query_scalar(outbox_sql::CLAIM_PROBE)
+                let query = sqlx::query_scalar(probe)
                     .bind(claim.now.column())
-                    .bind(skipped.as_str())
-                    .bind(only)
-                    .fetch_one(&mut *conn)
-                    .await?;
+                    .bind(skipped.as_str());
+                let query = if skipping { query } else { query.bind(only) };
+                let due: bool = query.fetch_one(&mut *conn).await?;
                 if !due {
                     return Ok(Vec::new());
                 }
             }
             let update = |sql, limit: i64| {
-                sqlx::query(sql)
+                let query = sqlx::query(sql)
                     .bind(claim.lease_until.column())
                     .bind(claim.token)
                     .bind(claim.now.column())
                     .bind(limit)
                     .bind(claim.max_attempts)
-                    .bind(skipped.as_str())
-                    .bind(only)
+                    .bind(skipped.as_str());
+                if skipping { query } else { query.bind(only) }
             };
             let mut claimed = Vec::new();
-            for row in update(outbox_sql::CLAIM_HOLD, claim.limit)
-                .fetch_all(&mut *conn)
-                .await?
-            {
+            for row in update(hold, claim.limit).fetch_all(&mut *conn).await? {
                 claimed.push(ClaimedMessage {
                     record: outbox_record(&row)?,
                     attempt_begun: false,
@@ -280,10 +291,7 @@ impl Storage for Sqlite {
             }
             let left = claim.limit.saturating_sub(claimed.len() as i64);
             if left > 0 {
-                for row in update(outbox_sql::CLAIM_BEGIN, left)
-                    .fetch_all(&mut *conn)
-                    .await?
-                {
+                for row in update(begin, left).fetch_all(&mut *conn).await? {
                     claimed.push(ClaimedMessage {
                         record: outbox_record(&row)?,
                         attempt_begun: true,

@@ -1461,7 +1461,7 @@ fn written(record: &OutboxRecord) -> impl PartialEq + std::fmt::Debug + use<> {
     )
 }
 
-/// A destination that is down pauses its own topic alone: the other topic's messages are all
+/// A destination that is down pauses its own topic alone: the other topics' messages are all
 /// delivered meanwhile, and the paused topic's backlog waits in the database unwritten, but
 /// for the probes, one message each; once the destination is back, each message of the
 /// backlog is delivered once, no attempt spent on the outage.
@@ -1479,11 +1479,14 @@ async fn a_paused_topic_waits_untouched_while_other_topics_flow<DB: Backend>(poo
         let refund = message(PAUSED_TOPIC, format!("refund-{n}"));
         paused_ids.push(outbox.enqueue(&mut tx, refund).await.unwrap());
     }
+    // Two other topics, interleaved: the claim that leaves the paused topic out merges them.
     for n in 0..others {
-        outbox
-            .enqueue(&mut tx, message("charges", format!("charge-{n}")))
-            .await
-            .unwrap();
+        let (topic, name) = if n % 2 == 0 {
+            ("charges", format!("charge-{n}"))
+        } else {
+            ("invoices", format!("charge-invoice-{n}"))
+        };
+        outbox.enqueue(&mut tx, message(topic, name)).await.unwrap();
     }
     tx.commit().await.unwrap();
 
@@ -1506,7 +1509,7 @@ async fn a_paused_topic_waits_untouched_while_other_topics_flow<DB: Backend>(poo
     while destinations.delivered("charge-") < others {
         assert!(
             started.elapsed() < Duration::from_secs(10),
-            "{} of {others} messages of the other topic delivered in 10 s",
+            "{} of {others} messages of the other topics delivered in 10 s",
             destinations.delivered("charge-")
         );
         tokio::time::sleep(Duration::from_millis(20)).await;

@@ -31,7 +31,8 @@ pub struct Claim {
     pub max_attempts: i64,
     /// Whether to probe for due messages first, where the database probes: not when the
     /// previous claim found all it asked for, as more are then likely due and the probe would
-    /// cost a statement.
+    /// cost a statement. Where the database plans a backlog's claim differently (PostgreSQL's
+    /// JIT), `false` also says a backlog is likely.
     pub probe: bool,
 }
 

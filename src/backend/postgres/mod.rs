@@ -340,7 +340,21 @@ impl Storage for Postgres {
                 Topics::Except(skipped) => query.bind(skipped),
                 Topics::Only(topic) => query.bind(topic),
             };
-            let rows = query.fetch_all(&mut *conn).await?;
+            // A claim after one that found all it asked for likely faces a backlog, and the
+            // planner costs a backlog's claim high enough to compile it (see the statement).
+            let backlog = !claim.probe;
+            let rows = if backlog {
+                let mut tx = sqlx::Connection::begin_with(
+                    &mut *conn,
+                    sqlx::AssertSqlSafe(outbox_sql::BEGIN_WITHOUT_JIT),
+                )
+                .await?;
+                let rows = query.fetch_all(&mut *tx).await?;
+                tx.commit().await?;
+                rows
+            } else {
+                query.fetch_all(&mut *conn).await?
+            };
             rows.iter()
                 .map(|row| {
                     Ok(ClaimedMessage {

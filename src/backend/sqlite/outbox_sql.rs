@@ -45,6 +45,26 @@ pub(super) const CLAIM_PROBE: &str = concat!(
     in_key_order!("m"),
     ")"
 );
+// The ids of the first `?4` messages due at `?3` of the topics the claim takes (none in the
+// JSON array `?6`, only `?7` unless it is NULL) that also meet `$also`.
+macro_rules! due {
+    ($also:literal) => {
+        concat!(
+            "SELECT id FROM idempotency_outbox AS m
+                 WHERE status = 'pending' AND next_attempt_at <= ?3
+                   AND (lease_expires_at IS NULL OR lease_expires_at <= ?3)
+                   AND topic NOT IN (SELECT value FROM json_each(?6))
+                   AND (?7 IS NULL OR topic = ?7)",
+            $also,
+            "
+                   AND ",
+            in_key_order!("m"),
+            "
+                 ORDER BY next_attempt_at, id
+                 LIMIT ?4"
+        )
+    };
+}
 // RETURNING sees only the row as updated, so one statement could not tell a message whose
 // attempt it began from one whose last outcome was already unknown. The lease columns are
 // not among the record's, so `CLAIM_HOLD`, which writes nothing else, returns the rows as they
@@ -52,17 +72,9 @@ pub(super) const CLAIM_PROBE: &str = concat!(
 // due ones left are those that are.
 pub(super) const CLAIM_HOLD: &str = concat!(
     "UPDATE idempotency_outbox SET lease_expires_at = ?1, lease_token = ?2
-             WHERE id IN (
-                 SELECT id FROM idempotency_outbox AS m
-                 WHERE status = 'pending' AND next_attempt_at <= ?3
-                   AND (lease_expires_at IS NULL OR lease_expires_at <= ?3)
-                   AND topic NOT IN (SELECT value FROM json_each(?6))
-                   AND (?7 IS NULL OR topic = ?7)
-                   AND ",
-    in_key_order!("m"),
-    "
-                 ORDER BY next_attempt_at, id
-                 LIMIT ?4)
+             WHERE id IN (",
+    due!(""),
+    ")
                AND (outcome_unknown OR attempts >= ?5)
              RETURNING ",
     record_columns!()
@@ -71,18 +83,12 @@ pub(super) const CLAIM_BEGIN: &str = concat!(
     "UPDATE idempotency_outbox
              SET lease_expires_at = ?1, lease_token = ?2,
                  attempts = attempts + 1, last_attempt_at = ?3, outcome_unknown = TRUE
-             WHERE id IN (
-                 SELECT id FROM idempotency_outbox AS m
-                 WHERE status = 'pending' AND next_attempt_at <= ?3
-                   AND (lease_expires_at IS NULL OR lease_expires_at <= ?3)
-                   AND topic NOT IN (SELECT value FROM json_each(?6))
-                   AND (?7 IS NULL OR topic = ?7)
-                   AND NOT outcome_unknown AND attempts < ?5
-                   AND ",
-    in_key_order!("m"),
-    "
-                 ORDER BY next_attempt_at, id
-                 LIMIT ?4)
+             WHERE id IN (",
+    due!(
+        "
+                   AND NOT outcome_unknown AND attempts < ?5"
+    ),
+    ")
              RETURNING ",
     record_columns!()
 );

@@ -152,6 +152,8 @@ pub mod layer;
 // through `outbox`.
 #[cfg(feature = "outbox")]
 mod message;
+#[cfg(all(test, feature = "server"))]
+mod model;
 #[cfg(feature = "outbox")]
 pub mod outbox;
 #[cfg(feature = "server")]

@@ -25,7 +25,7 @@ use crate::scope::{Scope, ScopedKey};
 /// with a lease instead ([`Engine::run_leased`](crate::Engine::run_leased)): then `Processing`
 /// is committed, carries a lease its holder renews, and may be taken over only once the lease
 /// has run out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RecordState {
     /// Claimed; the handler is running in the claiming transaction.
     Processing,

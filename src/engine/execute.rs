@@ -10,7 +10,7 @@ use http_body_util::{BodyExt, Limited};
 
 use super::metrics::{self, ClaimResult};
 use super::outcome::{Answer, Logged, Outcome};
-use super::{Engine, RunError, Verdict};
+use super::{Engine, RunError, Verdict, decide};
 use sqlx::Transaction;
 
 use crate::Backend;
@@ -68,22 +68,23 @@ impl<DB: Backend> Engine<DB> {
             Ok(begun) => begun,
             Err(answer) => return answer,
         };
-        for round in 1..=CONFLICT_ATTEMPTS {
-            if round > 1 {
-                tokio::time::sleep(CONFLICT_BACKOFF.delay(round - 1)).await;
-            }
+        let mut round = 1;
+        loop {
             match self.attempt(&mut attempt, &mut work, begun.take()).await {
                 Attempted::Answered(answer) => return answer,
-                Attempted::Conflicted => {
+                Attempted::Conflicted if decide::run_again(round) => {
                     tracing::debug!(
                         attempt = round,
                         "the transaction was aborted on a conflict; running it again"
                     );
                 }
+                Attempted::Conflicted => break,
             }
+            tokio::time::sleep(CONFLICT_BACKOFF.delay(round)).await;
+            round += 1;
         }
         tracing::warn!(
-            attempts = CONFLICT_ATTEMPTS,
+            attempts = decide::CONFLICT_ATTEMPTS,
             "the transaction kept conflicting with concurrent ones; answered 503"
         );
         Answer::reject(Rejection::Conflict, Logged::Retryable)
@@ -336,9 +337,6 @@ pub(super) fn held<E>() -> Answer<E> {
         Logged::Replayed,
     )
 }
-
-/// How many times a transaction the database aborts on conflicts is run in all.
-const CONFLICT_ATTEMPTS: u32 = 12;
 
 /// The pause before running an aborted transaction again: jittered, so the transactions that
 /// conflicted do not meet again at once, and short, since each has already waited for its

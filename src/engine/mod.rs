@@ -87,6 +87,7 @@ use crate::tx::{Tx, TxSlot};
 
 mod cache;
 mod claim;
+pub(crate) mod decide;
 mod execute;
 mod lease;
 mod metrics;

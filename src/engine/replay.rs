@@ -3,6 +3,7 @@
 
 use http::{HeaderMap, HeaderName, HeaderValue, header};
 
+use super::decide::{self, Existing};
 use super::outcome::{Answer, Logged, Outcome};
 use super::{Engine, IDEMPOTENT_REPLAYED};
 use crate::Backend;
@@ -31,11 +32,13 @@ const UNREPLAYED: [HeaderName; 11] = [
 /// Replays a final record for the same intent; refuses another intent; reports work still
 /// in flight.
 pub(crate) fn answer_existing<E>(record: &Record, same_intent: bool) -> Answer<E> {
-    if !same_intent {
-        return Answer::reject(Rejection::KeyReused, Logged::Mismatch);
-    }
-    match (record.state, &record.response) {
-        (RecordState::Completed | RecordState::FailedPermanent, Some(stored)) => {
+    let stored = record.response.as_ref();
+    match (
+        decide::existing(record.state, stored.is_some(), same_intent),
+        stored,
+    ) {
+        (Existing::KeyReused, _) => Answer::reject(Rejection::KeyReused, Logged::Mismatch),
+        (Existing::Replay, Some(stored)) => {
             let mut response = stored.to_response();
             response
                 .headers_mut()

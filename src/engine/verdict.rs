@@ -4,7 +4,7 @@ use axum::response::Response;
 use bytes::Bytes;
 
 use super::Engine;
-use super::outcome::Classification;
+use super::decide::{self, Ending};
 use crate::Backend;
 use crate::error::Rejection;
 use crate::tx::ConflictAborted;
@@ -43,13 +43,13 @@ impl<DB: Backend> Engine<DB> {
             Ok(response) => response,
             Err(rejection) => return Verdict::Abandon(rejection),
         };
-        match self.classification(response.status()) {
-            Classification::Completed => Verdict::Commit(response),
-            // A dedupe key has no response to keep a refusal in.
-            Classification::FailedPermanent if !self.settings.keys_only => {
-                Verdict::Refuse(response)
-            }
-            Classification::FailedPermanent | Classification::Retryable => Verdict::RollBack {
+        match decide::ending(
+            self.classification(response.status()),
+            self.settings.keys_only,
+        ) {
+            Ending::Commit => Verdict::Commit(response),
+            Ending::Refuse => Verdict::Refuse(response),
+            Ending::RollBack => Verdict::RollBack {
                 response,
                 failure: (),
                 dead: false,

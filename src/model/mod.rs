@@ -1,0 +1,66 @@
+//! The protocol as a checked model: every interleaving of claims, commits, crashes, sends and
+//! acknowledgements, up to a bound, explored by [stateright](https://docs.rs/stateright).
+//!
+//! Each model drives the crate's own decisions (the engine's, the dispatcher's and the
+//! inbox's plain functions) and plays the database, the broker and the downstream as the crate
+//! trusts them to behave; what it assumes of them is written beside each model and in the
+//! guide's "What is proven". Every property has a broken variant of the decisions it guards, and
+//! a test shows that the checker finds that variant's counterexample, so no property passes
+//! only because it cannot fail.
+//!
+//! `cargo test --lib model` explores the default bounds; `MODEL_DEPTH=deep cargo test --release
+//! --lib model -- --nocapture` explores the deeper ones and prints the state counts.
+
+use std::fmt::Debug;
+use std::hash::Hash;
+use std::time::Instant;
+
+use stateright::{Checker, Model};
+
+mod http;
+
+/// Whether the deeper bounds were asked for (`MODEL_DEPTH=deep`).
+pub(super) fn deep() -> bool {
+    std::env::var("MODEL_DEPTH").is_ok_and(|depth| depth == "deep")
+}
+
+/// Explores `model` in full and asserts that every property holds (and every `sometimes`
+/// property has its example), printing what was explored.
+pub(super) fn assert_holds<M>(name: &str, model: M)
+where
+    M: Model + Send + Sync + 'static,
+    M::State: Debug + Hash + Send + Sync + Clone + PartialEq + 'static,
+    M::Action: Debug + Send + Sync + Clone + PartialEq + 'static,
+{
+    let started = Instant::now();
+    let checker = model.checker().threads(2).spawn_bfs().join();
+    println!(
+        "model {name}: {} states ({} unique), depth {}, {:.1?}",
+        checker.state_count(),
+        checker.unique_state_count(),
+        checker.max_depth(),
+        started.elapsed()
+    );
+    checker.assert_properties();
+}
+
+/// Explores `model` and asserts that the checker finds a counterexample to `property`,
+/// printing its trace.
+pub(super) fn assert_breaks<M>(name: &str, model: M, property: &'static str)
+where
+    M: Model + Send + Sync + 'static,
+    M::State: Debug + Hash + Send + Sync + Clone + PartialEq + 'static,
+    M::Action: Debug + Send + Sync + Clone + PartialEq + 'static,
+{
+    let checker = model.checker().threads(2).spawn_bfs().join();
+    let Some(path) = checker.discovery(property) else {
+        panic!(
+            "model {name}: no counterexample to {property:?} in {} states; the property cannot fail",
+            checker.unique_state_count()
+        );
+    };
+    println!("model {name}: counterexample to {property:?}:");
+    for action in path.into_actions() {
+        println!("  {action:?}");
+    }
+}

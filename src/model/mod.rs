@@ -11,11 +11,12 @@
 //! `cargo test --lib model` explores the default bounds; `MODEL_DEPTH=deep cargo test --release
 //! --lib model -- --nocapture` explores the deeper ones and prints the state counts.
 
+use std::collections::BTreeSet;
 use std::fmt::Debug;
 use std::hash::Hash;
 use std::time::Instant;
 
-use stateright::{Checker, Model};
+use stateright::{Checker, HasDiscoveries, Model};
 
 mod http;
 
@@ -52,7 +53,12 @@ where
     M::State: Debug + Hash + Send + Sync + Clone + PartialEq + 'static,
     M::Action: Debug + Send + Sync + Clone + PartialEq + 'static,
 {
-    let checker = model.checker().threads(2).spawn_bfs().join();
+    let checker = model
+        .checker()
+        .finish_when(HasDiscoveries::AnyOf(BTreeSet::from([property])))
+        .threads(2)
+        .spawn_bfs()
+        .join();
     let Some(path) = checker.discovery(property) else {
         panic!(
             "model {name}: no counterexample to {property:?} in {} states; the property cannot fail",

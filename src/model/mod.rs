@@ -18,6 +18,8 @@ use std::time::Instant;
 use stateright::{Checker, Model};
 
 mod http;
+#[cfg(feature = "inbox")]
+mod inbox;
 
 /// Whether the deeper bounds were asked for (`MODEL_DEPTH=deep`).
 pub(super) fn deep() -> bool {

@@ -128,6 +128,8 @@ pub(super) struct Sent {
     spent: u8,
     /// A copy is in the dead-letter queue.
     dead: bool,
+    /// A copy to come back later was stored: the message lives on in it.
+    copied: bool,
 }
 
 /// One delivery a consumer holds: the message, and which attempt the broker counted it as.
@@ -154,6 +156,8 @@ pub(super) enum Consumer {
     Recording { held: Held },
     /// The transaction ended with `verdict`; the broker is told next.
     Settling { held: Held, verdict: Settle },
+    /// Its copy is stored (delayed, or a dead letter); the original is acknowledged next.
+    Acking { held: Held },
 }
 
 /// What the adapter tells the broker, as it does for each of the inbox's verdicts.
@@ -224,6 +228,7 @@ pub(super) enum Action {
     CommitUnconfirmed { consumer: usize, committed: bool },
     Record(usize),
     Settle(usize),
+    Ack(usize),
     Crash(usize),
     LoseDelivery(usize),
 }
@@ -247,6 +252,7 @@ impl Model for Inbox {
                         queued: Queued::Ready { attempts: 0 },
                         spent: 0,
                         dead: false,
+                        copied: false,
                     })
                     .collect(),
                 consumers: vec![Consumer::Idle; self.consumers],
@@ -306,6 +312,7 @@ impl Model for Inbox {
                 }
                 Consumer::Recording { .. } => actions.push(Action::Record(consumer)),
                 Consumer::Settling { .. } => actions.push(Action::Settle(consumer)),
+                Consumer::Acking { .. } => actions.push(Action::Ack(consumer)),
             }
             if fault {
                 actions.push(Action::Crash(consumer));
@@ -401,7 +408,13 @@ impl Model for Inbox {
                 let Consumer::Settling { held, verdict } = s.consumers[consumer] else {
                     return None;
                 };
-                settle(&mut s, consumer, held, verdict);
+                s.consumers[consumer] = settle(&mut s, consumer, held, verdict);
+            }
+            Action::Ack(consumer) => {
+                let Consumer::Acking { held } = s.consumers[consumer] else {
+                    return None;
+                };
+                acknowledge(&mut s, consumer, held.message);
                 s.consumers[consumer] = Consumer::Idle;
             }
             Action::Crash(consumer) => {
@@ -452,11 +465,12 @@ pub(super) const NO_DEAD_LETTER_FOR_AN_OUTAGE: &str =
 pub(super) const EVERY_MESSAGE_SETTLED: &str =
     "every valid message ends applied and acknowledged once faults stop";
 
-/// Every message acknowledged, and every valid one's key applied or the message dead-lettered.
+/// Every message acknowledged, and every valid one's key applied, or the message
+/// dead-lettered, or living on in a copy.
 fn settled_all(s: &State) -> bool {
     s.sent.iter().all(|sent| {
         sent.queued == Queued::Acked
-            && (!sent.message.valid || sent.dead || s.keys[sent.message.key])
+            && (!sent.message.valid || sent.dead || sent.copied || s.keys[sent.message.key])
     })
 }
 
@@ -496,7 +510,7 @@ impl Inbox {
         match verdict_of(handler.result(), attempt, max_attempts, false) {
             Ending::Commit(_) => {
                 if self.is(Broken::AckBeforeCommit) {
-                    settle(s, consumer, held, Settle::Ack);
+                    acknowledge(s, consumer, held.message);
                 }
                 Consumer::Committing { held, round }
             }
@@ -597,25 +611,45 @@ fn holding(s: &State, consumer: usize) -> Option<usize> {
         .position(|sent| matches!(sent.queued, Queued::InHand { consumer: c, .. } if c == consumer))
 }
 
-/// The broker takes the adapter's word for `held`, if it still counts `consumer` as its holder.
-fn settle(s: &mut State, consumer: usize, held: Held, verdict: Settle) {
-    let sent = &mut s.sent[held.message];
-    if !matches!(sent.queued, Queued::InHand { consumer: c, .. } if c == consumer) {
-        return;
+/// Whether the broker still counts `consumer` as the holder of `message`: a delivery lost with
+/// its channel cannot be settled through it.
+fn holds(s: &State, consumer: usize, message: usize) -> bool {
+    matches!(s.sent[message].queued, Queued::InHand { consumer: c, .. } if c == consumer)
+}
+
+/// The adapter settles `held` as `verdict` says: an acknowledgement at once, or first a copy
+/// (RabbitMQ's delay queue, counting the attempts the verdict says; the dead-letter queue),
+/// acknowledged once stored. A crash in between leaves the broker both.
+fn settle(s: &mut State, consumer: usize, held: Held, verdict: Settle) -> Consumer {
+    if !holds(s, consumer, held.message) {
+        return Consumer::Idle;
     }
-    sent.queued = match verdict {
-        Settle::Ack => Queued::Acked,
-        Settle::Dead => {
-            sent.dead = true;
-            Queued::Acked
+    let attempts = match verdict {
+        Settle::Ack => {
+            acknowledge(s, consumer, held.message);
+            return Consumer::Idle;
         }
-        Settle::Retry => Queued::Ready {
-            attempts: held.attempt,
-        },
-        Settle::Outage => Queued::Ready {
-            attempts: held.attempt - 1,
-        },
+        Settle::Dead => {
+            s.sent[held.message].dead = true;
+            return Consumer::Acking { held };
+        }
+        Settle::Retry => held.attempt,
+        Settle::Outage => held.attempt - 1,
     };
+    let copy = Sent {
+        queued: Queued::Ready { attempts },
+        ..s.sent[held.message].clone()
+    };
+    s.sent.push(copy);
+    s.sent[held.message].copied = true;
+    Consumer::Acking { held }
+}
+
+/// The broker forgets `message`, if `consumer` still holds it.
+fn acknowledge(s: &mut State, consumer: usize, message: usize) {
+    if holds(s, consumer, message) {
+        s.sent[message].queued = Queued::Acked;
+    }
 }
 
 /// The broker lost the delivery in hand (its consumer crashed, its channel closed, its ack

@@ -11,11 +11,12 @@
 //! `cargo test --lib model` explores the default bounds; `MODEL_DEPTH=deep cargo test --release
 //! --lib model -- --nocapture` explores the deeper ones and prints the state counts.
 
+use std::collections::BTreeSet;
 use std::fmt::Debug;
 use std::hash::Hash;
 use std::time::Instant;
 
-use stateright::{Checker, Model};
+use stateright::{Checker, HasDiscoveries, Model};
 
 mod http;
 #[cfg(feature = "inbox")]
@@ -47,22 +48,40 @@ where
 }
 
 /// Explores `model` and asserts that the checker finds a counterexample to `property`,
-/// printing its trace.
+/// printing its trace up to the first state that breaks it (the checker keeps the last
+/// counterexample its threads met, which may run on past that state).
 pub(super) fn assert_breaks<M>(name: &str, model: M, property: &'static str)
 where
     M: Model + Send + Sync + 'static,
     M::State: Debug + Hash + Send + Sync + Clone + PartialEq + 'static,
     M::Action: Debug + Send + Sync + Clone + PartialEq + 'static,
 {
-    let checker = model.checker().threads(2).spawn_bfs().join();
+    // Breadth first, stopping at the first counterexample: the shortest, or near it.
+    let checker = model
+        .checker()
+        .threads(2)
+        .finish_when(HasDiscoveries::AnyOf(BTreeSet::from([property])))
+        .spawn_bfs()
+        .join();
     let Some(path) = checker.discovery(property) else {
         panic!(
             "model {name}: no counterexample to {property:?} in {} states; the property cannot fail",
             checker.unique_state_count()
         );
     };
+    let model = checker.model();
+    let holds = model
+        .properties()
+        .into_iter()
+        .find(|p| p.name == property)
+        .map(|p| p.condition);
     println!("model {name}: counterexample to {property:?}:");
-    for action in path.into_actions() {
-        println!("  {action:?}");
+    for (state, action) in path.into_vec() {
+        if holds.is_some_and(|holds| !holds(model, &state)) {
+            break;
+        }
+        if let Some(action) = action {
+            println!("  {action:?}");
+        }
     }
 }

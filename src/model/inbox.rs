@@ -1,15 +1,21 @@
 //! The inbox: a broker that delivers each message at least once, two consumers that claim its
-//! business key in the handler's transaction and acknowledge after the commit, and a database
-//! that keeps the dedupe keys and the business writes.
+//! business key in the handler's transaction and acknowledge after the commit, an operator who
+//! replays dead letters, and a database that keeps the dedupe keys and the business writes.
 //!
 //! The broker is trusted to keep a message until it is acknowledged: a delivery whose consumer
 //! crashed, or that the broker lost track of (a closed channel, an ack wait that ran out while
 //! the handler still runs), is queued again with one more delivery counted, and may go to the
-//! other consumer. A retry comes back with its attempt counted, an outage with its count
-//! unchanged (RabbitMQ's delay queue; NATS keeps it in hand, a redelivery to the same
-//! consumer), a dead letter is stored before the original is acknowledged. An acknowledgement
-//! from a consumer the broker no longer counts as the message's holder changes nothing. The
-//! database is trusted as in the HTTP model: the claim inserts the key in the handler's
+//! other consumer. A retry or an outage is settled as RabbitMQ's adapter does it, a copy stored
+//! first (its attempt counted for a retry, its count unchanged for an outage) and the original
+//! acknowledged next, so a crash in between leaves both; NATS's `Nak` and its outage kept in
+//! hand are among the orders explored. A dead letter is stored before the original is
+//! acknowledged, and a replay that does not apply leaves it there. An acknowledgement from a
+//! consumer the broker no longer counts as the message's holder changes nothing. The
+//! broker's delivery count cannot tell a crash from a lost channel, so both spend an attempt,
+//! as does a lock wait on the key's other delivery that runs out (the adapters count every
+//! retry); an outage spends none.
+//!
+//! The database is trusted as in the HTTP model: the claim inserts the key in the handler's
 //! transaction, a second claim waits on its lock, a commit is atomic, a crash rolls back and
 //! frees the lock. A commit that cannot be confirmed may or may not have happened. Keys are kept
 //! (the inbox's default retention), so nothing expires here.
@@ -35,6 +41,8 @@ pub(super) struct Inbox {
     faults: u8,
     /// The inbox's `max_attempts`.
     max_attempts: u8,
+    /// Dead letters an operator replays, in all.
+    replays: u8,
     /// A deliberately broken inbox, to show a property able to fail.
     broken: Option<Broken>,
 }
@@ -81,6 +89,7 @@ impl Inbox {
             ],
             faults: if deep { 4 } else { 3 },
             max_attempts: 2,
+            replays: 1,
             broken: None,
         }
     }
@@ -112,10 +121,17 @@ impl Inbox {
 pub(super) enum Queued {
     /// Waiting for a consumer; `attempts` deliveries counted so far.
     Ready { attempts: u8 },
-    /// Delivered to `consumer`, not yet acknowledged.
-    InHand { consumer: usize, attempts: u8 },
+    /// Delivered to `consumer`, not yet acknowledged; `replay` when an operator's replay took
+    /// it from the dead-letter queue.
+    InHand {
+        consumer: usize,
+        attempts: u8,
+        replay: bool,
+    },
     /// Acknowledged: the broker is done with it.
     Acked,
+    /// In the dead-letter queue, until an operator replays it.
+    DeadLetter,
 }
 
 /// A message and what became of it.
@@ -137,6 +153,8 @@ pub(super) struct Sent {
 pub(super) struct Held {
     message: usize,
     attempt: u8,
+    /// An operator's replay of a dead letter: one attempt, any failure keeps it dead.
+    replay: bool,
 }
 
 /// A consumer, with the delivery it is at.
@@ -213,12 +231,14 @@ pub(super) struct State {
     /// Committed business writes per key.
     writes: Vec<u8>,
     faults_left: u8,
+    replays_left: u8,
 }
 
 /// One step of the broker, a consumer or the database; the faults among them are bounded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Action {
     Deliver { message: usize, consumer: usize },
+    Replay { message: usize, consumer: usize },
     Claim(usize),
     LockFreed(usize),
     LockWaitRunsOut(usize),
@@ -260,6 +280,7 @@ impl Model for Inbox {
                 locks: vec![None; keys],
                 writes: vec![0; keys],
                 faults_left: self.faults,
+                replays_left: self.replays,
             })
             .collect()
     }
@@ -275,8 +296,13 @@ impl Model for Inbox {
                         actions.push(Action::Deliver { message, consumer });
                     }
                 }
+                Queued::DeadLetter if state.replays_left > 0 => {
+                    if let Some(consumer) = idle {
+                        actions.push(Action::Replay { message, consumer });
+                    }
+                }
                 Queued::InHand { .. } if fault => actions.push(Action::LoseDelivery(message)),
-                Queued::InHand { .. } | Queued::Acked => {}
+                Queued::InHand { .. } | Queued::Acked | Queued::DeadLetter => {}
             }
         }
         for (consumer, c) in state.consumers.iter().enumerate() {
@@ -327,10 +353,29 @@ impl Model for Inbox {
                 let Queued::Ready { attempts } = s.sent[message].queued else {
                     return None;
                 };
-                s.sent[message].queued = Queued::InHand { consumer, attempts };
+                s.sent[message].queued = Queued::InHand {
+                    consumer,
+                    attempts,
+                    replay: false,
+                };
                 let held = Held {
                     message,
                     attempt: attempts + 1,
+                    replay: false,
+                };
+                s.consumers[consumer] = Consumer::Claiming { held, round: 1 };
+            }
+            Action::Replay { message, consumer } => {
+                s.replays_left -= 1;
+                s.sent[message].queued = Queued::InHand {
+                    consumer,
+                    attempts: 0,
+                    replay: true,
+                };
+                let held = Held {
+                    message,
+                    attempt: 1,
+                    replay: true,
                 };
                 s.consumers[consumer] = Consumer::Claiming { held, round: 1 };
             }
@@ -465,11 +510,11 @@ pub(super) const NO_DEAD_LETTER_FOR_AN_OUTAGE: &str =
 pub(super) const EVERY_MESSAGE_SETTLED: &str =
     "every valid message ends applied and acknowledged once faults stop";
 
-/// Every message acknowledged, and every valid one's key applied, or the message
-/// dead-lettered, or living on in a copy.
+/// Every message acknowledged or resting in the dead-letter queue, and every valid one's key
+/// applied, or the message dead-lettered, or living on in a copy.
 fn settled_all(s: &State) -> bool {
     s.sent.iter().all(|sent| {
-        sent.queued == Queued::Acked
+        matches!(sent.queued, Queued::Acked | Queued::DeadLetter)
             && (!sent.message.valid || sent.dead || sent.copied || s.keys[sent.message.key])
     })
 }
@@ -507,7 +552,7 @@ impl Inbox {
     ) -> Consumer {
         let attempt = u32::from(held.attempt);
         let max_attempts = u32::from(self.max_attempts);
-        match verdict_of(handler.result(), attempt, max_attempts, false) {
+        match verdict_of(handler.result(), attempt, max_attempts, held.replay) {
             Ending::Commit(_) => {
                 if self.is(Broken::AckBeforeCommit) {
                     acknowledge(s, consumer, held.message);
@@ -562,7 +607,7 @@ impl Inbox {
             failure => failure,
         };
         let attempt = u32::from(held.attempt);
-        match settled(failure, attempt, u32::from(self.max_attempts), false) {
+        match settled(failure, attempt, u32::from(self.max_attempts), held.replay) {
             (Fate::Pause, _) => Settle::Outage,
             (Fate::Dead, _) => Settle::Dead,
             (Fate::Retry | Fate::Rerun, _) => Settle::Retry,
@@ -629,7 +674,19 @@ fn settle(s: &mut State, consumer: usize, held: Held, verdict: Settle) -> Consum
             acknowledge(s, consumer, held.message);
             return Consumer::Idle;
         }
+        // A replay that did not apply leaves the dead letter where it was.
+        _ if held.replay => {
+            s.sent[held.message].queued = Queued::DeadLetter;
+            return Consumer::Idle;
+        }
         Settle::Dead => {
+            let letter = Sent {
+                queued: Queued::DeadLetter,
+                dead: true,
+                copied: false,
+                ..s.sent[held.message].clone()
+            };
+            s.sent.push(letter);
             s.sent[held.message].dead = true;
             return Consumer::Acking { held };
         }
@@ -653,13 +710,18 @@ fn acknowledge(s: &mut State, consumer: usize, message: usize) {
 }
 
 /// The broker lost the delivery in hand (its consumer crashed, its channel closed, its ack
-/// wait ran out): queued again, one delivery more counted.
+/// wait ran out): queued again, one delivery more counted; a replayed dead letter goes back
+/// to the dead-letter queue.
 fn requeue_lost(sent: &mut Sent) {
-    if let Queued::InHand { attempts, .. } = sent.queued {
-        sent.queued = Queued::Ready {
-            attempts: attempts + 1,
-        };
-        sent.spent += 1;
+    match sent.queued {
+        Queued::InHand { replay: true, .. } => sent.queued = Queued::DeadLetter,
+        Queued::InHand { attempts, .. } => {
+            sent.queued = Queued::Ready {
+                attempts: attempts + 1,
+            };
+            sent.spent += 1;
+        }
+        Queued::Ready { .. } | Queued::Acked | Queued::DeadLetter => {}
     }
 }
 

@@ -74,7 +74,7 @@ impl Inbox {
         let deep = super::deep();
         let valid = |key| Message { key, valid: true };
         Self {
-            consumers: if deep { 3 } else { 2 },
+            consumers: 2,
             published: vec![
                 // A duplicate publish: two messages carry one business key.
                 vec![valid(0), valid(0)],
@@ -349,106 +349,16 @@ impl Model for Inbox {
     fn next_state(&self, last: &State, action: Action) -> Option<State> {
         let mut s = last.clone();
         match action {
-            Action::Deliver { message, consumer } => {
-                let Queued::Ready { attempts } = s.sent[message].queued else {
-                    return None;
-                };
-                s.sent[message].queued = Queued::InHand {
-                    consumer,
-                    attempts,
-                    replay: false,
-                };
-                let held = Held {
-                    message,
-                    attempt: attempts + 1,
-                    replay: false,
-                };
-                s.consumers[consumer] = Consumer::Claiming { held, round: 1 };
-            }
-            Action::Replay { message, consumer } => {
-                s.replays_left -= 1;
-                s.sent[message].queued = Queued::InHand {
-                    consumer,
-                    attempts: 0,
-                    replay: true,
-                };
-                let held = Held {
-                    message,
-                    attempt: 1,
-                    replay: true,
-                };
-                s.consumers[consumer] = Consumer::Claiming { held, round: 1 };
-            }
-            Action::Claim(consumer) | Action::LockFreed(consumer) => {
-                let (Consumer::Claiming { held, round } | Consumer::Waiting { held, round }) =
-                    s.consumers[consumer]
-                else {
-                    return None;
-                };
-                s.consumers[consumer] = self.claim(&mut s, consumer, held, round);
-            }
-            Action::LockWaitRunsOut(consumer) => {
-                let Consumer::Waiting { held, .. } = s.consumers[consumer] else {
-                    return None;
-                };
-                s.faults_left -= 1;
-                // The other delivery of the key still holds it: the inbox answers a retry
-                // without a failure's fate, and the broker counts the attempt.
-                s.sent[held.message].spent += 1;
-                s.consumers[consumer] = Consumer::Settling {
-                    held,
-                    verdict: Settle::Retry,
-                };
-            }
-            Action::ClaimUnreachable(consumer) => {
-                let Consumer::Claiming { held, .. } = s.consumers[consumer] else {
-                    return None;
-                };
-                s.faults_left -= 1;
-                let verdict = self.conclude(&mut s, held, store_failed());
-                s.consumers[consumer] = Consumer::Settling { held, verdict };
-            }
-            Action::Handle { consumer, handler } => {
-                let Consumer::Working { held, round } = s.consumers[consumer] else {
-                    return None;
-                };
-                if handler != Handler::Applied && s.sent[held.message].message.valid {
-                    s.faults_left -= 1;
-                }
-                s.consumers[consumer] = self.handled(&mut s, consumer, held, round, handler);
-            }
-            Action::Commit(consumer) => {
-                let Consumer::Committing { held, .. } = s.consumers[consumer] else {
-                    return None;
-                };
-                s.consumers[consumer] = self.commit(&mut s, consumer, held);
-            }
-            Action::CommitUnconfirmed {
-                consumer,
-                committed,
-            } => {
-                let Consumer::Committing { held, .. } = s.consumers[consumer] else {
-                    return None;
-                };
-                s.faults_left -= 1;
-                if committed {
-                    self.commit(&mut s, consumer, held);
-                } else {
-                    release(&mut s, consumer);
-                }
-                let verdict = self.conclude(&mut s, held, store_failed());
-                s.consumers[consumer] = Consumer::Settling { held, verdict };
-            }
-            Action::Record(consumer) => {
-                let Consumer::Recording { held } = s.consumers[consumer] else {
-                    return None;
-                };
-                s.keys[s.sent[held.message].message.key] = true;
-                s.consumers[consumer] = Consumer::Settling {
-                    held,
-                    verdict: Settle::Ack,
-                };
-            }
+            Action::Deliver { message, consumer } => take(&mut s, message, consumer, false)?,
+            Action::Replay { message, consumer } => take(&mut s, message, consumer, true)?,
+            Action::Claim(consumer)
+            | Action::LockFreed(consumer)
+            | Action::LockWaitRunsOut(consumer)
+            | Action::ClaimUnreachable(consumer) => self.claiming(&mut s, consumer, action)?,
+            Action::Handle { consumer, .. }
+            | Action::Commit(consumer)
+            | Action::CommitUnconfirmed { consumer, .. }
+            | Action::Record(consumer) => self.working(&mut s, consumer, action)?,
             Action::Settle(consumer) => {
                 let Consumer::Settling { held, verdict } = s.consumers[consumer] else {
                     return None;
@@ -520,6 +430,68 @@ fn settled_all(s: &State) -> bool {
 }
 
 impl Inbox {
+    /// A step of `consumer`'s claim: it claims, waits on the lock, gives up waiting, or finds
+    /// the database out of reach.
+    fn claiming(&self, s: &mut State, consumer: usize, action: Action) -> Option<()> {
+        let (Consumer::Claiming { held, round } | Consumer::Waiting { held, round }) =
+            s.consumers[consumer]
+        else {
+            return None;
+        };
+        s.consumers[consumer] = match action {
+            Action::Claim(_) | Action::LockFreed(_) => self.claim(s, consumer, held, round),
+            Action::LockWaitRunsOut(_) => {
+                s.faults_left -= 1;
+                // The other delivery of the key still holds it: the inbox answers a retry
+                // without a failure's fate, and the broker counts the attempt.
+                s.sent[held.message].spent += 1;
+                Consumer::Settling {
+                    held,
+                    verdict: Settle::Retry,
+                }
+            }
+            Action::ClaimUnreachable(_) => {
+                s.faults_left -= 1;
+                let verdict = self.conclude(s, held, store_failed());
+                Consumer::Settling { held, verdict }
+            }
+            _ => return None,
+        };
+        Some(())
+    }
+
+    /// A step of `consumer`'s work in the claim's transaction: the handler answers, the commit
+    /// goes through or goes unconfirmed, or (broken) the key is inserted apart.
+    fn working(&self, s: &mut State, consumer: usize, action: Action) -> Option<()> {
+        s.consumers[consumer] = match (action, s.consumers[consumer]) {
+            (Action::Handle { handler, .. }, Consumer::Working { held, round }) => {
+                if handler != Handler::Applied && s.sent[held.message].message.valid {
+                    s.faults_left -= 1;
+                }
+                self.handled(s, consumer, held, round, handler)
+            }
+            (Action::Commit(_), Consumer::Committing { held, .. }) => {
+                self.commit(s, consumer, held)
+            }
+            (Action::CommitUnconfirmed { committed, .. }, Consumer::Committing { held, .. }) => {
+                s.faults_left -= 1;
+                if committed {
+                    self.commit(s, consumer, held);
+                } else {
+                    release(s, consumer);
+                }
+                let verdict = self.conclude(s, held, store_failed());
+                Consumer::Settling { held, verdict }
+            }
+            (Action::Record(_), Consumer::Recording { held }) => {
+                s.keys[s.sent[held.message].message.key] = true;
+                ack(held)
+            }
+            _ => return None,
+        };
+        Some(())
+    }
+
     /// One claim of `held`'s key: the database's part (the lock, the committed key), then what
     /// the engine answers: a held key is a duplicate, acknowledged without the handler.
     fn claim(&self, s: &mut State, consumer: usize, held: Held, round: u8) -> Consumer {
@@ -634,6 +606,31 @@ fn answers(s: &State, consumer: usize, held: Held, actions: &mut Vec<Action>) {
             actions.push(Action::Handle { consumer, handler });
         }
     }
+}
+
+/// `consumer` takes `message` from its queue: a live delivery, or (`replay`) a dead letter an
+/// operator replays, one attempt of its own.
+fn take(s: &mut State, message: usize, consumer: usize, replay: bool) -> Option<()> {
+    let attempts = match s.sent[message].queued {
+        Queued::Ready { attempts } if !replay => attempts,
+        Queued::DeadLetter if replay => {
+            s.replays_left -= 1;
+            0
+        }
+        _ => return None,
+    };
+    s.sent[message].queued = Queued::InHand {
+        consumer,
+        attempts,
+        replay,
+    };
+    let held = Held {
+        message,
+        attempt: attempts + 1,
+        replay,
+    };
+    s.consumers[consumer] = Consumer::Claiming { held, round: 1 };
+    Some(())
 }
 
 /// The inbox's verdict `Applied` or `Duplicate`.

@@ -10,7 +10,9 @@
 //! acknowledged next, so a crash in between leaves both; NATS's `Nak` and its outage kept in
 //! hand are among the orders explored. A dead letter is stored before the original is
 //! acknowledged, and a replay that does not apply leaves it there. An acknowledgement from a
-//! consumer the broker no longer counts as the message's holder changes nothing. The
+//! consumer the broker no longer counts as the message's holder may change nothing (RabbitMQ's
+//! delivery tag died with its channel) or settle the message all the same (a JetStream ack
+//! names the message, whichever delivery sends it): both are explored. The
 //! broker's delivery count cannot tell a crash from a lost channel, so both spend an attempt,
 //! as does a lock wait on the key's other delivery that runs out (the adapters count every
 //! retry); an outage spends none.
@@ -248,6 +250,7 @@ pub(super) enum Action {
     CommitUnconfirmed { consumer: usize, committed: bool },
     Record(usize),
     Settle(usize),
+    SettleStale(usize),
     Ack(usize),
     Crash(usize),
     LoseDelivery(usize),
@@ -337,7 +340,12 @@ impl Model for Inbox {
                     }
                 }
                 Consumer::Recording { .. } => actions.push(Action::Record(consumer)),
-                Consumer::Settling { .. } => actions.push(Action::Settle(consumer)),
+                Consumer::Settling { held, verdict } => {
+                    actions.push(Action::Settle(consumer));
+                    if stale_settles(state, consumer, held, verdict) {
+                        actions.push(Action::SettleStale(consumer));
+                    }
+                }
                 Consumer::Acking { .. } => actions.push(Action::Ack(consumer)),
             }
             if fault {
@@ -364,6 +372,16 @@ impl Model for Inbox {
                     return None;
                 };
                 s.consumers[consumer] = settle(&mut s, consumer, held, verdict);
+            }
+            Action::SettleStale(consumer) => {
+                let Consumer::Settling { held, verdict } = s.consumers[consumer] else {
+                    return None;
+                };
+                if verdict == Settle::Dead {
+                    dead_letter(&mut s, held.message);
+                }
+                s.sent[held.message].queued = Queued::Acked;
+                s.consumers[consumer] = Consumer::Idle;
             }
             Action::Ack(consumer) => {
                 let Consumer::Acking { held } = s.consumers[consumer] else {
@@ -677,14 +695,7 @@ fn settle(s: &mut State, consumer: usize, held: Held, verdict: Settle) -> Consum
             return Consumer::Idle;
         }
         Settle::Dead => {
-            let letter = Sent {
-                queued: Queued::DeadLetter,
-                dead: true,
-                copied: false,
-                ..s.sent[held.message].clone()
-            };
-            s.sent.push(letter);
-            s.sent[held.message].dead = true;
+            dead_letter(s, held.message);
             return Consumer::Acking { held };
         }
         Settle::Retry => held.attempt,
@@ -697,6 +708,31 @@ fn settle(s: &mut State, consumer: usize, held: Held, verdict: Settle) -> Consum
     s.sent.push(copy);
     s.sent[held.message].copied = true;
     Consumer::Acking { held }
+}
+
+/// Stores a copy of `message` in the dead-letter queue.
+fn dead_letter(s: &mut State, message: usize) {
+    let letter = Sent {
+        queued: Queued::DeadLetter,
+        dead: true,
+        copied: false,
+        ..s.sent[message].clone()
+    };
+    s.sent.push(letter);
+    s.sent[message].dead = true;
+}
+
+/// Whether `consumer`'s acknowledgement (after a commit, or after a dead letter) may still
+/// settle a message the broker has since queued again or handed to the other consumer, as a
+/// JetStream ack may; on RabbitMQ it cannot (the plain `Settle`, which changes nothing then).
+fn stale_settles(s: &State, consumer: usize, held: Held, verdict: Settle) -> bool {
+    let live = matches!(
+        s.sent[held.message].queued,
+        Queued::Ready { .. } | Queued::InHand { replay: false, .. }
+    );
+    live && !held.replay
+        && !holds(s, consumer, held.message)
+        && matches!(verdict, Settle::Ack | Settle::Dead)
 }
 
 /// The broker forgets `message`, if `consumer` still holds it.

@@ -78,7 +78,7 @@ pub(crate) enum Fate {
 /// out however long it lasts, since the delivery is not at fault; any other failure is retried
 /// until the attempts run out (at once on an operator's replay, which is a single attempt).
 /// A conflict abort is run again at once inside one attempt; once the engine's reruns run out,
-/// the caller hands it in as a retryable failure.
+/// [`settled`] counts it as a retryable failure.
 pub(crate) fn fate(failure: &Failure, attempt: u32, max_attempts: u32, replay: bool) -> Fate {
     match failure {
         Failure::Conflict(_) => Fate::Rerun,

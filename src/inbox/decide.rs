@@ -6,7 +6,7 @@ use std::future::Future;
 use bytes::Bytes;
 use http::StatusCode;
 
-use super::failure::{Fate, fate};
+use super::failure::{Fate, fate, settled};
 use super::{CONSUME, DEAD, Delivery, Failure, Inbox, LOG_TARGET, Verdict};
 use crate::Backend;
 use crate::engine::{self, Answer, Outcome, RunError};
@@ -74,22 +74,7 @@ impl<DB: Backend> Inbox<DB> {
 
     /// The failure of a delivery the engine could not apply.
     fn not_applied(&self, error: RunError) -> Failure {
-        let panicked = matches!(error, RunError::Panicked);
-        let store_failed = matches!(error, RunError::Store(_));
-        let rejection = error.into_rejection();
-        let failure = match rejection {
-            // A bug, which attempts bound like any failure.
-            _ if panicked => {
-                Failure::retryable(format!("not applied, the handler panicked: {rejection}"))
-            }
-            // The store failed before, around or after the handler (a claim, a commit or a
-            // rollback that could not reach the database): the consumer's own database is out,
-            // which is no fault of the delivery.
-            _ if store_failed => Failure::unavailable(format!("not applied: {rejection}")),
-            Rejection::Internal => Failure::unavailable(format!("not applied: {rejection}")),
-            Rejection::Conflict => Failure::Conflict(format!("not applied: {rejection}")),
-            _ => Failure::retryable(format!("not applied: {rejection}")),
-        };
+        let (failure, rejection) = failure_of(error);
         tracing::warn!(target: LOG_TARGET, consumer = %self.name, error = %rejection, "inbox could not apply a delivery");
         failure
     }
@@ -102,12 +87,7 @@ impl<DB: Backend> Inbox<DB> {
         replay: bool,
     ) -> Verdict {
         let attempt = delivery.attempt();
-        let failure = match failure {
-            // The engine's reruns of a conflict abort ran out: one attempt spent.
-            Failure::Conflict(reason) => Failure::Retryable(reason),
-            failure => failure,
-        };
-        match (fate(&failure, attempt, self.max_attempts, replay), failure) {
+        match settled(failure, attempt, self.max_attempts, replay) {
             (Fate::Pause, Failure::Unavailable(reason)) => {
                 let outages = self.counters.outage();
                 let after = self.outage_backoff.delay(outages.saturating_add(1));
@@ -165,8 +145,29 @@ impl<DB: Backend> Inbox<DB> {
     }
 }
 
+/// The failure of a delivery the engine could not apply, and the rejection it logs: a store
+/// that failed before, around or after the handler is the consumer's database out of reach.
+pub(crate) fn failure_of(error: RunError) -> (Failure, Rejection) {
+    let panicked = matches!(error, RunError::Panicked);
+    let store_failed = matches!(error, RunError::Store(_));
+    let rejection = error.into_rejection();
+    let failure = match rejection {
+        // A bug, which attempts bound like any failure.
+        _ if panicked => {
+            Failure::retryable(format!("not applied, the handler panicked: {rejection}"))
+        }
+        // A claim, a commit or a rollback that could not reach the database: the consumer's
+        // own database is out, which is no fault of the delivery.
+        _ if store_failed => Failure::unavailable(format!("not applied: {rejection}")),
+        Rejection::Internal => Failure::unavailable(format!("not applied: {rejection}")),
+        Rejection::Conflict => Failure::Conflict(format!("not applied: {rejection}")),
+        _ => Failure::retryable(format!("not applied: {rejection}")),
+    };
+    (failure, rejection)
+}
+
 /// What the engine does with the transaction of one call of the handler.
-fn verdict_of(
+pub(crate) fn verdict_of(
     applied: Result<(), Failure>,
     attempt: u32,
     max_attempts: u32,
@@ -201,4 +202,22 @@ fn refusal(note: Bytes) -> http::Response<Bytes> {
         http::HeaderValue::from_static("text/plain; charset=utf-8"),
     );
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Error;
+
+    #[test]
+    fn a_store_that_failed_is_an_outage_and_a_spent_conflict_a_conflict() {
+        let store = RunError::Store(Error::Database(sqlx::Error::PoolTimedOut));
+        assert!(matches!(failure_of(store).0, Failure::Unavailable(_)));
+        let conflict = RunError::Rejected(Rejection::Conflict);
+        assert!(matches!(failure_of(conflict).0, Failure::Conflict(_)));
+        assert!(matches!(
+            failure_of(RunError::Panicked).0,
+            Failure::Retryable(_)
+        ));
+    }
 }

@@ -63,7 +63,7 @@ impl Failure {
 
 /// What becomes of a delivery whose handler (or key function, or store) failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Fate {
+pub(crate) enum Fate {
     /// The database aborted the transaction on a conflict: run the handler again at once.
     Rerun,
     /// Deliver it again after the backoff; this attempt counts.
@@ -78,8 +78,8 @@ pub(super) enum Fate {
 /// out however long it lasts, since the delivery is not at fault; any other failure is retried
 /// until the attempts run out (at once on an operator's replay, which is a single attempt).
 /// A conflict abort is run again at once inside one attempt; once the engine's reruns run out,
-/// the caller hands it in as a retryable failure.
-pub(super) fn fate(failure: &Failure, attempt: u32, max_attempts: u32, replay: bool) -> Fate {
+/// [`settled`] counts it as a retryable failure.
+pub(crate) fn fate(failure: &Failure, attempt: u32, max_attempts: u32, replay: bool) -> Fate {
     match failure {
         Failure::Conflict(_) => Fate::Rerun,
         Failure::Permanent(_) => Fate::Dead,
@@ -87,6 +87,22 @@ pub(super) fn fate(failure: &Failure, attempt: u32, max_attempts: u32, replay: b
         Failure::Retryable(_) if replay || attempt >= max_attempts => Fate::Dead,
         Failure::Retryable(_) => Fate::Retry,
     }
+}
+
+/// The fate of a failure the engine handed back once the delivery's transaction ended, with
+/// the failure it is counted as: a conflict abort whose reruns ran out spends one attempt, as
+/// a retryable failure.
+pub(crate) fn settled(
+    failure: Failure,
+    attempt: u32,
+    max_attempts: u32,
+    replay: bool,
+) -> (Fate, Failure) {
+    let failure = match failure {
+        Failure::Conflict(reason) => Failure::Retryable(reason),
+        failure => failure,
+    };
+    (fate(&failure, attempt, max_attempts, replay), failure)
 }
 
 impl Failure {
@@ -97,5 +113,20 @@ impl Failure {
             | Self::Permanent(reason)
             | Self::Conflict(reason) => reason,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_conflict_whose_reruns_ran_out_spends_an_attempt() {
+        let conflict = || Failure::Conflict("serialization failure".into());
+        assert_eq!(fate(&conflict(), 1, 2, false), Fate::Rerun);
+        assert_eq!(settled(conflict(), 1, 2, false).0, Fate::Retry);
+        assert_eq!(settled(conflict(), 2, 2, false).0, Fate::Dead);
+        let outage = Failure::unavailable("down");
+        assert_eq!(settled(outage, 9, 2, false).0, Fate::Pause);
     }
 }

@@ -152,9 +152,9 @@ use crate::scope::Scope;
 use crate::store::Store;
 use crate::tx::Tx;
 
-mod decide;
+pub(crate) mod decide;
 mod delivery;
-mod failure;
+pub(crate) mod failure;
 #[cfg(feature = "nats")]
 pub mod nats;
 mod pause;

@@ -19,6 +19,8 @@ use std::time::Instant;
 use stateright::{Checker, HasDiscoveries, Model};
 
 mod http;
+#[cfg(feature = "inbox")]
+mod inbox;
 
 /// Whether the deeper bounds were asked for (`MODEL_DEPTH=deep`).
 pub(super) fn deep() -> bool {
@@ -46,17 +48,19 @@ where
 }
 
 /// Explores `model` and asserts that the checker finds a counterexample to `property`,
-/// printing its trace.
+/// printing its trace up to the first state that breaks it (the checker keeps the last
+/// counterexample its threads met, which may run on past that state).
 pub(super) fn assert_breaks<M>(name: &str, model: M, property: &'static str)
 where
     M: Model + Send + Sync + 'static,
     M::State: Debug + Hash + Send + Sync + Clone + PartialEq + 'static,
     M::Action: Debug + Send + Sync + Clone + PartialEq + 'static,
 {
+    // Breadth first, stopping at the first counterexample: the shortest, or near it.
     let checker = model
         .checker()
-        .finish_when(HasDiscoveries::AnyOf(BTreeSet::from([property])))
         .threads(2)
+        .finish_when(HasDiscoveries::AnyOf(BTreeSet::from([property])))
         .spawn_bfs()
         .join();
     let Some(path) = checker.discovery(property) else {
@@ -65,8 +69,19 @@ where
             checker.unique_state_count()
         );
     };
+    let model = checker.model();
+    let holds = model
+        .properties()
+        .into_iter()
+        .find(|p| p.name == property)
+        .map(|p| p.condition);
     println!("model {name}: counterexample to {property:?}:");
-    for action in path.into_actions() {
-        println!("  {action:?}");
+    for (state, action) in path.into_vec() {
+        if holds.is_some_and(|holds| !holds(model, &state)) {
+            break;
+        }
+        if let Some(action) = action {
+            println!("  {action:?}");
+        }
     }
 }

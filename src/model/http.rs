@@ -320,113 +320,12 @@ impl Model for Http {
                     answer: Reply::InFlight,
                 };
             }
-            Action::Work { instance, answer } => {
-                let Instance::Working {
-                    client, attempt, ..
-                } = s.instances[instance]
-                else {
-                    return None;
-                };
-                if answer == Classification::Retryable {
-                    s.faults_left -= 1;
-                    s.undone.insert(attempt);
-                }
-                s.instances[instance] = self.end_work(&mut s, instance, client, attempt, answer);
-            }
-            Action::ConflictAbort(instance) => {
-                let Instance::Working {
-                    client,
-                    round,
-                    attempt,
-                    ..
-                } = s.instances[instance]
-                else {
-                    return None;
-                };
-                s.faults_left -= 1;
-                s.undone.insert(attempt);
-                release(&mut s, instance);
-                s.instances[instance] = if decide::run_again(u32::from(round)) {
-                    Instance::Claiming {
-                        client,
-                        round: round + 1,
-                    }
-                } else {
-                    Instance::Answering {
-                        client,
-                        answer: Reply::Retry,
-                    }
-                };
-            }
-            Action::RecordRefusal(instance) => {
-                let Instance::Refusing { client, answer } = s.instances[instance] else {
-                    return None;
-                };
-                // The refusal's record is written now, in the retention period it starts.
-                let answer = Answer {
-                    epoch: s.epoch,
-                    ..answer
-                };
-                let reply = match &s.record {
-                    Some(record) if !self.is(Broken::RefusalOverwrites) => reply_from(record),
-                    _ => {
-                        s.record = Some(Record {
-                            state: RecordState::FailedPermanent,
-                            answer: Some(answer),
-                        });
-                        Reply::Final(answer)
-                    }
-                };
-                s.instances[instance] = Instance::Answering {
-                    client,
-                    answer: reply,
-                };
-            }
-            Action::RecordApart(instance) => {
-                let Instance::Recording { client, answer } = s.instances[instance] else {
-                    return None;
-                };
-                let answer = Answer {
-                    epoch: s.epoch,
-                    ..answer
-                };
-                s.record = Some(Record {
-                    state: RecordState::Completed,
-                    answer: Some(answer),
-                });
-                s.instances[instance] = Instance::Answering {
-                    client,
-                    answer: Reply::Final(answer),
-                };
-            }
-            Action::Answer(instance) => {
-                let Instance::Answering { client, answer } = s.instances[instance] else {
-                    return None;
-                };
-                s.instances[instance] = Instance::Idle;
-                let c = &mut s.clients[client];
-                // A client that gave up on this request is no longer listening.
-                if c.waiting_on == Some(instance) {
-                    c.waiting_on = None;
-                    if let Reply::Final(answer) = answer {
-                        c.done = true;
-                        s.answers.insert(answer);
-                    }
-                }
-            }
-            Action::Crash(instance) => {
-                s.faults_left -= 1;
-                if let Instance::Working { attempt, .. } = s.instances[instance] {
-                    s.undone.insert(attempt);
-                }
-                release(&mut s, instance);
-                s.instances[instance] = Instance::Idle;
-                for c in &mut s.clients {
-                    if c.waiting_on == Some(instance) {
-                        c.waiting_on = None;
-                    }
-                }
-            }
+            Action::Work { instance, answer } => self.work(&mut s, instance, answer)?,
+            Action::ConflictAbort(instance) => conflict_abort(&mut s, instance)?,
+            Action::RecordRefusal(instance) => self.record_refusal(&mut s, instance)?,
+            Action::RecordApart(instance) => record_apart(&mut s, instance)?,
+            Action::Answer(instance) => answer(&mut s, instance)?,
+            Action::Crash(instance) => crash(&mut s, instance),
             Action::DropConnection(client) => {
                 s.faults_left -= 1;
                 s.clients[client].waiting_on = None;
@@ -594,6 +493,49 @@ impl Http {
             }
         }
     }
+    /// The work of `instance` answered, classified as `answer`.
+    fn work(&self, s: &mut State, instance: usize, answer: Classification) -> Option<()> {
+        let Instance::Working {
+            client, attempt, ..
+        } = s.instances[instance]
+        else {
+            return None;
+        };
+        if answer == Classification::Retryable {
+            s.faults_left -= 1;
+            s.undone.insert(attempt);
+        }
+        s.instances[instance] = self.end_work(s, instance, client, attempt, answer);
+        Some(())
+    }
+
+    /// The refusal of `instance`'s work is recorded in a fresh claim, unless a duplicate that
+    /// claimed the key meanwhile recorded its own outcome, which is then the answer.
+    fn record_refusal(&self, s: &mut State, instance: usize) -> Option<()> {
+        let Instance::Refusing { client, answer } = s.instances[instance] else {
+            return None;
+        };
+        // The refusal's record is written now, in the retention period it starts.
+        let answer = Answer {
+            epoch: s.epoch,
+            ..answer
+        };
+        let reply = match &s.record {
+            Some(record) if !self.is(Broken::RefusalOverwrites) => reply_from(record),
+            _ => {
+                s.record = Some(Record {
+                    state: RecordState::FailedPermanent,
+                    answer: Some(answer),
+                });
+                Reply::Final(answer)
+            }
+        };
+        s.instances[instance] = Instance::Answering {
+            client,
+            answer: reply,
+        };
+        Some(())
+    }
 }
 
 /// What a claim that found `record` answers, as the engine decides it (every client in the
@@ -605,6 +547,87 @@ fn reply_from(record: &Record) -> Reply {
     ) {
         (Existing::Replay, Some(answer)) => Reply::Final(answer),
         (Existing::KeyReused | Existing::Replay | Existing::InFlight, _) => Reply::InFlight,
+    }
+}
+
+/// The database aborted `instance`'s transaction on a conflict: nothing of it stands, and the
+/// engine decides whether to run it again.
+fn conflict_abort(s: &mut State, instance: usize) -> Option<()> {
+    let Instance::Working {
+        client,
+        round,
+        attempt,
+    } = s.instances[instance]
+    else {
+        return None;
+    };
+    s.faults_left -= 1;
+    s.undone.insert(attempt);
+    release(s, instance);
+    s.instances[instance] = if decide::run_again(u32::from(round)) {
+        Instance::Claiming {
+            client,
+            round: round + 1,
+        }
+    } else {
+        Instance::Answering {
+            client,
+            answer: Reply::Retry,
+        }
+    };
+    Some(())
+}
+
+/// The record that follows business writes committed apart is written.
+fn record_apart(s: &mut State, instance: usize) -> Option<()> {
+    let Instance::Recording { client, answer } = s.instances[instance] else {
+        return None;
+    };
+    let answer = Answer {
+        epoch: s.epoch,
+        ..answer
+    };
+    s.record = Some(Record {
+        state: RecordState::Completed,
+        answer: Some(answer),
+    });
+    s.instances[instance] = Instance::Answering {
+        client,
+        answer: Reply::Final(answer),
+    };
+    Some(())
+}
+
+/// `instance`'s answer reaches its client, if the client is still listening.
+fn answer(s: &mut State, instance: usize) -> Option<()> {
+    let Instance::Answering { client, answer } = s.instances[instance] else {
+        return None;
+    };
+    s.instances[instance] = Instance::Idle;
+    let c = &mut s.clients[client];
+    if c.waiting_on == Some(instance) {
+        c.waiting_on = None;
+        if let Reply::Final(answer) = answer {
+            c.done = true;
+            s.answers.insert(answer);
+        }
+    }
+    Some(())
+}
+
+/// `instance` crashes: its transaction rolls back, its lock is freed, its client's connection
+/// drops.
+fn crash(s: &mut State, instance: usize) {
+    s.faults_left -= 1;
+    if let Instance::Working { attempt, .. } = s.instances[instance] {
+        s.undone.insert(attempt);
+    }
+    release(s, instance);
+    s.instances[instance] = Instance::Idle;
+    for c in &mut s.clients {
+        if c.waiting_on == Some(instance) {
+            c.waiting_on = None;
+        }
     }
 }
 

@@ -21,6 +21,8 @@ use stateright::{Checker, HasDiscoveries, Model};
 mod http;
 #[cfg(feature = "inbox")]
 mod inbox;
+#[cfg(feature = "outbox")]
+mod outbox;
 
 /// Whether the deeper bounds were asked for (`MODEL_DEPTH=deep`).
 pub(super) fn deep() -> bool {

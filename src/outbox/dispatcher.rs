@@ -1,6 +1,6 @@
 //! The background task that delivers committed messages and records every outcome.
 
-mod decide;
+pub(crate) mod decide;
 mod flight;
 mod metrics;
 mod window;

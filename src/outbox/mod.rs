@@ -142,7 +142,7 @@
 
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 mod broker;
-mod dispatcher;
+pub(crate) mod dispatcher;
 mod error;
 mod http;
 mod sender;

@@ -754,7 +754,10 @@ pub mod jobs {}
 /// }
 /// ```
 ///
-/// Delivery is at least once, and every attempt carries the same downstream key. Where the
+/// Delivery is at least once, and every attempt carries the same downstream key. (On
+/// PostgreSQL a dispatcher's claim of a message, a lease, commits without waiting for the disk,
+/// which keeps it off the message's way to its destination: a server crash may lose a claim
+/// as if its lease had run out, and the message is then sent again under its key.) Where the
 /// downstream deduplicates by that key (as payment providers do) the effect happens exactly
 /// once; where it does not, implement [`Sender::lookup`](crate::outbox::Sender::lookup) so the
 /// dispatcher looks the key up before any resend. For an HTTP API,

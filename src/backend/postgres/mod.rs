@@ -342,19 +342,15 @@ impl Storage for Postgres {
             };
             // A claim after one that found all it asked for likely faces a backlog, and the
             // planner costs a backlog's claim high enough to compile it (see the statement).
-            let backlog = !claim.probe;
-            let rows = if backlog {
-                let mut tx = sqlx::Connection::begin_with(
-                    &mut *conn,
-                    sqlx::AssertSqlSafe(outbox_sql::BEGIN_WITHOUT_JIT),
-                )
-                .await?;
-                let rows = query.fetch_all(&mut *tx).await?;
-                tx.commit().await?;
-                rows
+            let begin = if claim.probe {
+                outbox_sql::BEGIN_CLAIM
             } else {
-                query.fetch_all(&mut *conn).await?
+                outbox_sql::BEGIN_BACKLOG_CLAIM
             };
+            let mut tx =
+                sqlx::Connection::begin_with(&mut *conn, sqlx::AssertSqlSafe(begin)).await?;
+            let rows = query.fetch_all(&mut *tx).await?;
+            tx.commit().await?;
             rows.iter()
                 .map(|row| {
                     Ok(ClaimedMessage {

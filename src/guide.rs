@@ -1609,6 +1609,7 @@ pub mod clusters {}
 /// | requests | 2 clients, 2 instances, 2 faults, 1 expiry | 78,334 |
 /// | outbox | 2 messages of one ordering key, 2 dispatchers, 2 faults, 2 outages | 609,433 |
 /// | outbox, time past the budget | as above, a budget of a few ticks | 188,017 |
+/// | outbox, no ordering key | 2 messages without a key, 2 dispatchers, 1 fault, 1 outage | 124,169 |
 /// | inbox | 2 consumers, 2 messages (one business key twice, or one that never applies), 3 faults, 1 replay | 561,182 |
 ///
 /// A deeper run, with more clients and faults (three clients and three faults for requests,

@@ -146,6 +146,17 @@ impl Outbox {
         self
     }
 
+    /// Messages without an ordering key: nothing orders them, and each goes out on its own.
+    /// Their interleavings are many more than a key's: one fault and one outage keep the
+    /// exploration to seconds.
+    pub(super) fn unkeyed(mut self) -> Self {
+        self.keyed = 0;
+        self.faults = 1;
+        self.outages = 1;
+        self.policy = Self::policy(self.faults, HORIZON + 1);
+        self
+    }
+
     /// Time that passes while dispatchers have work, so that messages outlive their time
     /// budget of `budget` ticks, and a downstream that remembers keys `retention` ticks. Past
     /// its budget a message may fail: that is the budget's purpose.
@@ -899,6 +910,11 @@ mod tests {
     #[test]
     fn the_outbox_keeps_every_property() {
         assert_holds("outbox", Outbox::new());
+    }
+
+    #[test]
+    fn messages_without_a_key_are_each_delivered_once() {
+        assert_holds("outbox, no ordering key", Outbox::new().unkeyed());
     }
 
     #[test]

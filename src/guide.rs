@@ -1550,7 +1550,7 @@ pub mod clusters {}
 ///   downstream that deduplicates by the message's key within its retention. Faults: a
 ///   dispatcher crashes at any step (during a send too), a lease runs out and the other
 ///   dispatcher takes the message over, a send's outcome is unknown, the destination is
-///   unreachable.
+///   unreachable, or refuses the message for good.
 /// - **The inbox.** A broker that redelivers until acknowledged; two consumers that claim the
 ///   business key in the handler's transaction and acknowledge after the commit. Faults: a
 ///   consumer crashes at any step (after the commit, before the acknowledgement too), its
@@ -1572,6 +1572,7 @@ pub mod clusters {}
 /// | every intent is answered once faults stop | an in-flight record committed apart from the work |
 /// | at most one downstream effect per downstream key | a resend without a lookup after an unknown outcome, to a downstream that does not deduplicate |
 /// | a key's messages take effect in commit order | a claim that ignores the key's message still in flight |
+/// | a message that failed for good holds its key's later messages | a claim that passes over it |
 /// | a recorded delivery is final | a settle without its lease-token check: a stalled dispatcher's stale outcome overwrites a delivery |
 /// | every message is delivered once faults stop; none fails for an outage | an outage counted as an attempt |
 /// | each business key is applied once by the inbox | the dedupe key checked before the handler and inserted after its commit |
@@ -1610,6 +1611,7 @@ pub mod clusters {}
 /// | outbox | 2 messages of one ordering key, 2 dispatchers, 2 faults, 2 outages | 609,433 |
 /// | outbox, time past the budget | as above, a budget of a few ticks | 188,017 |
 /// | outbox, no ordering key | 2 messages without a key, 2 dispatchers, 1 fault, 1 outage | 124,169 |
+/// | outbox, refusals | as the outbox, and the downstream may refuse a message for good | 1,153,722 |
 /// | inbox | 2 consumers, 2 messages (one business key twice, or one that never applies), 3 faults, 1 replay | 561,182 |
 ///
 /// A deeper run, with more clients and faults (three clients and three faults for requests,

@@ -35,8 +35,9 @@
 //! goes on as if nothing happened), a send's answer is lost (the request may or may not have
 //! arrived: the outcome is unknown), or the downstream asks for a retry. Outages (the
 //! downstream unreachable, nothing done) have a bound of their own. A request arrives within
-//! the tick it was sent, so within the lookup grace of its attempt. Rejections are left out: a
-//! rejected message fails for good by design.
+//! the tick it was sent, so within the lookup grace of its attempt. A refusal (the downstream's
+//! final answer, explored in bounds of its own) fails the message for good by design, and
+//! holds the later messages of its key.
 //!
 //! The downstream takes a request's effect, unless it deduplicates and already holds the
 //! message's downstream key within its retention (then it answers delivered again); a lookup
@@ -79,6 +80,8 @@ pub(super) struct Outbox {
     faults: u8,
     /// Sends that find the downstream unreachable.
     outages: u8,
+    /// Sends the downstream refuses for good.
+    refusals: u8,
     /// Whether a fault may stall a dispatcher past its leases.
     stalls: bool,
     /// Ticks that may pass while a dispatcher has work: a slow dispatcher or database.
@@ -105,6 +108,8 @@ pub(super) enum Broken {
     UnfencedSettle,
     /// The claim passes over an earlier message of the key while it is leased (in flight).
     OrderIgnoresInFlight,
+    /// The claim passes over an earlier message of the key that failed for good.
+    OrderIgnoresFailed,
 }
 
 impl Outbox {
@@ -119,6 +124,7 @@ impl Outbox {
             dispatchers: 2,
             faults,
             outages: 2,
+            refusals: 0,
             stalls: true,
             delays: 0,
             dedupe: true,
@@ -143,6 +149,13 @@ impl Outbox {
     pub(super) fn without_dedupe(mut self) -> Self {
         self.dedupe = false;
         self.stalls = false;
+        self
+    }
+
+    /// A downstream that may refuse a message for good: the message fails at once and holds
+    /// the later messages of its key for an operator.
+    pub(super) fn refusing(mut self) -> Self {
+        self.refusals = 1;
         self
     }
 
@@ -284,6 +297,9 @@ pub(super) struct State {
     regressed: bool,
     faults_left: u8,
     outages_left: u8,
+    refusals_left: u8,
+    /// The messages the downstream refused (sorted): their failure is its answer.
+    refused: Vec<usize>,
     delays_left: u8,
 }
 
@@ -296,6 +312,8 @@ pub(super) enum Answer {
     Busy,
     /// Unreachable: nothing done (an outage).
     Down,
+    /// Reached, and refused for good: nothing done.
+    Refuse,
 }
 
 /// One step of the app, a dispatcher, the downstream or the clock.
@@ -355,6 +373,8 @@ impl Model for Outbox {
             regressed: false,
             faults_left: self.faults,
             outages_left: self.outages,
+            refusals_left: self.refusals,
+            refused: Vec::new(),
             delays_left: self.delays,
         }]
     }
@@ -475,9 +495,9 @@ pub(super) const ONE_EFFECT: &str = "at most one downstream effect per downstrea
 pub(super) const KEY_ORDER: &str = "a key's messages take effect in commit order";
 /// A message recorded delivered stays delivered.
 pub(super) const DELIVERED_FINAL: &str = "a recorded delivery is final";
-/// Once faults stop, every message ends delivered (or, where time outlived the budget, failed
-/// past it, or held behind such a message): none fails for an outage or for lack of
-/// attempts, no key stays held by a lease.
+/// Once faults stop, every message ends delivered (or failed past its budget where time outlived
+/// it, or refused by the downstream, or held behind such a message): none fails for an outage
+/// or for lack of attempts, no key stays held by a lease.
 pub(super) const EVERY_MESSAGE_DELIVERED: &str = "every message is delivered once faults stop";
 
 impl Outbox {
@@ -485,18 +505,21 @@ impl Outbox {
         s.rows.len() == self.messages && s.rows.iter().all(|r| r.status == Status::Delivered)
     }
 
-    /// Every message is delivered, or failed past its time budget, or waits for an operator
-    /// behind a message of its key that failed.
+    /// Every message is delivered, or failed past its time budget or on the downstream's
+    /// refusal, or waits for an operator behind a message of its key that failed.
     fn all_ended(&self, s: &State) -> bool {
         let now = TICK * s.now.into();
-        let failed = |r: &Row| {
-            r.status == Status::Failed && now >= TICK * r.created.into() + self.policy.give_up_after
+        let failed = |m: usize| {
+            let r = &s.rows[m];
+            r.status == Status::Failed
+                && (s.refused.binary_search(&m).is_ok()
+                    || now >= TICK * r.created.into() + self.policy.give_up_after)
         };
         s.rows.len() == self.messages
-            && s.rows.iter().enumerate().all(|(m, r)| {
-                r.status == Status::Delivered
-                    || failed(r)
-                    || (self.keyed(m) && s.rows[..m].iter().any(failed))
+            && (0..s.rows.len()).all(|m| {
+                s.rows[m].status == Status::Delivered
+                    || failed(m)
+                    || (self.keyed(m) && (0..m).any(failed))
             })
     }
 
@@ -538,6 +561,11 @@ impl Outbox {
                         if s.outages_left > 0 {
                             actions.push(send(Answer::Down));
                         }
+                        // A downstream that took the effect answers a resend with it.
+                        let message = d.holds[hold].message;
+                        if s.refusals_left > 0 && s.applied[message].is_none() {
+                            actions.push(send(Answer::Refuse));
+                        }
                     }
                     Stage::Settling(_) => actions.push(Action::Settle { dispatcher, hold }),
                 }
@@ -558,6 +586,7 @@ impl Outbox {
                     let in_flight = r.lease.is_some_and(|(_, until)| until > s.now);
                     !matches!(r.status, Status::Pending | Status::Failed)
                         || (self.is(Broken::OrderIgnoresInFlight) && in_flight)
+                        || (self.is(Broken::OrderIgnoresFailed) && r.status == Status::Failed)
                 });
         row.status == Status::Pending && row.due <= s.now && free && in_order
     }
@@ -671,6 +700,14 @@ impl Outbox {
                 SendOutcome::Unavailable {
                     after: None,
                     reason: "unavailable".to_owned(),
+                }
+            }
+            Answer::Refuse => {
+                s.refusals_left -= 1;
+                s.refused.push(message);
+                s.refused.sort_unstable();
+                SendOutcome::Rejected {
+                    reason: "refused".to_owned(),
                 }
             }
         };
@@ -910,6 +947,17 @@ mod tests {
     #[test]
     fn the_outbox_keeps_every_property() {
         assert_holds("outbox", Outbox::new());
+    }
+
+    #[test]
+    fn a_refused_message_fails_alone_and_holds_its_key() {
+        assert_holds("outbox, refusals", Outbox::new().refusing());
+    }
+
+    #[test]
+    fn a_claim_past_a_failed_message_breaks_its_keys_order() {
+        let model = Outbox::new().refusing().broken(Broken::OrderIgnoresFailed);
+        assert_breaks("outbox, order past a failed message", model, KEY_ORDER);
     }
 
     #[test]

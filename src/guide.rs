@@ -1602,7 +1602,7 @@ pub mod clusters {}
 ///
 /// ## Bounds
 ///
-/// The default exploration is part of `cargo test` and takes about ten seconds in a debug
+/// The default exploration is part of `cargo test` and takes about twenty seconds in a debug
 /// build:
 ///
 /// | model | bounds | unique states |

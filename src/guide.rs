@@ -808,10 +808,14 @@ pub mod jobs {}
 ///   doubling to 30 s, never earlier than a `Retry-After`). A probe that finds the destination
 ///   still away is the only message written meanwhile, due again later, its attempt not
 ///   counted. The first probe that gets an answer resumes the topic at full speed. While a
-///   topic is paused, a claim of the other topics on PostgreSQL and SQLite finds them through
-///   an index of pending messages by topic and reads none of the paused topic's, so it costs
-///   about what a claim costs with nothing paused, however large the backlog. On MariaDB it
-///   still reads past the waiting messages (70–130 ms per claim with 30,000 waiting).
+///   topic is paused, a claim of the other topics finds them through an index of pending
+///   messages by topic and reads none of the paused topic's, so it costs about what a claim
+///   costs with nothing paused, however large the backlog. (This is why a topic, like an
+///   ordering key, is 1–255 characters: MySQL indexes no longer text.) Once the destination
+///   is back, its backlog drains alongside the other topics rather than ahead of them: while
+///   claims find more due messages than they take, the topics take turns in each claim (each
+///   one's oldest due message, then each one's second, and so on), so a message of another
+///   topic waits about one claim, not the whole backlog, though the backlog is older.
 ///   A sender that knows when its client has reconnected says so
 ///   ([`Sender::reconnected`](crate::outbox::Sender::reconnected)), and the dispatcher then
 ///   probes at once rather than at the next probe, which after a long outage is up to 30 s

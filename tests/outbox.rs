@@ -185,6 +185,7 @@ conformance!(
     an_outage_is_not_an_attempt,
     an_outage_pauses_the_destination_and_probes_one_message_at_a_time,
     a_paused_topic_waits_untouched_while_other_topics_flow,
+    a_backlog_of_one_topic_delays_the_others_by_a_claim_not_by_the_backlog,
     a_message_gives_up_at_its_time_budget_and_says_why,
     messages_of_one_ordering_key_arrive_in_enqueue_order_one_at_a_time_through_faults,
     a_failed_message_holds_its_key_until_requeued_or_skipped,
@@ -192,6 +193,7 @@ conformance!(
     an_earlier_message_locked_by_another_claim_still_holds_its_key_back,
     enqueues_of_one_ordering_key_commit_in_id_order,
     an_ordering_key_must_be_1_to_255_characters,
+    a_topic_must_be_1_to_255_characters,
     a_request_that_enqueued_wakes_the_dispatchers_when_the_layer_commits,
     a_rolled_back_request_sends_nothing_and_a_job_of_its_own_wakes_with_outbox_wake,
 );
@@ -1571,6 +1573,84 @@ async fn a_paused_topic_waits_untouched_while_other_topics_flow<DB: Backend>(poo
     }
 }
 
+/// A sender whose sends of `PAUSED_TOPIC` take a while (a broker working off the backlog it
+/// missed while it was down); the others are at once.
+#[derive(Clone, Default)]
+struct SlowBacklog(TwoDestinations);
+
+impl Sender for SlowBacklog {
+    async fn send(&self, message: &OutboxRecord) -> SendOutcome {
+        if message.topic == PAUSED_TOPIC {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.0.send(message).await
+    }
+}
+
+/// One destination's backlog (a broker back after an outage) drains alongside the other
+/// topics: their messages, though younger than the whole backlog, are delivered within a
+/// claim or two, not after it.
+async fn a_backlog_of_one_topic_delays_the_others_by_a_claim_not_by_the_backlog<DB: Backend>(
+    pool: Pool<DB>,
+) {
+    let outbox = outbox(&pool).await;
+    let (backlog, others) = (1_000, 20);
+    let message = |topic: &str, name: String| {
+        let key = DownstreamKey::new(name).unwrap();
+        Message::json(topic, key, &serde_json::json!({ "amount": "1.00" })).unwrap()
+    };
+    let mut tx = pool.begin().await.unwrap();
+    for n in 0..backlog {
+        let refund = message(PAUSED_TOPIC, format!("refund-{n}"));
+        outbox.enqueue(&mut tx, refund).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+
+    // Ten sends of 20 ms at a time: the backlog takes two seconds at least.
+    let sender = SlowBacklog::default();
+    let dispatcher = Dispatcher::new(outbox.clone(), sender.clone())
+        .batch_size(10)
+        .poll_interval(Duration::from_millis(50));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(dispatcher.run(async {
+        let _ = stopped.await;
+    }));
+    let started = tokio::time::Instant::now();
+    let until = |prefix: &'static str, count: usize| {
+        let sender = sender.clone();
+        async move {
+            while sender.0.delivered(prefix) < count {
+                assert!(
+                    started.elapsed() < Duration::from_secs(60),
+                    "{} of {count} {prefix} messages delivered in 60 s",
+                    sender.0.delivered(prefix)
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    until("refund-", 50).await;
+    for n in 0..others {
+        let charge = message("charges", format!("charge-{n}"));
+        enqueue_committed(&pool, &outbox, charge).await;
+    }
+    until("charge-", others).await;
+    let drained = sender.0.delivered("refund-");
+    assert!(
+        drained < backlog / 2,
+        "the other topic's {others} messages waited for {drained} of the backlog's {backlog}"
+    );
+    until("refund-", backlog).await;
+    let _ = stop.send(());
+    task.await.unwrap();
+    let deliveries = sender.0.0.deliveries.lock().unwrap().clone();
+    assert_eq!(deliveries.len(), backlog + others);
+    assert!(
+        deliveries.values().all(|&n| n == 1),
+        "a message delivered twice"
+    );
+}
+
 /// A message that cannot be delivered within its time budget fails for good, and its record
 /// says why; an outage spends the budget, not attempts.
 async fn a_message_gives_up_at_its_time_budget_and_says_why<DB: Backend>(pool: Pool<DB>) {
@@ -2061,6 +2141,32 @@ async fn an_ordering_key_must_be_1_to_255_characters<DB: Backend>(pool: Pool<DB>
     let id = outbox.enqueue(&mut conn, longest).await.unwrap();
     let stored = outbox.status(id).await.unwrap().unwrap();
     assert_eq!(stored.ordering_key, Some("é".repeat(255)));
+}
+
+/// Every backend stores and indexes topics of up to 255 characters as given, and refuses
+/// others before writing anything.
+async fn a_topic_must_be_1_to_255_characters<DB: Backend>(pool: Pool<DB>) {
+    let outbox = outbox(&pool).await;
+    let mut conn = pool.acquire().await.unwrap();
+    let message = |topic: String, name: &str| {
+        Message::new(topic, DownstreamKey::new(name).unwrap(), "{}".as_bytes())
+    };
+    for (n, bad) in [String::new(), "é".repeat(256)].into_iter().enumerate() {
+        assert!(matches!(
+            outbox
+                .enqueue(&mut conn, message(bad, &format!("bad-{n}")))
+                .await,
+            Err(outbox::Error::InvalidTopic)
+        ));
+    }
+    let longest = message("é".repeat(255), "longest");
+    let id = outbox.enqueue(&mut conn, longest).await.unwrap();
+    let stored = outbox.status(id).await.unwrap().unwrap();
+    assert_eq!(stored.topic, "é".repeat(255));
+    for n in 0..2 {
+        let key = DownstreamKey::new(format!("bad-{n}")).unwrap();
+        assert!(outbox.status_by_key(&key).await.unwrap().is_none());
+    }
 }
 
 /// End to end through a real broker: two dispatchers on PostgreSQL publish keyed messages to

@@ -71,7 +71,7 @@ pub enum Topics {
 
 impl Topics {
     /// The topics the claim leaves out.
-    #[cfg(any(feature = "sqlite", feature = "mysql"))]
+    #[cfg(feature = "sqlite")]
     pub fn skipped(&self) -> &[String] {
         match self {
             Self::Except(skipped) => skipped,
@@ -80,7 +80,7 @@ impl Topics {
     }
 
     /// The one topic the claim takes, if it takes only one.
-    #[cfg(any(feature = "sqlite", feature = "mysql"))]
+    #[cfg(feature = "sqlite")]
     pub fn only(&self) -> Option<&str> {
         match self {
             Self::Except(_) => None,
@@ -88,8 +88,8 @@ impl Topics {
         }
     }
 
-    /// The topics left out, as the JSON array the claims of SQLite and MySQL take.
-    #[cfg(any(feature = "sqlite", feature = "mysql"))]
+    /// The topics left out, as the JSON array SQLite's claims take.
+    #[cfg(feature = "sqlite")]
     pub fn skipped_json(&self) -> Result<String, sqlx::Error> {
         serde_json::to_string(self.skipped()).map_err(|error| sqlx::Error::Encode(error.into()))
     }

@@ -29,7 +29,9 @@ pub struct Message {
 
 impl Message {
     /// A message with an opaque payload; the [`Sender`](crate::outbox::Sender) decides what it
-    /// means.
+    /// means. The topic must be 1–255 characters:
+    /// [`Outbox::enqueue`](crate::outbox::Outbox::enqueue) refuses another with
+    /// [`Error::InvalidTopic`](crate::outbox::Error::InvalidTopic).
     #[must_use]
     pub fn new(topic: impl Into<String>, key: DownstreamKey, payload: impl Into<Vec<u8>>) -> Self {
         Self {
@@ -97,10 +99,10 @@ impl Message {
     }
 }
 
-/// The longest ordering key, in characters: MySQL's indexed column holds 255.
-pub(crate) const MAX_ORDERING_KEY_CHARS: usize = 255;
+/// The longest topic or ordering key, in characters: MySQL's indexed columns hold 255.
+const MAX_NAME_CHARS: usize = 255;
 
-/// Whether `key` is an ordering key every backend stores and compares as given.
-pub(crate) fn valid_ordering_key(key: &str) -> bool {
-    !key.is_empty() && key.chars().count() <= MAX_ORDERING_KEY_CHARS
+/// Whether `name` is a topic or an ordering key every backend stores and compares as given.
+pub(crate) fn valid_name(name: &str) -> bool {
+    !name.is_empty() && name.chars().count() <= MAX_NAME_CHARS
 }

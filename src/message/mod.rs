@@ -12,5 +12,5 @@ mod stored;
 
 pub use downstream_key::{DownstreamKey, InvalidDownstreamKey};
 pub use enqueued::Message;
-pub(crate) use enqueued::valid_ordering_key;
+pub(crate) use enqueued::valid_name;
 pub use stored::{MessageId, OutboxRecord, Status};

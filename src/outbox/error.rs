@@ -23,6 +23,10 @@ pub enum Error {
     /// characters; nothing was written.
     #[error("an ordering key must be 1-255 characters")]
     InvalidOrderingKey,
+    /// The message's [topic](super::Message::topic) is empty or longer than 255 characters;
+    /// nothing was written.
+    #[error("a topic must be 1-255 characters")]
+    InvalidTopic,
 }
 
 // Mapped as the store's `Error` maps it: a database failure stays one, the rest is a migration

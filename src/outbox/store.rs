@@ -12,7 +12,7 @@ use crate::Backend;
 #[cfg(feature = "test-util")]
 use crate::ManualClock;
 use crate::clock::{Clock, Millis};
-use crate::message::valid_ordering_key;
+use crate::message::valid_name;
 
 /// The default [`Outbox::retention`]: a week, long past any client's retries of the request
 /// that enqueued a message.
@@ -108,16 +108,16 @@ impl<DB: Backend> Outbox<DB> {
     /// A message with an [ordering key](Message::ordering_key) holds that key until
     /// `target`'s transaction ends, so that ids follow commit order within a key (see [Order
     /// per key](super#order-per-key)); an invalid ordering key is
-    /// [`Error::InvalidOrderingKey`].
+    /// [`Error::InvalidOrderingKey`], and an invalid topic [`Error::InvalidTopic`].
     pub async fn enqueue(
         &self,
         target: impl EnqueueTarget<DB>,
         message: Message,
     ) -> Result<MessageId, Error> {
-        if message
-            .ordering()
-            .is_some_and(|key| !valid_ordering_key(key))
-        {
+        if !valid_name(message.topic()) {
+            return Err(Error::InvalidTopic);
+        }
+        if message.ordering().is_some_and(|key| !valid_name(key)) {
             return Err(Error::InvalidOrderingKey);
         }
         let mut target = target;

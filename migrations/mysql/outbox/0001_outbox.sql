@@ -5,7 +5,9 @@
 -- case-folded, and 255 ASCII characters stay within InnoDB's index length limit.
 CREATE TABLE IF NOT EXISTS idempotency_outbox (
     id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
-    topic TEXT NOT NULL,
+    -- Indexed with the status: claims walk the topics that have pending messages. Binary
+    -- collation: topics compare by their bytes (but for trailing spaces, which it ignores).
+    topic VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
     downstream_key VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
     payload LONGBLOB NOT NULL,
     status VARCHAR(16) NOT NULL,
@@ -26,6 +28,8 @@ CREATE TABLE IF NOT EXISTS idempotency_outbox (
     ordering_key VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
     UNIQUE KEY idempotency_outbox_key (downstream_key),
     KEY idempotency_outbox_due (status, next_attempt_at),
+    -- A paused topic's backlog is left out of a claim without being read.
+    KEY idempotency_outbox_topic_due (status, topic, next_attempt_at),
     -- Serves the claim's check for an earlier unfinished message of the same ordering key.
     KEY idempotency_outbox_ordering (ordering_key, status, id)
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4;

@@ -262,20 +262,42 @@ impl Storage for MySql {
         topics: &Topics,
     ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>) {
         claiming(pool, clock, claim, |mut conn, claim| async move {
-            let skipped = topics.skipped_json()?;
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-            let rows = sqlx::query(outbox_sql::CLAIM_SELECT)
-                .bind(claim.now.column())
-                .bind(claim.now.column())
-                .bind(skipped)
-                .bind(topics.only())
-                .bind(topics.only())
-                .bind(claim.limit)
-                .fetch_all(&mut *tx)
-                .await?;
-            let mut claimed = Vec::with_capacity(rows.len());
-            for row in &rows {
-                claimed.push(lease_locked(&mut tx, outbox_record(row)?, &claim).await?);
+            let due = match topics {
+                Topics::Except(skipped) if skipped.is_empty() && claim.probe => {
+                    due_locked(&mut tx, &claim, None).await?
+                }
+                // Past paused topics' backlogs, and a backlog's claims too, the topics taking
+                // turns: each one's first due message, then each one's second, and so on. A
+                // destination's backlog (a broker back after an outage) then delays the other
+                // topics' new messages by one claim, not by the whole backlog, though it is
+                // older.
+                Topics::Except(skipped) => {
+                    let mut due = Vec::new();
+                    for topic in pending_topics(&mut tx).await? {
+                        if !skipped.contains(&topic) {
+                            let of_topic = due_locked(&mut tx, &claim, Some(&topic)).await?;
+                            due.extend(
+                                of_topic
+                                    .into_iter()
+                                    .filter(|record| !skipped.contains(&record.topic))
+                                    .enumerate(),
+                            );
+                        }
+                    }
+                    due.sort_by_key(|(turn, record)| (*turn, record.next_attempt_at, record.id));
+                    due.truncate(usize::try_from(claim.limit).unwrap_or(usize::MAX));
+                    due.into_iter().map(|(_, record)| record).collect()
+                }
+                Topics::Only(topic) => {
+                    let mut due = due_locked(&mut tx, &claim, Some(topic)).await?;
+                    due.retain(|record| record.topic == *topic);
+                    due
+                }
+            };
+            let mut claimed = Vec::with_capacity(due.len());
+            for record in due {
+                claimed.push(lease_locked(&mut tx, record, &claim).await?);
             }
             tx.commit().await?;
             Ok(claimed)
@@ -443,6 +465,43 @@ fn migration_raced(error: &dyn DatabaseError) -> bool {
 /// The crate's error for a database error.
 pub(crate) fn classify(error: sqlx::Error) -> Error {
     super::classify(error, is_busy, is_conflict)
+}
+
+/// Locks the first due messages `claim` may take, of `topic` alone where given. Rows locked
+/// and then not leased are released with the claim's transaction.
+#[cfg(feature = "outbox")]
+async fn due_locked(
+    tx: &mut MySqlConnection,
+    claim: &Claim,
+    topic: Option<&str>,
+) -> Result<Vec<OutboxRecord>, sqlx::Error> {
+    let query = match topic {
+        Some(topic) => sqlx::query(outbox_sql::CLAIM_SELECT_TOPIC).bind(topic),
+        None => sqlx::query(outbox_sql::CLAIM_SELECT),
+    };
+    let rows = query
+        .bind(claim.now.column())
+        .bind(claim.now.column())
+        .bind(claim.limit)
+        .fetch_all(tx)
+        .await?;
+    rows.iter().map(outbox_record).collect()
+}
+
+/// The topics that have pending messages, in order, one index probe each.
+#[cfg(feature = "outbox")]
+async fn pending_topics(tx: &mut MySqlConnection) -> Result<Vec<String>, sqlx::Error> {
+    let mut topics: Vec<String> = Vec::new();
+    loop {
+        let next = match topics.last() {
+            Some(last) => sqlx::query_scalar(outbox_sql::NEXT_PENDING_TOPIC).bind(last.as_str()),
+            None => sqlx::query_scalar(outbox_sql::FIRST_PENDING_TOPIC),
+        };
+        match next.fetch_optional(&mut *tx).await? {
+            Some(topic) => topics.push(topic),
+            None => return Ok(topics),
+        }
+    }
 }
 
 /// Leases `record`, a due message `claim` locked in `tx`: begins its attempt if it is sent

@@ -325,8 +325,9 @@ impl Storage for Postgres {
         topics: &Topics,
     ) -> (Claim, Result<Vec<ClaimedMessage>, sqlx::Error>) {
         claiming(pool, clock, claim, |mut conn, claim| async move {
+            // A backlog's claims let the topics take turns (see the statement).
             let sql = match topics {
-                Topics::Except(skipped) if skipped.is_empty() => outbox_sql::CLAIM,
+                Topics::Except(skipped) if skipped.is_empty() && claim.probe => outbox_sql::CLAIM,
                 Topics::Except(_) => outbox_sql::CLAIM_SKIPPING,
                 Topics::Only(_) => outbox_sql::CLAIM_TOPIC,
             };

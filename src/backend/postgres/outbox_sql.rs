@@ -125,7 +125,7 @@ pub(super) const CLAIM: &str = claim!("topic <> ALL ($6::text[])");
 // messages, one probe of the topic index each (`ORDER BY topic LIMIT 1` past the last one
 // found, paused topics included so the walk never reads their entries), then reads each
 // other topic's due messages in due order from the same index, up to the limit each, and
-// keeps the first `$4` of them all: the messages `CLAIM` would take.
+// keeps `$4` of them all.
 //
 // A plain `LIMIT $4`, unlike `CLAIM`'s: the index gives one topic's messages in due order,
 // so the planner has no sort to prefer. Hidden, the limit makes it budget a tenth of each
@@ -134,6 +134,12 @@ pub(super) const CLAIM: &str = claim!("topic <> ALL ($6::text[])");
 // table.
 // `SKIP LOCKED` is inside each topic's read, so it reads on past rows other claims hold;
 // the rows it locks beyond the first `$4` are free again when its transaction ends.
+//
+// The topics take turns: each topic's first due message, then each one's second, and so on
+// (due order within a turn). A backlog's claims run this one too, with nothing paused, so a
+// destination's backlog (a broker back after an outage) delays the other topics' new
+// messages by one claim, not by the whole backlog, though it is older. The turn is counted
+// outside the locking read, where a window function may not be.
 pub(super) const CLAIM_SKIPPING: &str = concat!(
     "WITH RECURSIVE pending_topics (topic) AS (
              (SELECT topic FROM idempotency_outbox WHERE status = 'pending'
@@ -146,18 +152,20 @@ pub(super) const CLAIM_SKIPPING: &str = concat!(
          due AS (
              SELECT d.id AS due_id, d.begins
              FROM pending_topics AS t CROSS JOIN LATERAL (
-                 SELECT id, next_attempt_at, NOT outcome_unknown AND attempts < $5 AS begins
-                 FROM idempotency_outbox AS m
-                 WHERE m.topic = t.topic AND status = 'pending' AND next_attempt_at <= $3
-                   AND (lease_expires_at IS NULL OR lease_expires_at <= $3)
-                   AND ",
+                 SELECT locked.*, row_number() OVER (ORDER BY next_attempt_at, id) AS turn
+                 FROM (
+                     SELECT id, next_attempt_at, NOT outcome_unknown AND attempts < $5 AS begins
+                     FROM idempotency_outbox AS m
+                     WHERE m.topic = t.topic AND status = 'pending' AND next_attempt_at <= $3
+                       AND (lease_expires_at IS NULL OR lease_expires_at <= $3)
+                       AND ",
     in_key_order!("m"),
     "
-                 ORDER BY next_attempt_at, id
-                 LIMIT $4
-                 FOR UPDATE SKIP LOCKED) AS d
+                     ORDER BY next_attempt_at, id
+                     LIMIT $4
+                     FOR UPDATE SKIP LOCKED) AS locked) AS d
              WHERE t.topic IS NOT NULL AND t.topic <> ALL ($6::text[])
-             ORDER BY d.next_attempt_at, d.id
+             ORDER BY d.turn, d.next_attempt_at, d.id
              LIMIT $4)
          ",
     lease_due!()

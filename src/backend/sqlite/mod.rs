@@ -247,8 +247,10 @@ impl Storage for Sqlite {
         claiming(pool, clock, claim, |mut conn, claim| async move {
             let skipped = topics.skipped_json()?;
             let only = topics.only();
-            // Past paused topics' backlogs by the topic index; the due index otherwise.
-            let skipping = !topics.skipped().is_empty();
+            // Past paused topics' backlogs by the topic index, and a backlog's claims too, so
+            // that the topics take turns; the due index otherwise.
+            let skipping =
+                !topics.skipped().is_empty() || (!claim.probe && topics.only().is_none());
             let (probe, hold, begin) = if skipping {
                 (
                     outbox_sql::CLAIM_PROBE_SKIPPING,

@@ -98,7 +98,10 @@ pub(super) const CLAIM_BEGIN: &str = concat!(
 // pending messages, one probe of the topic index each (`ORDER BY topic LIMIT 1` past the
 // last one found, paused topics included so the walk never reads their entries), then read
 // each other topic's due messages in due order from the same index, up to the limit each,
-// and keep the first ones of them all: the messages the statements above would take.
+// and keep the limit of them all, the topics taking turns: each one's first due message,
+// then each one's second, and so on. A backlog's claims run these too, with nothing paused,
+// so that a destination's backlog (a broker back after an outage) delays the other topics'
+// new messages by one claim, not by the whole backlog, though it is older.
 // `INDEXED BY`: the planner otherwise walks the topics through the due index, which has
 // `status` first, and sorts every pending message.
 macro_rules! pending_topics {
@@ -141,7 +144,9 @@ macro_rules! due_not_skipped {
                AND t.topic NOT IN (SELECT value FROM json_each(",
             $skipped,
             "))
-             ORDER BY due.next_attempt_at, due.id
+             ORDER BY row_number() OVER (
+                          PARTITION BY due.topic ORDER BY due.next_attempt_at, due.id),
+                      due.next_attempt_at, due.id
              LIMIT ",
             $limit
         )

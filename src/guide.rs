@@ -1195,6 +1195,14 @@ pub mod client {}
 /// live traffic takes at most about half of one connection's time. An expired record not yet
 /// purged is already treated as absent: its key is a new intent.
 ///
+/// On PostgreSQL, leave autovacuum on (the server's default) for the outbox's table, or
+/// vacuum it yourself: each message is written three times (enqueued, leased, settled), and
+/// the dead row versions of a long outage's backlog slow every claim and settle until a
+/// vacuum clears them. In a 10-minute broker outage on a server with autovacuum off (about
+/// 460,000 rows, 260,000 of them dead), a dispatcher's settle of a batch took 36–144 ms and
+/// the charges, whose provider was up, fell behind their load; one `VACUUM ANALYZE` of the
+/// table brought the settle back to 4–17 ms.
+///
 /// ## Logs
 ///
 /// Each request the engine answers (every request past the layer's checks of key, principal

@@ -1412,6 +1412,12 @@ async fn an_outage_pauses_the_destination_and_probes_one_message_at_a_time<DB: B
     task.await.unwrap();
 }
 
+/// A message of `topic` whose downstream key is `name`.
+fn topic_message(topic: &str, name: String) -> Message {
+    let key = DownstreamKey::new(name).unwrap();
+    Message::json(topic, key, &serde_json::json!({ "amount": "1.00" })).unwrap()
+}
+
 /// A sender for two destinations, one per topic; the one of `PAUSED_TOPIC` can be made
 /// unreachable. It records how many times each key was delivered.
 #[derive(Clone, Default)]
@@ -1470,15 +1476,11 @@ fn written(record: &OutboxRecord) -> impl PartialEq + std::fmt::Debug + use<> {
 async fn a_paused_topic_waits_untouched_while_other_topics_flow<DB: Backend>(pool: Pool<DB>) {
     let outbox = outbox(&pool).await;
     let (backlog, others) = (2_000, 200);
-    let message = |topic: &str, name: String| {
-        let key = DownstreamKey::new(name).unwrap();
-        Message::json(topic, key, &serde_json::json!({ "amount": "1.00" })).unwrap()
-    };
     let mut tx = pool.begin().await.unwrap();
     let mut paused_ids = Vec::new();
     // The backlog first: it is due before every message of the other topic.
     for n in 0..backlog {
-        let refund = message(PAUSED_TOPIC, format!("refund-{n}"));
+        let refund = topic_message(PAUSED_TOPIC, format!("refund-{n}"));
         paused_ids.push(outbox.enqueue(&mut tx, refund).await.unwrap());
     }
     // Two other topics, interleaved: the claim that leaves the paused topic out merges them.
@@ -1488,7 +1490,10 @@ async fn a_paused_topic_waits_untouched_while_other_topics_flow<DB: Backend>(poo
         } else {
             ("invoices", format!("charge-invoice-{n}"))
         };
-        outbox.enqueue(&mut tx, message(topic, name)).await.unwrap();
+        outbox
+            .enqueue(&mut tx, topic_message(topic, name))
+            .await
+            .unwrap();
     }
     tx.commit().await.unwrap();
 
@@ -1595,13 +1600,9 @@ async fn a_backlog_of_one_topic_delays_the_others_by_a_claim_not_by_the_backlog<
 ) {
     let outbox = outbox(&pool).await;
     let (backlog, others) = (1_000, 20);
-    let message = |topic: &str, name: String| {
-        let key = DownstreamKey::new(name).unwrap();
-        Message::json(topic, key, &serde_json::json!({ "amount": "1.00" })).unwrap()
-    };
     let mut tx = pool.begin().await.unwrap();
     for n in 0..backlog {
-        let refund = message(PAUSED_TOPIC, format!("refund-{n}"));
+        let refund = topic_message(PAUSED_TOPIC, format!("refund-{n}"));
         outbox.enqueue(&mut tx, refund).await.unwrap();
     }
     tx.commit().await.unwrap();
@@ -1631,7 +1632,7 @@ async fn a_backlog_of_one_topic_delays_the_others_by_a_claim_not_by_the_backlog<
     };
     until("refund-", 50).await;
     for n in 0..others {
-        let charge = message("charges", format!("charge-{n}"));
+        let charge = topic_message("charges", format!("charge-{n}"));
         enqueue_committed(&pool, &outbox, charge).await;
     }
     until("charge-", others).await;

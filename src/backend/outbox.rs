@@ -32,7 +32,7 @@ pub struct Claim {
     /// Whether to probe for due messages first, where the database probes: not when the
     /// previous claim found all it asked for, as more are then likely due and the probe would
     /// cost a statement. Where the database plans a backlog's claim differently (PostgreSQL's
-    /// JIT), `false` also says a backlog is likely.
+    /// JIT), `false` also says a backlog is likely; its claim lets the topics take turns.
     pub probe: bool,
 }
 

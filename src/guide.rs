@@ -912,7 +912,9 @@ pub mod outbox {}
 /// dependency) is unreachable is retried for as long as the outage lasts and never dead-lettered:
 /// `?` turns a database error that says so (a broken or refused connection, a pool timeout) into
 /// `Failure::Unavailable`, a handler may return `Failure::unavailable(..)` for a dependency, and
-/// the inbox's own store failing to claim or commit counts the same. It counts no attempt, neither
+/// the inbox's own store failing to claim or commit counts the same, as does, on SQLite, the
+/// database's one write lock held by another writer past `wait_for_in_flight` (a stuck process, a
+/// long backup: no delivery can be applied until it lets go). It counts no attempt, neither
 /// the inbox's nor the broker's (RabbitMQ: through `{queue}.retry` with the count unchanged,
 /// never a `nack` toward the quorum queue's delivery limit; NATS: kept in hand with progress acks,
 /// never `Nak`ed toward a `max_deliver`), and the consumer pauses meanwhile, as the outbox's

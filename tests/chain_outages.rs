@@ -19,7 +19,10 @@
 //!
 //! Each dependency is taken away by a [`Plug`] of the test's own between it and the apps: the
 //! provider and the broker refuse connections (a service down), a database drops them and
-//! resets new ones (a partition). The shared services are never stopped.
+//! resets new ones (a partition). An SQLite database, a file with no link to cut, is taken away
+//! by a connection of the test's own holding its write lock (`BEGIN EXCLUSIVE`), as a stuck
+//! process or a long backup does: every write waits out its lock wait and fails. The shared
+//! services are never stopped.
 
 mod common;
 
@@ -84,6 +87,10 @@ struct Scaled {
     /// out: a send to a broker that is down did so before the broker senders answered
     /// `Unavailable` at once.
     send_timeout: Option<Duration>,
+    /// The orders consumer's first retry backoff (1 s by default), which its failed attempts
+    /// double up to its five: scaled, a lock wait counted as an attempt spends them as fast as
+    /// a full-length outage would.
+    backoff: Duration,
 }
 
 impl Outage {
@@ -95,6 +102,7 @@ impl Outage {
                 cap: Duration::from_secs(2),
                 drain: Duration::from_secs(4),
                 send_timeout: None,
+                backoff: Duration::from_millis(1_000 / 15),
             },
             // The same, plus the broker clients' reconnection backoff cap, which is not scaled.
             Outage::Broker => Scaled {
@@ -102,6 +110,7 @@ impl Outage {
                 cap: Duration::from_secs(2),
                 drain: Duration::from_secs(4 + 5),
                 send_timeout: Some(Duration::from_millis(5_000 / 15)),
+                backoff: Duration::from_millis(1_000 / 15),
             },
             // 2 minutes, 30 s caps, 60 s: divided by 4.
             Outage::PaymentsDb | Outage::OrdersDb => Scaled {
@@ -109,6 +118,7 @@ impl Outage {
                 cap: Duration::from_millis(7_500),
                 drain: Duration::from_secs(15),
                 send_timeout: None,
+                backoff: Duration::from_millis(1_000 / 4),
             },
         }
     }
@@ -126,14 +136,56 @@ fn authority(url: &str) -> SocketAddr {
     host.parse().expect("a numeric host:port")
 }
 
-/// The three processes of the chain, the plug that takes one dependency away, and the order
-/// every payment is for.
+/// What takes the dependency away: a plug on its link, or the write lock of an SQLite file.
+enum Away {
+    Plug(Plug),
+    Lock {
+        url: String,
+        holder: tokio::sync::Mutex<Option<sqlx::SqliteConnection>>,
+    },
+}
+
+impl Away {
+    async fn take(&self) {
+        match self {
+            Away::Plug(plug) => plug.unplug(),
+            Away::Lock { url, holder } => {
+                use sqlx::Connection as _;
+                let mut connection = sqlx::SqliteConnection::connect(url).await.unwrap();
+                // Waits for a writer of the apps' to finish, within sqlx's 5 s lock wait.
+                sqlx::raw_sql("BEGIN EXCLUSIVE")
+                    .execute(&mut connection)
+                    .await
+                    .expect("the SQLite write lock");
+                *holder.lock().await = Some(connection);
+            }
+        }
+    }
+
+    async fn give_back(&self) {
+        match self {
+            Away::Plug(plug) => plug.plug_in(),
+            Away::Lock { holder, .. } => {
+                use sqlx::Connection as _;
+                let mut connection = holder.lock().await.take().expect("the lock held");
+                sqlx::raw_sql("ROLLBACK")
+                    .execute(&mut connection)
+                    .await
+                    .unwrap();
+                connection.close().await.unwrap();
+            }
+        }
+    }
+}
+
+/// The three processes of the chain, what takes one dependency away, and the order every
+/// payment is for.
 struct Chain {
     dir: tempfile::TempDir,
     http: Http,
     broker_url: String,
     ns: String,
-    plug: Plug,
+    away: Away,
     provider: Process,
     payments: Process,
     orders: Process,
@@ -155,29 +207,42 @@ impl Chain {
             Database::new(db)
         );
         let provider_addr: SocketAddr = provider.url.trim_start_matches("http://").parse().unwrap();
-        let plug = match outage {
-            Outage::Provider => Plug::start_refusing(provider_addr).await,
-            Outage::Broker => Plug::start_refusing(kind.addr()).await,
-            Outage::PaymentsDb => Plug::start(authority(&payments_db.url)).await,
-            Outage::OrdersDb => Plug::start(authority(&orders_db.url)).await,
+        let lock = |db: &Database| Away::Lock {
+            url: db.url.clone(),
+            holder: tokio::sync::Mutex::new(None),
         };
-        let through = |url: &str, taken: bool| match taken {
-            true => {
+        let away = match (outage, db) {
+            (Outage::Provider, _) => Away::Plug(Plug::start_refusing(provider_addr).await),
+            (Outage::Broker, _) => Away::Plug(Plug::start_refusing(kind.addr()).await),
+            (Outage::PaymentsDb, Db::Sqlite) => lock(&payments_db),
+            (Outage::OrdersDb, Db::Sqlite) => lock(&orders_db),
+            #[allow(unreachable_patterns)]
+            (Outage::PaymentsDb, _) => Away::Plug(Plug::start(authority(&payments_db.url)).await),
+            #[allow(unreachable_patterns)]
+            (Outage::OrdersDb, _) => Away::Plug(Plug::start(authority(&orders_db.url)).await),
+        };
+        let plugged = match &away {
+            Away::Plug(plug) => Some(plug.addr),
+            Away::Lock { .. } => None,
+        };
+        let through = |url: &str, taken: bool| match (taken, plugged) {
+            (true, Some(plug)) => {
                 let addr = authority(url);
-                url.replacen(&format!("@{addr}"), &format!("@{}", plug.addr), 1)
+                url.replacen(&format!("@{addr}"), &format!("@{plug}"), 1)
             }
-            false => url.to_owned(),
+            _ => url.to_owned(),
         };
-        let provider_url = match outage {
-            Outage::Provider => format!("http://{}", plug.addr),
+        let provider_url = match (outage, plugged) {
+            (Outage::Provider, Some(plug)) => format!("http://{plug}"),
             _ => provider.url.clone(),
         };
-        let broker_addr = match outage {
-            Outage::Broker => plug.addr,
+        let broker_addr = match (outage, plugged) {
+            (Outage::Broker, Some(plug)) => plug,
             _ => kind.addr(),
         };
         let broker = kind.url(broker_addr);
         let cap = scaled.cap.as_millis().to_string();
+        let backoff = scaled.backoff.as_millis().to_string();
         let send_timeout = scaled.send_timeout.map(|t| t.as_millis().to_string());
         let orders = Process::start(
             "orders",
@@ -190,6 +255,7 @@ impl Chain {
                 ("BROKER_NAMESPACE", &ns),
                 ("ORDERS_CONSUMER_STATS_MS", "500"),
                 ("ORDERS_CONSUMER_OUTAGE_MAX_MS", &cap),
+                ("ORDERS_CONSUMER_BACKOFF_MS", &backoff),
             ],
         )
         .await;
@@ -212,7 +278,7 @@ impl Chain {
             http: Http::new(),
             broker_url: kind.url(kind.addr()),
             ns,
-            plug,
+            away,
             provider,
             payments,
             orders,
@@ -335,7 +401,7 @@ impl Chain {
     }
 
     async fn stop(self) {
-        drop(self.plug);
+        drop(self.away);
         self.orders.kill().await;
         self.payments.kill().await;
         self.provider.kill().await;
@@ -443,9 +509,9 @@ async fn the_chain_converges_through(outage: Outage, kind: Kind, db: Db) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    chain.plug.unplug();
+    chain.away.take().await;
     tokio::time::sleep(scaled.outage).await;
-    chain.plug.plug_in();
+    chain.away.give_back().await;
     let back = Instant::now();
     // The backlog: every payment posted before the return, waiting in the outbox, at the
     // broker, or in the client's retries. Steady load goes on meanwhile.
@@ -518,6 +584,10 @@ async fn the_chain_converges_through(outage: Outage, kind: Kind, db: Db) {
     assert_eq!(applied, expected, "each payment applied exactly once");
     assert_eq!(dead, 0, "dead letters");
     assert!(stats.contains(" dead=0"), "{stats}");
+    if outage == Outage::OrdersDb {
+        // Its database out of reach, the consumer pauses; no delivery spends an attempt.
+        assert!(stats.contains(" retried=0"), "{stats}");
+    }
     assert!(
         drained <= scaled.drain,
         "backlog drained {drained:?} after the return, over {:?}",
@@ -551,4 +621,6 @@ scenarios! {
     rabbitmq_postgres_the_chain_converges_through_a_payments_database_outage => (Outage::PaymentsDb, Kind::RabbitMq, Db::Postgres);
     #[cfg(feature = "postgres")]
     nats_postgres_the_chain_converges_through_an_orders_database_outage => (Outage::OrdersDb, Kind::Nats, Db::Postgres);
+    nats_sqlite_the_chain_converges_through_a_payments_database_outage => (Outage::PaymentsDb, Kind::Nats, Db::Sqlite);
+    rabbitmq_sqlite_the_chain_converges_through_an_orders_database_outage => (Outage::OrdersDb, Kind::RabbitMq, Db::Sqlite);
 }

@@ -889,6 +889,84 @@ async fn apply_payment(mut tx: Tx<sqlx::Postgres>, delivery: Delivery) -> Result
     Ok(())
 }
 
+/// SQLite has one write lock for the whole file: while another connection holds it (a stuck
+/// process, a long backup) no delivery can be applied, whatever its key. Three deliveries meet
+/// the lock for longer than two attempts and their backoff: each comes back as an outage that
+/// pauses the consumer, never as an attempt, and each is applied once when the lock is let go.
+#[tokio::test]
+async fn sqlite_a_write_locked_database_is_an_outage_not_an_attempt() {
+    use sqlx::Connection as _;
+
+    let (db, store) = setup::<sqlx::Sqlite>().await;
+    let inbox = Inbox::new("orders", store)
+        .key_by(by_payload)
+        .max_attempts(2)
+        .backoff(Duration::from_millis(20), Duration::from_millis(50))
+        .outage_backoff(Duration::from_millis(50), Duration::from_millis(300))
+        .wait_for_in_flight(Duration::from_millis(100));
+    let apply = |mut tx: Tx<sqlx::Sqlite>, delivery: Delivery| async move {
+        sqlx::query(<sqlx::Sqlite as TestDb>::INSERT)
+            .bind(by_payload(&delivery)?)
+            .execute(&mut *tx)
+            .await?;
+        Ok::<_, Failure>(())
+    };
+    let mut holder = sqlx::SqliteConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN EXCLUSIVE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+
+    let deliveries: Vec<_> = (1..=3)
+        .map(|n| {
+            let inbox = inbox.clone();
+            tokio::spawn(async move {
+                let (mut attempt, mut outages) = (1, 0);
+                loop {
+                    let delivery = Delivery::new(format!("p-{n}"))
+                        .with_message_id(format!("m-{n}"))
+                        .with_attempt(attempt);
+                    match inbox.handle(delivery, apply).await {
+                        Verdict::Applied => return (attempt, outages, None),
+                        Verdict::Retry { after } => {
+                            attempt += 1;
+                            tokio::time::sleep(after).await;
+                        }
+                        Verdict::Unavailable { after, .. } => {
+                            outages += 1;
+                            tokio::time::sleep(after).await;
+                        }
+                        verdict => return (attempt, outages, Some(verdict)),
+                    }
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    holder.close().await.unwrap();
+    for delivery in deliveries {
+        let (attempt, outages, wrong) = tokio::time::timeout(Duration::from_secs(10), delivery)
+            .await
+            .expect("applied within 10 s of the lock's release")
+            .unwrap();
+        assert_eq!(wrong, None, "not applied");
+        assert_eq!(attempt, 1, "the locked database spent attempts");
+        assert!(outages >= 1, "the outage was not seen");
+    }
+    assert_eq!(count(&db.pool, "SELECT COUNT(*) FROM effects").await, 3);
+    let stats = inbox.stats();
+    assert_eq!(
+        (stats.processed, stats.retried, stats.dead),
+        (3, 0, 0),
+        "{stats:?}"
+    );
+    sqlx::Sqlite::dispose(db).await;
+}
+
 /// The consumer's database is unreachable (the link to it cut) for longer than two attempts
 /// and their backoff, while six deliveries arrive. Each comes back as an outage, never as an
 /// attempt; once the link is back every one is applied exactly once and none was

@@ -131,6 +131,10 @@ mod sealed {
         /// each statement.
         const PURGE_PACE: PurgePace = PurgePace::DEFAULT;
 
+        /// Whether one lock guards every write of the database (SQLite), so that a lock wait
+        /// that ran out means another writer holds the whole database, not only the key.
+        const ONE_WRITE_LOCK: bool = false;
+
         /// Creates or upgrades the records' tables; a no-op when they are current. Safe to call
         /// from several instances at once.
         fn migrate_records(

@@ -62,6 +62,13 @@ impl<DB: Backend> Inbox<DB> {
             // The handler failed and its work was rolled back.
             (_, Some(failure)) => failure,
             (Ok(_), None) => return Verdict::Applied,
+            // SQLite's one write lock held past the wait: another writer (a stuck process, a
+            // backup) holds the whole database, which no delivery can get past. An outage.
+            (Err(RunError::Rejected(Rejection::InProgress { .. })), _) if DB::ONE_WRITE_LOCK => {
+                Failure::unavailable(
+                    "not applied: another writer held the database's write lock past the wait",
+                )
+            }
             // Another delivery of the key still holds the claim past the wait: come back later
             // and find its outcome, rather than run the handler beside it.
             (Err(RunError::Rejected(Rejection::InProgress { retry_after })), _) => {

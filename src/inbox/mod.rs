@@ -98,8 +98,10 @@
 //! What counts as an outage: a handler's [`Failure::Unavailable`], which `?` makes of a database
 //! error that says the database cannot be reached (a broken or refused connection, TLS, a pool
 //! that gave no connection in time or was closed, SQLSTATE class `08` or a server shutting
-//! down); and the inbox's own store failing to claim, commit or roll back. A handler that
-//! panics is a bug, not an outage: it counts as a retryable failure.
+//! down); the inbox's own store failing to claim, commit or roll back; and on SQLite, whose one
+//! write lock guards the whole file, that lock held by another writer past
+//! [`Inbox::wait_for_in_flight`] (a stuck process, a long backup). A handler that panics is a
+//! bug, not an outage: it counts as a retryable failure.
 //!
 //! A dead-lettered delivery leaves its business key unclaimed and records the failure in a
 //! scope of its own (its own transaction, same engine), so that once the cause is fixed, an
@@ -108,7 +110,8 @@
 //!
 //! Two deliveries of one key at the same time: the second waits (bounded by
 //! [`Inbox::wait_for_in_flight`]) on the first's claim, then skips as a duplicate; past the
-//! wait it is retried later, never run twice.
+//! wait it is retried later, never run twice (on SQLite, where that wait is for the database's
+//! one write lock, as an outage).
 //!
 //! # Where a dead letter's reason is
 //!

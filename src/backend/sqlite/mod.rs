@@ -98,6 +98,8 @@ impl Storage for Sqlite {
 
     // Every claim waits for the one write lock while a batch holds it: a short batch keeps that
     // wait within the busy handler's first few naps.
+    const ONE_WRITE_LOCK: bool = true;
+
     const PURGE_PACE: PurgePace = PurgePace {
         batch: 250,
         ..PurgePace::DEFAULT

@@ -1,11 +1,11 @@
 //! The payments → provider, payments → broker → orders chain as real processes, converging by
 //! itself through the outage of one of its dependencies while payments keep coming.
 //!
-//! The contract: on PostgreSQL and SQLite, with RabbitMQ and NATS, under steady load, the
-//! provider unreachable for 10 minutes, the broker down for 10 minutes, the payments database
-//! or the orders database unreachable for 2 minutes: no accepted payment fails, each is charged
-//! exactly once and applied once in orders, nothing is dead-lettered, and the backlog is
-//! drained within 60 s of the dependency's return.
+//! The contract: on PostgreSQL and SQLite (and here MariaDB too), with RabbitMQ and NATS, under
+//! steady load, the provider unreachable for 10 minutes, the broker down for 10 minutes, the
+//! payments database or the orders database unreachable for 2 minutes: no accepted payment
+//! fails, each is charged exactly once and applied once in orders, nothing is dead-lettered,
+//! and the backlog is drained within 60 s of the dependency's return.
 //!
 //! Scaled: the outage, the settings that wait it out (the outbox's probe backoff cap and the
 //! inbox's outage backoff cap, 30 s) and the 60 s bound are shortened by one factor: 1/15 for
@@ -623,4 +623,12 @@ scenarios! {
     nats_postgres_the_chain_converges_through_an_orders_database_outage => (Outage::OrdersDb, Kind::Nats, Db::Postgres);
     nats_sqlite_the_chain_converges_through_a_payments_database_outage => (Outage::PaymentsDb, Kind::Nats, Db::Sqlite);
     rabbitmq_sqlite_the_chain_converges_through_an_orders_database_outage => (Outage::OrdersDb, Kind::RabbitMq, Db::Sqlite);
+    #[cfg(feature = "mysql")]
+    rabbitmq_mariadb_the_chain_converges_through_a_provider_outage => (Outage::Provider, Kind::RabbitMq, Db::Mariadb);
+    #[cfg(feature = "mysql")]
+    nats_mariadb_the_chain_converges_through_a_broker_outage => (Outage::Broker, Kind::Nats, Db::Mariadb);
+    #[cfg(feature = "mysql")]
+    nats_mariadb_the_chain_converges_through_a_payments_database_outage => (Outage::PaymentsDb, Kind::Nats, Db::Mariadb);
+    #[cfg(feature = "mysql")]
+    rabbitmq_mariadb_the_chain_converges_through_an_orders_database_outage => (Outage::OrdersDb, Kind::RabbitMq, Db::Mariadb);
 }

@@ -143,6 +143,11 @@ pub(crate) struct Counts {
 const COUNTS: &str = "SELECT topic, status, COUNT(*) FROM idempotency_outbox \
      WHERE status IN ('pending', 'failed') GROUP BY topic, status";
 
+/// The last id (the bound unused: one binding for both statements).
+const LAST_ID: &str = "SELECT COALESCE(MAX(id), $1) FROM idempotency_outbox";
+const PENDING_UP_TO: &str = "SELECT COUNT(*) FROM (SELECT 1 FROM idempotency_outbox \
+     WHERE status = 'pending' AND id <= $1 ORDER BY status, next_attempt_at LIMIT 1) AS first";
+
 /// The delivered rows by topic (charges, events): a scan of the table, for the end of a step.
 const DELIVERED: &str = "SELECT \
      COUNT(CASE WHEN topic = 'payments.charge' THEN 1 END), \
@@ -258,6 +263,34 @@ impl Database {
                 )
             }
         }
+    }
+
+    /// The outbox's last message id so far (0 before any): the messages up to it are those
+    /// enqueued by then.
+    pub(crate) async fn last_id(&mut self) -> i64 {
+        self.scalar(LAST_ID, 0).await
+    }
+
+    /// Whether a message up to `id` is still pending. Through the due index, whose oldest
+    /// entries they are while any is left: a poll that stops at the first one found.
+    pub(crate) async fn pending_up_to(&mut self, id: i64) -> bool {
+        self.scalar(PENDING_UP_TO, id).await > 0
+    }
+
+    async fn scalar(&mut self, sql: &'static str, bound: i64) -> i64 {
+        let _ = self.counts().await;
+        let value: Result<i64, _> = match self {
+            Self::Sqlite { pool, .. } => {
+                let pool = pool.as_ref().expect("connected");
+                sqlx::query_scalar(sql).bind(bound).fetch_one(pool).await
+            }
+            #[cfg(feature = "postgres")]
+            Self::Postgres { pool, .. } => {
+                let pool = pool.as_ref().expect("connected");
+                sqlx::query_scalar(sql).bind(bound).fetch_one(pool).await
+            }
+        };
+        value.unwrap_or_default()
     }
 
     /// The delivered charges and events.

@@ -30,8 +30,9 @@
 //!    20) of steady state, the proxy cuts the broker off for `CHAIN_BENCH_OUTAGE_SECS`, then
 //!    restores it while the load goes on. Printed: the backlog (pending outbox messages, and
 //!    accepted payments not yet applied in orders) at its peak and at the return; the time
-//!    until the outbox is back to its steady state's largest backlog, and until as many
-//!    payments are applied as were accepted before the return (target: both within 60 s),
+//!    until every message the outbox held at the return is delivered, and until as many
+//!    payments are applied as were accepted before the return (target: both within 60 s), and
+//!    for comparison until the outbox is back to its steady state's largest backlog,
 //!    each bounded by `CHAIN_BENCH_DRAIN_LIMIT_SECS` (default twice the outage plus 60 s);
 //!    then, with the load stopped and everything delivered, the payments failed, the
 //!    provider's charges and their distinct keys, and orders' applied rows and distinct
@@ -437,17 +438,20 @@ async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
     }
     let at_return = sample(&mut run, &mut orders_db, &load).await;
     let accepted_then = load.tally.accepted.load(Ordering::Relaxed);
+    let backlog_last = run.db.last_id().await;
     proxy.restore();
     let restored = Instant::now();
     let (_, events_then) = run.db.delivered().await;
 
-    // Drained: the outbox back to its steady state's largest backlog, and every payment
-    // accepted before the return applied in orders (counted: as many applied as accepted
-    // then, the oldest first but not strictly so).
-    let (mut relayed, mut applied_all) = (None, None);
+    // Drained: every message the outbox held at the return delivered (and, for comparison,
+    // the outbox back to its steady state's largest backlog), and every payment accepted
+    // before the return applied in orders (counted: as many applied as accepted then, the
+    // oldest first but not strictly so).
+    let (mut relayed, mut backlog_out, mut applied_all) = (None, None, None);
     let mut first_fall = None;
     let mut next_report = Duration::from_secs(5);
-    while restored.elapsed() < settings.drain_limit && (relayed.is_none() || applied_all.is_none())
+    while restored.elapsed() < settings.drain_limit
+        && (backlog_out.is_none() || applied_all.is_none())
     {
         let now = sample(&mut run, &mut orders_db, &load).await;
         let applied = now.applied;
@@ -459,6 +463,9 @@ async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
         }
         if relayed.is_none() && now.pending <= steady_max.pending {
             relayed = Some(restored.elapsed());
+        }
+        if backlog_out.is_none() && !run.db.pending_up_to(backlog_last).await {
+            backlog_out = Some(restored.elapsed());
         }
         if applied_all.is_none() && applied >= accepted_then {
             applied_all = Some(restored.elapsed());
@@ -533,12 +540,14 @@ async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
     );
     println!(
         "{store:<8} {broker:<8} outage: after the return the pending rows first fell after {}; \
-         the outbox was back to {} pending after {} (target ≤ 60 s: {}); the {accepted_then} \
+         every message pending at the return was delivered after {} (target ≤ 60 s: {}); the \
+         outbox was back to its steady state's {} pending after {}; the {accepted_then} \
          payments accepted before the return were applied after {} (target ≤ 60 s: {})",
         seconds(first_fall),
+        seconds(backlog_out),
+        within(backlog_out),
         steady_max.pending,
         seconds(relayed),
-        within(relayed),
         seconds(applied_all),
         within(applied_all),
     );

@@ -823,6 +823,14 @@ pub mod jobs {}
 ///   client is back (within 5 s of the broker's return, their reconnection backoff's cap).
 ///   A pause is one `WARN` line ("outbox paused: destination unreachable"), its end one
 ///   `INFO` line, not one line per message.
+/// - **How long a backlog takes.** An outage of length `T` under a load of `L` messages per
+///   second leaves `T × L` messages, which drain at the relay's rate less the load:
+///   `T × L / (relay − L)`. Size the relay for the longest outage you must absorb, not for the
+///   steady load: more dispatchers (in one process or several), a larger
+///   [`batch_size`](crate::outbox::Dispatcher::batch_size), and cores for the database and the
+///   broker. In this crate's repository, `cargo bench --bench chain --all-features` measures
+///   the relay, and with `CHAIN_BENCH_OUTAGE_SECS` an outage's drain, on your machine;
+///   `BENCHMARKS.md` has the figures of a two-core one.
 /// - **An attempt** is a send the destination answered without doing the work (a `Retry`, such
 ///   as a `409` for a key still in flight) or whose outcome is unknown (a timeout after the
 ///   request left). Attempts stay capped by

@@ -211,15 +211,14 @@ impl Chain {
             url: db.url.clone(),
             holder: tokio::sync::Mutex::new(None),
         };
-        let away = match (outage, db) {
-            (Outage::Provider, _) => Away::Plug(Plug::start_refusing(provider_addr).await),
-            (Outage::Broker, _) => Away::Plug(Plug::start_refusing(kind.addr()).await),
-            (Outage::PaymentsDb, Db::Sqlite) => lock(&payments_db),
-            (Outage::OrdersDb, Db::Sqlite) => lock(&orders_db),
-            #[allow(unreachable_patterns)]
-            (Outage::PaymentsDb, _) => Away::Plug(Plug::start(authority(&payments_db.url)).await),
-            #[allow(unreachable_patterns)]
-            (Outage::OrdersDb, _) => Away::Plug(Plug::start(authority(&orders_db.url)).await),
+        let sqlite = matches!(db, Db::Sqlite);
+        let away = match outage {
+            Outage::Provider => Away::Plug(Plug::start_refusing(provider_addr).await),
+            Outage::Broker => Away::Plug(Plug::start_refusing(kind.addr()).await),
+            Outage::PaymentsDb if sqlite => lock(&payments_db),
+            Outage::OrdersDb if sqlite => lock(&orders_db),
+            Outage::PaymentsDb => Away::Plug(Plug::start(authority(&payments_db.url)).await),
+            Outage::OrdersDb => Away::Plug(Plug::start(authority(&orders_db.url)).await),
         };
         let plugged = match &away {
             Away::Plug(plug) => Some(plug.addr),

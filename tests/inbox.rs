@@ -839,8 +839,7 @@ async fn nats_a_slow_handler_keeps_its_message_with_progress_acks() {
 
 /// The settings of the outage tests: two attempts and a backoff of tens of milliseconds, so an
 /// outage of a few seconds outlasts `max_attempts` × backoff many times over.
-#[cfg(feature = "postgres")]
-fn outage_inbox(store: Store<sqlx::Postgres>) -> Inbox<sqlx::Postgres> {
+fn outage_inbox<DB: Backend>(store: Store<DB>) -> Inbox<DB> {
     Inbox::new("orders", store)
         .key_by(by_payload)
         .max_attempts(2)
@@ -880,13 +879,52 @@ fn postgres_addr() -> std::net::SocketAddr {
 }
 
 /// Applies the payment named by the payload; `?` sorts the database's errors.
-#[cfg(feature = "postgres")]
-async fn apply_payment(mut tx: Tx<sqlx::Postgres>, delivery: Delivery) -> Result<(), Failure> {
-    sqlx::query(<sqlx::Postgres as TestDb>::INSERT)
+async fn apply_payment<DB: TestDb>(mut tx: Tx<DB>, delivery: Delivery) -> Result<(), Failure>
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    sqlx::query(DB::INSERT)
         .bind(by_payload(&delivery)?)
         .execute(&mut *tx)
         .await?;
     Ok(())
+}
+
+/// Delivers the payment `p-{n}` with [`apply_payment`] until it settles, as a broker adapter
+/// drives it: a retry counts an attempt, an outage does not. Returns the attempt it settled
+/// on, the outages it met, and its verdict when that was not `Applied`.
+fn deliver_until_settled<DB: TestDb>(
+    inbox: &Inbox<DB>,
+    n: usize,
+) -> tokio::task::JoinHandle<(u32, u32, Option<Verdict>)>
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    let inbox = inbox.clone();
+    tokio::spawn(async move {
+        let (mut attempt, mut outages) = (1, 0);
+        loop {
+            let delivery = Delivery::new(format!("p-{n}"))
+                .with_message_id(format!("m-{n}"))
+                .with_attempt(attempt);
+            match inbox.handle(delivery, apply_payment).await {
+                Verdict::Applied => return (attempt, outages, None),
+                Verdict::Retry { after } => {
+                    attempt += 1;
+                    tokio::time::sleep(after).await;
+                }
+                Verdict::Unavailable { after, .. } => {
+                    outages += 1;
+                    tokio::time::sleep(after).await;
+                }
+                verdict => return (attempt, outages, Some(verdict)),
+            }
+        }
+    })
 }
 
 /// SQLite has one write lock for the whole file: while another connection holds it (a stuck
@@ -898,50 +936,14 @@ async fn sqlite_a_write_locked_database_is_an_outage_not_an_attempt() {
     use sqlx::Connection as _;
 
     let (db, store) = setup::<sqlx::Sqlite>().await;
-    let inbox = Inbox::new("orders", store)
-        .key_by(by_payload)
-        .max_attempts(2)
-        .backoff(Duration::from_millis(20), Duration::from_millis(50))
-        .outage_backoff(Duration::from_millis(50), Duration::from_millis(300))
-        .wait_for_in_flight(Duration::from_millis(100));
-    let apply = |mut tx: Tx<sqlx::Sqlite>, delivery: Delivery| async move {
-        sqlx::query(<sqlx::Sqlite as TestDb>::INSERT)
-            .bind(by_payload(&delivery)?)
-            .execute(&mut *tx)
-            .await?;
-        Ok::<_, Failure>(())
-    };
+    let inbox = outage_inbox(store).wait_for_in_flight(Duration::from_millis(100));
     let mut holder = sqlx::SqliteConnection::connect(&db.url).await.unwrap();
     sqlx::raw_sql("BEGIN EXCLUSIVE")
         .execute(&mut holder)
         .await
         .unwrap();
 
-    let deliveries: Vec<_> = (1..=3)
-        .map(|n| {
-            let inbox = inbox.clone();
-            tokio::spawn(async move {
-                let (mut attempt, mut outages) = (1, 0);
-                loop {
-                    let delivery = Delivery::new(format!("p-{n}"))
-                        .with_message_id(format!("m-{n}"))
-                        .with_attempt(attempt);
-                    match inbox.handle(delivery, apply).await {
-                        Verdict::Applied => return (attempt, outages, None),
-                        Verdict::Retry { after } => {
-                            attempt += 1;
-                            tokio::time::sleep(after).await;
-                        }
-                        Verdict::Unavailable { after, .. } => {
-                            outages += 1;
-                            tokio::time::sleep(after).await;
-                        }
-                        verdict => return (attempt, outages, Some(verdict)),
-                    }
-                }
-            })
-        })
-        .collect();
+    let deliveries: Vec<_> = (1..=3).map(|n| deliver_until_settled(&inbox, n)).collect();
     tokio::time::sleep(Duration::from_secs(2)).await;
     sqlx::raw_sql("ROLLBACK")
         .execute(&mut holder)
@@ -980,36 +982,11 @@ async fn postgres_an_unreachable_database_is_an_outage_not_an_attempt() {
     let inbox = outage_inbox(Store::new(pool_through(&plug, &db).await));
 
     plug.unplug();
-    let deliveries: Vec<_> = (1..=6)
-        .map(|n| {
-            let inbox = inbox.clone();
-            tokio::spawn(async move {
-                let mut attempt = 1;
-                let mut outages = 0;
-                loop {
-                    let delivery = Delivery::new(format!("p-{n}"))
-                        .with_message_id(format!("m-{n}"))
-                        .with_attempt(attempt);
-                    match inbox.handle(delivery, apply_payment).await {
-                        Verdict::Applied => return (outages, None),
-                        Verdict::Retry { after } => {
-                            attempt += 1;
-                            tokio::time::sleep(after).await;
-                        }
-                        Verdict::Unavailable { after, .. } => {
-                            outages += 1;
-                            tokio::time::sleep(after).await;
-                        }
-                        verdict => return (outages, Some(verdict)),
-                    }
-                }
-            })
-        })
-        .collect();
+    let deliveries: Vec<_> = (1..=6).map(|n| deliver_until_settled(&inbox, n)).collect();
     tokio::time::sleep(Duration::from_secs(3)).await;
     plug.plug_in();
     for delivery in deliveries {
-        let (outages, wrong) = tokio::time::timeout(Duration::from_secs(20), delivery)
+        let (_, outages, wrong) = tokio::time::timeout(Duration::from_secs(20), delivery)
             .await
             .expect("applied within 20 s of the link's return")
             .unwrap();

@@ -233,20 +233,13 @@ impl Database {
         }
     }
 
-    /// The outbox's counts; zero before payments created its table.
-    pub(crate) async fn counts(&mut self) -> Counts {
+    /// Connects the bench's own pool, once.
+    async fn connect(&mut self) {
         match self {
             Self::Sqlite { url, pool, .. } => {
                 if pool.is_none() {
                     *pool = Some(sqlx::SqlitePool::connect(url).await.expect("SQLite"));
                 }
-                let pool = pool.as_ref().expect("connected");
-                tally(
-                    sqlx::query_as(COUNTS)
-                        .fetch_all(pool)
-                        .await
-                        .unwrap_or_default(),
-                )
             }
             #[cfg(feature = "postgres")]
             Self::Postgres { url, pool, .. } => {
@@ -254,15 +247,25 @@ impl Database {
                     let options = sqlx::postgres::PgPoolOptions::new().max_connections(1);
                     *pool = Some(options.connect(url).await.expect("PostgreSQL"));
                 }
-                let pool = pool.as_ref().expect("connected");
-                tally(
-                    sqlx::query_as(COUNTS)
-                        .fetch_all(pool)
-                        .await
-                        .unwrap_or_default(),
-                )
             }
         }
+    }
+
+    /// The outbox's counts; zero before payments created its table.
+    pub(crate) async fn counts(&mut self) -> Counts {
+        self.connect().await;
+        let rows = match self {
+            Self::Sqlite { pool, .. } => {
+                let pool = pool.as_ref().expect("connected");
+                sqlx::query_as(COUNTS).fetch_all(pool).await
+            }
+            #[cfg(feature = "postgres")]
+            Self::Postgres { pool, .. } => {
+                let pool = pool.as_ref().expect("connected");
+                sqlx::query_as(COUNTS).fetch_all(pool).await
+            }
+        };
+        tally(rows.unwrap_or_default())
     }
 
     /// The outbox's last message id so far (0 before any): the messages up to it are those
@@ -278,7 +281,7 @@ impl Database {
     }
 
     async fn scalar(&mut self, sql: &'static str, bound: i64) -> i64 {
-        let _ = self.counts().await;
+        self.connect().await;
         let value: Result<i64, _> = match self {
             Self::Sqlite { pool, .. } => {
                 let pool = pool.as_ref().expect("connected");
@@ -295,7 +298,7 @@ impl Database {
 
     /// The delivered charges and events.
     pub(crate) async fn delivered(&mut self) -> (u64, u64) {
-        let _ = self.counts().await;
+        self.connect().await;
         let row: Result<(i64, i64), _> = match self {
             Self::Sqlite { pool, .. } => {
                 let pool = pool.as_ref().expect("connected");

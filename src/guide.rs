@@ -1576,7 +1576,9 @@ pub mod clusters {}
 /// - **The inbox.** A broker that redelivers until acknowledged; two consumers that claim the
 ///   business key in the handler's transaction and acknowledge after the commit. Faults: a
 ///   consumer crashes at any step (after the commit, before the acknowledgement too), its
-///   database is unreachable, the handler fails, the database aborts on a conflict.
+///   database is unreachable, the handler fails, the database aborts on a conflict, a wait
+///   for the key's lock runs out. It is explored twice: on a database with a lock per key,
+///   and on one with a single write lock (SQLite), where a wait that runs out is an outage.
 ///
 /// ## Properties
 ///
@@ -1598,7 +1600,7 @@ pub mod clusters {}
 /// | a recorded delivery is final | a settle without its lease-token check: a stalled dispatcher's stale outcome overwrites a delivery |
 /// | every message is delivered once faults stop; none fails for an outage | an outage counted as an attempt |
 /// | each business key is applied once by the inbox | the dedupe key checked before the handler and inserted after its commit |
-/// | a valid message is never dead-lettered for an outage | an outage counted as an attempt |
+/// | a valid message is never dead-lettered for an outage | an outage counted as an attempt; on one write lock, a lock wait that ran out counted as one |
 /// | every valid message ends applied and acknowledged once faults stop | an acknowledgement before the commit |
 ///
 /// Two more explorations pin the outbox's assumptions: a downstream whose retention is
@@ -1635,6 +1637,7 @@ pub mod clusters {}
 /// | outbox, no ordering key | 2 messages without a key, 2 dispatchers, 1 fault, 1 outage | 124,169 |
 /// | outbox, refusals | as the outbox, and the downstream may refuse a message for good | 1,153,722 |
 /// | inbox | 2 consumers, 2 messages (one business key twice, or one that never applies), 3 faults, 1 replay | 561,182 |
+/// | inbox, one write lock | as above, on a database with one write lock (SQLite) | 500,299 |
 ///
 /// A deeper run, with more clients and faults (three clients and three faults for requests,
 /// three faults for the outbox, four for the inbox: 32 million states in all) explores for
@@ -1650,9 +1653,10 @@ pub mod clusters {}
 ///
 /// No counterexample in the crate's decisions. Two behaviours it showed are by design and
 /// worth knowing: an inbox delivery that waited for the same business key's other delivery
-/// until the wait ran out spends an attempt, and so does a delivery the broker lost track of
-/// (a closed channel), since a broker's delivery count cannot tell that from a consumer's
-/// crash. Neither loses an effect (the key is applied through its other delivery, or the
+/// until the wait ran out spends an attempt (except on SQLite, where any writer may hold the
+/// one write lock and a wait that runs out is an outage), and so does a delivery the broker
+/// lost track of (a closed channel), since a broker's delivery count cannot tell that from a
+/// consumer's crash. Neither loses an effect (the key is applied through its other delivery, or the
 /// delivery runs again), but with a low `max_attempts` either can dead-letter a valid message
 /// sooner than that many real failures would.
 ///

@@ -68,7 +68,7 @@ use axum_idempotency::outbox::{self, Backoff, Dispatcher, DownstreamKey};
 use axum_idempotency::outbox::{HttpSender, LookupOutcome, Message, MessageId, Outbox};
 use axum_idempotency::outbox::{OutboxRecord, SendOutcome, Sender, Status};
 use axum_idempotency::{Backend, IdempotencyContext, IdempotencyLayer, Principal, Store, Tx};
-use common::{Cents, Decimal, Error, Problem, broker_name, serve, setting};
+use common::{Cents, Decimal, Error, Problem, serve, setting};
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -389,7 +389,8 @@ impl Broker {
             "amqp" | "amqps" => {
                 // It reconnects by itself whenever the broker comes back, and its 10 s
                 // heartbeat notices a broker host that vanished within about 20 s.
-                let sender = outbox::RabbitMqSender::connect(url, broker_name("payments")).await?;
+                let sender =
+                    outbox::RabbitMqSender::connect(url, common::broker_name("payments")).await?;
                 sender.declare().await?;
                 Ok(Self::RabbitMq(
                     sender.route(EVENT_TOPIC, "payment.succeeded"),
@@ -399,11 +400,15 @@ impl Broker {
             "nats" => {
                 let sender = outbox::NatsSender::connect(url).await?;
                 sender
-                    .declare_stream(&broker_name("PAYMENTS"), [broker_name("payments.>")])
+                    .declare_stream(
+                        &common::broker_name("PAYMENTS"),
+                        [common::broker_name("payments.>")],
+                    )
                     .await?;
-                Ok(Self::Nats(
-                    sender.route(EVENT_TOPIC, broker_name("payments.succeeded")),
-                ))
+                Ok(Self::Nats(sender.route(
+                    EVENT_TOPIC,
+                    common::broker_name("payments.succeeded"),
+                )))
             }
             other => Err(
                 format!("BROKER_URL {other:?} is not built in (features rabbitmq, nats)").into(),

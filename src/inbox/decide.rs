@@ -2,6 +2,7 @@
 //! transaction, and what becomes of a failure.
 
 use std::future::Future;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::StatusCode;
@@ -62,17 +63,11 @@ impl<DB: Backend> Inbox<DB> {
             // The handler failed and its work was rolled back.
             (_, Some(failure)) => failure,
             (Ok(_), None) => return Verdict::Applied,
-            // SQLite's one write lock held past the wait: another writer (a stuck process, a
-            // backup) holds the whole database, which no delivery can get past. An outage.
-            (Err(RunError::Rejected(Rejection::InProgress { .. })), _) if DB::ONE_WRITE_LOCK => {
-                Failure::unavailable(
-                    "not applied: another writer held the database's write lock past the wait",
-                )
-            }
-            // Another delivery of the key still holds the claim past the wait: come back later
-            // and find its outcome, rather than run the handler beside it.
             (Err(RunError::Rejected(Rejection::InProgress { retry_after })), _) => {
-                return Verdict::Retry { after: retry_after };
+                match waited_out(DB::ONE_WRITE_LOCK, retry_after) {
+                    Ok(verdict) => return verdict,
+                    Err(failure) => failure,
+                }
             }
             (Err(error), _) => self.not_applied(error),
         };
@@ -171,6 +166,20 @@ pub(crate) fn failure_of(error: RunError) -> (Failure, Rejection) {
         _ => Failure::retryable(format!("not applied: {rejection}")),
     };
     (failure, rejection)
+}
+
+/// What a claim that waited past the inbox's wait for the key means. Where the database has
+/// one write lock (SQLite), another writer (a stuck process, a backup) holds the whole
+/// database, which no delivery can get past: an outage. Elsewhere another delivery of the key
+/// still holds its claim: come back later and find its outcome, rather than run the handler
+/// beside it.
+pub(crate) fn waited_out(one_write_lock: bool, retry_after: Duration) -> Result<Verdict, Failure> {
+    if one_write_lock {
+        return Err(Failure::unavailable(
+            "not applied: another writer held the database's write lock past the wait",
+        ));
+    }
+    Ok(Verdict::Retry { after: retry_after })
 }
 
 /// What the engine does with the transaction of one call of the handler.

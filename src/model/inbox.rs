@@ -22,13 +22,15 @@
 //! frees the lock. A commit that cannot be confirmed may or may not have happened. Keys are kept
 //! (the inbox's default retention), so nothing expires here.
 
+use std::time::Duration;
+
 use stateright::{Model, Property};
 
 use crate::engine::decide::run_again;
 use crate::engine::{RunError, Verdict as Ending};
 use crate::error::{Error, Rejection};
 use crate::inbox::Failure;
-use crate::inbox::decide::{failure_of, verdict_of};
+use crate::inbox::decide::{failure_of, verdict_of, waited_out};
 use crate::inbox::failure::{Fate, settled};
 
 /// The bounds of one exploration.
@@ -45,6 +47,9 @@ pub(super) struct Inbox {
     max_attempts: u8,
     /// Dead letters an operator replays, in all.
     replays: u8,
+    /// The database has one write lock (SQLite): a lock wait that runs out is any writer
+    /// holding the whole database, not only the key's other delivery.
+    one_write_lock: bool,
     /// A deliberately broken inbox, to show a property able to fail.
     broken: Option<Broken>,
 }
@@ -59,6 +64,9 @@ pub(super) enum Broken {
     KeyApart,
     /// An outage is handed to the decisions as a retryable failure, counting an attempt.
     OutageCounted,
+    /// On a database with one write lock, a lock wait that runs out is decided as if another
+    /// delivery of the key held it: a retry, counting an attempt.
+    WriteLockCounted,
 }
 
 /// A published message: its business key, and whether it can ever apply (a malformed message
@@ -92,8 +100,15 @@ impl Inbox {
             faults: if deep { 4 } else { 3 },
             max_attempts: 2,
             replays: 1,
+            one_write_lock: false,
             broken: None,
         }
+    }
+
+    /// The same bounds on a database with one write lock, as SQLite has.
+    pub(super) fn one_write_lock(mut self) -> Self {
+        self.one_write_lock = true;
+        self
     }
 
     /// The same bounds with `broken` in place of the inbox's own behaviour.
@@ -460,13 +475,19 @@ impl Inbox {
             Action::Claim(_) | Action::LockFreed(_) => self.claim(s, consumer, held, round),
             Action::LockWaitRunsOut(_) => {
                 s.faults_left -= 1;
-                // The other delivery of the key still holds it: the inbox answers a retry
-                // without a failure's fate, and the broker counts the attempt.
-                s.sent[held.message].spent += 1;
-                Consumer::Settling {
-                    held,
-                    verdict: Settle::Retry,
+                // With one write lock, any writer may be what held it: an outage, whatever
+                // the decision makes of it. With a lock per key, the key's other delivery still
+                // holds it, and the attempt the broker counts is spent.
+                if !self.one_write_lock {
+                    s.sent[held.message].spent += 1;
                 }
+                let one_write_lock = self.one_write_lock && !self.is(Broken::WriteLockCounted);
+                let verdict = match waited_out(one_write_lock, Duration::from_secs(1)) {
+                    // A retry without a failure's fate; the broker counts the attempt.
+                    Ok(_) => Settle::Retry,
+                    Err(failure) => self.conclude(s, held, failure),
+                };
+                Consumer::Settling { held, verdict }
             }
             Action::ClaimUnreachable(_) => {
                 s.faults_left -= 1;
@@ -778,6 +799,11 @@ mod tests {
     }
 
     #[test]
+    fn the_inbox_on_one_write_lock_keeps_every_property() {
+        assert_holds("inbox, one write lock", Inbox::new().one_write_lock());
+    }
+
+    #[test]
     fn an_ack_before_the_commit_loses_a_message() {
         let model = Inbox::new().broken(Broken::AckBeforeCommit);
         assert_breaks("inbox, ack before commit", model, EVERY_MESSAGE_SETTLED);
@@ -793,5 +819,17 @@ mod tests {
     fn an_outage_counted_as_an_attempt_dead_letters_a_valid_message() {
         let model = Inbox::new().broken(Broken::OutageCounted);
         assert_breaks("inbox, outage counted", model, NO_DEAD_LETTER_FOR_AN_OUTAGE);
+    }
+
+    #[test]
+    fn a_held_write_lock_counted_as_an_attempt_dead_letters_a_valid_message() {
+        let model = Inbox::new()
+            .one_write_lock()
+            .broken(Broken::WriteLockCounted);
+        assert_breaks(
+            "inbox, write lock counted",
+            model,
+            NO_DEAD_LETTER_FOR_AN_OUTAGE,
+        );
     }
 }

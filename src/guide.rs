@@ -1572,7 +1572,11 @@ pub mod clusters {}
 ///   downstream that deduplicates by the message's key within its retention. Faults: a
 ///   dispatcher crashes at any step (during a send too), a lease runs out and the other
 ///   dispatcher takes the message over, a send's outcome is unknown, the destination is
-///   unreachable, or refuses the message for good.
+///   unreachable, or refuses the message for good. A commit that hands its message to a
+///   dispatcher of its own process (written leased to it, its attempt begun) leaves the row
+///   exactly as that dispatcher's claim would right after the commit, one of the orders
+///   explored; messages with an ordering key are never handed over, since only a claim checks
+///   their key's order.
 /// - **The inbox.** A broker that redelivers until acknowledged; two consumers that claim the
 ///   business key in the handler's transaction and acknowledge after the commit. Faults: a
 ///   consumer crashes at any step (after the commit, before the acknowledgement too), its

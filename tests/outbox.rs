@@ -195,6 +195,8 @@ conformance!(
     an_ordering_key_must_be_1_to_255_characters,
     a_topic_must_be_1_to_255_characters,
     a_request_that_enqueued_wakes_the_dispatchers_when_the_layer_commits,
+    a_commit_hands_its_messages_to_a_dispatcher_of_its_own_process,
+    a_handed_message_whose_dispatcher_died_is_looked_up_once_its_lease_runs_out,
     a_rolled_back_request_sends_nothing_and_a_job_of_its_own_wakes_with_outbox_wake,
 );
 
@@ -653,14 +655,28 @@ async fn crashed_dispatcher_lease_expires_then_message_is_looked_up<DB: Backend>
     // Killed mid-send: nothing records the outcome, only the lease remains.
     task.abort();
     let _ = task.await;
-    let orphan = record(&outbox, "c").await;
+    looked_up_once_the_lease_runs_out(&outbox, &outbox, "c", lease).await;
+}
+
+/// The message `discriminator`, its sender killed mid-send under a lease of `lease`: no claim
+/// through `elsewhere` takes it while the lease holds; once it has run out, one takes it and
+/// looks it up, finds it delivered, and records it so without resending.
+async fn looked_up_once_the_lease_runs_out<DB: Backend>(
+    outbox: &Outbox<DB>,
+    elsewhere: &Outbox<DB>,
+    discriminator: &str,
+    lease: Duration,
+) {
+    let orphan = record(outbox, discriminator).await;
+    assert_eq!(orphan.status, Status::Pending);
     assert!(orphan.outcome_unknown);
     assert_eq!(orphan.attempts, 1);
 
+    let receipt = format!("ch_{discriminator}");
     let survivor = Downstream::default().looking_up([LookupOutcome::Found {
-        receipt: "ch_1".into(),
+        receipt: receipt.clone(),
     }]);
-    let taking_over = dispatcher(&outbox, &survivor);
+    let taking_over = dispatcher(elsewhere, &survivor);
     assert_eq!(
         taking_over.run_once().await.unwrap(),
         0,
@@ -674,14 +690,14 @@ async fn crashed_dispatcher_lease_expires_then_message_is_looked_up<DB: Backend>
     tokio::time::sleep(until_expiry + Duration::from_millis(100)).await;
     assert_eq!(taking_over.run_once().await.unwrap(), 1);
 
-    let delivered = record(&outbox, "c").await;
+    let delivered = record(outbox, discriminator).await;
     assert_eq!(delivered.status, Status::Delivered);
-    assert_eq!(delivered.receipt.as_deref(), Some("ch_1"));
+    assert_eq!(delivered.receipt, Some(receipt));
     assert!(
         survivor.sends().is_empty(),
         "found by lookup, so never resent"
     );
-    assert_eq!(survivor.lookups(), vec![key("c").to_string()]);
+    assert_eq!(survivor.lookups(), vec![key(discriminator).to_string()]);
 }
 
 async fn slow_send_keeps_its_lease_by_renewing_it<DB: Backend>(pool: Pool<DB>) {
@@ -2456,6 +2472,134 @@ async fn a_request_that_enqueued_wakes_the_dispatchers_when_the_layer_commits<DB
     run.await.unwrap();
 }
 
+/// A message a request commits is handed to a dispatcher of the request's process, leased to
+/// it by the insert: another process's dispatcher polling every few milliseconds never gets
+/// it, where a claim after a wake would lose a good share of them to that poll. Requests that
+/// roll back first give back the room they took at the dispatcher (it has room for one).
+async fn a_commit_hands_its_messages_to_a_dispatcher_of_its_own_process<DB: Backend>(
+    pool: Pool<DB>,
+) {
+    let store = axum_idempotency::Store::new(pool.clone());
+    store.migrate().await.unwrap();
+    let outbox = outbox(&pool).await;
+    let (here, elsewhere) = (Downstream::default(), Downstream::default());
+    let (stop, run) = sleeping_dispatcher(dispatcher(&outbox, &here).batch_size(1)).await;
+    let (stop_elsewhere, stopped_elsewhere) = tokio::sync::oneshot::channel::<()>();
+    let polling = dispatcher(&Outbox::new(pool.clone()), &elsewhere)
+        .poll_interval(Duration::from_millis(5))
+        .run(async {
+            let _ = stopped_elsewhere.await;
+        });
+    let run_elsewhere = tokio::spawn(polling);
+
+    let failing = app(
+        store.clone(),
+        &outbox,
+        axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+        Duration::ZERO,
+    );
+    for n in 0..10 {
+        let status = post(&failing, &format!("rolled-back-{n}"), None).await;
+        assert_eq!(status, axum::http::StatusCode::INTERNAL_SERVER_ERROR);
+    }
+    let accepting = app(
+        store,
+        &outbox,
+        axum::http::StatusCode::ACCEPTED,
+        Duration::ZERO,
+    );
+    let requests = 20;
+    for n in 0..requests {
+        let status = post(&accepting, &format!("handed-{n}"), None).await;
+        assert_eq!(status, axum::http::StatusCode::ACCEPTED);
+        let started = tokio::time::Instant::now();
+        while here.sends().len() + elsewhere.sends().len() <= n {
+            assert!(started.elapsed() < WOKEN_WITHIN, "handed-{n} not sent");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+    assert_eq!(
+        elsewhere.sends(),
+        [],
+        "another process's dispatcher sent messages committed here"
+    );
+    let sent: Vec<_> = here.sends().into_iter().map(|(key, _)| key).collect();
+    let expected: Vec<_> = (0..requests)
+        .map(|n| key(&format!("handed-{n}")).to_string())
+        .collect();
+    assert_eq!(sent, expected);
+    stop.send(()).unwrap();
+    run.await.unwrap();
+    stop_elsewhere.send(()).unwrap();
+    run_elsewhere.await.unwrap();
+}
+
+/// Enqueues `message` in a job under `Engine::run` with the idempotency key `key`, on the
+/// job's `Tx`, whose commit the engine makes.
+async fn enqueue_in_job<DB: Backend>(
+    store: axum_idempotency::Store<DB>,
+    outbox: &Outbox<DB>,
+    key: &str,
+    message: Message,
+) {
+    let engine = axum_idempotency::Engine::new(store);
+    let scope =
+        axum_idempotency::Scope::new("nightly", "POST", "/jobs/charge", key.parse().unwrap());
+    let outbox = outbox.clone();
+    let ran = engine
+        .run(
+            &scope,
+            axum_idempotency::Fingerprint::from([7; 32]),
+            move |mut tx: axum_idempotency::Tx<DB>| {
+                let (outbox, message) = (outbox.clone(), message.clone());
+                async move {
+                    outbox.enqueue(&mut tx, message).await.unwrap();
+                    axum::http::StatusCode::CREATED
+                }
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(ran.response.status(), axum::http::StatusCode::CREATED);
+}
+
+/// The dispatcher a commit handed its message to dies mid-send: the row was written leased to
+/// it, its attempt begun, so no one sends it while the lease holds, and the next holder looks
+/// it up before any resend, as after a claimed message's crash.
+async fn a_handed_message_whose_dispatcher_died_is_looked_up_once_its_lease_runs_out<
+    DB: Backend,
+>(
+    pool: Pool<DB>,
+) {
+    let store = axum_idempotency::Store::new(pool.clone());
+    store.migrate().await.unwrap();
+    let outbox = outbox(&pool).await;
+    let stuck = Downstream::default();
+    stuck.0.hang.store(true, Ordering::SeqCst);
+    let lease = Duration::from_millis(1200);
+    let crashing = dispatcher(&outbox, &stuck)
+        .poll_interval(LONG_POLL)
+        .lease(lease)
+        .run(std::future::pending());
+    let task = tokio::spawn(crashing);
+    // Its first claim found nothing: it sleeps, and only a hand-over gets it to send.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    enqueue_in_job(
+        store,
+        &outbox,
+        "2a0e7c52-8f1d-4d55-a8b3-0c7f6a2b9e41",
+        charge("h", "4.00"),
+    )
+    .await;
+    stuck.0.entered.notified().await;
+    task.abort();
+    let _ = task.await;
+    assert_eq!(stuck.sends().len(), 1);
+    // Another process's outbox: the one that took the hand-over is gone.
+    looked_up_once_the_lease_runs_out(&outbox, &Outbox::new(pool.clone()), "h", lease).await;
+}
+
 /// A request that rolls back leaves no message and wakes nobody into sending anything; a job
 /// that enqueues on a transaction of its own wakes the dispatchers with `Outbox::wake` after
 /// its commit; a job under `Engine::run` needs nothing, like a request.
@@ -2500,32 +2644,8 @@ async fn a_rolled_back_request_sends_nothing_and_a_job_of_its_own_wakes_with_out
     outbox.wake();
     sent_within(&downstream, 1, WOKEN_WITHIN, "a job's own transaction").await;
 
-    let engine = axum_idempotency::Engine::new(store);
-    let scope = axum_idempotency::Scope::new(
-        "nightly",
-        "POST",
-        "/jobs/charge",
-        "1f0e7c52-8f1d-4d55-a8b3-0c7f6a2b9e41".parse().unwrap(),
-    );
-    let job_outbox = outbox.clone();
-    let ran = engine
-        .run(
-            &scope,
-            axum_idempotency::Fingerprint::from([7; 32]),
-            move |mut tx: axum_idempotency::Tx<DB>| {
-                let outbox = job_outbox.clone();
-                async move {
-                    outbox
-                        .enqueue(&mut tx, charge("engine-job", "2.00"))
-                        .await
-                        .unwrap();
-                    axum::http::StatusCode::CREATED
-                }
-            },
-        )
-        .await
-        .unwrap();
-    assert_eq!(ran.response.status(), axum::http::StatusCode::CREATED);
+    let job = charge("engine-job", "2.00");
+    enqueue_in_job(store, &outbox, "1f0e7c52-8f1d-4d55-a8b3-0c7f6a2b9e41", job).await;
     sent_within(&downstream, 2, WOKEN_WITHIN, "a job under Engine::run").await;
 
     let sent: Vec<_> = downstream.sends().into_iter().map(|(key, _)| key).collect();

@@ -39,7 +39,7 @@ pub(crate) mod postgres;
 mod sqlite;
 
 #[cfg(feature = "outbox")]
-pub(crate) use outbox::{Claim, ClaimedMessage, Lease, Settlement, Topics};
+pub(crate) use outbox::{Claim, ClaimedMessage, Handed, Lease, Settlement, Topics};
 
 pub(crate) use migrate::MigrationError;
 pub(crate) use sealed::Storage;
@@ -108,6 +108,8 @@ mod sealed {
     #![allow(unreachable_pub)]
 
     use super::*;
+    #[cfg(feature = "outbox")]
+    use crate::backend::outbox::Handed;
     #[cfg(feature = "outbox")]
     use crate::clock::Clock;
     #[cfg(feature = "outbox")]
@@ -271,12 +273,14 @@ mod sealed {
         ) -> impl Future<Output = Result<(), MigrationError>> + Send;
 
         /// Inserts a pending message, after taking its ordering key's lock if it has one;
-        /// `None` when its downstream key is already present.
+        /// `None` when its downstream key is already present. A message `handed` to a
+        /// dispatcher is written leased to it, its first attempt begun, as its claim would.
         #[cfg(feature = "outbox")]
         fn insert(
             conn: &mut Self::Connection,
             message: &Message,
             now: Millis,
+            handed: Option<Handed>,
         ) -> impl Future<Output = Result<Option<MessageId>, sqlx::Error>> + Send;
 
         /// Reads one message by id.

@@ -104,6 +104,14 @@ pub struct ClaimedMessage {
     pub attempt_begun: bool,
 }
 
+/// The lease a message is inserted with when a dispatcher of the enqueuing process takes it
+/// at the commit, in place of a claim: the dispatcher's token and the lease's expiry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Handed {
+    pub token: i64,
+    pub until: Millis,
+}
+
 /// A lease a dispatcher holds: the message and the token of the claim that leased it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Lease {

@@ -1,9 +1,11 @@
 //! What a handler enqueues: a topic, a payload, the downstream idempotency key and an optional
 //! ordering key.
 
+use std::time::SystemTime;
+
 use serde::Serialize;
 
-use super::DownstreamKey;
+use super::{DownstreamKey, MessageId, OutboxRecord, Status};
 
 /// One external side effect, written to the outbox in the caller's transaction.
 ///
@@ -96,6 +98,28 @@ impl Message {
     /// The ordering key given with [`ordering_key`](Self::ordering_key), if any.
     pub(crate) fn ordering(&self) -> Option<&str> {
         self.ordering_key.as_deref()
+    }
+
+    /// The record of this message as it is written at `now` with its id `id`, leased and its
+    /// first attempt begun (see `Outbox::enqueue`'s hand-over).
+    pub(crate) fn handed_over(self, id: MessageId, now: SystemTime) -> OutboxRecord {
+        OutboxRecord {
+            id,
+            topic: self.topic,
+            downstream_key: self.key,
+            payload: self.payload,
+            status: Status::Pending,
+            attempts: 1,
+            outcome_unknown: true,
+            receipt: None,
+            last_error: None,
+            created_at: now,
+            next_attempt_at: now,
+            last_attempt_at: Some(now),
+            finished_at: None,
+            requeued_at: None,
+            ordering_key: self.ordering_key,
+        }
     }
 }
 

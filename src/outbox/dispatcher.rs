@@ -198,7 +198,9 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
         // Subscribed before the first claim, so a commit after that claim's read is seen.
         let mut woken = self.flight.outbox.wake_signal().subscribe();
         let heard = self.listen.start(self.poll_interval);
-        let mut window = Window::new(&self.flight, self.batch_size).probing();
+        let mut window = Window::new(&self.flight, self.batch_size)
+            .probing()
+            .handing();
         let mut stopping = false;
         // Set when a claim found less than it asked for (nothing more is due) or failed: no
         // claim before a wake or this time. A wake is taken in at once, even while claims are

@@ -6,11 +6,13 @@ use std::time::Duration;
 
 use sqlx::Pool;
 
+use super::handoff::Handoff;
 use super::wake::{Notify, Wake};
 use super::{DownstreamKey, EnqueueTarget, Error, Message, MessageId, OutboxRecord};
 use crate::Backend;
 #[cfg(feature = "test-util")]
 use crate::ManualClock;
+use crate::backend::ClaimedMessage;
 use crate::clock::{Clock, Millis};
 use crate::message::valid_name;
 
@@ -46,9 +48,10 @@ const PURGE_BATCH: i64 = 500;
 ///
 /// The [`Dispatcher`](super::Dispatcher)s of an outbox and of its clones share one wake
 /// signal. A message enqueued on the handler's [`Tx`](crate::Tx) (`outbox.enqueue(&mut tx,
-/// …)`) wakes them as soon as whatever commits that transaction (the layer, the engine, the
-/// inbox) has committed it, never before, so it is sent within a database round trip or two of
-/// the commit rather than at the next poll. A message enqueued on a transaction of your own
+/// …)`) reaches them as soon as whatever commits that transaction (the layer, the engine, the
+/// inbox) has committed it, never before: handed to one of them, which sends it at once with
+/// no claim, or, where none has room, by a wake and a claim (see [the module's
+/// docs](super#waking-the-dispatchers)). A message enqueued on a transaction of your own
 /// needs [`wake`](Self::wake) after its commit. Other processes find it at their next poll,
 /// unless they listen (PostgreSQL, below).
 #[cfg_attr(
@@ -65,6 +68,7 @@ pub struct Outbox<DB: Backend> {
     // The dispatchers' writes, one at a time on a database with one writer.
     writing: Arc<tokio::sync::Mutex<()>>,
     wake: Wake,
+    handoff: Handoff,
     notify: Option<Notify<DB>>,
     /// What "now" is for enqueuing, delivery, retries, leases, budgets and the purge: the
     /// wall clock, or a test's.
@@ -81,6 +85,7 @@ impl<DB: Backend> Outbox<DB> {
             writing: Arc::default(),
             retention: DEFAULT_RETENTION,
             wake: Wake::new(),
+            handoff: Handoff::default(),
             notify: None,
             clock: Clock::System,
         }
@@ -98,8 +103,9 @@ impl<DB: Backend> Outbox<DB> {
     ///
     /// Pass the handler's [`Tx`](crate::Tx) (`&mut tx`): the message then commits or rolls
     /// back with the business rows, no dispatcher can see it before the commit, and the
-    /// commit wakes this outbox's dispatchers in this process. On a transaction or connection
-    /// of your own, call [`wake`](Self::wake) after its commit (see [`EnqueueTarget`]).
+    /// commit hands it to one of this outbox's dispatchers in this process, or wakes them.
+    /// On a transaction or connection of your own, call [`wake`](Self::wake) after its commit
+    /// (see [`EnqueueTarget`]).
     ///
     /// Enqueuing a message whose downstream key is already present returns the existing
     /// message's id when topic and payload are the same (a replayed job enqueues nothing new),
@@ -121,13 +127,33 @@ impl<DB: Backend> Outbox<DB> {
             return Err(Error::InvalidOrderingKey);
         }
         let mut target = target;
+        // Where the crate commits the transaction, a dispatcher of this process with room takes
+        // the message at the commit; a key's order needs a claim's check.
+        let reserved = if target.commits_here() && message.ordering().is_none() {
+            self.handoff.reserve()
+        } else {
+            None
+        };
+        let now = self.now();
+        let handed = reserved.as_ref().map(|reserved| reserved.lease(now));
         let conn = target.connection();
-        if let Some(id) = DB::insert(conn, &message, self.now()).await? {
+        if let Some(id) = DB::insert(conn, &message, now, handed).await? {
             if let Some(notify) = self.notify {
                 notify(conn).await?;
             }
-            let wake = self.wake.clone();
-            target.after_commit(move || wake.wake());
+            match reserved.zip(handed) {
+                Some((reserved, handed)) => {
+                    let claimed = ClaimedMessage {
+                        record: message.handed_over(id, now.into()),
+                        attempt_begun: true,
+                    };
+                    target.after_commit(move || reserved.hand(claimed, handed.until));
+                }
+                None => {
+                    let wake = self.wake.clone();
+                    target.after_commit(move || wake.wake());
+                }
+            }
             return Ok(id);
         }
         match DB::fetch_by_key(conn, message.key()).await? {
@@ -319,6 +345,11 @@ impl<DB: Backend> Outbox<DB> {
         &self.wake
     }
 
+    /// Where a commit hands its messages to this outbox's dispatchers in this process.
+    pub(crate) fn handoff(&self) -> &Handoff {
+        &self.handoff
+    }
+
     /// Waits for the dispatchers' turn to write, on a database that takes one writer at a time
     /// (SQLite): the dispatchers of this outbox and its clones then queue here, in order,
     /// rather than in SQLite's busy handler, which sleeps between its tries.
@@ -339,6 +370,7 @@ impl<DB: Backend> Clone for Outbox<DB> {
             retention: self.retention,
             writing: Arc::clone(&self.writing),
             wake: self.wake.clone(),
+            handoff: self.handoff.clone(),
             notify: self.notify,
             clock: self.clock.clone(),
         }

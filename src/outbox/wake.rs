@@ -45,8 +45,8 @@ impl fmt::Debug for Wake {
 ///
 /// - `&mut Tx<DB>` (the request's transaction under the layer, a job's under
 ///   [`Engine::run`](crate::Engine::run), a consumer's under the inbox): whatever commits it
-///   wakes the outbox's dispatchers in this process once the commit has succeeded, with no
-///   code of yours.
+///   hands the message to a dispatcher of the outbox in this process, or wakes them, once the
+///   commit has succeeded, with no code of yours.
 /// - `&mut sqlx::Transaction<'_, DB>`, `&mut sqlx::pool::PoolConnection<DB>` or a bare
 ///   connection (`&mut SqliteConnection`, `&mut PgConnection`, `&mut MySqlConnection`): the
 ///   crate cannot see the commit, so call [`Outbox::wake`](super::Outbox::wake) after it, or
@@ -84,6 +84,12 @@ mod private {
     pub trait Target<DB: Database>: Send {
         fn connection(&mut self) -> &mut DB::Connection;
 
+        /// Whether the crate commits the transaction, so [`after_commit`](Self::after_commit)
+        /// runs its action.
+        fn commits_here(&self) -> bool {
+            false
+        }
+
         /// Runs `action` once the transaction has committed, where the crate commits it;
         /// elsewhere it is dropped, and the caller wakes after its own commit.
         fn after_commit(&mut self, action: impl FnOnce() + Send + 'static) {
@@ -95,6 +101,10 @@ mod private {
 impl<DB: Backend, M> Target<DB> for &mut Tx<DB, M> {
     fn connection(&mut self) -> &mut DB::Connection {
         self
+    }
+
+    fn commits_here(&self) -> bool {
+        true
     }
 
     fn after_commit(&mut self, action: impl FnOnce() + Send + 'static) {

@@ -18,7 +18,8 @@ use super::literal::{Statement, Syntax};
 use super::migrate::{self, runner};
 #[cfg(feature = "outbox")]
 use super::outbox::{
-    Claim, ClaimedMessage, Lease, Settlement, Topics, claiming, outbox_alike, outbox_decoder,
+    Claim, ClaimedMessage, Handed, Lease, Settlement, Topics, claiming, outbox_alike,
+    outbox_decoder,
 };
 use super::{Claimed, PurgePace, Storage, alike, bound, identity_values, lifetime_values};
 #[cfg(feature = "outbox")]
@@ -226,6 +227,7 @@ impl Storage for MySql {
         conn: &mut MySqlConnection,
         message: &Message,
         now: Millis,
+        handed: Option<Handed>,
     ) -> Result<Option<MessageId>, sqlx::Error> {
         if let Some(key) = message.ordering() {
             sqlx::query(outbox_sql::ORDER_LOCK)
@@ -241,6 +243,11 @@ impl Storage for MySql {
             .bind(now.column())
             .bind(now.column())
             .bind(message.ordering())
+            .bind(i64::from(handed.is_some()))
+            .bind(handed.is_some())
+            .bind(handed.map(|_| now.column()))
+            .bind(handed.map(|handed| handed.token))
+            .bind(handed.map(|handed| handed.until.column()))
             .execute(conn)
             .await;
         match inserted {

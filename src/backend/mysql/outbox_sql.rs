@@ -9,8 +9,9 @@ use crate::backend::migrate::Schema;
 use crate::backend::outbox::{in_key_order, record_columns};
 
 pub(super) const INSERT: &str = "INSERT INTO idempotency_outbox
-            (topic, downstream_key, payload, status, created_at, next_attempt_at, ordering_key)
-        VALUES (?, ?, ?, 'pending', ?, ?, ?)";
+            (topic, downstream_key, payload, status, created_at, next_attempt_at, ordering_key,
+             attempts, outcome_unknown, last_attempt_at, lease_token, lease_expires_at)
+        VALUES (?, ?, ?, 'pending', ?, ?, ?, ?, ?, ?, ?, ?)";
 // An exclusive lock on the key's own row, held to the end of the caller's transaction
 // (InnoDB locks the duplicate row of an `ON DUPLICATE KEY UPDATE` exclusively, even when
 // nothing changes). A gap or next-key lock on the outbox's own index would not do: two of

@@ -21,7 +21,7 @@ use super::literal::{Statement, Syntax};
 use super::migrate::{self, runner};
 #[cfg(feature = "outbox")]
 use super::outbox::{
-    Claim, ClaimedMessage, Topics, claiming, json_batches, outbox_alike, outbox_decoder,
+    Claim, ClaimedMessage, Handed, Topics, claiming, json_batches, outbox_alike, outbox_decoder,
 };
 use super::{Claimed, Storage, alike, bound, record_values};
 #[cfg(feature = "outbox")]
@@ -296,6 +296,7 @@ impl Storage for Postgres {
         conn: &mut PgConnection,
         message: &Message,
         now: Millis,
+        handed: Option<Handed>,
     ) -> Result<Option<MessageId>, sqlx::Error> {
         if let Some(key) = message.ordering() {
             sqlx::query(outbox_sql::ORDER_LOCK)
@@ -310,6 +311,11 @@ impl Storage for Postgres {
             .bind(now.column())
             .bind(now.column())
             .bind(message.ordering())
+            .bind(i64::from(handed.is_some()))
+            .bind(handed.is_some())
+            .bind(handed.map(|_| now.column()))
+            .bind(handed.map(|handed| handed.token))
+            .bind(handed.map(|handed| handed.until.column()))
             .fetch_optional(conn)
             .await?;
         Ok(id.map(MessageId::from))

@@ -10,8 +10,9 @@ use crate::backend::outbox::{in_key_order, record_columns};
 // ON CONFLICT rather than catching the unique violation: an error would abort the caller's
 // whole transaction.
 pub(super) const INSERT: &str = "INSERT INTO idempotency_outbox
-            (topic, downstream_key, payload, status, created_at, next_attempt_at, ordering_key)
-        VALUES ($1, $2, $3, 'pending', $4, $5, $6)
+            (topic, downstream_key, payload, status, created_at, next_attempt_at, ordering_key,
+             attempts, outcome_unknown, last_attempt_at, lease_token, lease_expires_at)
+        VALUES ($1, $2, $3, 'pending', $4, $5, $6, $7, $8, $9, $10, $11)
         ON CONFLICT (downstream_key) DO NOTHING
         RETURNING id";
 // A transaction-scoped advisory lock on the key's 64-bit hash, seeded with the table's oid:

@@ -20,7 +20,7 @@ use super::literal::{Statement, Syntax};
 use super::migrate::{self, runner};
 #[cfg(feature = "outbox")]
 use super::outbox::{
-    Claim, ClaimedMessage, Topics, claiming, json_batches, outbox_alike, outbox_decoder,
+    Claim, ClaimedMessage, Handed, Topics, claiming, json_batches, outbox_alike, outbox_decoder,
 };
 use super::{Claimed, PurgePace, Storage, alike, bound, record_values};
 #[cfg(feature = "outbox")]
@@ -222,6 +222,7 @@ impl Storage for Sqlite {
         conn: &mut SqliteConnection,
         message: &Message,
         now: Millis,
+        handed: Option<Handed>,
     ) -> Result<Option<MessageId>, sqlx::Error> {
         // The single writer already orders the ids of one key as their transactions commit.
         let id: Option<i64> = sqlx::query_scalar(outbox_sql::INSERT)
@@ -231,6 +232,11 @@ impl Storage for Sqlite {
             .bind(now.column())
             .bind(now.column())
             .bind(message.ordering())
+            .bind(i64::from(handed.is_some()))
+            .bind(handed.is_some())
+            .bind(handed.map(|_| now.column()))
+            .bind(handed.map(|handed| handed.token))
+            .bind(handed.map(|handed| handed.until.column()))
             .fetch_optional(conn)
             .await?;
         Ok(id.map(MessageId::from))

@@ -7,8 +7,9 @@ use crate::backend::migrate::Schema;
 use crate::backend::outbox::{in_key_order, record_columns};
 
 pub(super) const INSERT: &str = "INSERT INTO idempotency_outbox
-            (topic, downstream_key, payload, status, created_at, next_attempt_at, ordering_key)
-        VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6)
+            (topic, downstream_key, payload, status, created_at, next_attempt_at, ordering_key,
+             attempts, outcome_unknown, last_attempt_at, lease_token, lease_expires_at)
+        VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
         ON CONFLICT (downstream_key) DO NOTHING
         RETURNING id";
 pub(super) const FETCH_BY_ID: &str = concat!(

@@ -11,6 +11,10 @@
 //! settle and one renewal run at a time; on a database with one writer they queue in the process,
 //! not in the database's lock wait.
 //!
+//! Messages also arrive without a claim: a commit of this process hands over what it enqueued,
+//! written leased to this window (see `handoff`). The window takes them as a claim's messages,
+//! while fewer than two batches wait for a send slot.
+//!
 //! A destination found unavailable pauses its topic alone: the claims leave the topic out, so
 //! its messages wait in the database untouched however many there are, and the other topics
 //! keep flowing. A claim of its own, for one message of the topic, takes the probe when the
@@ -42,6 +46,7 @@ use crate::Backend;
 use crate::backend::{Claim, ClaimedMessage as Claimed, Lease, Settlement, Topics};
 use crate::clock::Millis;
 use crate::outbox::Sender;
+use crate::outbox::handoff::{Counter, Handover};
 
 type Op<'d, T> = Pin<Box<dyn Future<Output = T> + Send + 'd>>;
 
@@ -66,6 +71,8 @@ pub(super) enum Event {
     Settled(Vec<Lease>, Written),
     Renewed(Vec<Lease>, Millis, Written),
     Released(Vec<Lease>, Written),
+    /// A commit of this process handed a message over, leased to this window.
+    Handed(Handover),
     RenewalDue,
     /// The sender's client reconnected.
     Reconnected,
@@ -137,6 +144,8 @@ pub(super) struct Window<'d, DB: Backend, S> {
     /// Messages were made due (a commit, a topic resumed) that no claim has looked for yet:
     /// claim without resting.
     woken: bool,
+    /// Where the commits of this process hand their messages to this window, if they do.
+    counter: Option<Counter>,
 }
 
 impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
@@ -160,7 +169,18 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             paused: HashMap::new(),
             reconnected: flight.reconnected(),
             woken: false,
+            counter: None,
         }
+    }
+
+    /// Takes the messages the commits of this process hand over, up to a batch of them not yet
+    /// started (see `handoff`).
+    #[must_use]
+    pub(super) fn handing(mut self) -> Self {
+        let token = i64::from_ne_bytes(crate::backoff::random_u64().to_ne_bytes());
+        let handoff = self.flight.outbox.handoff();
+        self.counter = Some(handoff.open(token, self.flight.lease, self.batch));
+        self
     }
 
     /// Probes the topics that pause at their probe backoff's time (or when the sender's client
@@ -198,6 +218,14 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// claim found them, lease released.
     pub(super) fn stop(&mut self) {
         self.stopping = true;
+        let left = self
+            .counter
+            .as_mut()
+            .map(Counter::close)
+            .unwrap_or_default();
+        for handover in left {
+            self.handed(handover);
+        }
         self.give_back();
     }
 
@@ -507,6 +535,9 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             () = tokio::time::sleep_until(self.next_renewal), if renewal_due => Event::RenewalDue,
             () = sleep_until(probe), if probe.is_some() => Event::ProbeDue,
             () = raised(&mut self.reconnected), if paused => Event::Reconnected,
+            Some(handover) = handover(&mut self.counter), if self.takes_handovers() => {
+                Event::Handed(handover)
+            }
         }
     }
 
@@ -531,6 +562,10 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                 for lease in &leases {
                     self.held.remove(lease);
                 }
+            }
+            Event::Handed(handover) => {
+                self.handed(handover);
+                self.start_sends();
             }
             Event::RenewalDue => self.renew(),
             Event::Reconnected => self.probe_now(),
@@ -571,17 +606,47 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
 
     /// Holds the lease a claim took on `message`.
     fn hold(&mut self, claim: &Claim, message: &Claimed) -> Lease {
+        self.hold_until(claim.token, claim.lease_until, message)
+    }
+
+    /// Holds the lease `token` has on `message` until `until`.
+    fn hold_until(&mut self, token: i64, until: Millis, message: &Claimed) -> Lease {
         let lease = Lease {
             id: message.record.id,
-            token: claim.token,
+            token,
         };
         let held = Held {
-            until: claim.lease_until,
+            until,
             settling: false,
             lost: false,
         };
         self.held.insert(lease, held);
         lease
+    }
+
+    /// Whether the window takes more hand-overs: while fewer than two batches wait for a send
+    /// slot. Those it leaves wait in the counter, where they take up the room commits would
+    /// reserve, so that further messages are written pending and claimed instead.
+    fn takes_handovers(&self) -> bool {
+        !self.stopping && self.ready.len() < 2 * self.batch
+    }
+
+    /// Holds a message a commit handed over and queues it for sending, as a claim would have.
+    /// The lease runs from the insert: one whose transaction stayed open so long that less than
+    /// two renewal intervals are left is not sent, since a renewal might come too late to keep
+    /// it; a claim takes it once the lease has run out, and looks it up before any resend.
+    fn handed(&mut self, handover: Handover) {
+        let Some(token) = self.counter.as_ref().map(Counter::token) else {
+            return;
+        };
+        if self.flight.now().until(handover.until) <= 2 * self.flight.renewal_interval() {
+            return;
+        }
+        if self.held.is_empty() {
+            self.next_renewal = Instant::now() + self.flight.renewal_interval();
+        }
+        let lease = self.hold_until(token, handover.until, &handover.message);
+        self.admit(lease, handover.message);
     }
 
     /// Sends the probe a claim found for the paused `topic` ahead of the messages waiting for
@@ -709,6 +774,14 @@ async fn raised(signal: &mut Option<watch::Receiver<u64>>) {
         return;
     }
     std::future::pending().await
+}
+
+/// The next message handed over; pending forever without a counter.
+async fn handover(counter: &mut Option<Counter>) -> Option<Handover> {
+    match counter {
+        Some(counter) => counter.next().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// The output of the operation in `slot`, which it then empties; pending while it is empty.

@@ -1,0 +1,160 @@
+//! A commit's messages handed straight to a dispatcher of the same process, with no claim.
+//!
+//! A message enqueued on a [`Tx`](crate::Tx) is written leased to a running dispatcher of its
+//! outbox, its first attempt begun, exactly as that dispatcher's claim would have left it; once
+//! the transaction commits, the message itself goes to the dispatcher, which sends it at once.
+//! The commit is then followed by the send, not by a wake, a claim's round trip and a second
+//! write to the row. Nothing else changes: the lease fences the dispatcher's outcome as a
+//! claim's would, and a dispatcher that dies before sending leaves a row that any dispatcher
+//! claims once the lease has run out, looking it up before a resend as after a crash mid-send.
+//!
+//! Only where a dispatcher has room: each takes at most a batch of hand-overs it has not yet
+//! started, and a message that finds none free (or has an ordering key, whose order only a
+//! claim can check) is written pending and woken for, as before.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+use crate::backend::{ClaimedMessage, Handed};
+use crate::clock::Millis;
+
+/// The dispatchers of one outbox (and its clones) in this process that take hand-overs.
+#[derive(Clone, Default)]
+pub(crate) struct Handoff(Arc<Mutex<Desks>>);
+
+#[derive(Default)]
+struct Desks {
+    /// Where the next reservation starts looking, so several dispatchers share the work.
+    next: usize,
+    /// Numbers the desks, so a closing one removes its own.
+    opened: u64,
+    open: Vec<Desk>,
+}
+
+/// A dispatcher's end that commits hand messages to.
+struct Desk {
+    number: u64,
+    token: i64,
+    lease: Duration,
+    sender: mpsc::Sender<Handover>,
+}
+
+/// A committed message for a dispatcher, and when the lease it was written with runs out.
+pub(crate) struct Handover {
+    pub(crate) message: ClaimedMessage,
+    pub(crate) until: Millis,
+}
+
+/// Room for one message at a dispatcher, taken before the insert so the row can be written
+/// leased to it; dropped unused when the transaction rolls back.
+pub(crate) struct Reserved {
+    permit: mpsc::OwnedPermit<Handover>,
+    token: i64,
+    lease: Duration,
+}
+
+impl Reserved {
+    /// The lease to write the message with, enqueued at `now`.
+    pub(crate) fn lease(&self, now: Millis) -> Handed {
+        Handed {
+            token: self.token,
+            until: now.after(self.lease),
+        }
+    }
+
+    /// Gives the committed message to the dispatcher.
+    pub(crate) fn hand(self, message: ClaimedMessage, until: Millis) {
+        self.permit.send(Handover { message, until });
+    }
+}
+
+impl Handoff {
+    /// Room at one of the dispatchers, if any has it.
+    pub(crate) fn reserve(&self) -> Option<Reserved> {
+        let mut desks = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let count = desks.open.len();
+        for turn in 0..count {
+            let at = (desks.next + turn) % count;
+            let desk = &desks.open[at];
+            if let Ok(permit) = desk.sender.clone().try_reserve_owned() {
+                let reserved = Reserved {
+                    permit,
+                    token: desk.token,
+                    lease: desk.lease,
+                };
+                desks.next = at + 1;
+                return Some(reserved);
+            }
+        }
+        None
+    }
+
+    /// Opens a desk for a dispatcher whose hand-overs are leased under `token` for `lease`,
+    /// holding at most `room` not yet taken; it closes when the counter is dropped.
+    pub(crate) fn open(&self, token: i64, lease: Duration, room: usize) -> Counter {
+        let (sender, receiver) = mpsc::channel(room.max(1));
+        let mut desks = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        desks.opened += 1;
+        let number = desks.opened;
+        desks.open.push(Desk {
+            number,
+            token,
+            lease,
+            sender,
+        });
+        Counter {
+            handoff: self.clone(),
+            number,
+            token,
+            receiver,
+        }
+    }
+}
+
+/// A dispatcher's side of its desk: the messages handed to it.
+pub(crate) struct Counter {
+    handoff: Handoff,
+    number: u64,
+    token: i64,
+    receiver: mpsc::Receiver<Handover>,
+}
+
+impl Counter {
+    /// The token the hand-overs are leased under.
+    pub(crate) fn token(&self) -> i64 {
+        self.token
+    }
+
+    /// The next message handed over; pending while there is none.
+    pub(crate) async fn next(&mut self) -> Option<Handover> {
+        self.receiver.recv().await
+    }
+
+    /// Takes no more hand-overs, and returns those already made.
+    pub(crate) fn close(&mut self) -> Vec<Handover> {
+        self.remove();
+        self.receiver.close();
+        let mut left = Vec::new();
+        while let Ok(handover) = self.receiver.try_recv() {
+            left.push(handover);
+        }
+        left
+    }
+
+    fn remove(&self) {
+        let mut desks = self
+            .handoff
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        desks.open.retain(|desk| desk.number != self.number);
+    }
+}
+
+impl Drop for Counter {
+    fn drop(&mut self) {
+        self.remove();
+    }
+}

@@ -35,10 +35,12 @@ use window::{Found, Window};
 /// and the leases held are renewed in one write. On SQLite, the dispatchers of one [`Outbox`] (and
 /// its clones) write one at a time, queueing in the process rather than in SQLite's lock wait.
 ///
-/// The dispatchers of one [`Outbox`] and its clones share its wake signal: a message enqueued on
-/// the handler's [`Tx`](crate::Tx) wakes them when its transaction commits, so they pick it up
-/// at once however long their [`poll_interval`](Self::poll_interval); see
-/// [`Outbox::wake`] for messages enqueued on transactions of your own.
+/// A running dispatcher takes the messages its process commits on the handler's
+/// [`Tx`](crate::Tx) straight from the commit, already leased to it, and sends them at once
+/// with no claim; the dispatchers of one [`Outbox`] and its clones also share its wake signal,
+/// which such a commit raises when none of them has room, so they pick the message up at once
+/// however long their [`poll_interval`](Self::poll_interval). See [`Outbox::wake`] for
+/// messages enqueued on transactions of your own.
 ///
 /// ```no_run
 /// # use axum_idempotency::outbox::{Dispatcher, Outbox, OutboxRecord, SendOutcome, Sender};

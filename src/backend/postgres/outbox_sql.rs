@@ -109,7 +109,7 @@ macro_rules! lease_due {
 // crash mid-send. The settle after the send commits as the server is set to, and its flush
 // carries the claim with it. The wait for the flush was most of a claim's time (one-row commit
 // 3.1 ms against 0.13 ms without it, measured with pgbench on this project's loaded test machine),
-// and a message committed by a request waits for one or two claims before its send.
+// and a message no dispatcher took at its commit waits for one or two claims before its send.
 pub(super) const BEGIN_CLAIM: &str = "BEGIN; SET LOCAL synchronous_commit = off";
 // The hidden limit above makes the planner cost a claim at a tenth of the due messages: past
 // about 120,000 due that crosses `jit_above_cost` (100,000 by default), and every claim then

@@ -158,3 +158,51 @@ impl Drop for Counter {
         self.remove();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::SystemTime;
+
+    use super::*;
+    use crate::message::{DownstreamKey, Message, MessageId};
+
+    fn handed(id: i64) -> ClaimedMessage {
+        let key = DownstreamKey::new(format!("k-{id}")).expect("a valid key");
+        let now = SystemTime::now();
+        ClaimedMessage {
+            record: Message::new("t", key, "p").handed_over(MessageId::from(id), now),
+            attempt_begun: true,
+        }
+    }
+
+    #[test]
+    fn room_is_taken_in_turn_and_given_back_by_a_rollback() {
+        let handoff = Handoff::default();
+        assert!(handoff.reserve().is_none(), "no dispatcher, no room");
+        let lease = Duration::from_secs(15);
+        let mut first = handoff.open(1, lease, 1);
+        let _second = handoff.open(2, lease, 1);
+        let now = Millis::now();
+
+        let a = handoff.reserve().expect("room at the first");
+        let b = handoff.reserve().expect("room at the second");
+        assert_eq!((a.lease(now).token, b.lease(now).token), (1, 2));
+        assert_eq!(a.lease(now).until, now.after(lease));
+        assert!(handoff.reserve().is_none(), "both full");
+
+        // A rollback drops its reservation: the room is back.
+        drop(b);
+        let again = handoff.reserve().expect("the second's room, given back");
+        assert_eq!(again.lease(now).token, 2);
+
+        a.hand(handed(7), now.after(lease));
+        let left = first.close();
+        assert_eq!(left.len(), 1);
+        assert_eq!(left[0].message.record.id, MessageId::from(7));
+        // A closed desk takes no more.
+        drop(again);
+        let only = handoff.reserve().expect("the second's room");
+        assert_eq!(only.lease(now).token, 2);
+        assert!(handoff.reserve().is_none());
+    }
+}

@@ -51,39 +51,36 @@ pub(crate) struct Handover {
 /// leased to it; dropped unused when the transaction rolls back.
 pub(crate) struct Reserved {
     permit: mpsc::OwnedPermit<Handover>,
-    token: i64,
-    lease: Duration,
+    handed: Handed,
 }
 
 impl Reserved {
-    /// The lease to write the message with, enqueued at `now`.
-    pub(crate) fn lease(&self, now: Millis) -> Handed {
-        Handed {
-            token: self.token,
-            until: now.after(self.lease),
-        }
+    /// The lease to write the message with.
+    pub(crate) fn handed(&self) -> Handed {
+        self.handed
     }
 
     /// Gives the committed message to the dispatcher.
-    pub(crate) fn hand(self, message: ClaimedMessage, until: Millis) {
+    pub(crate) fn hand(self, message: ClaimedMessage) {
+        let until = self.handed.until;
         self.permit.send(Handover { message, until });
     }
 }
 
 impl Handoff {
-    /// Room at one of the dispatchers, if any has it.
-    pub(crate) fn reserve(&self) -> Option<Reserved> {
+    /// Room at one of the dispatchers, if any has it, for a message enqueued at `now`.
+    pub(crate) fn reserve(&self, now: Millis) -> Option<Reserved> {
         let mut desks = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         let count = desks.open.len();
         for turn in 0..count {
             let at = (desks.next + turn) % count;
             let desk = &desks.open[at];
             if let Ok(permit) = desk.sender.clone().try_reserve_owned() {
-                let reserved = Reserved {
-                    permit,
+                let handed = Handed {
                     token: desk.token,
-                    lease: desk.lease,
+                    until: now.after(desk.lease),
                 };
+                let reserved = Reserved { permit, handed };
                 desks.next = at + 1;
                 return Some(reserved);
             }
@@ -178,31 +175,32 @@ mod tests {
     #[test]
     fn room_is_taken_in_turn_and_given_back_by_a_rollback() {
         let handoff = Handoff::default();
-        assert!(handoff.reserve().is_none(), "no dispatcher, no room");
+        let now = Millis::now();
+        assert!(handoff.reserve(now).is_none(), "no dispatcher, no room");
         let lease = Duration::from_secs(15);
         let mut first = handoff.open(1, lease, 1);
         let _second = handoff.open(2, lease, 1);
-        let now = Millis::now();
 
-        let a = handoff.reserve().expect("room at the first");
-        let b = handoff.reserve().expect("room at the second");
-        assert_eq!((a.lease(now).token, b.lease(now).token), (1, 2));
-        assert_eq!(a.lease(now).until, now.after(lease));
-        assert!(handoff.reserve().is_none(), "both full");
+        let a = handoff.reserve(now).expect("room at the first");
+        let b = handoff.reserve(now).expect("room at the second");
+        assert_eq!((a.handed().token, b.handed().token), (1, 2));
+        assert_eq!(a.handed().until, now.after(lease));
+        assert!(handoff.reserve(now).is_none(), "both full");
 
         // A rollback drops its reservation: the room is back.
         drop(b);
-        let again = handoff.reserve().expect("the second's room, given back");
-        assert_eq!(again.lease(now).token, 2);
+        let again = handoff.reserve(now).expect("the second's room, given back");
+        assert_eq!(again.handed().token, 2);
 
-        a.hand(handed(7), now.after(lease));
+        a.hand(handed(7));
         let left = first.close();
         assert_eq!(left.len(), 1);
         assert_eq!(left[0].message.record.id, MessageId::from(7));
+        assert_eq!(left[0].until, now.after(lease));
         // A closed desk takes no more.
         drop(again);
-        let only = handoff.reserve().expect("the second's room");
-        assert_eq!(only.lease(now).token, 2);
-        assert!(handoff.reserve().is_none());
+        let only = handoff.reserve(now).expect("the second's room");
+        assert_eq!(only.handed().token, 2);
+        assert!(handoff.reserve(now).is_none());
     }
 }

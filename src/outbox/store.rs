@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use sqlx::Pool;
 
-use super::handoff::Handoff;
+use super::handoff::{Handoff, Reserved};
 use super::wake::{Notify, Wake};
 use super::{DownstreamKey, EnqueueTarget, Error, Message, MessageId, OutboxRecord};
 use crate::Backend;
@@ -129,25 +129,25 @@ impl<DB: Backend> Outbox<DB> {
         let mut target = target;
         // Where the crate commits the transaction, a dispatcher of this process with room takes
         // the message at the commit; a key's order needs a claim's check.
+        let now = self.now();
         let reserved = if target.commits_here() && message.ordering().is_none() {
-            self.handoff.reserve()
+            self.handoff.reserve(now)
         } else {
             None
         };
-        let now = self.now();
-        let handed = reserved.as_ref().map(|reserved| reserved.lease(now));
+        let handed = reserved.as_ref().map(Reserved::handed);
         let conn = target.connection();
         if let Some(id) = DB::insert(conn, &message, now, handed).await? {
             if let Some(notify) = self.notify {
                 notify(conn).await?;
             }
-            match reserved.zip(handed) {
-                Some((reserved, handed)) => {
+            match reserved {
+                Some(reserved) => {
                     let claimed = ClaimedMessage {
                         record: message.handed_over(id, now.into()),
                         attempt_begun: true,
                     };
-                    target.after_commit(move || reserved.hand(claimed, handed.until));
+                    target.after_commit(move || reserved.hand(claimed));
                 }
                 None => {
                     let wake = self.wake.clone();

@@ -76,8 +76,7 @@ impl<DB: Backend, S: Sender> Flight<DB, S> {
         let claim = Claim {
             now,
             lease_until: self.lease_until(now),
-            // Any bit pattern is a token: all 64 random bits are kept, the sign included.
-            token: i64::from_ne_bytes(random_u64().to_ne_bytes()),
+            token: lease_token(),
             limit: i64::try_from(limit).unwrap_or(i64::MAX),
             max_attempts: i64::from(self.policy.max_attempts),
             probe,
@@ -183,6 +182,12 @@ impl<DB: Backend, S: Sender> Flight<DB, S> {
     async fn bounded<T>(&self, call: impl Future<Output = T>) -> Option<T> {
         tokio::time::timeout(self.send_timeout, call).await.ok()
     }
+}
+
+/// A new lease's token, fencing what its holder writes. Any bit pattern is a token: all 64
+/// random bits are kept, the sign included.
+pub(super) fn lease_token() -> i64 {
+    i64::from_ne_bytes(random_u64().to_ne_bytes())
 }
 
 /// A message that failed for good is logged at `ERROR` and counted, so that an operator hears

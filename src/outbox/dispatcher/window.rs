@@ -39,7 +39,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::decide::{self, Attempted, Outage};
-use super::flight::{Flight, Sent, Written};
+use super::flight::{Flight, Sent, Written, lease_token};
 use super::metrics;
 use super::sleep_until;
 use crate::Backend;
@@ -177,9 +177,8 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
     /// started (see `handoff`).
     #[must_use]
     pub(super) fn handing(mut self) -> Self {
-        let token = i64::from_ne_bytes(crate::backoff::random_u64().to_ne_bytes());
         let handoff = self.flight.outbox.handoff();
-        self.counter = Some(handoff.open(token, self.flight.lease, self.batch));
+        self.counter = Some(handoff.open(lease_token(), self.flight.lease, self.batch));
         self
     }
 
@@ -584,11 +583,6 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         self.asked = self.asked.saturating_sub(asked);
         let claimed = claimed.inspect_err(|_| self.busy = false)?;
         self.busy = claimed.len() >= asked;
-        if self.held.is_empty() {
-            // The first leases since the window was last empty: renew a third of a lease from
-            // now, not at a tick left over from earlier work.
-            self.next_renewal = Instant::now() + self.flight.renewal_interval();
-        }
         let found = Found {
             claimed: claimed.len(),
             asked,
@@ -611,6 +605,11 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
 
     /// Holds the lease `token` has on `message` until `until`.
     fn hold_until(&mut self, token: i64, until: Millis, message: &Claimed) -> Lease {
+        if self.held.is_empty() {
+            // The first lease since the window was last empty: renew a third of a lease from
+            // now, not at a tick left over from earlier work.
+            self.next_renewal = Instant::now() + self.flight.renewal_interval();
+        }
         let lease = Lease {
             id: message.record.id,
             token,
@@ -642,9 +641,6 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         if self.flight.now().until(handover.until) <= 2 * self.flight.renewal_interval() {
             return;
         }
-        if self.held.is_empty() {
-            self.next_renewal = Instant::now() + self.flight.renewal_interval();
-        }
         let lease = self.hold_until(token, handover.until, &handover.message);
         self.admit(lease, handover.message);
     }
@@ -666,9 +662,6 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
                 return self.no_probe(topic);
             }
         };
-        if self.held.is_empty() {
-            self.next_renewal = Instant::now() + self.flight.renewal_interval();
-        }
         let lease = self.hold(&claim, &message);
         match self.paused.get_mut(topic) {
             Some(paused) if !self.stopping => {

@@ -1024,7 +1024,8 @@ pub mod outbox {}
 /// # The example chain: payments → broker → orders
 ///
 /// The repository's `payments` example publishes one `payment.succeeded` event per succeeded
-/// charge through its outbox (`RabbitMqSender`: publisher confirms, the downstream key as
+/// charge through its outbox, the charge's [follow-up](crate::outbox::Sender::follow_ups),
+/// enqueued in the transaction that records the charge delivered (`RabbitMqSender`: publisher confirms, the downstream key as
 /// `message_id`; `NatsSender`: the key as `Nats-Msg-Id`, so the stream's duplicate window
 /// drops resends), and the `orders` example consumes them through the inbox, dedupes by
 /// payment id, and shows `payments`, `paid_total` and `status` on `GET /orders/{id}`.
@@ -1576,7 +1577,10 @@ pub mod clusters {}
 ///   dispatcher of its own process (written leased to it, its attempt begun) leaves the row
 ///   exactly as that dispatcher's claim would right after the commit, one of the orders
 ///   explored; messages with an ordering key are never handed over, since only a claim checks
-///   their key's order.
+///   their key's order. A delivery's follow-ups are new messages, committed with the settle
+///   that records it delivered, and keyed by it so that finding the delivery again adds none;
+///   follow-ups the sender cannot make leave the outcome unknown, one of the outcomes
+///   explored.
 /// - **The inbox.** A broker that redelivers until acknowledged; two consumers that claim the
 ///   business key in the handler's transaction and acknowledge after the commit. Faults: a
 ///   consumer crashes at any step (after the commit, before the acknowledgement too), its

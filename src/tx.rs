@@ -448,6 +448,11 @@ struct Shared<DB: Database> {
 pub(crate) struct AfterCommit(Vec<Box<dyn FnOnce() + Send>>);
 
 impl AfterCommit {
+    /// Adds `action` to run after the commit, after those added before it.
+    pub(crate) fn push(&mut self, action: impl FnOnce() + Send + 'static) {
+        self.0.push(Box::new(action));
+    }
+
     /// Runs the actions, in the order they were registered. Call it only after a commit that
     /// succeeded.
     pub(crate) fn run(self) {
@@ -492,7 +497,7 @@ impl<DB: Database> TxSlot<DB> {
     }
 
     fn after_commit(&self, action: Box<dyn FnOnce() + Send>) {
-        relock(&self.0.after_commit).0.push(action);
+        relock(&self.0.after_commit).push(action);
     }
 
     /// Takes the transaction back for resolution; `None` if it was never begun.

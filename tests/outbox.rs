@@ -198,6 +198,8 @@ conformance!(
     a_commit_hands_its_messages_to_a_dispatcher_of_its_own_process,
     a_handed_message_whose_dispatcher_died_is_looked_up_once_its_lease_runs_out,
     a_rolled_back_request_sends_nothing_and_a_job_of_its_own_wakes_with_outbox_wake,
+    a_delivery_enqueues_its_follow_ups_with_its_outcome_and_hands_them_over,
+    a_follow_up_that_cannot_be_made_leaves_the_delivery_unknown_until_a_lookup_makes_it,
 );
 
 /// A downstream whose answers are scripted and whose calls are recorded.
@@ -2906,4 +2908,173 @@ mod timed {
         );
         assert_eq!(engine.store().purge_expired().await.unwrap(), 1);
     }
+}
+
+/// A provider that announces each charge it takes with an event, keyed by the charge's key,
+/// carrying the provider's receipt.
+#[derive(Clone, Default)]
+struct Announcing {
+    downstream: Downstream,
+    /// How many of the next follow-up requests fail.
+    failing: Arc<AtomicU64>,
+}
+
+impl Sender for Announcing {
+    async fn send(&self, message: &OutboxRecord) -> SendOutcome {
+        self.downstream.send(message).await
+    }
+
+    async fn lookup(&self, message: &OutboxRecord) -> LookupOutcome {
+        self.downstream.lookup(message).await
+    }
+
+    fn follow_ups(
+        &self,
+        message: &OutboxRecord,
+        receipt: &str,
+    ) -> Result<Vec<Message>, Box<dyn std::error::Error + Send + Sync>> {
+        if message.topic != "charges" {
+            return Ok(Vec::new());
+        }
+        let failing = self
+            .failing
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if failing.is_ok() {
+            return Err("event store full".into());
+        }
+        let event = serde_json::json!({ "charge": receipt });
+        Ok(vec![Message::json(
+            "events",
+            event_key(&message.downstream_key),
+            &event,
+        )?])
+    }
+}
+
+fn event_key(charge: &DownstreamKey) -> DownstreamKey {
+    DownstreamKey::new(format!("event-{}", &charge.as_str()[..40])).unwrap()
+}
+
+/// Waits until the message with `key` is delivered; panics after `within`.
+async fn delivered_within<DB: Backend>(
+    outbox: &Outbox<DB>,
+    key: &DownstreamKey,
+    within: Duration,
+) -> OutboxRecord {
+    let started = tokio::time::Instant::now();
+    loop {
+        if let Some(record) = outbox.status_by_key(key).await.unwrap()
+            && record.status == Status::Delivered
+        {
+            return record;
+        }
+        assert!(started.elapsed() < within, "{key} not delivered in time");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Each delivered charge enqueues its event in the transaction that records the charge
+/// delivered, and that commit hands the event to the dispatcher: the dispatcher polls every
+/// 30 s, so only the hand-over sends the events in time. An event already enqueued under its
+/// key (with another payload) is not enqueued a second time.
+async fn a_delivery_enqueues_its_follow_ups_with_its_outcome_and_hands_them_over<DB: Backend>(
+    pool: Pool<DB>,
+) {
+    let outbox = outbox(&pool).await;
+    let announcing = Announcing::default();
+    let stale = Message::new("events", event_key(&key("charge-0")), "stale");
+    enqueue_committed(&pool, &outbox, stale).await;
+    for n in 0..5 {
+        enqueue_committed(&pool, &outbox, charge(&format!("charge-{n}"), "1.00")).await;
+    }
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let dispatcher = Dispatcher::new(outbox.clone(), announcing.clone()).poll_interval(LONG_POLL);
+    let run = tokio::spawn(dispatcher.run(async {
+        let _ = stopped.await;
+    }));
+    for n in 0..5 {
+        let charge = delivered_within(&outbox, &key(&format!("charge-{n}")), WOKEN_WITHIN).await;
+        let receipt = charge.receipt.clone().unwrap();
+        let event = delivered_within(
+            &outbox,
+            &event_key(&key(&format!("charge-{n}"))),
+            WOKEN_WITHIN,
+        )
+        .await;
+        assert_eq!(event.attempts, 1);
+        if n == 0 {
+            assert_eq!(event.payload, b"stale", "the event enqueued first stands");
+        } else {
+            let payload: serde_json::Value = event.payload_json().unwrap();
+            assert_eq!(payload, serde_json::json!({ "charge": receipt }));
+        }
+    }
+    let mut sent: Vec<_> = announcing
+        .downstream
+        .sends()
+        .into_iter()
+        .map(|(key, _)| key)
+        .collect();
+    sent.sort();
+    let mut expected: Vec<_> = (0..5)
+        .flat_map(|n| {
+            let charge = key(&format!("charge-{n}"));
+            [charge.to_string(), event_key(&charge).to_string()]
+        })
+        .collect();
+    expected.sort();
+    assert_eq!(sent, expected, "each charge and each event sent once");
+    stop.send(()).unwrap();
+    run.await.unwrap();
+}
+
+/// The sender cannot make a delivered charge's follow-ups: the charge is not recorded
+/// delivered without them, but as an unknown outcome, its attempt counted; the lookup that
+/// finds it charged makes them, and the charge is never sent again.
+async fn a_follow_up_that_cannot_be_made_leaves_the_delivery_unknown_until_a_lookup_makes_it<
+    DB: Backend,
+>(
+    pool: Pool<DB>,
+) {
+    let outbox = outbox(&pool).await;
+    let announcing = Announcing::default();
+    announcing.failing.store(1, Ordering::SeqCst);
+    let found = LookupOutcome::Found {
+        receipt: "ch_found".into(),
+    };
+    let announcing = Announcing {
+        downstream: announcing.downstream.always_looking_up(found),
+        failing: announcing.failing,
+    };
+    enqueue_committed(&pool, &outbox, charge("charge", "1.00")).await;
+    let dispatcher = Dispatcher::new(outbox.clone(), announcing.clone())
+        .backoff(Backoff::exponential(Duration::ZERO, Duration::ZERO))
+        .lookup_grace(Duration::ZERO);
+
+    dispatcher.run_once().await.unwrap();
+    let unknown = record(&outbox, "charge").await;
+    assert_eq!(unknown.status, Status::Pending);
+    assert!(unknown.outcome_unknown);
+    assert_eq!(unknown.attempts, 1);
+    let error = unknown.last_error.unwrap_or_default();
+    assert!(
+        error.contains("follow-ups not made: event store full"),
+        "{error}"
+    );
+    let event_key = event_key(&key("charge"));
+    assert!(outbox.status_by_key(&event_key).await.unwrap().is_none());
+
+    dispatcher.run_once().await.unwrap();
+    let charge = record(&outbox, "charge").await;
+    assert_eq!(charge.status, Status::Delivered);
+    assert_eq!(charge.receipt.as_deref(), Some("ch_found"));
+    let event = outbox.status_by_key(&event_key).await.unwrap().unwrap();
+    let payload: serde_json::Value = event.payload_json().unwrap();
+    assert_eq!(payload, serde_json::json!({ "charge": "ch_found" }));
+    assert_eq!(
+        announcing.downstream.sends().len(),
+        1,
+        "the charge was sent once"
+    );
+    assert_eq!(announcing.downstream.lookups(), [key("charge").to_string()]);
 }

@@ -33,7 +33,9 @@
 //! `DATABASE_MAX_CONNECTIONS` (default 10 on SQLite, 16 otherwise),
 //! `PROVIDER_URL` (default `http://127.0.0.1:4000`), `PROVIDER_LOOKUP=off` (resend on an unknown
 //! outcome without looking the charge up first), `DISPATCHERS` (default 1; 0 only accepts
-//! payments), and `OUTBOX_POLL_MS`, `OUTBOX_SEND_TIMEOUT_MS`, `OUTBOX_LEASE_MS` (15 000: how
+//! payments), `OUTBOX_BATCH_SIZE` (64 sends in flight per dispatcher: a broker's publisher
+//! confirm takes milliseconds, and the dispatcher's default of 16 would leave the relay
+//! waiting on them), and `OUTBOX_POLL_MS`, `OUTBOX_SEND_TIMEOUT_MS`, `OUTBOX_LEASE_MS` (15 000: how
 //! soon a dead dispatcher's message is taken over), `OUTBOX_LOOKUP_GRACE_MS`,
 //! `OUTBOX_MAX_ATTEMPTS`, `OUTBOX_BACKOFF_MS` for the dispatcher. An outage of the provider
 //! or the broker (refused, unreachable, 503, 429, connection down) spends no attempt: the
@@ -72,7 +74,7 @@ use common::{Cents, Decimal, Error, Problem, serve, setting};
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use sqlx::{Connection, Pool, pool::PoolOptions};
+use sqlx::{Connection, pool::PoolOptions};
 
 /// The outbox topics: charges for the provider, events for the broker.
 const CHARGE_TOPIC: &str = "payments.charge";
@@ -119,13 +121,12 @@ async fn run<DB: Backend>(database: <DB::Connection as Connection>::Options) -> 
         let routed = Routed {
             provider: provider.clone(),
             broker: broker.clone(),
-            outbox: outbox.clone(),
-            pool: pool.clone(),
         };
         let backoff = millis("OUTBOX_BACKOFF_MS", 200)?;
         let probe = millis("OUTBOX_PROBE_MAX_MS", 30_000)?;
         let dispatcher = Dispatcher::new(outbox.clone(), routed)
             .poll_interval(millis("OUTBOX_POLL_MS", 500)?)
+            .batch_size(setting("OUTBOX_BATCH_SIZE", 64)?)
             .send_timeout(millis("OUTBOX_SEND_TIMEOUT_MS", 5_000)?)
             .lease(millis("OUTBOX_LEASE_MS", 15_000)?)
             .lookup_grace(millis("OUTBOX_LOOKUP_GRACE_MS", 10_000)?)
@@ -296,37 +297,17 @@ async fn show<DB: Backend>(
     Ok(Json(body).into_response())
 }
 
-/// What the dispatcher sends through: charges to the provider, events to the broker. A charge
-/// the provider confirms (sent or found by lookup) enqueues its event in the same outbox, keyed
-/// by the charge's own key, so however often that happens the event is enqueued once.
-struct Routed<DB: Backend> {
+/// What the dispatcher sends through: charges to the provider, events to the broker. Each
+/// charge the provider confirms (sent or found by lookup) has its event as a follow-up, which
+/// the outbox enqueues in the transaction that records the charge delivered, keyed by the
+/// charge's own key: however often the charge is confirmed, its event is enqueued once, and
+/// never a charge recorded without it.
+struct Routed {
     provider: HttpSender<Client<HttpConnector, http_body_util::Full<bytes::Bytes>>>,
     broker: Option<Arc<Broker>>,
-    outbox: Outbox<DB>,
-    pool: Pool<DB>,
 }
 
-impl<DB: Backend> Routed<DB> {
-    /// Enqueues the "payment succeeded" event of a charge the provider confirmed.
-    async fn announce(&self, charge: &OutboxRecord) -> Result<(), Error> {
-        if self.broker.is_none() {
-            return Ok(());
-        }
-        let payment: Charge = charge.payload_json()?;
-        let (order_id, amount, currency) = (payment.order_id, payment.amount, payment.currency);
-        let event = json!({ "payment_id": charge.id.to_string(), "order_id": order_id, "amount": amount, "currency": currency });
-        let key = DownstreamKey::new(format!("payment-succeeded-{}", charge.downstream_key))?;
-        let message = Message::json(EVENT_TOPIC, key, &event)?;
-        // Outside any transaction, so committed as it returns: the dispatchers are woken now.
-        self.outbox
-            .enqueue(&mut self.pool.acquire().await?, message)
-            .await?;
-        self.outbox.wake();
-        Ok(())
-    }
-}
-
-impl<DB: Backend> Sender for Routed<DB> {
+impl Sender for Routed {
     async fn send(&self, message: &OutboxRecord) -> SendOutcome {
         if message.topic == EVENT_TOPIC {
             return match &self.broker {
@@ -340,16 +321,7 @@ impl<DB: Backend> Sender for Routed<DB> {
                 },
             };
         }
-        let outcome = self.provider.send(message).await;
-        if let SendOutcome::Delivered { .. } = &outcome
-            && let Err(error) = self.announce(message).await
-        {
-            // Charged, event not enqueued: unknown, so the charge is looked up (or resent with
-            // its key) and announced again, never charged anew.
-            let reason = format!("charged; event not enqueued: {error}");
-            return SendOutcome::Unknown { reason };
-        }
-        outcome
+        self.provider.send(message).await
     }
 
     // The broker's client says when it is back, and the dispatcher probes the events' topic
@@ -362,14 +334,19 @@ impl<DB: Backend> Sender for Routed<DB> {
         if message.topic == EVENT_TOPIC {
             return LookupOutcome::Unsupported;
         }
-        let found = self.provider.lookup(message).await;
-        if let LookupOutcome::Found { .. } = &found
-            && let Err(error) = self.announce(message).await
-        {
-            let reason = format!("charged; event not enqueued: {error}");
-            return LookupOutcome::Failed { reason };
+        self.provider.lookup(message).await
+    }
+
+    /// The "payment succeeded" event of a charge the provider confirmed.
+    fn follow_ups(&self, charge: &OutboxRecord, _receipt: &str) -> Result<Vec<Message>, Error> {
+        if charge.topic == EVENT_TOPIC || self.broker.is_none() {
+            return Ok(Vec::new());
         }
-        found
+        let payment: Charge = charge.payload_json()?;
+        let (order_id, amount, currency) = (payment.order_id, payment.amount, payment.currency);
+        let event = json!({ "payment_id": charge.id.to_string(), "order_id": order_id, "amount": amount, "currency": currency });
+        let key = DownstreamKey::new(format!("payment-succeeded-{}", charge.downstream_key))?;
+        Ok(vec![Message::json(EVENT_TOPIC, key, &event)?])
     }
 }
 

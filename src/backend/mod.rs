@@ -345,11 +345,12 @@ mod sealed {
             leases: &[Lease],
         ) -> impl Future<Output = Result<Vec<MessageId>, sqlx::Error>> + Send;
 
-        /// Writes outcomes and releases their leases, in one write; returns the messages whose
-        /// lease still held (the others were left as they were).
+        /// Writes outcomes and releases their leases, in one write, inside the transaction
+        /// `conn` is in, if any; returns the messages whose lease still held (the others were
+        /// left as they were).
         #[cfg(feature = "outbox")]
         fn settle(
-            pool: &Pool<Self>,
+            conn: &mut Self::Connection,
             outcomes: &[(Lease, Settlement)],
         ) -> impl Future<Output = Result<Vec<MessageId>, sqlx::Error>> + Send;
 

@@ -406,7 +406,7 @@ macro_rules! json_batches {
         }
 
         async fn settle(
-            pool: &sqlx::Pool<Self>,
+            conn: &mut Self::Connection,
             outcomes: &[(
                 $crate::backend::outbox::Lease,
                 $crate::backend::outbox::Settlement,
@@ -418,7 +418,7 @@ macro_rules! json_batches {
             let outcomes = $crate::backend::outbox::outcomes(outcomes)?;
             let ids = sqlx::query_scalar::<_, i64>(outbox_sql::SETTLE)
                 .bind(outcomes.as_str())
-                .fetch_all(pool)
+                .fetch_all(conn)
                 .await?;
             Ok(ids
                 .into_iter()

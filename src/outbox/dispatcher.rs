@@ -102,7 +102,10 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// twice as many more ahead, which wait for a free slot (and are given back uncounted at
     /// shutdown), and claims again once a batch is free, so a slow send holds one slot, not a
     /// whole batch. Messages whose outcome is being recorded still hold their lease, so a
-    /// dispatcher holds at most four times this many leases.
+    /// dispatcher holds at most four times this many leases. A dispatcher delivers at most
+    /// this many messages per round trip of its destination: where a broker's publisher
+    /// confirm takes 3 ms, 16 is about 5,000 messages a second. Raise it where a backlog must
+    /// drain faster, as far as the destination takes the load.
     #[must_use]
     pub fn batch_size(mut self, size: u32) -> Self {
         self.batch_size = size.max(1);

@@ -11,7 +11,9 @@
 //! A [`Dispatcher`] — a task you spawn, as many as you like — then delivers committed messages
 //! through your [`Sender`] and records each outcome in the message's [`OutboxRecord`]:
 //!
-//! - **delivered**, with what the downstream answered (a charge id);
+//! - **delivered**, with what the downstream answered (a charge id), and in the same
+//!   transaction the messages the delivery leads to, if the sender names any
+//!   ([`Sender::follow_ups`]: the event that announces a charge);
 //! - **unavailable**: the destination is out of reach or says so (refused, `503`, `429`, a
 //!   broker connection down). An outage is not an attempt: the message's topic is paused and
 //!   probed with one message at a time until it answers, then resumes at full speed;

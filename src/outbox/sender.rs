@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::OutboxRecord;
+use super::{Message, OutboxRecord};
 
 /// Delivers outbox messages to a downstream (a payment provider, an SMS gateway, a broker).
 ///
@@ -41,6 +41,51 @@ pub trait Sender: Send + Sync + 'static {
     fn lookup(&self, message: &OutboxRecord) -> impl Future<Output = LookupOutcome> + Send {
         let _ = message;
         std::future::ready(LookupOutcome::Unsupported)
+    }
+
+    /// The messages that `message`'s delivery leads to (the event that announces a charge),
+    /// given the `receipt` the downstream answered with.
+    ///
+    /// Asked each time `message` is found delivered, by its send or by a lookup. What it
+    /// returns is enqueued in the transaction that records `message` delivered, so the
+    /// delivery is never recorded without its follow-ups, and the commit hands them to this
+    /// dispatcher, as a handler's commit does. The default has none.
+    ///
+    /// Derive each follow-up's downstream key from `message.downstream_key`: a delivery found
+    /// again (by a lookup after a crash) makes the same follow-ups, and one whose key is
+    /// already enqueued is not enqueued again. The first one stands, even where its payload
+    /// differs (logged as a warning). A follow-up with an invalid topic or ordering key is an
+    /// error. An error leaves `message`'s outcome unknown, as a timeout would: it is looked up
+    /// (or resent with its key) later and counts as an attempt, and this is asked again.
+    ///
+    /// ```
+    /// use axum_idempotency::outbox::{DownstreamKey, Message, OutboxRecord, SendOutcome, Sender};
+    ///
+    /// struct Provider;
+    ///
+    /// impl Sender for Provider {
+    ///     async fn send(&self, message: &OutboxRecord) -> SendOutcome {
+    ///         SendOutcome::Delivered { receipt: "ch_123".into() }
+    ///     }
+    ///
+    ///     fn follow_ups(
+    ///         &self,
+    ///         charge: &OutboxRecord,
+    ///         receipt: &str,
+    ///     ) -> Result<Vec<Message>, Box<dyn std::error::Error + Send + Sync>> {
+    ///         let key = DownstreamKey::new(format!("charged-{}", charge.downstream_key))?;
+    ///         let event = serde_json::json!({ "charge": receipt });
+    ///         Ok(vec![Message::json("payment-events", key, &event)?])
+    ///     }
+    /// }
+    /// ```
+    fn follow_ups(
+        &self,
+        message: &OutboxRecord,
+        receipt: &str,
+    ) -> Result<Vec<Message>, Box<dyn std::error::Error + Send + Sync>> {
+        let _ = (message, receipt);
+        Ok(Vec::new())
     }
 
     /// The signal this sender raises when its client has reconnected, if it has one: the

@@ -120,12 +120,7 @@ impl<DB: Backend> Outbox<DB> {
         target: impl EnqueueTarget<DB>,
         message: Message,
     ) -> Result<MessageId, Error> {
-        if !valid_name(message.topic()) {
-            return Err(Error::InvalidTopic);
-        }
-        if message.ordering().is_some_and(|key| !valid_name(key)) {
-            return Err(Error::InvalidOrderingKey);
-        }
+        check(&message)?;
         let mut target = target;
         // Where the crate commits the transaction, a dispatcher of this process with room takes
         // the message at the commit; a key's order needs a claim's check.
@@ -411,4 +406,15 @@ impl<DB: Backend> fmt::Debug for Outbox<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Outbox").finish_non_exhaustive()
     }
+}
+
+/// Whether `message` can be enqueued: its topic and ordering key are valid.
+pub(crate) fn check(message: &Message) -> Result<(), Error> {
+    if !valid_name(message.topic()) {
+        return Err(Error::InvalidTopic);
+    }
+    if message.ordering().is_some_and(|key| !valid_name(key)) {
+        return Err(Error::InvalidOrderingKey);
+    }
+    Ok(())
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use sqlx::{Database, Transaction};
 use tokio::sync::watch;
 
+use crate::tx::AfterCommit;
 use crate::{Backend, Tx};
 
 /// The wake signal of one outbox and its clones. A watch channel rather than a `Notify`: a
@@ -109,6 +110,27 @@ impl<DB: Backend, M> Target<DB> for &mut Tx<DB, M> {
 
     fn after_commit(&mut self, action: impl FnOnce() + Send + 'static) {
         Tx::after_commit(self, action);
+    }
+}
+
+/// A dispatcher's settle transaction, which the crate commits: the follow-ups of the messages
+/// it records delivered are handed over, or announced, once it has.
+pub(crate) struct Settling<'a, DB: Database> {
+    pub(crate) tx: &'a mut Transaction<'static, DB>,
+    pub(crate) after_commit: &'a mut AfterCommit,
+}
+
+impl<DB: Backend> Target<DB> for Settling<'_, DB> {
+    fn connection(&mut self) -> &mut DB::Connection {
+        self.tx
+    }
+
+    fn commits_here(&self) -> bool {
+        true
+    }
+
+    fn after_commit(&mut self, action: impl FnOnce() + Send + 'static) {
+        self.after_commit.push(action);
     }
 }
 

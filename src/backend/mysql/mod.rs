@@ -334,13 +334,14 @@ impl Storage for MySql {
     // the lease was still ours.
     #[cfg(feature = "outbox")]
     async fn settle(
-        pool: &Pool<Self>,
+        conn: &mut MySqlConnection,
         outcomes: &[(Lease, Settlement)],
     ) -> Result<Vec<MessageId>, sqlx::Error> {
         if outcomes.is_empty() {
             return Ok(Vec::new());
         }
-        let mut tx = pool.begin().await?;
+        // One statement per message, committed once; a savepoint inside a caller's transaction.
+        let mut tx = sqlx::Connection::begin(conn).await?;
         let mut settled = Vec::with_capacity(outcomes.len());
         for (lease, settlement) in outcomes {
             let done = sqlx::query(outbox_sql::SETTLE)

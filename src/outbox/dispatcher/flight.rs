@@ -15,12 +15,33 @@ use crate::Backend;
 use crate::backend::{Claim, ClaimedMessage as Claimed, Lease, Settlement, Topics};
 use crate::backoff::random_u64;
 use crate::clock::Millis;
-use crate::outbox::{LookupOutcome, MessageId, Outbox, OutboxRecord, SendOutcome, Sender};
+use crate::outbox::store::check;
+use crate::outbox::wake::Settling;
+use crate::outbox::{
+    Error, LookupOutcome, Message, MessageId, Outbox, OutboxRecord, SendOutcome, Sender,
+};
+use crate::tx::AfterCommit;
 
 /// What a write reports: the messages whose lease it still found.
 pub(super) type Written = Result<Vec<MessageId>, sqlx::Error>;
 /// What a send ends with: the outcome to record, `None` when the lease was lost before it.
-pub(super) type Sent = Result<Option<Attempted>, sqlx::Error>;
+pub(super) type Sent = Result<Option<Finished>, sqlx::Error>;
+
+/// A message's outcome, and the follow-ups a delivery enqueues in the transaction that records
+/// it (see [`Sender::follow_ups`]).
+pub(super) struct Finished {
+    pub(super) attempted: Attempted,
+    pub(super) follow_ups: Vec<Message>,
+}
+
+impl From<Attempted> for Finished {
+    fn from(attempted: Attempted) -> Self {
+        Self {
+            attempted,
+            follow_ups: Vec::new(),
+        }
+    }
+}
 
 /// The outbox and the sender a dispatcher works with, and how its calls are bounded.
 pub(crate) struct Flight<DB: Backend, S> {
@@ -98,11 +119,11 @@ impl<DB: Backend, S: Sender> Flight<DB, S> {
             match decide::before_send(&self.policy, &record, attempt_begun, looked_up, now) {
                 Step::LookUp => {
                     looked_up = true;
-                    if let Some(settlement) = self.look_up(&record).await {
-                        return Ok(Some(settlement.into()));
+                    if let Some(finished) = self.look_up(&record).await {
+                        return Ok(Some(finished));
                     }
                 }
-                Step::GiveUp(attempted) => return Ok(Some(report(&record, attempted))),
+                Step::GiveUp(attempted) => return Ok(Some(report(&record, attempted).into())),
                 Step::BeginAttempt => {
                     if !self.begin_attempt(record.id, token, now).await? {
                         tracing::warn!(message = %record.id, "outbox lease lost before sending");
@@ -119,35 +140,67 @@ impl<DB: Backend, S: Sender> Flight<DB, S> {
     }
 
     /// Sends a message whose attempt is counted, and decides what its outcome makes of it.
-    async fn send(&self, mut record: OutboxRecord) -> Attempted {
+    async fn send(&self, mut record: OutboxRecord) -> Finished {
         // A message claimed ahead of a free send slot waited after its claim began the
         // attempt; the attempt starts now, and its outcome records so.
         let started = self.now();
         record.last_attempt_at = Some(started.into());
-        let outcome = self
+        let mut outcome = self
             .bounded(self.sender.send(&record))
             .await
             .unwrap_or_else(|| SendOutcome::Unknown {
                 reason: format!("no answer within {:?}", self.send_timeout),
             });
+        let mut follow_ups = Vec::new();
+        if let SendOutcome::Delivered { receipt } = &outcome {
+            match self.follow_ups(&record, receipt) {
+                Ok(made) => follow_ups = made,
+                Err(reason) => outcome = SendOutcome::Unknown { reason },
+            }
+        }
         let mut attempted = decide::settle_outcome(&self.policy, &record, outcome, self.now());
         attempted.settlement.last_attempt_at = Some(started);
-        report(&record, attempted)
+        Finished {
+            attempted: report(&record, attempted),
+            follow_ups,
+        }
     }
 
     /// Asks the downstream about a message whose last outcome is unknown; the outcome to
     /// record, or `None` when the message is to be sent again.
-    async fn look_up(&self, record: &OutboxRecord) -> Option<Settlement> {
-        let found = self.bounded(self.sender.lookup(record)).await;
-        if let Some(LookupOutcome::Found { .. }) = found {
+    async fn look_up(&self, record: &OutboxRecord) -> Option<Finished> {
+        let mut found = self.bounded(self.sender.lookup(record)).await;
+        let mut follow_ups = Vec::new();
+        if let Some(LookupOutcome::Found { receipt }) = &found {
             tracing::info!(
                 id = record.id.get(),
                 topic = %record.topic,
                 attempts = record.attempts,
                 "outbox message found delivered by a lookup; not resent"
             );
+            match self.follow_ups(record, receipt) {
+                Ok(made) => follow_ups = made,
+                Err(reason) => found = Some(LookupOutcome::Failed { reason }),
+            }
         }
-        decide::after_lookup(&self.policy, record, found, self.now())
+        let settlement = decide::after_lookup(&self.policy, record, found, self.now())?;
+        Some(Finished {
+            attempted: settlement.into(),
+            follow_ups,
+        })
+    }
+
+    /// The follow-ups of a delivered message, each valid to enqueue; the reason to leave its
+    /// outcome unknown when the sender could not make them.
+    fn follow_ups(&self, record: &OutboxRecord, receipt: &str) -> Result<Vec<Message>, String> {
+        let made = self
+            .sender
+            .follow_ups(record, receipt)
+            .map_err(|error| format!("delivered; follow-ups not made: {error}"))?;
+        if let Some(error) = made.iter().find_map(|message| check(message).err()) {
+            return Err(format!("delivered; follow-up not valid: {error}"));
+        }
+        Ok(made)
     }
 
     /// Counts an attempt under the lease `token`; `false` when the lease was lost.
@@ -161,10 +214,37 @@ impl<DB: Backend, S: Sender> Flight<DB, S> {
         DB::begin_attempt(self.outbox.pool(), id, token, now).await
     }
 
-    /// Records the outcomes of the messages leased as given.
-    pub(super) async fn settle(&self, outcomes: &[(Lease, Settlement)]) -> Written {
+    /// Records the outcomes of the messages leased as given, and enqueues the follow-ups of
+    /// those delivered in the same transaction.
+    pub(super) async fn settle(
+        &self,
+        outcomes: &[(Lease, Settlement)],
+        follow_ups: Vec<Message>,
+    ) -> Written {
         let _turn = self.outbox.write_turn().await;
-        DB::settle(self.outbox.pool(), outcomes).await
+        let pool = self.outbox.pool();
+        if follow_ups.is_empty() {
+            return DB::settle(&mut *pool.acquire().await?, outcomes).await;
+        }
+        let mut tx = pool.begin().await?;
+        let settled = DB::settle(&mut tx, outcomes).await?;
+        let mut after_commit = AfterCommit::default();
+        for message in follow_ups {
+            let settling = Settling {
+                tx: &mut tx,
+                after_commit: &mut after_commit,
+            };
+            match self.outbox.enqueue(settling, message).await {
+                Ok(_) => {}
+                Err(Error::Database(error)) => return Err(error),
+                // Made again by a later finding of the same delivery, with another payload:
+                // the first one was enqueued, and is the one that goes.
+                Err(error) => tracing::warn!(%error, "outbox follow-up not enqueued"),
+            }
+        }
+        tx.commit().await?;
+        after_commit.run();
+        Ok(settled)
     }
 
     /// Extends `leases` until `until`.

@@ -45,8 +45,8 @@ use super::sleep_until;
 use crate::Backend;
 use crate::backend::{Claim, ClaimedMessage as Claimed, Lease, Settlement, Topics};
 use crate::clock::Millis;
-use crate::outbox::Sender;
 use crate::outbox::handoff::{Counter, Handover};
+use crate::outbox::{Message, Sender};
 
 type Op<'d, T> = Pin<Box<dyn Future<Output = T> + Send + 'd>>;
 
@@ -124,6 +124,8 @@ pub(super) struct Window<'d, DB: Backend, S> {
     ready: VecDeque<(Lease, Claimed)>,
     /// Outcomes waiting for the settle in progress to finish.
     outcomes: Vec<(Lease, Settlement)>,
+    /// The follow-ups of the delivered messages among them, enqueued by the same settle.
+    follow_ups: Vec<Message>,
     claims: FuturesUnordered<Op<'d, Event>>,
     /// How many messages the claims in progress may still bring.
     asked: usize,
@@ -157,6 +159,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             sends: FuturesUnordered::new(),
             ready: VecDeque::new(),
             outcomes: Vec::new(),
+            follow_ups: Vec::new(),
             claims: FuturesUnordered::new(),
             asked: 0,
             busy: false,
@@ -482,6 +485,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
             return;
         }
         let outcomes = std::mem::take(&mut self.outcomes);
+        let follow_ups = std::mem::take(&mut self.follow_ups);
         for (lease, _) in &outcomes {
             if let Some(held) = self.held.get_mut(lease) {
                 held.settling = true;
@@ -489,7 +493,7 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
         }
         let flight = self.flight;
         self.settling = Some(Box::pin(async move {
-            let written = flight.settle(&outcomes).await;
+            let written = flight.settle(&outcomes, follow_ups).await;
             Event::Settled(
                 outcomes.into_iter().map(|(lease, _)| lease).collect(),
                 written,
@@ -680,14 +684,15 @@ impl<'d, DB: Backend, S: Sender> Window<'d, DB, S> {
 
     /// Takes a finished send's outcome to be written, unless the lease was lost meanwhile.
     fn sent(&mut self, lease: Lease, topic: &str, sent: Sent) {
-        if let Ok(Some(attempted)) = &sent {
-            self.observe(lease, topic, attempted);
+        if let Ok(Some(finished)) = &sent {
+            self.observe(lease, topic, &finished.attempted);
         } else {
             self.probe_lost(lease, topic);
         }
         match sent {
-            Ok(Some(attempted)) if !self.held.get(&lease).is_some_and(|h| h.lost) => {
-                self.outcomes.push((lease, attempted.settlement));
+            Ok(Some(finished)) if !self.held.get(&lease).is_some_and(|h| h.lost) => {
+                self.outcomes.push((lease, finished.attempted.settlement));
+                self.follow_ups.extend(finished.follow_ups);
                 self.start_sends();
                 return;
             }

@@ -148,6 +148,14 @@ const LAST_ID: &str = "SELECT COALESCE(MAX(id), $1) FROM idempotency_outbox";
 const PENDING_UP_TO: &str = "SELECT COUNT(*) FROM (SELECT 1 FROM idempotency_outbox \
      WHERE status = 'pending' AND id <= $1 ORDER BY status, next_attempt_at LIMIT 1) AS first";
 
+/// The charges up to an id: the payments accepted by the time it was the last.
+const CHARGES_UP_TO: &str =
+    "SELECT COUNT(*) FROM idempotency_outbox WHERE topic = 'payments.charge' AND id <= $1";
+/// Orders' distinct payments applied among those whose charge id is up to a bound: the
+/// payment id is the charge's message id.
+const APPLIED_UP_TO: &str = "SELECT COUNT(DISTINCT payment_id) FROM order_payments \
+     WHERE CAST(payment_id AS BIGINT) <= $1";
+
 /// The delivered rows by topic (charges, events): a scan of the table, for the end of a step.
 const DELIVERED: &str = "SELECT \
      COUNT(CASE WHEN topic = 'payments.charge' THEN 1 END), \
@@ -278,6 +286,16 @@ impl Database {
     /// entries they are while any is left: a poll that stops at the first one found.
     pub(crate) async fn pending_up_to(&mut self, id: i64) -> bool {
         self.scalar(PENDING_UP_TO, id).await > 0
+    }
+
+    /// The payments' charges up to `id` (the payments database).
+    pub(crate) async fn charges_up_to(&mut self, id: i64) -> u64 {
+        u64::try_from(self.scalar(CHARGES_UP_TO, id).await).unwrap_or_default()
+    }
+
+    /// The payments applied whose charge id is up to `id` (the orders database).
+    pub(crate) async fn applied_up_to(&mut self, id: i64) -> u64 {
+        u64::try_from(self.scalar(APPLIED_UP_TO, id).await).unwrap_or_default()
     }
 
     async fn scalar(&mut self, sql: &'static str, bound: i64) -> i64 {

@@ -30,8 +30,8 @@
 //!    20) of steady state, the proxy cuts the broker off for `CHAIN_BENCH_OUTAGE_SECS`, then
 //!    restores it while the load goes on. Printed: the backlog (pending outbox messages, and
 //!    accepted payments not yet applied in orders) at its peak and at the return; the time
-//!    until every message the outbox held at the return is delivered, and until as many
-//!    payments are applied as were accepted before the return (target: both within 60 s), and
+//!    until every message the outbox held at the return is delivered, and until every payment
+//!    accepted before the return is applied (target: both within 60 s), and
 //!    for comparison until the outbox is back to its steady state's largest backlog,
 //!    each bounded by `CHAIN_BENCH_DRAIN_LIMIT_SECS` (default twice the outage plus 60 s);
 //!    then, with the load stopped and everything delivered, the payments failed, the
@@ -437,16 +437,17 @@ async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
         }
     }
     let at_return = sample(&mut run, &mut orders_db, &load).await;
-    let accepted_then = load.tally.accepted.load(Ordering::Relaxed);
     let backlog_last = run.db.last_id().await;
+    let charges_then = run.db.charges_up_to(backlog_last).await;
     proxy.restore();
     let restored = Instant::now();
     let (_, events_then) = run.db.delivered().await;
 
     // Drained: every message the outbox held at the return delivered (and, for comparison,
     // the outbox back to its steady state's largest backlog), and every payment accepted
-    // before the return applied in orders (counted: as many applied as accepted then, the
-    // oldest first but not strictly so).
+    // before the return applied in orders: those whose charge's id is up to the outbox's last
+    // id then. Counting all applied payments would not do: events of payments accepted after
+    // the return are handed to the dispatcher at their commit and overtake the backlog.
     let (mut relayed, mut backlog_out, mut applied_all) = (None, None, None);
     let mut first_fall = None;
     let mut next_report = Duration::from_secs(5);
@@ -467,13 +468,17 @@ async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
         if backlog_out.is_none() && !run.db.pending_up_to(backlog_last).await {
             backlog_out = Some(restored.elapsed());
         }
-        if applied_all.is_none() && applied >= accepted_then {
+        // All applied counts first, as a cheap gate for the exact count.
+        if applied_all.is_none()
+            && applied >= charges_then
+            && orders_db.applied_up_to(backlog_last).await >= charges_then
+        {
             applied_all = Some(restored.elapsed());
         }
         if restored.elapsed() >= next_report {
             eprintln!(
                 "{store} {broker}: {} s after the return, {} pending in the outbox ({} of them \
-                 charges), {} of the {accepted_then} payments accepted before it applied",
+                 charges), {} payments applied in all ({charges_then} accepted before it)",
                 next_report.as_secs(),
                 now.pending,
                 now.pending_charges,
@@ -541,7 +546,7 @@ async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
     println!(
         "{store:<8} {broker:<8} outage: after the return the pending rows first fell after {}; \
          every message pending at the return was delivered after {} (target ≤ 60 s: {}); the \
-         outbox was back to its steady state's {} pending after {}; the {accepted_then} \
+         outbox was back to its steady state's {} pending after {}; the {charges_then} \
          payments accepted before the return were applied after {} (target ≤ 60 s: {})",
         seconds(first_fall),
         seconds(backlog_out),

@@ -161,7 +161,7 @@ impl<DB: Backend, M> Tx<DB, M> {
     /// that tells them to look (the outbox waking its dispatchers) must wait for it.
     #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
     pub(crate) fn after_commit(&mut self, action: impl FnOnce() + Send + 'static) {
-        self.slot.after_commit(Box::new(action));
+        self.slot.after_commit(action);
     }
 
     fn transaction(&self) -> &Transaction<'static, DB> {
@@ -496,7 +496,7 @@ impl<DB: Database> TxSlot<DB> {
         std::mem::take(&mut *relock(&self.0.after_commit))
     }
 
-    fn after_commit(&self, action: Box<dyn FnOnce() + Send>) {
+    fn after_commit(&self, action: impl FnOnce() + Send + 'static) {
         relock(&self.0.after_commit).push(action);
     }
 

@@ -7,7 +7,8 @@
 //! Charges are kept in an SQLite file (`PROVIDER_DATABASE`, default `payment_provider.db`), so
 //! they survive restarts. Its log is synced as SQLite advises for WAL mode (`synchronous =
 //! NORMAL`): a killed provider loses no charge, and only a power loss could lose the last ones.
-//! A sync at every charge made the provider, not the payments' relay, the chain's bottleneck. `BIND` sets the address (default `127.0.0.1:4000`).
+//! A sync at every charge made the provider, not the payments' relay, the chain's bottleneck.
+//! `BIND` sets the address (default `127.0.0.1:4000`).
 //!
 //! - `POST /charges` with `Idempotency-Key` and `{ "amount", "currency", "payee" }` → `201` with
 //!   the new charge, or `200` with the charge made earlier under the same key.

@@ -228,6 +228,8 @@ impl<DB: Backend, S: Sender> Flight<DB, S> {
         }
         let mut tx = pool.begin().await?;
         let settled = DB::settle(&mut tx, outcomes).await?;
+        // Enqueued whether or not the settle still found the lease: the delivery happened, and
+        // the holder that took the message over makes the same follow-ups, which add nothing.
         let mut after_commit = AfterCommit::default();
         for message in follow_ups {
             let settling = Settling {

@@ -24,11 +24,22 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 pub(crate) async fn rabbitmq(uri: &str) -> Result<lapin::Connection, lapin::Error> {
     let uri = with_heartbeat(uri);
     let connecting = lapin::Connection::connect(&uri, lapin::ConnectionProperties::default());
-    match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
-        Ok(connected) => connected,
+    within(CONNECT_TIMEOUT, "no connection", connecting).await
+}
+
+/// `call` (a lapin call), failed as timed out unless it finished within `limit`: lapin answers
+/// a call queued just as its connection's I/O loop ends never, neither done nor failed.
+#[cfg(feature = "rabbitmq")]
+pub(crate) async fn within<T>(
+    limit: Duration,
+    what: &str,
+    call: impl Future<Output = Result<T, lapin::Error>>,
+) -> Result<T, lapin::Error> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(done) => done,
         Err(_) => Err(lapin::Error::from(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
-            format!("no connection within {CONNECT_TIMEOUT:?}"),
+            format!("{what} within {limit:?}"),
         ))),
     }
 }

@@ -40,8 +40,11 @@
 //! a jittered backoff (up to 100 ms, doubling to at most 5 s, so that many consumers do not
 //! come back at the same instant), connects again, declares its queues again (a broker that
 //! lost them gets them back; one that kept them keeps them as they are) and consumes on. It
-//! tries for as long as it runs, logging each failed attempt at `WARN`. Deliveries whose ack
-//! was lost with the connection come back from the broker, and the inbox finds their claim:
+//! tries for as long as it runs, logging each failed attempt at `WARN`. A call to the broker
+//! that has no answer within 30 s (an ack, a retried copy's publish and its confirm, a
+//! channel's setup), or a connection found lost while no delivery arrives, counts as a lost
+//! connection too, so a consumer never waits for ever on a link that is gone. Deliveries whose
+//! ack was lost with the connection come back from the broker, and the inbox finds their claim:
 //! nothing is lost, and nothing is applied twice. A consumer made with
 //! [`new`](RabbitMqConsumer::new) on a connection of the caller's returns the error instead.
 //! Either way, a queue deleted from outside (the broker cancels the consumer) ends
@@ -93,6 +96,12 @@ const DELIVERY_COUNT: &str = "x-delivery-count";
 const REASON: &str = "x-inbox-reason";
 /// A consumer that ran this long before it failed starts its reconnection backoff over.
 const STEADY: Duration = Duration::from_secs(10);
+/// A call to the broker (an ack, a copy published and confirmed, a channel set up) that has
+/// not finished by then is taken for a lost connection, and the consumer reconnects.
+const BROKER_CALL: Duration = Duration::from_secs(30);
+/// How often a consuming channel's connection is checked: a connection lost without a word
+/// to the consumer's stream ends the consuming within this long.
+const WATCH: Duration = Duration::from_secs(1);
 
 /// Consumes a RabbitMQ queue through an [`Inbox`]. See the [module docs](self).
 pub struct RabbitMqConsumer<DB: Backend> {
@@ -284,7 +293,8 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
                     }
                 }
             };
-            match self.declare_on(&connection).await {
+            match broker::within(BROKER_CALL, "no declaration", self.declare_on(&connection)).await
+            {
                 Ok(()) => return connection,
                 Err(error) => {
                     tracing::warn!(consumer = %self.inbox.name(), attempt, %error, "declaring after a reconnection failed");
@@ -302,24 +312,38 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
         H: Fn(Tx<DB>, Delivery) -> Fut + Clone + Send + Sync + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
-        let channel = connection.create_channel().await?;
-        channel
-            .basic_qos(self.concurrency, BasicQosOptions::default())
-            .await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
-        let consumer = channel
-            .basic_consume(
-                self.queue.as_str().into(),
-                format!("{}-{}", self.inbox.name(), std::process::id()).into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
+        let setup = async {
+            let channel = connection.create_channel().await?;
+            channel
+                .basic_qos(self.concurrency, BasicQosOptions::default())
+                .await?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await?;
+            let consumer = channel
+                .basic_consume(
+                    self.queue.as_str().into(),
+                    format!("{}-{}", self.inbox.name(), std::process::id()).into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+            Ok((channel, consumer))
+        };
+        let (channel, consumer) = broker::within(BROKER_CALL, "no consumer", setup).await?;
         let failed = std::sync::Mutex::new(None);
         let pause = Pause::default();
+        let lost = std::sync::atomic::AtomicBool::new(false);
+        // The stream ends when its channel closes, as a rule; should lapin not say so, the
+        // watch ends it, so that the consumer reconnects rather than wait for ever.
+        let watch = async {
+            while connection.status().connected() && channel.status().connected() {
+                tokio::time::sleep(WATCH).await;
+            }
+            lost.store(true, std::sync::atomic::Ordering::Relaxed);
+        };
         consumer
+            .take_until(watch)
             .for_each_concurrent(usize::from(self.concurrency), |delivery| {
                 let handler = handler.clone();
                 let channel = channel.clone();
@@ -342,6 +366,10 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
         let error = failed.into_inner().unwrap_or_else(|p| p.into_inner());
         match error {
             Some(error) => Err(error),
+            None if lost.into_inner() => Err(lapin::Error::from(std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                "the consuming channel's connection was lost",
+            ))),
             None => Ok(()),
         }
     }
@@ -373,7 +401,8 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
         let verdict = self.inbox.handle(message, handler).await;
         match verdict {
             Verdict::Applied | Verdict::Duplicate => {
-                delivery.acker.ack(BasicAckOptions::default()).await?;
+                let ack = delivery.acker.ack(BasicAckOptions::default());
+                broker::within(BROKER_CALL, "no ack", ack).await?;
             }
             Verdict::Retry { after } => {
                 self.retry_later(channel, &delivery, headers, attempt, after)
@@ -432,28 +461,29 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
         queue: &str,
         properties: BasicProperties,
     ) -> Result<(), lapin::Error> {
-        let confirmed = channel
-            .basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions::default(),
-                &delivery.data,
-                properties.with_delivery_mode(2),
-            )
-            .await?
-            .await?;
-        if confirmed.is_ack() {
-            delivery.acker.ack(BasicAckOptions::default()).await?;
-        } else {
-            delivery
-                .acker
-                .nack(BasicNackOptions {
+        let forwarding = async {
+            let confirmed = channel
+                .basic_publish(
+                    "".into(),
+                    queue.into(),
+                    BasicPublishOptions::default(),
+                    &delivery.data,
+                    properties.with_delivery_mode(2),
+                )
+                .await?
+                .await?;
+            if confirmed.is_ack() {
+                delivery.acker.ack(BasicAckOptions::default()).await?;
+            } else {
+                let requeue = BasicNackOptions {
                     requeue: true,
                     ..BasicNackOptions::default()
-                })
-                .await?;
-        }
-        Ok(())
+                };
+                delivery.acker.nack(requeue).await?;
+            }
+            Ok(())
+        };
+        broker::within(BROKER_CALL, "no forward", forwarding).await
     }
 
     /// Replays up to `limit` dead letters through the same claim as live deliveries, for an

@@ -356,18 +356,39 @@ impl MySqlDatabase {
 /// another session holds.
 #[cfg(feature = "postgres")]
 async fn until_a_session_waits_for_a_lock(application: &str) {
+    until_sessions(
+        application,
+        "SELECT COUNT(*) > 0 FROM pg_stat_activity
+         WHERE application_name = $1 AND wait_event_type = 'Lock'",
+    )
+    .await;
+}
+
+/// Waits until none of the sessions named `application` holds an advisory lock. The server
+/// reports a failed statement before it rolls its transaction back, so a client can be told
+/// of the failure while the transaction's locks are still held.
+#[cfg(feature = "postgres")]
+async fn until_no_session_holds_an_advisory_lock(application: &str) {
+    until_sessions(
+        application,
+        "SELECT COUNT(*) = 0 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+         WHERE a.application_name = $1 AND l.locktype = 'advisory' AND l.granted",
+    )
+    .await;
+}
+
+/// Polls `condition`, a query of one boolean bound to `application`, until it holds.
+#[cfg(feature = "postgres")]
+async fn until_sessions(application: &str, condition: &'static str) {
     use sqlx::Connection;
     let mut watcher = sqlx::PgConnection::connect(&PgSchema::url()).await.unwrap();
     loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT COUNT(*) FROM pg_stat_activity
-             WHERE application_name = $1 AND wait_event_type = 'Lock'",
-        )
-        .bind(application)
-        .fetch_one(&mut watcher)
-        .await
-        .unwrap();
-        if waiting > 0 {
+        let holds: bool = sqlx::query_scalar(condition)
+            .bind(application)
+            .fetch_one(&mut watcher)
+            .await
+            .unwrap();
+        if holds {
             return;
         }
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;

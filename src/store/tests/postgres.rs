@@ -7,7 +7,7 @@ use sqlx::PgConnection;
 
 use super::{
     BeganClaim, PgSchema, Steps, completed, finished, now_ms, protocol_of, record, scope,
-    until_a_session_waits_for_a_lock,
+    until_a_session_waits_for_a_lock, until_no_session_holds_an_advisory_lock,
 };
 use crate::error::Error;
 use crate::key::IdempotencyKey;
@@ -501,6 +501,9 @@ async fn under_repeatable_read_a_claim_that_waited_is_run_again_and_then_sees_th
         "its snapshot predates the original's commit: {waited:?}"
     );
     original.await.unwrap();
+    // Run again once the duplicate's attempt has ended, as the engine's rerun follows its
+    // rollback; before, the key's lock may still be held, which is a conflict again.
+    until_no_session_holds_an_advisory_lock(&schema.name()).await;
     let again = store
         .begin_claimed(&duplicate, Duration::from_secs(10))
         .await

@@ -360,11 +360,12 @@ macro_rules! outbox_alike {
 }
 pub(super) use outbox_alike;
 
-/// The batched writes of [`Storage`](super::Storage) for a database that takes the leases as a
-/// JSON array in one statement returning the ids whose lease still held: its `outbox_sql`
-/// constants `RENEW_LEASES` (lease_until, the array of `{id, token}`), `RELEASE_UNSENT` (the
-/// array of `{id, token}`) and `SETTLE` (the array of [`Outcome`]s).
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+/// The batched writes of [`Storage`](super::Storage) for SQLite, which takes the leases as a
+/// JSON array in one prepared statement returning the ids whose lease still held: its
+/// `outbox_sql` constants `RENEW_LEASES` (lease_until, the array of `{id, token}`),
+/// `RELEASE_UNSENT` (the array of `{id, token}`) and `SETTLE` (the array of [`Outcome`]s).
+/// PostgreSQL writes the same arrays in, planning each run afresh.
+#[cfg(feature = "sqlite")]
 macro_rules! json_batches {
     () => {
         async fn renew_leases(
@@ -427,7 +428,7 @@ macro_rules! json_batches {
         }
     };
 }
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(feature = "sqlite")]
 pub(super) use json_batches;
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]

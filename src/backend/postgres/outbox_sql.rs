@@ -51,7 +51,7 @@ pub(super) const FETCH_BLOCKER: &str = concat!(
 // at any estimate. It also marks the index entries of finished messages dead as it passes
 // them, which a bitmap scan never does.
 //
-// Here and in the batched writes below, `id = ANY (ARRAY(…))` repeats the join on the
+// Here, `id = ANY (ARRAY(…))` repeats the join on the
 // primary key as an index condition: the generic plan of a prepared statement guesses a
 // hundred rows on the other side, and without it joins them by hashing the whole table.
 //
@@ -176,38 +176,50 @@ pub(super) const CLAIM_TOPIC: &str = claim!("CASE WHEN topic = $6 THEN TRUE ELSE
 pub(super) const BEGIN_ATTEMPT: &str = "UPDATE idempotency_outbox
         SET attempts = attempts + 1, last_attempt_at = $1, outcome_unknown = TRUE
         WHERE id = $2 AND lease_token = $3";
-pub(super) const RENEW_LEASES: &str = "UPDATE idempotency_outbox SET lease_expires_at = $1
-         FROM jsonb_to_recordset($2::jsonb) AS h(id bigint, token bigint)
+// The batched writes below are sent with their JSON written in (see `batched` in the
+// backend), so each is planned for the table as it is; the CTE names the JSON's rows once, and
+// `id = ANY (ARRAY(…))` repeats the join on the primary key as an index condition.
+/// A renewal of leases, around its time and its JSON array of `{id, token}`.
+pub(super) const RENEW_LEASES: [&str; 3] = [
+    "WITH h AS MATERIALIZED (SELECT * FROM jsonb_to_recordset(",
+    "::jsonb) AS h(id bigint, token bigint))
+         UPDATE idempotency_outbox SET lease_expires_at = ",
+    " FROM h
          WHERE idempotency_outbox.id = h.id AND lease_token = h.token
-           AND idempotency_outbox.id = ANY (ARRAY(
-               SELECT (held ->> 'id')::bigint FROM jsonb_array_elements($2::jsonb) AS held))
-         RETURNING idempotency_outbox.id";
-pub(super) const RELEASE_UNSENT: &str = "UPDATE idempotency_outbox
+           AND idempotency_outbox.id = ANY (ARRAY(SELECT id FROM h))
+         RETURNING idempotency_outbox.id",
+];
+/// A release of leases on messages not sent, around its JSON array of `{id, token}`.
+pub(super) const RELEASE_UNSENT: [&str; 2] = [
+    "WITH r AS MATERIALIZED (SELECT * FROM jsonb_to_recordset(",
+    "::jsonb) AS r(id bigint, token bigint))
+         UPDATE idempotency_outbox
          SET last_attempt_at = CASE WHEN attempts = 1 THEN NULL ELSE last_attempt_at END,
              attempts = attempts - 1, outcome_unknown = FALSE,
              lease_expires_at = NULL, lease_token = NULL
-         FROM jsonb_to_recordset($1::jsonb) AS r(id bigint, token bigint)
+         FROM r
          WHERE idempotency_outbox.id = r.id AND lease_token = r.token AND outcome_unknown
-           AND idempotency_outbox.id = ANY (ARRAY(
-               SELECT (released ->> 'id')::bigint
-               FROM jsonb_array_elements($1::jsonb) AS released))
-         RETURNING idempotency_outbox.id";
-pub(super) const SETTLE: &str = "UPDATE idempotency_outbox
+           AND idempotency_outbox.id = ANY (ARRAY(SELECT id FROM r))
+         RETURNING idempotency_outbox.id",
+];
+/// A settle, around its JSON array of outcomes.
+pub(super) const SETTLE: [&str; 2] = [
+    "WITH s AS MATERIALIZED (SELECT * FROM jsonb_to_recordset(",
+    "::jsonb) AS s(id bigint, token bigint, status text, receipt text, last_error text,
+             attempts bigint, outcome_unknown boolean, next_attempt_at bigint,
+             finished_at bigint, last_attempt_at bigint))
+         UPDATE idempotency_outbox
          SET status = s.status, receipt = s.receipt, last_error = s.last_error,
              attempts = s.attempts,
              outcome_unknown = s.outcome_unknown, next_attempt_at = s.next_attempt_at,
              finished_at = s.finished_at,
              last_attempt_at = COALESCE(s.last_attempt_at, idempotency_outbox.last_attempt_at),
              lease_expires_at = NULL, lease_token = NULL
-         FROM jsonb_to_recordset($1::jsonb) AS s(id bigint, token bigint, status text,
-             receipt text, last_error text, attempts bigint, outcome_unknown boolean,
-             next_attempt_at bigint,
-             finished_at bigint, last_attempt_at bigint)
+         FROM s
          WHERE idempotency_outbox.id = s.id AND lease_token = s.token
-           AND idempotency_outbox.id = ANY (ARRAY(
-               SELECT (settled ->> 'id')::bigint
-               FROM jsonb_array_elements($1::jsonb) AS settled))
-         RETURNING idempotency_outbox.id";
+           AND idempotency_outbox.id = ANY (ARRAY(SELECT id FROM s))
+         RETURNING idempotency_outbox.id",
+];
 pub(super) const PURGE_FINISHED: &str = "DELETE FROM idempotency_outbox WHERE id IN (
         SELECT id FROM idempotency_outbox WHERE status IN ('delivered', 'skipped') AND finished_at < $1
         ORDER BY finished_at LIMIT $2)";

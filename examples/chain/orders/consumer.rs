@@ -9,7 +9,8 @@
 //! consumer deleted from outside), the process exits 1 for its supervisor to restart it, and the
 //! restart declares what is missing again.
 //!
-//! Tuning: `ORDERS_CONSUMER_CONCURRENCY` (default 4), `ORDERS_CONSUMER_MAX_ATTEMPTS` (5),
+//! Tuning: `ORDERS_CONSUMER_CONCURRENCY` (default 16: a delivery mostly waits for its commit's
+//! flush, and more at once share each flush), `ORDERS_CONSUMER_MAX_ATTEMPTS` (5),
 //! `ORDERS_CONSUMER_BACKOFF_MS` (1000), `ORDERS_CONSUMER_ACK_WAIT_SECS` (NATS, 10), and
 //! `ORDERS_CONSUMER_OUTAGE_MAX_MS` (30 000): while the orders database is unreachable the
 //! consumer pauses, at most this long at a time, spending no attempt, so an outage of any
@@ -62,7 +63,7 @@ pub(crate) async fn spawn<DB: Backend>(store: Store<DB>, broker_url: &str) -> Re
         });
     }
     let replay = std::env::args().any(|arg| arg == "replay-dead");
-    let concurrency: u16 = setting("ORDERS_CONSUMER_CONCURRENCY", 4)?;
+    let concurrency: u16 = setting("ORDERS_CONSUMER_CONCURRENCY", 16)?;
     // The URL may carry credentials: only its scheme is printed.
     let scheme = broker_url.split(':').next().unwrap_or_default();
     match scheme {

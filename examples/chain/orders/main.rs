@@ -3,7 +3,7 @@
 //! Settings: `DATABASE_URL` (an SQLite file by default; `postgres://…` with `--features
 //! postgres`, `mysql://…` with `--features mysql`), `BIND` (default 127.0.0.1:3000),
 //! `IDEMPOTENCY_TTL_SECS` (how long keys live, default 24 h) and `DATABASE_MAX_CONNECTIONS`
-//! (default 10). `BROKER_URL=amqp://…` (`--features rabbitmq`) or `nats://…` (`--features
+//! (default 20: the consumer's 16 deliveries at once leave 4 to the API). `BROKER_URL=amqp://…` (`--features rabbitmq`) or `nats://…` (`--features
 //! nats`) also consumes payment events and applies each payment once (see `consumer.rs`).
 //!
 //! It stops on SIGTERM (what Kubernetes and systemd send) as on Ctrl-C: it stops accepting,
@@ -66,7 +66,7 @@ async fn main() -> Result<(), Error> {
 async fn app<DB: Backend>(
     database: <DB::Connection as Connection>::Options,
 ) -> Result<Router, Error> {
-    let pool_size = setting("DATABASE_MAX_CONNECTIONS", 10)?;
+    let pool_size = setting("DATABASE_MAX_CONNECTIONS", 20)?;
     // A connection is waited for at most 3 s, well within the layer's 10 s deadline: with the
     // database down or the pool run dry, a request fails fast and retryably.
     let pool = PoolOptions::<DB>::new()

@@ -187,6 +187,19 @@ async fn batched(
         .collect()
 }
 
+/// [`batched`] for a write whose only value is its JSON array, written between `with` and
+/// `rest`.
+#[cfg(feature = "outbox")]
+async fn around_json(
+    conn: &mut PgConnection,
+    [with, rest]: [&'static str; 2],
+    json: String,
+) -> Result<Vec<MessageId>, sqlx::Error> {
+    let mut statement = Statement::new(Syntax::Postgres);
+    statement.sql(with).text(json).sql(rest);
+    batched(conn, &statement).await
+}
+
 impl Storage for Postgres {
     alike!();
 
@@ -336,10 +349,12 @@ impl Storage for Postgres {
             return Ok(Vec::new());
         }
         let held = outbox::held(leases)?;
-        let [with, rest] = outbox_sql::RELEASE_UNSENT;
-        let mut release = Statement::new(Syntax::Postgres);
-        release.sql(with).text(held).sql(rest);
-        batched(&mut *pool.acquire().await?, &release).await
+        around_json(
+            &mut *pool.acquire().await?,
+            outbox_sql::RELEASE_UNSENT,
+            held,
+        )
+        .await
     }
 
     #[cfg(feature = "outbox")]
@@ -351,10 +366,7 @@ impl Storage for Postgres {
             return Ok(Vec::new());
         }
         let outcomes = outbox::outcomes(outcomes)?;
-        let [with, rest] = outbox_sql::SETTLE;
-        let mut settle = Statement::new(Syntax::Postgres);
-        settle.sql(with).text(outcomes).sql(rest);
-        batched(conn, &settle).await
+        around_json(conn, outbox_sql::SETTLE, outcomes).await
     }
 
     // ON CONFLICT rather than catching the unique violation: an error would abort the caller's

@@ -18,10 +18,15 @@
 //! (default `sqlite,postgres`) narrows that to a list.
 //!
 //! Each round runs every scenario once, in turn, so a change in the machine's load hits them
-//! alike; the medians of the rounds are printed with the range of the per-round ratios.
+//! alike; the medians of the rounds are printed with the range of the per-round ratios, and
+//! beside each rate the CPU time a message cost this process (the consumer, and SQLite, which
+//! runs in it) and the NATS server. Every consumer runs in the same task on the runtime's
+//! workers, as a service runs its consumers.
 //! `INBOX_BENCH_MESSAGES` (default 2000), `INBOX_BENCH_CONCURRENCY` (default 8),
 //! `INBOX_BENCH_ROUNDS` (default 3).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer::pull, stream};
@@ -30,6 +35,7 @@ use axum_idempotency::inbox::{Delivery, Failure, Inbox, Verdict};
 use axum_idempotency::{Backend, Store, Tx};
 use bytes::Bytes;
 use futures_util::StreamExt;
+use tokio::sync::Notify;
 
 const NATS: &str = "nats://127.0.0.1:4222";
 const INSERT: &str = "INSERT INTO effects (key) VALUES ($1)";
@@ -40,6 +46,48 @@ const PROCESSED: &str =
 /// unconfirmed ones (5 000 by default) until one is confirmed, so the bench must await them
 /// as it goes or hang on a larger run.
 const PUBLISH_WINDOW: usize = 1000;
+
+// Shared with the benches that also time other processes by id; this one does not.
+#[allow(dead_code)]
+#[path = "common/proc_times.rs"]
+mod proc_times;
+
+/// One scenario's run: messages a second, and the CPU time a message cost this process (the
+/// consumer, and SQLite, which runs in it) and the NATS server.
+#[derive(Clone, Copy)]
+struct Run {
+    rate: f64,
+    own_us: f64,
+    broker_us: f64,
+}
+
+/// The timed part of a scenario, from its start: the wall clock and the CPU times [`Run`]
+/// reports.
+struct Timer {
+    started: Instant,
+    own: Duration,
+    broker: Duration,
+}
+
+impl Timer {
+    fn start() -> Self {
+        Self {
+            started: Instant::now(),
+            own: proc_times::own(),
+            broker: proc_times::of_name("nats-server"),
+        }
+    }
+
+    fn stop(self, messages: usize) -> Run {
+        let wall = self.started.elapsed();
+        let per_message = |spent: Duration| spent.as_secs_f64() * 1e6 / messages as f64;
+        Run {
+            rate: messages as f64 / wall.as_secs_f64(),
+            own_us: per_message(proc_times::own().saturating_sub(self.own)),
+            broker_us: per_message(proc_times::of_name("nats-server").saturating_sub(self.broker)),
+        }
+    }
+}
 
 fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -96,9 +144,9 @@ async fn filled(
         .expect("consumer")
 }
 
-async fn bare(js: &jetstream::Context, name: &str, messages: usize, concurrency: usize) -> f64 {
+async fn bare(js: &jetstream::Context, name: &str, messages: usize, concurrency: usize) -> Run {
     let consumer = filled(js, name, messages).await;
-    let started = Instant::now();
+    let timer = Timer::start();
     consumer
         .stream()
         .max_messages_per_batch(concurrency)
@@ -110,9 +158,9 @@ async fn bare(js: &jetstream::Context, name: &str, messages: usize, concurrency:
             let _ = message.expect("message").ack().await;
         })
         .await;
-    let rate = messages as f64 / started.elapsed().as_secs_f64();
+    let run = timer.stop(messages);
     let _ = js.delete_stream(name).await;
-    rate
+    run
 }
 
 /// A consumer without dedupe that still writes: one insert committed per message, then the
@@ -123,7 +171,7 @@ async fn plain<DB>(
     name: &str,
     messages: usize,
     concurrency: usize,
-) -> f64
+) -> Run
 where
     DB: Backend,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
@@ -131,7 +179,7 @@ where
     for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
 {
     let consumer = filled(js, name, messages).await;
-    let started = Instant::now();
+    let timer = Timer::start();
     consumer
         .stream()
         .max_messages_per_batch(concurrency)
@@ -149,9 +197,9 @@ where
             }
         })
         .await;
-    let rate = messages as f64 / started.elapsed().as_secs_f64();
+    let run = timer.stop(messages);
     let _ = js.delete_stream(name).await;
-    rate
+    run
 }
 
 async fn insert_committed<DB>(pool: &sqlx::Pool<DB>, key: String)
@@ -208,7 +256,7 @@ async fn dedupe<DB>(
     name: &str,
     messages: usize,
     concurrency: usize,
-) -> f64
+) -> Run
 where
     DB: Backend,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
@@ -216,7 +264,7 @@ where
     for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
 {
     let consumer = filled(js, name, messages).await;
-    let started = Instant::now();
+    let timer = Timer::start();
     consumer
         .stream()
         .max_messages_per_batch(concurrency)
@@ -240,9 +288,9 @@ where
             }
         })
         .await;
-    let rate = messages as f64 / started.elapsed().as_secs_f64();
+    let run = timer.stop(messages);
     let _ = js.delete_stream(name).await;
-    rate
+    run
 }
 
 fn keyed_inbox<DB: Backend>(name: &str, store: Store<DB>) -> Inbox<DB> {
@@ -273,32 +321,42 @@ async fn inbox<DB>(
     name: &str,
     messages: usize,
     concurrency: usize,
-) -> f64
+) -> Run
 where
     DB: Backend,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
     for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
 {
-    let inbox = keyed_inbox(name, store);
-    let consumer = NatsConsumer::new(inbox.clone(), js.clone(), name, "inbox")
+    // Told when the last verdict is in, just before its ack, as the other consumers end when
+    // their last ack is written; polling for it cost a wake-up a millisecond that they do not
+    // pay.
+    let done = Arc::new(Notify::new());
+    let seen = Arc::new(AtomicUsize::new(0));
+    let inbox = keyed_inbox(name, store).on_verdict({
+        let done = done.clone();
+        move |_, _| {
+            if seen.fetch_add(1, Ordering::Relaxed) + 1 == messages {
+                done.notify_one();
+            }
+        }
+    });
+    let consumer = NatsConsumer::new(inbox, js.clone(), name, "inbox")
         .stream_subjects([format!("{name}.>")])
         .dead_letters(format!("{name}_DEAD"), format!("{name}dead"))
         .concurrency(concurrency);
     consumer.declare().await.expect("declare");
     publish(js, &format!("{name}.events"), messages).await;
-    let started = Instant::now();
-    let running = tokio::spawn(consumer.run(apply::<DB>));
-    // The last verdict comes just before its ack: within a millisecond of the plain
-    // consumer's end, which waits for its last ack to be written.
-    while inbox.stats().processed < messages as u64 {
-        tokio::time::sleep(Duration::from_millis(1)).await;
+    let timer = Timer::start();
+    // Run in this task, as the other consumers are.
+    tokio::select! {
+        ended = consumer.run(apply::<DB>) => panic!("the inbox consumer ended: {ended:?}"),
+        () = done.notified() => {}
     }
-    let rate = messages as f64 / started.elapsed().as_secs_f64();
-    running.abort();
+    let run = timer.stop(messages);
     let _ = js.delete_stream(name).await;
     let _ = js.delete_stream(format!("{name}_DEAD")).await;
-    rate
+    run
 }
 
 /// The plain consumer's work without a broker: inserts committed by `concurrency` tasks.
@@ -307,21 +365,21 @@ async fn plain_direct<DB>(
     name: &str,
     messages: usize,
     concurrency: usize,
-) -> f64
+) -> Run
 where
     DB: Backend,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
     for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
 {
-    let started = Instant::now();
+    let timer = Timer::start();
     futures_util::stream::iter(0..messages)
         .for_each_concurrent(concurrency, |n| {
             let pool = pool.clone();
             async move { insert_committed(&pool, format!("{name}-{n}")).await }
         })
         .await;
-    messages as f64 / started.elapsed().as_secs_f64()
+    timer.stop(messages)
 }
 
 /// The hand-written dedupe's work without a broker.
@@ -330,14 +388,14 @@ async fn dedupe_direct<DB>(
     name: &str,
     messages: usize,
     concurrency: usize,
-) -> f64
+) -> Run
 where
     DB: Backend,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'q> <DB as sqlx::Database>::Arguments: sqlx::IntoArguments<DB>,
     for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
 {
-    let started = Instant::now();
+    let timer = Timer::start();
     futures_util::stream::iter(0..messages)
         .for_each_concurrent(concurrency, |n| {
             let pool = pool.clone();
@@ -348,12 +406,12 @@ where
             }
         })
         .await;
-    messages as f64 / started.elapsed().as_secs_f64()
+    timer.stop(messages)
 }
 
 /// The inbox's work without a broker: deliveries handed to `Inbox::handle` by `concurrency`
 /// tasks.
-async fn inbox_direct<DB>(store: Store<DB>, name: &str, messages: usize, concurrency: usize) -> f64
+async fn inbox_direct<DB>(store: Store<DB>, name: &str, messages: usize, concurrency: usize) -> Run
 where
     DB: Backend,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
@@ -361,7 +419,7 @@ where
     for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
 {
     let inbox = keyed_inbox(name, store);
-    let started = Instant::now();
+    let timer = Timer::start();
     futures_util::stream::iter(0..messages)
         .for_each_concurrent(concurrency, |n| {
             let inbox = inbox.clone();
@@ -371,18 +429,18 @@ where
             }
         })
         .await;
-    messages as f64 / started.elapsed().as_secs_f64()
+    timer.stop(messages)
 }
 
-/// One database's rates over the rounds: through the broker, and without it.
+/// One database's runs over the rounds: through the broker, and without it.
 #[derive(Default)]
 struct Rates {
-    plain: Vec<f64>,
-    dedupe: Vec<f64>,
-    inbox: Vec<f64>,
-    plain_direct: Vec<f64>,
-    dedupe_direct: Vec<f64>,
-    inbox_direct: Vec<f64>,
+    plain: Vec<Run>,
+    dedupe: Vec<Run>,
+    inbox: Vec<Run>,
+    plain_direct: Vec<Run>,
+    dedupe_direct: Vec<Run>,
+    inbox_direct: Vec<Run>,
 }
 
 impl Rates {
@@ -416,9 +474,7 @@ impl Rates {
     }
 
     fn print(&self, database: &str) {
-        let row = |label: &str, rates: &[f64]| {
-            format!("{database:<11} {label:<22} {:>6.0} msg/s", median(rates))
-        };
+        let row = |label: &str, runs: &[Run]| format!("{database:<11} {}", line(label, runs));
         println!("{}", row("plain insert + ack:", &self.plain));
         println!(
             "{}  dedupe / plain {}",
@@ -446,6 +502,18 @@ impl Rates {
     }
 }
 
+/// A scenario's medians: its rate, and the CPU time a message cost (this process: consumer and
+/// SQLite; the NATS server).
+fn line(label: &str, runs: &[Run]) -> String {
+    let of = |field: fn(&Run) -> f64| median(&runs.iter().map(field).collect::<Vec<_>>());
+    format!(
+        "{label:<22} {:>6.0} msg/s  cpu/msg {:>4.0} µs + NATS {:>3.0} µs",
+        of(|r| r.rate),
+        of(|r| r.own_us),
+        of(|r| r.broker_us)
+    )
+}
+
 fn median(values: &[f64]) -> f64 {
     let mut sorted = values.to_vec();
     sorted.sort_by(f64::total_cmp);
@@ -459,11 +527,11 @@ fn median(values: &[f64]) -> f64 {
 
 /// The median of the per-round ratios (each measured in one round, under the same load) and
 /// their range.
-fn ratios(numerators: &[f64], denominators: &[f64]) -> String {
+fn ratios(numerators: &[Run], denominators: &[Run]) -> String {
     let each: Vec<f64> = numerators
         .iter()
         .zip(denominators)
-        .map(|(n, d)| n / d)
+        .map(|(n, d)| n.rate / d.rate)
         .collect();
     let low = each.iter().copied().fold(f64::INFINITY, f64::min);
     let high = each.iter().copied().fold(0.0, f64::max);
@@ -477,6 +545,12 @@ async fn main() {
     if !std::env::args().any(|a| a == "--bench") {
         return;
     }
+    // On the runtime's workers, as a service runs its consumers, rather than on the thread
+    // that blocks on `main`.
+    tokio::spawn(bench()).await.expect("the bench panicked");
+}
+
+async fn bench() {
     let messages = env_or("INBOX_BENCH_MESSAGES", 2000);
     let concurrency = env_or("INBOX_BENCH_CONCURRENCY", 8);
     let rounds = env_or("INBOX_BENCH_ROUNDS", 3).max(1);
@@ -556,10 +630,7 @@ async fn main() {
     }
 
     println!("{messages} messages, {concurrency} at a time, medians of {rounds} rounds:");
-    println!(
-        "bare consumer (ack only):          {:>6.0} msg/s",
-        median(&bare_rates)
-    );
+    println!("{:<11} {}", "", line("bare consumer (ack):", &bare_rates));
     if on("sqlite") {
         sqlite_rates.print("SQLite");
     }

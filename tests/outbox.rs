@@ -19,11 +19,14 @@ use tokio::sync::Notify;
 mod common;
 
 mod databases {
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
     use std::str::FromStr;
 
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
     use sqlx::ConnectOptions;
     use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool};
 
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
     fn unique_name() -> String {
         crate::common::unique("outbox")
     }

@@ -72,7 +72,7 @@ impl<DB: Backend> Steps<DB> {
         self.store.pool()
     }
 
-    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    #[cfg(feature = "mysql")]
     async fn migrate(&self) -> Result<(), Error> {
         self.store.migrate().await
     }

@@ -805,7 +805,7 @@ pub mod jobs {}
 ///   its messages wait in the database untouched however large the backlog grows, and it
 ///   probes the destination with one real message at a time, claimed on its own, on a jittered
 ///   backoff ([`Dispatcher::probe_backoff`](crate::outbox::Dispatcher::probe_backoff), 1 s
-///   doubling to 30 s, never earlier than a `Retry-After`). A probe that finds the destination
+///   doubling to 10 s, never earlier than a `Retry-After`). A probe that finds the destination
 ///   still away is the only message written meanwhile, due again later, its attempt not
 ///   counted. The first probe that gets an answer resumes the topic at full speed. While a
 ///   topic is paused, a claim of the other topics finds them through an index of pending
@@ -818,7 +818,7 @@ pub mod jobs {}
 ///   topic waits about one claim, not the whole backlog, though the backlog is older.
 ///   A sender that knows when its client has reconnected says so
 ///   ([`Sender::reconnected`](crate::outbox::Sender::reconnected)), and the dispatcher then
-///   probes at once rather than at the next probe, which after a long outage is up to 30 s
+///   probes at once rather than at the next probe, which after a long outage is up to 10 s
 ///   away: the broker senders made with `connect` do, so their topics drain as soon as the
 ///   client is back (within 5 s of the broker's return, their reconnection backoff's cap).
 ///   A pause is one `WARN` line ("outbox paused: destination unreachable"), its end one
@@ -926,7 +926,7 @@ pub mod outbox {}
 /// the inbox's nor the broker's (RabbitMQ: through `{queue}.retry` with the count unchanged,
 /// never a `nack` toward the quorum queue's delivery limit; NATS: kept in hand with progress acks,
 /// never `Nak`ed toward a `max_deliver`), and the consumer pauses meanwhile, as the outbox's
-/// dispatcher does, for a jittered backoff of at most 30 s (`Inbox::outage_backoff`).
+/// dispatcher does, for a jittered backoff of at most 10 s (`Inbox::outage_backoff`).
 ///
 /// **Guarantees and limits.** At-least-once delivery plus the claim in the handler's transaction
 /// gives one effect per business key for what the handler writes through `Tx`; calls it makes to

@@ -39,10 +39,10 @@
 //! soon a dead dispatcher's message is taken over), `OUTBOX_LOOKUP_GRACE_MS`,
 //! `OUTBOX_MAX_ATTEMPTS`, `OUTBOX_BACKOFF_MS` for the dispatcher. An outage of the provider
 //! or the broker (refused, unreachable, 503, 429, connection down) spends no attempt: the
-//! destination is probed with one message at a time, at most `OUTBOX_PROBE_MAX_MS` (30 000)
+//! destination is probed with one message at a time, at most `OUTBOX_PROBE_MAX_MS` (10 000)
 //! apart, and its backlog resumes at full speed once it answers. Only `OUTBOX_GIVE_UP_AFTER_MS`
 //! (21 600 000: 6 hours) fails a payment caught in an outage, so a provider or broker down for
-//! minutes, or hours, fails none, and each goes within about 30 s of its return.
+//! minutes, or hours, fails none, and each goes within about 10 s of its return.
 //!
 //! With `BROKER_URL=amqp://…` (`--features rabbitmq`) or `nats://…` (`--features nats`), each
 //! succeeded payment also publishes, through the same outbox, the event `{"payment_id",
@@ -123,7 +123,7 @@ async fn run<DB: Backend>(database: <DB::Connection as Connection>::Options) -> 
             broker: broker.clone(),
         };
         let backoff = millis("OUTBOX_BACKOFF_MS", 200)?;
-        let probe = millis("OUTBOX_PROBE_MAX_MS", 30_000)?;
+        let probe = millis("OUTBOX_PROBE_MAX_MS", 10_000)?;
         let dispatcher = Dispatcher::new(outbox.clone(), routed)
             .poll_interval(millis("OUTBOX_POLL_MS", 500)?)
             .batch_size(setting("OUTBOX_BATCH_SIZE", 64)?)

@@ -90,7 +90,7 @@
 //! over. So it is retried for as long as the outage lasts, and never dead-lettered for it:
 //! [`Verdict::Unavailable`], counted in [`Stats::unavailable`] and never as an attempt, neither
 //! against [`Inbox::max_attempts`] nor against the broker's delivery count. The wait is drawn
-//! at random below a ceiling that doubles per outage met in a row, at most 30 s
+//! at random below a ceiling that doubles per outage met in a row, at most 10 s
 //! ([`Inbox::outage_backoff`]), and the broker adapters pause meanwhile, as the outbox's
 //! dispatcher does: they take no new delivery until the wait has passed, instead of failing
 //! every delivery the broker holds on the same outage.
@@ -229,10 +229,11 @@ const DEAD: &str = "DEAD";
 const LOG_TARGET: &str = module_path!();
 /// "Keep": long enough to outlive any broker's or publisher's retry horizon.
 const KEEP: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-/// An outage is waited out in steps of at most 30 s: long enough not to hammer a database that
-/// is coming back, short enough that a consumer resumes soon after it is back.
+/// An outage is waited out in steps of at most 10 s: one try per step does not hammer a
+/// database that is coming back, and the step is how long the consumer may stay idle after
+/// it is back, time in which its backlog does not drain.
 const OUTAGE_BACKOFF: Backoff =
-    Backoff::exponential(Duration::from_secs(1), Duration::from_secs(30));
+    Backoff::exponential(Duration::from_secs(1), Duration::from_secs(10));
 
 /// The consumer side of the chain: dedupes deliveries by business key in the handler's
 /// transaction. Cheap to clone; see the [module docs](self).
@@ -285,7 +286,7 @@ impl<DB: Backend> Inbox<DB> {
     /// The name scopes the keys, as principal and route scope HTTP keys: two consumers
     /// applying the same event each apply it once. Defaults: dedupe by message id, 5 attempts,
     /// a backoff of up to 1 s doubling to at most 60 s, an outage backoff of up to 1 s doubling
-    /// to at most 30 s, records kept, a 5 s wait on an in-flight duplicate.
+    /// to at most 10 s, records kept, a 5 s wait on an in-flight duplicate.
     pub fn new(name: impl Into<String>, store: Store<DB>) -> Self {
         let name: String = name.into();
         // Only a commit counts as done: a permanent failure must leave the key unclaimed so that
@@ -358,7 +359,7 @@ impl<DB: Backend> Inbox<DB> {
 
     /// Backoff while the consumer's database or a dependency is unreachable
     /// ([`Failure::Unavailable`]): a wait drawn at random from zero up to `base` doubled per
-    /// outage met in a row, at most `cap` (default 1 s, 30 s). The broker adapters take no new
+    /// outage met in a row, at most `cap` (default 1 s, 10 s). The broker adapters take no new
     /// deliveries for that long, and the delivery comes back without counting an attempt; the
     /// cap bounds how long a consumer stays idle once the outage is over.
     #[must_use]

@@ -77,7 +77,7 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
             backoff: Backoff::exponential(Duration::from_secs(1), Duration::from_secs(300)),
             lookup_grace: Duration::from_secs(60),
             give_up_after: Duration::from_secs(6 * 60 * 60),
-            probe_backoff: Backoff::exponential(Duration::from_secs(1), Duration::from_secs(30)),
+            probe_backoff: Backoff::exponential(Duration::from_secs(1), Duration::from_secs(10)),
         };
         Self {
             flight: Flight::new(outbox, sender, policy),
@@ -180,9 +180,11 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     }
 
     /// The wait between probes of a destination that is unavailable: one message is sent, and
-    /// the others wait, until one answers; default [`Backoff::exponential`]`(1 s, 30 s)`, never
+    /// the others wait, until one answers; default [`Backoff::exponential`]`(1 s, 10 s)`, never
     /// earlier than the destination's `Retry-After`. Those waits spend the time budget, not the
-    /// messages' attempts. A sender that knows when its client has reconnected (see
+    /// messages' attempts. The cap is how long a destination that is back may wait for its
+    /// next probe, time its backlog does not drain; a probe is one message, so a short cap
+    /// costs the destination little even over hours. A sender that knows when its client has reconnected (see
     /// [`Sender::reconnected`]) cuts the wait short: the next probe goes as soon as it says so.
     #[must_use]
     pub fn probe_backoff(mut self, backoff: Backoff) -> Self {

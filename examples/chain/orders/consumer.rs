@@ -12,7 +12,7 @@
 //! Tuning: `ORDERS_CONSUMER_CONCURRENCY` (default 16: a delivery mostly waits for its commit's
 //! flush, and more at once share each flush), `ORDERS_CONSUMER_MAX_ATTEMPTS` (5),
 //! `ORDERS_CONSUMER_BACKOFF_MS` (1000), `ORDERS_CONSUMER_ACK_WAIT_SECS` (NATS, 10), and
-//! `ORDERS_CONSUMER_OUTAGE_MAX_MS` (30 000): while the orders database is unreachable the
+//! `ORDERS_CONSUMER_OUTAGE_MAX_MS` (10 000): while the orders database is unreachable the
 //! consumer pauses, at most this long at a time, spending no attempt, so an outage of any
 //! length dead-letters nothing and the consumer resumes within this long of its end.
 //! `BROKER_NAMESPACE` prefixes every broker name (a shared broker, tests). For tests:
@@ -38,7 +38,7 @@ pub(crate) async fn spawn<DB: Backend>(store: Store<DB>, broker_url: &str) -> Re
     let fail_percent: u32 = setting("ORDERS_CONSUMER_FAIL_PERCENT", 0)?;
     let handler = move |tx: Tx<DB>, delivery| apply(tx, delivery, fail_percent);
     let backoff = Duration::from_millis(setting("ORDERS_CONSUMER_BACKOFF_MS", 1000)?);
-    let outage = Duration::from_millis(setting("ORDERS_CONSUMER_OUTAGE_MAX_MS", 30_000)?);
+    let outage = Duration::from_millis(setting("ORDERS_CONSUMER_OUTAGE_MAX_MS", 10_000)?);
     // Keyed by the payment id, not the message id: a payment applies once whatever its
     // message ids.
     let mut inbox = Inbox::new("orders", store)

@@ -29,12 +29,14 @@
 //!    machine: at 0.25 on two cores it did not, and no backlog drained), both apps reaching
 //!    the broker (or payments reaching the provider) through a proxy of the bench's own. After
 //!    `CHAIN_BENCH_STEADY_SECS` (default 20) of steady state, the proxy cuts that dependency
-//!    off for `CHAIN_BENCH_OUTAGE_SECS`, then restores it while the load goes on. Printed: the backlog (pending outbox messages, and
-//!    accepted payments not yet applied in orders) at its peak and at the return; the time
-//!    until every message the outbox held at the return is delivered, and until every payment
-//!    accepted before the return is applied (target: both within 60 s), and
-//!    for comparison until the outbox is back to its steady state's largest backlog,
-//!    each bounded by `CHAIN_BENCH_DRAIN_LIMIT_SECS` (default twice the outage plus 60 s);
+//!    off for `CHAIN_BENCH_OUTAGE_SECS`, then restores it while the load goes on. Printed:
+//!    the backlog (pending outbox messages, and accepted payments not yet applied in orders)
+//!    at its peak and at the return; the time until the dispatcher's first event after the
+//!    return reaches the broker, until every message the outbox held at the return is
+//!    delivered, and until every payment accepted before the return is applied (target: both
+//!    within 60 s), and for comparison until the outbox is back to its steady state's largest
+//!    backlog (looked at every 5 s), each bounded by `CHAIN_BENCH_DRAIN_LIMIT_SECS` (default
+//!    twice the outage plus 60 s);
 //!    then, with the load stopped and everything delivered, the payments failed, the
 //!    provider's charges and their distinct keys, and orders' applied rows and distinct
 //!    payments (charged once and applied once when all of these match the accepted count).

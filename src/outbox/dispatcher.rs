@@ -184,8 +184,9 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// earlier than the destination's `Retry-After`. Those waits spend the time budget, not the
     /// messages' attempts. The cap is how long a destination that is back may wait for its
     /// next probe, time its backlog does not drain; a probe is one message, so a short cap
-    /// costs the destination little even over hours. A sender that knows when its client has reconnected (see
-    /// [`Sender::reconnected`]) cuts the wait short: the next probe goes as soon as it says so.
+    /// costs the destination little even over hours. A sender that knows when its client has
+    /// reconnected (see [`Sender::reconnected`]) cuts the wait short: the next probe goes as
+    /// soon as it says so.
     #[must_use]
     pub fn probe_backoff(mut self, backoff: Backoff) -> Self {
         self.flight.policy.probe_backoff = backoff;

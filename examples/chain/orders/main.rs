@@ -3,8 +3,9 @@
 //! Settings: `DATABASE_URL` (an SQLite file by default; `postgres://…` with `--features
 //! postgres`, `mysql://…` with `--features mysql`), `BIND` (default 127.0.0.1:3000),
 //! `IDEMPOTENCY_TTL_SECS` (how long keys live, default 24 h) and `DATABASE_MAX_CONNECTIONS`
-//! (default 20: the consumer's 16 deliveries at once leave 4 to the API). `BROKER_URL=amqp://…` (`--features rabbitmq`) or `nats://…` (`--features
-//! nats`) also consumes payment events and applies each payment once (see `consumer.rs`).
+//! (default 20: the consumer's 16 deliveries at once leave 4 to the API).
+//! `BROKER_URL=amqp://…` (`--features rabbitmq`) or `nats://…` (`--features nats`) also
+//! consumes payment events and applies each payment once (see `consumer.rs`).
 //!
 //! It stops on SIGTERM (what Kubernetes and systemd send) as on Ctrl-C: it stops accepting,
 //! answers every request already in flight, then exits 0. A connection whose request head

@@ -51,9 +51,9 @@ pub(super) const FETCH_BLOCKER: &str = concat!(
 // at any estimate. It also marks the index entries of finished messages dead as it passes
 // them, which a bitmap scan never does.
 //
-// Here, `id = ANY (ARRAY(…))` repeats the join on the
-// primary key as an index condition: the generic plan of a prepared statement guesses a
-// hundred rows on the other side, and without it joins them by hashing the whole table.
+// Here, `id = ANY (ARRAY(…))` repeats the join on the primary key as an index condition: the
+// generic plan of a prepared statement guesses a hundred rows on the other side, and without
+// it joins them by hashing the whole table.
 //
 // The topics are a filter on the rows the index scan reads, not an index condition. This
 // claim runs while no topic is paused (`$6` empty), and `<> ALL` keeps the planner's estimate

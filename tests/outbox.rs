@@ -200,6 +200,7 @@ conformance!(
     a_request_that_enqueued_wakes_the_dispatchers_when_the_layer_commits,
     a_commit_hands_its_messages_to_a_dispatcher_of_its_own_process,
     a_handed_message_whose_dispatcher_died_is_looked_up_once_its_lease_runs_out,
+    a_commit_handed_to_a_dispatcher_that_stopped_meanwhile_is_sent_at_once_by_another,
     a_rolled_back_request_sends_nothing_and_a_job_of_its_own_wakes_with_outbox_wake,
     a_delivery_enqueues_its_follow_ups_with_its_outcome_and_hands_them_over,
     a_follow_up_that_cannot_be_made_leaves_the_delivery_unknown_until_a_lookup_makes_it,
@@ -2603,6 +2604,57 @@ async fn a_handed_message_whose_dispatcher_died_is_looked_up_once_its_lease_runs
     assert_eq!(stuck.sends().len(), 1);
     // Another process's outbox: the one that took the hand-over is gone.
     looked_up_once_the_lease_runs_out(&outbox, &Outbox::new(pool.clone()), "h", lease).await;
+}
+
+/// A request's commit hands its message to a dispatcher that stopped while the request ran
+/// (a rolling restart): the row was written leased to that dispatcher, so without being given
+/// back it would wait out the lease, here a minute, before another dispatcher may send it. It
+/// is sent at once, and as first sent: the attempt its hand-over began is not counted.
+async fn a_commit_handed_to_a_dispatcher_that_stopped_meanwhile_is_sent_at_once_by_another<
+    DB: Backend,
+>(
+    pool: Pool<DB>,
+) {
+    let store = axum_idempotency::Store::new(pool.clone());
+    store.migrate().await.unwrap();
+    let outbox = outbox(&pool).await;
+    let (stopping, successor) = (Downstream::default(), Downstream::default());
+    let (stop, run) =
+        sleeping_dispatcher(dispatcher(&outbox, &stopping).lease(Duration::from_secs(60))).await;
+    let app = app(
+        store,
+        &outbox,
+        axum::http::StatusCode::ACCEPTED,
+        Duration::from_millis(1500),
+    );
+    let request = tokio::spawn(async move { post(&app, "restarted", None).await });
+    // The handler has enqueued, its message reserved at the dispatcher, and lingers.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.send(()).unwrap();
+    run.await.unwrap();
+    let (stop_successor, stopped) = tokio::sync::oneshot::channel::<()>();
+    let polling = dispatcher(&Outbox::new(pool.clone()), &successor)
+        .poll_interval(Duration::from_millis(20))
+        .run(async {
+            let _ = stopped.await;
+        });
+    let run_successor = tokio::spawn(polling);
+
+    assert_eq!(request.await.unwrap(), axum::http::StatusCode::ACCEPTED);
+    sent_within(
+        &successor,
+        1,
+        Duration::from_secs(5),
+        "a message whose dispatcher stopped",
+    )
+    .await;
+    assert_eq!(stopping.sends(), [], "the stopped dispatcher sent it");
+    assert_eq!(successor.sends()[0].0, key("restarted").to_string());
+    let delivered = record(&outbox, "restarted").await;
+    assert_eq!(delivered.status, Status::Delivered);
+    assert_eq!(delivered.attempts, 1, "the hand-over's attempt was counted");
+    stop_successor.send(()).unwrap();
+    run_successor.await.unwrap();
 }
 
 /// A request that rolls back leaves no message and wakes nobody into sending anything; a job

@@ -199,7 +199,8 @@ impl<DB: Backend, S: Sender> Dispatcher<DB, S> {
     /// dispatcher starts the messages it claimed ahead and claims more, and it records outcomes
     /// in batches while other sends go on. Shutdown is graceful: the sends in hand are finished
     /// and recorded (each bounded by the send timeout), the messages claimed but not yet sent
-    /// are given back without counting an attempt, and no more messages are claimed. Database
+    /// are given back without counting an attempt, as are those a commit hands to the
+    /// dispatcher once it has begun to stop, and no more messages are claimed. Database
     /// errors are logged and retried after the poll interval; they never end the loop.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) {
         let mut shutdown = std::pin::pin!(shutdown);

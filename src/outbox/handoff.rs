@@ -7,6 +7,8 @@
 //! write to the row. Nothing else changes: the lease fences the dispatcher's outcome as a
 //! claim's would, and a dispatcher that dies before sending leaves a row that any dispatcher
 //! claims once the lease has run out, looking it up before a resend as after a crash mid-send.
+//! A dispatcher that stops gives back what it holds, and a commit whose dispatcher stopped
+//! after the message's insert gives it back itself, so neither waits out its lease.
 //!
 //! Only where a dispatcher has room: each takes at most a batch of hand-overs it has not yet
 //! started, and a message that finds none free (or has an ordering key, whose order only a
@@ -17,6 +19,7 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 
+use crate::backend::Lease;
 use crate::backend::{ClaimedMessage, Handed};
 use crate::clock::Millis;
 
@@ -39,7 +42,13 @@ struct Desk {
     token: i64,
     lease: Duration,
     sender: mpsc::Sender<Handover>,
+    closed: Closed,
 }
+
+/// Whether a desk has closed. A hand-over sends while holding it, and a closing dispatcher
+/// sets it before taking what was sent: each message is then either taken by the dispatcher
+/// or returned to its commit, never both, never neither.
+type Closed = Arc<Mutex<bool>>;
 
 /// A committed message for a dispatcher, and when the lease it was written with runs out.
 pub(crate) struct Handover {
@@ -52,6 +61,7 @@ pub(crate) struct Handover {
 pub(crate) struct Reserved {
     permit: mpsc::OwnedPermit<Handover>,
     handed: Handed,
+    closed: Closed,
 }
 
 impl Reserved {
@@ -60,10 +70,22 @@ impl Reserved {
         self.handed
     }
 
-    /// Gives the committed message to the dispatcher.
-    pub(crate) fn hand(self, message: ClaimedMessage) {
+    /// Gives the committed message to the dispatcher. Returns its lease when that dispatcher
+    /// has stopped taking hand-overs meanwhile, for the caller to release.
+    pub(crate) fn hand(self, message: ClaimedMessage) -> Option<Lease> {
+        let lease = Lease {
+            id: message.record.id,
+            token: self.handed.token,
+        };
         let until = self.handed.until;
+        let closed = self.closed.lock().unwrap_or_else(PoisonError::into_inner);
+        // A permit still sends once its desk has closed, and a closed desk is read no more:
+        // sent there, the message would wait out its lease unsent.
+        if *closed {
+            return Some(lease);
+        }
         self.permit.send(Handover { message, until });
+        None
     }
 }
 
@@ -80,7 +102,11 @@ impl Handoff {
                     token: desk.token,
                     until: now.after(desk.lease),
                 };
-                let reserved = Reserved { permit, handed };
+                let reserved = Reserved {
+                    permit,
+                    handed,
+                    closed: Arc::clone(&desk.closed),
+                };
                 desks.next = at + 1;
                 return Some(reserved);
             }
@@ -95,17 +121,20 @@ impl Handoff {
         let mut desks = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         desks.opened += 1;
         let number = desks.opened;
+        let closed = Closed::default();
         desks.open.push(Desk {
             number,
             token,
             lease,
             sender,
+            closed: Arc::clone(&closed),
         });
         Counter {
             handoff: self.clone(),
             number,
             token,
             receiver,
+            closed,
         }
     }
 }
@@ -116,6 +145,7 @@ pub(crate) struct Counter {
     number: u64,
     token: i64,
     receiver: mpsc::Receiver<Handover>,
+    closed: Closed,
 }
 
 impl Counter {
@@ -132,6 +162,7 @@ impl Counter {
     /// Takes no more hand-overs, and returns those already made.
     pub(crate) fn close(&mut self) -> Vec<Handover> {
         self.remove();
+        *self.closed.lock().unwrap_or_else(PoisonError::into_inner) = true;
         self.receiver.close();
         let mut left = Vec::new();
         while let Ok(handover) = self.receiver.try_recv() {
@@ -153,6 +184,7 @@ impl Counter {
 impl Drop for Counter {
     fn drop(&mut self) {
         self.remove();
+        *self.closed.lock().unwrap_or_else(PoisonError::into_inner) = true;
     }
 }
 
@@ -202,5 +234,26 @@ mod tests {
         let only = handoff.reserve(now).expect("the second's room");
         assert_eq!(only.handed().token, 2);
         assert!(handoff.reserve(now).is_none());
+    }
+
+    #[test]
+    fn a_hand_over_after_its_dispatcher_stopped_is_returned_for_release() {
+        let handoff = Handoff::default();
+        let now = Millis::now();
+        let mut desk = handoff.open(3, Duration::from_secs(15), 2);
+        let before = handoff.reserve(now).expect("room");
+        let after = handoff.reserve(now).expect("room");
+
+        assert_eq!(before.hand(handed(1)), None, "taken at the open desk");
+        let left = desk.close();
+        assert_eq!(left.len(), 1);
+        assert_eq!(
+            after.hand(handed(2)),
+            Some(Lease {
+                id: MessageId::from(2),
+                token: 3
+            }),
+            "a closed desk reads nothing more"
+        );
     }
 }

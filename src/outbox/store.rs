@@ -13,6 +13,7 @@ use crate::Backend;
 #[cfg(feature = "test-util")]
 use crate::ManualClock;
 use crate::backend::ClaimedMessage;
+use crate::backend::Lease;
 use crate::clock::{Clock, Millis};
 use crate::message::valid_name;
 
@@ -142,7 +143,12 @@ impl<DB: Backend> Outbox<DB> {
                         record: message.handed_over(id, now.into()),
                         attempt_begun: true,
                     };
-                    target.after_commit(move || reserved.hand(claimed));
+                    let outbox = self.clone();
+                    target.after_commit(move || {
+                        if let Some(lease) = reserved.hand(claimed) {
+                            tokio::spawn(async move { outbox.release_unheard(lease).await });
+                        }
+                    });
                 }
                 None => {
                     let wake = self.wake.clone();
@@ -343,6 +349,25 @@ impl<DB: Backend> Outbox<DB> {
     /// Where a commit hands its messages to this outbox's dispatchers in this process.
     pub(crate) fn handoff(&self) -> &Handoff {
         &self.handoff
+    }
+
+    /// Gives back a committed message whose dispatcher stopped before taking it from its desk,
+    /// its attempt not counted, and wakes the dispatchers: otherwise it waits out the lease it
+    /// was written with before any dispatcher may claim it.
+    async fn release_unheard(&self, lease: Lease) {
+        let released = {
+            let _turn = self.write_turn().await;
+            DB::release_unsent(&self.pool, &[lease]).await
+        };
+        match released {
+            Ok(_) => self.wake(),
+            Err(error) => tracing::warn!(
+                message = %lease.id,
+                %error,
+                "outbox message handed to a dispatcher that had stopped was not given back; \
+                 it is sent once its lease runs out"
+            ),
+        }
     }
 
     /// Waits for the dispatchers' turn to write, on a database that takes one writer at a time

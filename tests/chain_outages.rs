@@ -8,7 +8,8 @@
 //! and the backlog is drained within 60 s of the dependency's return.
 //!
 //! Scaled: the outage, the settings that wait it out (the outbox's probe backoff cap and the
-//! inbox's outage backoff cap, 30 s) and the 60 s bound are shortened by one factor: 1/15 for
+//! inbox's outage backoff cap, at the contract's 30 s rather than the examples' 10 s, the
+//! harder case) and the 60 s bound are shortened by one factor: 1/15 for
 //! the provider and the broker (40 s down, 2 s caps, drained within 4 s) and 1/4 for the
 //! databases (30 s down, 7.5 s caps, within 15 s). For the broker the dispatcher's send
 //! timeout is scaled too (5 s to 333 ms): a sender that waits for a broker that is down spends
@@ -79,7 +80,8 @@ enum Outage {
 struct Scaled {
     /// How long the dependency is away.
     outage: Duration,
-    /// The probe and outage backoff caps (30 s by default).
+    /// The probe and outage backoff caps, scaled from the contract's 30 s (the examples
+    /// default to 10 s).
     cap: Duration,
     /// How soon after the return the backlog must be drained (60 s in the contract).
     drain: Duration,

@@ -178,6 +178,16 @@ fn tally(rows: Vec<(String, String, i64)>) -> Counts {
     counts
 }
 
+/// Where a URL's host and port are: after the scheme's `//` and any user, up to the path.
+fn authority(url: &str) -> (usize, usize) {
+    let start = url.find("//").map_or(0, |at| at + 2);
+    let end = url[start..].find('/').map_or(url.len(), |at| start + at);
+    let start = url[start..end]
+        .rfind('@')
+        .map_or(start, |at| start + at + 1);
+    (start, end)
+}
+
 /// A database of one run's own for payments, and a connection to read its outbox.
 pub(crate) enum Database {
     Sqlite {
@@ -195,6 +205,8 @@ pub(crate) enum Database {
 }
 
 impl Database {
+    // `name` names a PostgreSQL schema; an SQLite database is a file of its own.
+    #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
     pub(crate) async fn new(kind: &str, name: &str) -> Self {
         match kind {
             "sqlite" => {
@@ -239,6 +251,59 @@ impl Database {
             #[cfg(feature = "postgres")]
             Self::Postgres { url, .. } => url,
         }
+    }
+
+    /// The PostgreSQL server's address, where an app's connections can be sent through the
+    /// bench's proxy; `None` for SQLite, a file with no link to cut.
+    pub(crate) fn server(&self) -> Option<std::net::SocketAddr> {
+        match self {
+            Self::Sqlite { .. } => None,
+            #[cfg(feature = "postgres")]
+            Self::Postgres { url, .. } => {
+                let (start, end) = authority(url);
+                let authority = &url[start..end];
+                let addr = if authority.contains(':') {
+                    authority.to_owned()
+                } else {
+                    format!("{authority}:5432")
+                };
+                let addr = addr.replace("localhost", "127.0.0.1");
+                Some(
+                    addr.parse()
+                        .expect("the PostgreSQL URL's host is an address"),
+                )
+            }
+        }
+    }
+
+    /// The URL for an app that reaches the database at `addr` (the bench's proxy).
+    pub(crate) fn url_via(&self, addr: std::net::SocketAddr) -> String {
+        let url = self.url();
+        let (start, end) = authority(url);
+        format!("{}{addr}{}", &url[..start], &url[end..])
+    }
+
+    /// Holds the write lock of the SQLite database at `url` (`BEGIN EXCLUSIVE`) on a
+    /// connection of the bench's own until the returned connection is given to
+    /// [`release`](Self::release): every
+    /// write of the apps waits out its lock wait and fails, as behind a stuck process or a
+    /// long backup, while readers (WAL) go on.
+    pub(crate) async fn hold_write_lock_at(url: &str) -> sqlx::SqliteConnection {
+        use sqlx::Connection as _;
+        let mut conn = sqlx::SqliteConnection::connect(url).await.expect("SQLite");
+        sqlx::raw_sql("BEGIN EXCLUSIVE")
+            .execute(&mut conn)
+            .await
+            .expect("the write lock");
+        conn
+    }
+
+    /// Gives back a write lock taken by [`hold_write_lock_at`](Self::hold_write_lock_at).
+    pub(crate) async fn release(mut conn: sqlx::SqliteConnection) {
+        sqlx::raw_sql("ROLLBACK")
+            .execute(&mut conn)
+            .await
+            .expect("the write lock given back");
     }
 
     /// Connects the bench's own pool, once.

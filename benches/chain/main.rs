@@ -22,24 +22,27 @@
 //!    the outbox rows written per payment (PostgreSQL's table statistics).
 //! 3. **Outage**, off by default (it lasts the outage and more): `CHAIN_BENCH_OUTAGE_SECS=600`
 //!    runs the contract's 10 minutes, of the broker or, with `CHAIN_BENCH_OUTAGE_OF=provider`,
-//!    of the provider. The whole chain: the orders example too, consuming the
-//!    events into a database of its own, with the payments spread over 16 orders. A fresh
-//!    outbox under a steady load of `CHAIN_BENCH_LOAD_FRACTION` (default 0.1) of the accept rate
-//!    measured in step 1 (a load the relay outruns while it competes with the load for the
-//!    machine: at 0.25 on two cores it did not, and no backlog drained), both apps reaching
-//!    the broker (or payments reaching the provider) through a proxy of the bench's own. After
-//!    `CHAIN_BENCH_STEADY_SECS` (default 20) of steady state, the proxy cuts that dependency
-//!    off for `CHAIN_BENCH_OUTAGE_SECS`, then restores it while the load goes on. Printed:
-//!    the backlog (pending outbox messages, and accepted payments not yet applied in orders)
-//!    at its peak and at the return; the time until the dispatcher's first event after the
-//!    return reaches the broker, until every message the outbox held at the return is
-//!    delivered, and until every payment accepted before the return is applied (target: both
-//!    within 60 s), and for comparison until the outbox is back to its steady state's largest
-//!    backlog (looked at every 5 s), each bounded by `CHAIN_BENCH_DRAIN_LIMIT_SECS` (default
-//!    twice the outage plus 60 s);
-//!    then, with the load stopped and everything delivered, the payments failed, the
-//!    provider's charges and their distinct keys, and orders' applied rows and distinct
-//!    payments (charged once and applied once when all of these match the accepted count).
+//!    of the provider; `CHAIN_BENCH_OUTAGE_OF=payments-db` or `orders-db` with
+//!    `CHAIN_BENCH_OUTAGE_SECS=120` runs the contract's 2 minutes of one app's database
+//!    (PostgreSQL: its connections through the proxy, dropped and refused; SQLite: its write
+//!    lock held by a connection of the bench's own). The whole chain: the orders example too,
+//!    consuming the events into a database of its own, with the payments spread over 16 orders.
+//!    A fresh outbox under a steady load of `CHAIN_BENCH_LOAD_FRACTION` (default 0.1) of the
+//!    accept rate measured in step 1 (a load the relay outruns while it competes with the load
+//!    for the machine: at 0.25 on two cores it did not, and no backlog drained), both apps
+//!    reaching the broker (or payments reaching the provider, or an app its database) through a
+//!    proxy of the bench's own. After `CHAIN_BENCH_STEADY_SECS` (default 20) of steady state,
+//!    the proxy cuts that dependency off for `CHAIN_BENCH_OUTAGE_SECS`, then restores it while
+//!    the load goes on. Printed: the backlog (pending outbox messages, and accepted payments
+//!    not yet applied in orders) at its peak and at the return; the time until the dispatcher's
+//!    first event after the return reaches the broker, until every message the outbox held at
+//!    the return is delivered, and until every payment accepted before the return is applied
+//!    (target: both within 60 s), and for comparison until the outbox is back to its steady
+//!    state's largest backlog (looked at every 5 s), each bounded by
+//!    `CHAIN_BENCH_DRAIN_LIMIT_SECS` (default twice the outage plus 60 s); then, with the load
+//!    stopped and everything delivered, the payments failed, the provider's charges and their
+//!    distinct keys, and orders' applied rows and distinct payments (charged once and applied
+//!    once when all of these match the accepted count).
 //!
 //! The examples log at `CHAIN_BENCH_LOG` (their `RUST_LOG`; default `error`).
 //!
@@ -101,6 +104,8 @@ impl Settings {
             outage,
             outage_of: match std::env::var("CHAIN_BENCH_OUTAGE_OF").as_deref() {
                 Ok("provider") => Dependency::Provider,
+                Ok("payments-db") => Dependency::PaymentsDb,
+                Ok("orders-db") => Dependency::OrdersDb,
                 _ => Dependency::Broker,
             },
             load_fraction: env_or("CHAIN_BENCH_LOAD_FRACTION", 0.1),
@@ -120,6 +125,69 @@ enum Dependency {
     Broker,
     /// The provider, for payments' dispatcher.
     Provider,
+    /// The payments database, for payments.
+    PaymentsDb,
+    /// The orders database, for orders.
+    OrdersDb,
+}
+
+impl Dependency {
+    fn describe(self, store: &str) -> &'static str {
+        match (self, store) {
+            (Dependency::Broker, _) => "the broker (both apps)",
+            (Dependency::Provider, _) => "the provider (payments' dispatcher)",
+            (Dependency::PaymentsDb, "sqlite") => "the payments database (its write lock held)",
+            (Dependency::PaymentsDb, _) => "the payments database (its connections cut)",
+            (Dependency::OrdersDb, "sqlite") => "the orders database (its write lock held)",
+            (Dependency::OrdersDb, _) => "the orders database (its connections cut)",
+        }
+    }
+}
+
+/// How the outage step takes a dependency away and gives it back.
+enum Cut {
+    /// The apps' connections to it run through the bench's proxy.
+    Link(Proxy),
+    /// An SQLite database, a file with no link to cut: the bench's own connection holds its
+    /// write lock meanwhile.
+    WriteLock(String, Option<sqlx::SqliteConnection>),
+}
+
+impl Cut {
+    /// The cut for `db`, and the URL the app reaches it at.
+    async fn database(db: &Database) -> (Self, String) {
+        match db.server() {
+            Some(server) => {
+                let proxy = Proxy::start(server).await;
+                let url = db.url_via(proxy.addr);
+                (Cut::Link(proxy), url)
+            }
+            None => (
+                Cut::WriteLock(db.url().to_owned(), None),
+                db.url().to_owned(),
+            ),
+        }
+    }
+
+    async fn cut(&mut self) {
+        match self {
+            Cut::Link(proxy) => proxy.cut(),
+            Cut::WriteLock(url, held) => {
+                *held = Some(Database::hold_write_lock_at(url).await);
+            }
+        }
+    }
+
+    async fn restore(&mut self) {
+        match self {
+            Cut::Link(proxy) => proxy.restore(),
+            Cut::WriteLock(_, held) => {
+                if let Some(conn) = held.take() {
+                    Database::release(conn).await;
+                }
+            }
+        }
+    }
 }
 
 /// One combination's names, processes and database.
@@ -158,13 +226,15 @@ impl Run {
     /// Payments on this run's database, provider and namespace, with `dispatchers`, its
     /// broker at `broker_url`.
     async fn payments(&self, broker_url: &str, dispatchers: usize) -> Process {
-        self.payments_via(broker_url, &self.provider.url, dispatchers)
+        self.payments_via(self.db.url(), broker_url, &self.provider.url, dispatchers)
             .await
     }
 
-    /// [`payments`](Self::payments) reaching the provider at `provider_url`.
+    /// [`payments`](Self::payments) reaching its database at `db_url` and the provider at
+    /// `provider_url`.
     async fn payments_via(
         &self,
+        db_url: &str,
         broker_url: &str,
         provider_url: &str,
         dispatchers: usize,
@@ -173,7 +243,7 @@ impl Run {
         Process::start(
             "payments",
             &[
-                ("DATABASE_URL", self.db.url()),
+                ("DATABASE_URL", db_url),
                 ("PROVIDER_URL", provider_url),
                 ("BROKER_URL", broker_url),
                 ("BROKER_NAMESPACE", &self.ns),
@@ -409,26 +479,42 @@ async fn sample(run: &mut Run, orders_db: &mut Database, load: &Load) -> Sample 
 /// How often the outage step counts the whole backlog.
 const LOOK: Duration = Duration::from_secs(5);
 
-/// The deliveries orders has processed (applied, and duplicates dropped), from the stats line
-/// it prints each second: no query, so it can gate the exact count at every tick.
+/// The deliveries orders has applied or dropped as duplicates, from the stats line it prints
+/// each second: no query, so it can gate the exact count at every tick. Duplicates count: a
+/// commit whose answer an outage cut off is applied, and its redelivery is then a duplicate.
 fn processed(orders: &Process) -> u64 {
     orders
         .stats()
         .split_whitespace()
-        .find_map(|field| field.strip_prefix("processed="))
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
+        .filter_map(|field| {
+            field
+                .strip_prefix("processed=")
+                .or_else(|| field.strip_prefix("duplicates="))
+        })
+        .filter_map(|n| n.parse::<u64>().ok())
+        .sum()
 }
 
 /// Step 3.
 async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
     let mut run = Run::new(store, broker, "o").await;
-    let (proxy, through, provider_url) = match settings.outage_of {
+    let mut orders_db = Database::new(store, &format!("{}ord", run.ns)).await;
+    let direct = run.broker_url(run.upstream());
+    let (payments_db_url, orders_db_url) = (run.db.url().to_owned(), orders_db.url().to_owned());
+    let (mut cut, through, provider_url, payments_db_url, orders_db_url) = match settings.outage_of
+    {
         // Orders behind the same proxy: the broker is down for both apps.
         Dependency::Broker => {
             let proxy = Proxy::start(run.upstream()).await;
             let through = run.broker_url(proxy.addr);
-            (proxy, through, run.provider.url.clone())
+            let provider = run.provider.url.clone();
+            (
+                Cut::Link(proxy),
+                through,
+                provider,
+                payments_db_url,
+                orders_db_url,
+            )
         }
         Dependency::Provider => {
             let provider = run
@@ -439,14 +525,29 @@ async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
                 .expect("the provider's address");
             let proxy = Proxy::start(provider).await;
             let url = format!("http://{}", proxy.addr);
-            (proxy, run.broker_url(run.upstream()), url)
+            (
+                Cut::Link(proxy),
+                direct,
+                url,
+                payments_db_url,
+                orders_db_url,
+            )
+        }
+        Dependency::PaymentsDb => {
+            let (cut, url) = Cut::database(&run.db).await;
+            let provider = run.provider.url.clone();
+            (cut, direct, provider, url, orders_db_url)
+        }
+        Dependency::OrdersDb => {
+            let (cut, url) = Cut::database(&orders_db).await;
+            let provider = run.provider.url.clone();
+            (cut, direct, provider, payments_db_url, url)
         }
     };
-    let mut orders_db = Database::new(store, &format!("{}ord", run.ns)).await;
     let orders = Process::start(
         "orders",
         &[
-            ("DATABASE_URL", orders_db.url()),
+            ("DATABASE_URL", &orders_db_url),
             ("BROKER_URL", &through),
             ("BROKER_NAMESPACE", &run.ns),
             ("ORDERS_CONSUMER_STATS_MS", "1000"),
@@ -455,7 +556,12 @@ async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
     .await;
     load::place_orders(&orders.url, &run.ns).await;
     let payments = run
-        .payments_via(&through, &provider_url, settings.dispatchers)
+        .payments_via(
+            &payments_db_url,
+            &through,
+            &provider_url,
+            settings.dispatchers,
+        )
         .await;
     let events = Events::watch(broker, &run.ns).await;
     let load = Load::new(&payments.url, &run.ns);
@@ -475,19 +581,19 @@ async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
     }
     let steady_accepted = load.tally.accepted.load(Ordering::Relaxed);
 
-    proxy.cut();
-    let cut = Instant::now();
+    cut.cut().await;
+    let cut_at = Instant::now();
     let mut peak = Sample::default();
     let mut next_report = Duration::from_secs(60);
     // A look every few seconds: each counts the pending rows, hundreds of thousands by the end,
     // on the database the chain is draining into.
-    while cut.elapsed() < settings.outage {
-        tokio::time::sleep(LOOK.min(settings.outage.saturating_sub(cut.elapsed()))).await;
+    while cut_at.elapsed() < settings.outage {
+        tokio::time::sleep(LOOK.min(settings.outage.saturating_sub(cut_at.elapsed()))).await;
         let now = sample(&mut run, &mut orders_db, &load).await;
         peak.pending = peak.pending.max(now.pending);
         peak.pending_charges = peak.pending_charges.max(now.pending_charges);
         peak.unapplied = peak.unapplied.max(now.unapplied);
-        if cut.elapsed() >= next_report {
+        if cut_at.elapsed() >= next_report {
             eprintln!(
                 "{store} {broker}: {} s into the outage, {} pending in the outbox ({} of them \
                  charges), {} accepted payments not applied",
@@ -502,7 +608,7 @@ async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
     let at_return = sample(&mut run, &mut orders_db, &load).await;
     let backlog_last = run.db.last_id().await;
     let charges_then = run.db.charges_up_to(backlog_last).await;
-    proxy.restore();
+    cut.restore().await;
     let restored = Instant::now();
     let (_, events_then) = run.db.delivered().await;
     let at_broker_then = events.count().await;
@@ -604,10 +710,7 @@ async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
         "{store:<8} {broker:<8} outage: {} cut for {} s; at its return {} pending in the outbox \
          ({} of them charges) and {} accepted payments not applied ({} events delivered by \
          then); peak {} pending ({} charges), {} not applied",
-        match settings.outage_of {
-            Dependency::Broker => "the broker (both apps)",
-            Dependency::Provider => "the provider (payments' dispatcher)",
-        },
+        settings.outage_of.describe(store),
         settings.outage.as_secs(),
         at_return.pending,
         at_return.pending_charges,

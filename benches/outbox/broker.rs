@@ -378,6 +378,7 @@ pub(crate) type Acks = Arc<Mutex<HashMap<String, Instant>>>;
 impl Publish {
     /// Also records when each send began, in `sends`, and when its confirmation came back, in
     /// `acks`.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn recording(mut self, sends: Acks, acks: Acks) -> Self {
         self.acks = Some((sends, acks));
         self

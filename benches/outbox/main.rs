@@ -111,6 +111,8 @@ struct Settings {
     payload: usize,
     live: bool,
     throughput: bool,
+    // Latency is measured on PostgreSQL only.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     latency: bool,
 }
 
@@ -247,6 +249,8 @@ async fn main() {
     }
 }
 
+// The latencies are measured on PostgreSQL only.
+#[cfg_attr(not(feature = "postgres"), allow(unused_variables, clippy::ptr_arg))]
 async fn measure_stores(
     brokers: &[Broker],
     settings: &Settings,

@@ -12,6 +12,7 @@ use axum_idempotency::outbox::{
     DownstreamKey, Message, NatsSender, OutboxRecord, RabbitMqSender, SendOutcome, Sender,
 };
 use common::logs::Captured;
+use common::silent::FaultProxy;
 use common::sqlite::TempOutbox;
 use common::vip::{Vip, dead_address};
 use common::{nats, rabbitmq};
@@ -136,6 +137,80 @@ async fn nats_sends_during_an_outage_are_unavailable_and_deliver_once_it_is_back
     let (record, _dir) = record("payment.succeeded").await;
 
     through_an_outage(&vip, broker, &sender, &record).await;
+
+    nats::delete(&nats::connect().await, [&stream]).await;
+}
+
+/// The link to NATS goes silent, as when the server's host loses power or a partition sends no
+/// reset: nothing comes back and the connection stays open. A publish then waits out its ack
+/// (5 s) and answers an unknown outcome, which the dispatcher counts as an attempt, so the
+/// sender must find the link out soon and answer that the broker is unavailable, an outage,
+/// until it is back. With async-nats' default pings (every minute, stale after three) that
+/// took up to three minutes, ten attempts and more at the examples' settings.
+#[tokio::test]
+async fn a_silent_nats_link_is_found_out_and_waited_out_as_an_outage() {
+    let broker: SocketAddr = nats::ADDRESS.parse().unwrap();
+    let proxy = FaultProxy::start(&broker.to_string()).await;
+    let stream = common::unique("OUTBOX_SILENT");
+    let subject = format!("{stream}.paid");
+    let sender = NatsSender::connect(&format!("nats://{}", proxy.addr))
+        .await
+        .unwrap()
+        .route("payment.succeeded", subject.as_str());
+    sender
+        .declare_stream(&stream, [format!("{stream}.>")])
+        .await
+        .unwrap();
+    let (record, _dir) = record("payment.succeeded").await;
+    let delivered = sender.send(&record).await;
+    assert!(
+        matches!(delivered, SendOutcome::Delivered { .. }),
+        "{delivered:?}"
+    );
+
+    proxy.blackhole(true);
+    let silent = Instant::now();
+    let mut unknown = 0;
+    loop {
+        match sender.send(&record).await {
+            SendOutcome::Unavailable { .. } => break,
+            SendOutcome::Unknown { .. } => unknown += 1,
+            other => panic!("while the link is silent: {other:?}"),
+        }
+        assert!(
+            silent.elapsed() < Duration::from_secs(25),
+            "still not found out after {:?} of silence ({unknown} unknown outcomes)",
+            silent.elapsed()
+        );
+    }
+    assert!(
+        unknown <= 3,
+        "{unknown} unknown outcomes before the outage was found"
+    );
+    // Found out, every send is an outage, answered at once.
+    for _ in 0..5 {
+        let outcome = send_promptly(&sender, &record).await;
+        assert!(
+            matches!(outcome, SendOutcome::Unavailable { .. }),
+            "{outcome:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    proxy.blackhole(false);
+    let back = Instant::now();
+    loop {
+        match send_promptly(&sender, &record).await {
+            SendOutcome::Delivered { .. } => break,
+            SendOutcome::Unavailable { .. } => {}
+            other => panic!("after the link healed: {other:?}"),
+        }
+        assert!(
+            back.elapsed() < Duration::from_secs(20),
+            "not delivered within 20 s of the link's return"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 
     nats::delete(&nats::connect().await, [&stream]).await;
 }

@@ -17,6 +17,7 @@
 //! - [`rabbitmq`], [`nats`]: the shared RabbitMQ and NATS JetStream, and cleaning up a test's
 //!   names there.
 //! - [`sqlite`]: SQLite files of a test's own, and an outbox on one.
+//! - [`silent`]: a TCP proxy that can go silent, passing nothing while keeping connections open.
 
 #![allow(dead_code, unreachable_pub, unused_imports)]
 
@@ -39,6 +40,7 @@ pub(crate) mod pg_cluster;
 pub(crate) mod process;
 #[cfg(feature = "rabbitmq")]
 pub(crate) mod rabbitmq;
+pub(crate) mod silent;
 #[cfg(feature = "server")]
 pub(crate) mod sqlite;
 pub(crate) mod vip;

@@ -20,6 +20,9 @@ use tokio::time::Instant;
 
 /// How long a send may take while the broker is away: it must not wait for the broker.
 const PROMPT: Duration = Duration::from_secs(3);
+/// The examples' send timeout (the dispatcher's default is 30 s): a send the dispatcher waits
+/// no longer for is an unknown outcome.
+const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A stored outbox message of `topic`, as the dispatcher hands it to a sender, and the
 /// outbox it is stored in.
@@ -213,4 +216,73 @@ async fn a_silent_nats_link_is_found_out_and_waited_out_as_an_outage() {
     }
 
     nats::delete(&nats::connect().await, [&stream]).await;
+}
+
+/// The same silence under the RabbitMQ sender: its connection's heartbeat (10 s unless the URL
+/// sets one) finds the link out, and sends answer that the broker is unavailable until it is
+/// back. A send the dispatcher gives up on after its send timeout (5 s in the examples) is an
+/// unknown outcome, an attempt: only a few may pass before the outage is known.
+#[tokio::test]
+async fn a_silent_rabbitmq_link_is_found_out_and_waited_out_as_an_outage() {
+    let broker: SocketAddr = rabbitmq::ADDRESS.parse().unwrap();
+    let admin = rabbitmq::connect().await;
+    let exchange = common::unique("outbox.silent");
+    let queue = common::unique("outbox.silent");
+    let proxy = FaultProxy::start(&broker.to_string()).await;
+    let sender = RabbitMqSender::connect(
+        &format!("amqp://guest:guest@{}/%2f", proxy.addr),
+        exchange.as_str(),
+    )
+    .await
+    .unwrap();
+    sender.declare().await.unwrap();
+    let channel = admin.create_channel().await.unwrap();
+    rabbitmq::bind_queue(&channel, &queue, &exchange, "payment.succeeded", true).await;
+    let (record, _dir) = record("payment.succeeded").await;
+    let delivered = sender.send(&record).await;
+    assert!(
+        matches!(delivered, SendOutcome::Delivered { .. }),
+        "{delivered:?}"
+    );
+
+    proxy.blackhole(true);
+    let silent = Instant::now();
+    let mut unknown = 0;
+    loop {
+        match tokio::time::timeout(SEND_TIMEOUT, sender.send(&record)).await {
+            Ok(SendOutcome::Unavailable { .. }) => break,
+            Ok(SendOutcome::Unknown { .. }) | Err(_) => unknown += 1,
+            Ok(other) => panic!("while the link is silent: {other:?}"),
+        }
+        assert!(
+            silent.elapsed() < Duration::from_secs(40),
+            "still not found out after {:?} of silence ({unknown} unknown outcomes)",
+            silent.elapsed()
+        );
+    }
+    eprintln!(
+        "found out after {:?}, {unknown} unknown outcomes",
+        silent.elapsed()
+    );
+    assert!(
+        unknown <= 6,
+        "{unknown} unknown outcomes before the outage was found"
+    );
+
+    proxy.blackhole(false);
+    let back = Instant::now();
+    loop {
+        match send_promptly(&sender, &record).await {
+            SendOutcome::Delivered { .. } => break,
+            SendOutcome::Unavailable { .. } => {}
+            other => panic!("after the link healed: {other:?}"),
+        }
+        assert!(
+            back.elapsed() < Duration::from_secs(20),
+            "not delivered within 20 s of the link's return"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    rabbitmq::delete(&channel, [&queue], &exchange).await;
 }

@@ -972,7 +972,11 @@ pub mod outbox {}
 ///   `NatsSender` go on as they are. Made with `NatsConsumer::connect(inbox, url, stream,
 ///   durable)` and `NatsSender::connect(url)`, their client waits the same jittered backoff
 ///   between attempts as RabbitMQ's (a client of your own waits async-nats' default: the same
-///   for every client, doubling from nothing to 4 s). While the client is disconnected a send
+///   for every client, doubling from nothing to 4 s), and pings the server every 5 s, so a
+///   server host that vanishes without closing its sockets is noticed within about 15 s (a
+///   client of your own pings once a minute and takes up to three: set
+///   `ConnectOptions::ping_interval`; until then each publish waits out its ack, an unknown
+///   outcome, which counts as an attempt). While the client is disconnected a send
 ///   publishes nothing and answers unavailable. A publish whose ack is lost in the outage is an unknown outcome, sent again later with the
 ///   same `Nats-Msg-Id`, which the stream's duplicate window drops; a message whose ack was
 ///   lost comes back after the ack wait and is skipped as a duplicate.

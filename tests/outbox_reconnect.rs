@@ -10,8 +10,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum_idempotency::outbox::{
-    Backoff, Dispatcher, DownstreamKey, Message, NatsSender, RabbitMqSender, Sender, Status,
+    Backoff, Dispatcher, DownstreamKey, Message, RabbitMqSender, Sender, Status,
 };
+use common::sends::nats_sender;
 use common::sqlite::TempOutbox;
 use common::vip::{Vip, dead_address};
 use common::{nats, rabbitmq};
@@ -112,16 +113,7 @@ async fn rabbitmq_messages_paused_by_an_outage_go_as_soon_as_the_sender_reconnec
 async fn nats_messages_paused_by_an_outage_go_as_soon_as_the_client_reconnects() {
     let broker: SocketAddr = nats::ADDRESS.parse().unwrap();
     let vip = Vip::start(broker).await;
-    let stream = common::unique("OUTBOX_DRAIN");
-    let subject = format!("{stream}.paid");
-    let sender = NatsSender::connect(&format!("nats://{}", vip.addr))
-        .await
-        .unwrap()
-        .route("payment.succeeded", subject.as_str());
-    sender
-        .declare_stream(&stream, [format!("{stream}.>")])
-        .await
-        .unwrap();
+    let (sender, stream) = nats_sender(vip.addr, "OUTBOX_DRAIN").await;
 
     drains_once_the_sender_reconnects(&vip, broker, sender, "payment.succeeded").await;
 

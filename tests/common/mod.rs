@@ -17,6 +17,7 @@
 //! - [`rabbitmq`], [`nats`]: the shared RabbitMQ and NATS JetStream, and cleaning up a test's
 //!   names there.
 //! - [`sqlite`]: SQLite files of a test's own, and an outbox on one.
+//! - [`sends`]: a broker sender's sends as the dispatcher makes them.
 //! - [`silent`]: a TCP proxy that can go silent, passing nothing while keeping connections open.
 
 #![allow(dead_code, unreachable_pub, unused_imports)]
@@ -40,6 +41,13 @@ pub(crate) mod pg_cluster;
 pub(crate) mod process;
 #[cfg(feature = "rabbitmq")]
 pub(crate) mod rabbitmq;
+#[cfg(all(
+    feature = "outbox",
+    feature = "sqlite",
+    feature = "nats",
+    feature = "rabbitmq"
+))]
+pub(crate) mod sends;
 pub(crate) mod silent;
 #[cfg(feature = "server")]
 pub(crate) mod sqlite;

@@ -102,8 +102,8 @@ fn with_heartbeat(uri: &str) -> String {
 }
 
 /// A NATS client connected to `url` now, which reconnects by itself after the
-/// [`RECONNECT`] backoff (async-nats' own default waits alike for every client) and finds a
-/// silent connection out within [`NATS_PING`] three times.
+/// [`RECONNECT`] backoff (async-nats' own default waits alike for every client) and drops a
+/// connection gone silent within three [`NATS_PING`]s.
 #[cfg(feature = "nats")]
 pub(crate) async fn nats(url: &str) -> Result<async_nats::Client, async_nats::ConnectError> {
     nats_options().connect(url).await

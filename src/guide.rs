@@ -976,10 +976,11 @@ pub mod outbox {}
 ///   server host that vanishes without closing its sockets is noticed within about 15 s (a
 ///   client of your own pings once a minute and takes up to three: set
 ///   `ConnectOptions::ping_interval`; until then each publish waits out its ack, an unknown
-///   outcome, which counts as an attempt). While the client is disconnected a send
-///   publishes nothing and answers unavailable. A publish whose ack is lost in the outage is an unknown outcome, sent again later with the
-///   same `Nats-Msg-Id`, which the stream's duplicate window drops; a message whose ack was
-///   lost comes back after the ack wait and is skipped as a duplicate.
+///   outcome, which counts as an attempt). While the client is disconnected a send publishes
+///   nothing and answers unavailable. A publish whose ack is lost in the outage is an unknown
+///   outcome, sent again later with the same `Nats-Msg-Id`, which the stream's duplicate window
+///   drops; a message whose ack was lost comes back after the ack wait and is skipped as a
+///   duplicate.
 /// - **The outbox's attempts.** A send that finds the broker away is
 ///   [`Unavailable`](crate::outbox::SendOutcome::Unavailable): it spends none of the message's
 ///   attempts, however long the outage lasts; the dispatcher pauses the destination and probes

@@ -119,7 +119,7 @@ impl Settings {
 }
 
 /// What the outage cuts off.
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy)]
 enum Dependency {
     /// The broker, for both apps.
     Broker,
@@ -464,6 +464,15 @@ struct Sample {
     applied: u64,
 }
 
+impl Sample {
+    /// Each backlog count raised to `now`'s where that is larger: the peak so far.
+    fn raise_to(&mut self, now: &Sample) {
+        self.pending = self.pending.max(now.pending);
+        self.pending_charges = self.pending_charges.max(now.pending_charges);
+        self.unapplied = self.unapplied.max(now.unapplied);
+    }
+}
+
 async fn sample(run: &mut Run, orders_db: &mut Database, load: &Load) -> Sample {
     let accepted = load.tally.accepted.load(Ordering::Relaxed);
     let counts = run.db.counts().await;
@@ -499,49 +508,36 @@ fn processed(orders: &Process) -> u64 {
 async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
     let mut run = Run::new(store, broker, "o").await;
     let mut orders_db = Database::new(store, &format!("{}ord", run.ns)).await;
-    let direct = run.broker_url(run.upstream());
-    let (payments_db_url, orders_db_url) = (run.db.url().to_owned(), orders_db.url().to_owned());
-    let (mut cut, through, provider_url, payments_db_url, orders_db_url) = match settings.outage_of
-    {
+    // Each app reaches what the outage does not cut directly; the cut one, through the cut.
+    let mut through = run.broker_url(run.upstream());
+    let mut provider_url = run.provider.url.clone();
+    let mut payments_db_url = run.db.url().to_owned();
+    let mut orders_db_url = orders_db.url().to_owned();
+    let mut cut = match settings.outage_of {
         // Orders behind the same proxy: the broker is down for both apps.
         Dependency::Broker => {
             let proxy = Proxy::start(run.upstream()).await;
-            let through = run.broker_url(proxy.addr);
-            let provider = run.provider.url.clone();
-            (
-                Cut::Link(proxy),
-                through,
-                provider,
-                payments_db_url,
-                orders_db_url,
-            )
+            through = run.broker_url(proxy.addr);
+            Cut::Link(proxy)
         }
         Dependency::Provider => {
-            let provider = run
-                .provider
-                .url
+            let provider = provider_url
                 .trim_start_matches("http://")
                 .parse()
                 .expect("the provider's address");
             let proxy = Proxy::start(provider).await;
-            let url = format!("http://{}", proxy.addr);
-            (
-                Cut::Link(proxy),
-                direct,
-                url,
-                payments_db_url,
-                orders_db_url,
-            )
+            provider_url = format!("http://{}", proxy.addr);
+            Cut::Link(proxy)
         }
         Dependency::PaymentsDb => {
             let (cut, url) = Cut::database(&run.db).await;
-            let provider = run.provider.url.clone();
-            (cut, direct, provider, url, orders_db_url)
+            payments_db_url = url;
+            cut
         }
         Dependency::OrdersDb => {
             let (cut, url) = Cut::database(&orders_db).await;
-            let provider = run.provider.url.clone();
-            (cut, direct, provider, payments_db_url, url)
+            orders_db_url = url;
+            cut
         }
     };
     let orders = Process::start(
@@ -572,9 +568,7 @@ async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
     let (mut steady_max, mut samples, mut steady_sum) = (Sample::default(), 0, 0);
     while Instant::now() < steady_end {
         let now = sample(&mut run, &mut orders_db, &load).await;
-        steady_max.pending = steady_max.pending.max(now.pending);
-        steady_max.pending_charges = steady_max.pending_charges.max(now.pending_charges);
-        steady_max.unapplied = steady_max.unapplied.max(now.unapplied);
+        steady_max.raise_to(&now);
         steady_sum += now.pending;
         samples += 1;
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -590,9 +584,7 @@ async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
     while cut_at.elapsed() < settings.outage {
         tokio::time::sleep(LOOK.min(settings.outage.saturating_sub(cut_at.elapsed()))).await;
         let now = sample(&mut run, &mut orders_db, &load).await;
-        peak.pending = peak.pending.max(now.pending);
-        peak.pending_charges = peak.pending_charges.max(now.pending_charges);
-        peak.unapplied = peak.unapplied.max(now.unapplied);
+        peak.raise_to(&now);
         if cut_at.elapsed() >= next_report {
             eprintln!(
                 "{store} {broker}: {} s into the outage, {} pending in the outbox ({} of them \
@@ -645,9 +637,7 @@ async fn outage(settings: &Settings, store: &str, broker: &str, accept: f64) {
         }
         if elapsed >= next_look {
             let now = sample(&mut run, &mut orders_db, &load).await;
-            peak.pending = peak.pending.max(now.pending);
-            peak.pending_charges = peak.pending_charges.max(now.pending_charges);
-            peak.unapplied = peak.unapplied.max(now.unapplied);
+            peak.raise_to(&now);
             if relayed.is_none() && now.pending <= steady_max.pending {
                 relayed = Some(restored.elapsed());
             }

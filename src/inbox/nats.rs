@@ -25,20 +25,19 @@
 //!
 //! # When the broker goes away
 //!
-//! The async-nats client reconnects by itself, for as long as it runs, and the pull
-//! consumer's message stream asks for messages again once it is back, so
-//! [`run`](NatsConsumer::run) goes on by itself through a server restart. A consumer made
-//! with [`connect`](NatsConsumer::connect) has a client whose waits between reconnection
-//! attempts are jittered (up to 100 ms, the ceiling doubling to 5 s), so a fleet does not
-//! come back to a restarted server at one instant; async-nats' own default, for a client you
-//! make, waits the same for every client (doubling from nothing to 4 s). That client also
-//! pings the server every 5 s, so a link gone silent (a server host that lost power, a
-//! partition that sends no reset) is dropped as stale and reconnected within about 15 s, where
-//! async-nats' default ping of a minute takes up to three (give a client of your own the
-//! same, `ConnectOptions::ping_interval`). The errors seen meanwhile are
-//! logged at `WARN`. Handlers that
-//! were running keep their transactions; an ack lost in the outage lets JetStream deliver the
-//! message again after the ack wait, and the inbox skips it as a duplicate. Only a durable
+//! The async-nats client reconnects by itself, for as long as it runs, and the pull consumer's
+//! message stream asks for messages again once it is back, so [`run`](NatsConsumer::run) goes
+//! on by itself through a server restart. A consumer made with
+//! [`connect`](NatsConsumer::connect) has a client whose waits between reconnection attempts
+//! are jittered (up to 100 ms, the ceiling doubling to 5 s), so a fleet does not come back to a
+//! restarted server at one instant; async-nats' own default, for a client you make, waits the
+//! same for every client (doubling from nothing to 4 s). That client also pings the server
+//! every 5 s, so a link gone silent (a server host that lost power, a partition that sends no
+//! reset) is dropped as stale and reconnected within about 15 s, where async-nats' default ping
+//! of a minute takes up to three (give a client of your own the same,
+//! `ConnectOptions::ping_interval`). The errors seen meanwhile are logged at `WARN`. Handlers
+//! that were running keep their transactions; an ack lost in the outage lets JetStream deliver
+//! the message again after the ack wait, and the inbox skips it as a duplicate. Only a durable
 //! consumer deleted from outside ends the stream, and `run` with it.
 //!
 //! ```no_run

@@ -19,8 +19,7 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 
-use crate::backend::Lease;
-use crate::backend::{ClaimedMessage, Handed};
+use crate::backend::{ClaimedMessage, Handed, Lease};
 use crate::clock::Millis;
 
 /// The dispatchers of one outbox (and its clones) in this process that take hand-overs.

@@ -19,20 +19,20 @@ use crate::outbox::{OutboxRecord, Reconnected, SendOutcome, Sender};
 /// usual resends fall inside it. The subject is the message's topic, or what
 /// [`route`](Self::route) maps it to.
 ///
-/// A server that restarts is waited out: the async-nats client reconnects by itself (a
-/// sender made with [`connect`](Self::connect) with a jittered backoff, up to 100 ms doubling
-/// to 5 s, and it tells the dispatcher when it is connected again, which then probes the
-/// paused subjects at once; see [`Sender::reconnected`]). That client pings the server every
-/// 5 s and drops a connection gone silent (a server host that lost power, a partition that
-/// sends no reset) within about 15 s: with async-nats' default of a minute it took up to three,
-/// each publish meanwhile waiting out its ack, an unknown outcome that counts as an attempt
-/// (give a client of your own the same, `ConnectOptions::ping_interval`).
-/// While the client is not connected, a send publishes nothing and answers
-/// [`SendOutcome::Unavailable`] at once (a publish queued then would leave whenever the client
-/// is back); so does a publish that no stream answers (no responders: no stream captures the
-/// subject, or its stream has no leader) and one the client could not queue in time. A
-/// publish whose ack does not come (within the JetStream context's timeout, 5 s by default)
-/// is an unknown outcome, sent again later with the same `Nats-Msg-Id`.
+/// A server that restarts is waited out: the async-nats client reconnects by itself (a sender
+/// made with [`connect`](Self::connect) with a jittered backoff, up to 100 ms doubling to 5 s,
+/// and it tells the dispatcher when it is connected again, which then probes the paused
+/// subjects at once; see [`Sender::reconnected`]). That client pings the server every 5 s and
+/// drops a connection gone silent (a server host that lost power, a partition that sends no
+/// reset) within about 15 s: with async-nats' default of a minute it took up to three, each
+/// publish meanwhile waiting out its ack, an unknown outcome that counts as an attempt (give a
+/// client of your own the same, `ConnectOptions::ping_interval`). While the client is not
+/// connected, a send publishes nothing and answers [`SendOutcome::Unavailable`] at once (a
+/// publish queued then would leave whenever the client is back); so does a publish that no
+/// stream answers (no responders: no stream captures the subject, or its stream has no leader)
+/// and one the client could not queue in time. A publish whose ack does not come (within the
+/// JetStream context's timeout, 5 s by default) is an unknown outcome, sent again later with
+/// the same `Nats-Msg-Id`.
 ///
 /// ```no_run
 /// # async fn run(outbox: axum_idempotency::outbox::Outbox<sqlx::Sqlite>) -> Result<(), async_nats::Error> {

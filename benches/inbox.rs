@@ -7,8 +7,10 @@
 //! transaction it inserts the message id into a processed-ids table (its primary key makes a
 //! duplicate insert nothing, and a duplicate is rolled back and acked), inserts the same row,
 //! commits, then acks; *inbox* claims the message's business key in the transaction it inserts
-//! the same row in, commits, then acks. The figure that matters is inbox / dedupe, what the
-//! inbox costs over the dedupe a user would otherwise write; plain and bare are context. The
+//! the same row in, commits, then acks; *inbox, batched* is the same consumer applying up to
+//! `INBOX_BENCH_BATCH` (default 16) of the messages in hand in one transaction. The figure
+//! that matters is inbox / dedupe, what the inbox costs over the dedupe a user would otherwise
+//! write; plain and bare are context. The
 //! consumers with a database are also run without a broker (rows committed by tasks fed from
 //! memory), which splits the price into the database's part and the consumer's.
 //!
@@ -321,6 +323,7 @@ async fn inbox<DB>(
     name: &str,
     messages: usize,
     concurrency: usize,
+    batch: usize,
 ) -> Run
 where
     DB: Backend,
@@ -344,7 +347,8 @@ where
     let consumer = NatsConsumer::new(inbox, js.clone(), name, "inbox")
         .stream_subjects([format!("{name}.>")])
         .dead_letters(format!("{name}_DEAD"), format!("{name}dead"))
-        .concurrency(concurrency);
+        .concurrency(concurrency)
+        .batch(batch);
     consumer.declare().await.expect("declare");
     publish(js, &format!("{name}.events"), messages).await;
     let timer = Timer::start();
@@ -438,6 +442,7 @@ struct Rates {
     plain: Vec<Run>,
     dedupe: Vec<Run>,
     inbox: Vec<Run>,
+    inbox_batched: Vec<Run>,
     plain_direct: Vec<Run>,
     dedupe_direct: Vec<Run>,
     inbox_direct: Vec<Run>,
@@ -451,6 +456,7 @@ impl Rates {
         name: &str,
         messages: usize,
         concurrency: usize,
+        batch: usize,
     ) where
         DB: Backend,
         for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
@@ -464,7 +470,9 @@ impl Rates {
         self.dedupe
             .push(dedupe(js, pool.clone(), &format!("{name}_DEDUPE"), m, c).await);
         self.inbox
-            .push(inbox(js, store.clone(), &format!("{name}_INBOX"), m, c).await);
+            .push(inbox(js, store.clone(), &format!("{name}_INBOX"), m, c, 1).await);
+        self.inbox_batched
+            .push(inbox(js, store.clone(), &format!("{name}_BATCHED"), m, c, batch).await);
         self.plain_direct
             .push(plain_direct(pool.clone(), &format!("{name}_PLAIN_DIRECT"), m, c).await);
         self.dedupe_direct
@@ -486,6 +494,12 @@ impl Rates {
             row("inbox consumer:", &self.inbox),
             ratios(&self.inbox, &self.dedupe),
             ratios(&self.inbox, &self.plain)
+        );
+        println!(
+            "{}  inbox / dedupe {}  inbox / plain {}",
+            row("inbox, batched:", &self.inbox_batched),
+            ratios(&self.inbox_batched, &self.dedupe),
+            ratios(&self.inbox_batched, &self.plain)
         );
         println!("{}", row("no broker, plain:", &self.plain_direct));
         println!(
@@ -554,6 +568,7 @@ async fn bench() {
     let messages = env_or("INBOX_BENCH_MESSAGES", 2000);
     let concurrency = env_or("INBOX_BENCH_CONCURRENCY", 8);
     let rounds = env_or("INBOX_BENCH_ROUNDS", 3).max(1);
+    let batch = env_or("INBOX_BENCH_BATCH", 16).max(1);
     let js = jetstream::new(
         async_nats::connect(NATS)
             .await
@@ -616,20 +631,22 @@ async fn bench() {
         if on("sqlite") {
             let name = format!("{name}_SQLITE");
             sqlite_rates
-                .round(&js, &sqlite, &name, messages, concurrency)
+                .round(&js, &sqlite, &name, messages, concurrency, batch)
                 .await;
         }
         #[cfg(feature = "postgres")]
         if on("postgres") {
             let name = format!("{name}_PG");
             postgres_rates
-                .round(&js, &postgres, &name, messages, concurrency)
+                .round(&js, &postgres, &name, messages, concurrency, batch)
                 .await;
         }
         eprintln!("round {} of {rounds} done", round + 1);
     }
 
-    println!("{messages} messages, {concurrency} at a time, medians of {rounds} rounds:");
+    println!(
+        "{messages} messages, {concurrency} at a time (batched: {concurrency} transactions of up to {batch}), medians of {rounds} rounds:"
+    );
     println!("{:<11} {}", "", line("bare consumer (ack):", &bare_rates));
     if on("sqlite") {
         sqlite_rates.print("SQLite");

@@ -879,7 +879,8 @@ pub mod outbox {}
 /// let consumer = RabbitMqConsumer::connect(inbox, uri, "orders.payment-succeeded") // reconnects
 ///     .await?
 ///     .bind("payments", "payment.succeeded")
-///     .concurrency(4);
+///     .concurrency(4)                                           // transactions at once
+///     .batch(16);                                               // deliveries per transaction
 /// consumer.declare().await?;
 /// consumer.run(|mut tx: Tx<Sqlite>, delivery: Delivery| async move {
 ///     // Apply the event here, with `&mut *tx`.
@@ -894,6 +895,17 @@ pub mod outbox {}
 /// message id, finds the claim and is acked without running the handler; a copy arriving while
 /// the first is still running waits for it (bounded) and then skips. `NatsConsumer` does the same
 /// on a JetStream durable pull consumer.
+///
+/// **Batches.** A delivery's cost is mostly its commit's wait for the disk. With `.batch(n)` the
+/// adapter hands up to `n` of the deliveries it holds to `Inbox::handle_batch`, which claims each
+/// key and runs each handler in **one** transaction and commits once: on a database that syncs
+/// each commit, a backlog (the one a broker or database outage leaves) drains several times
+/// faster. A batch takes what has arrived and never waits to fill, so a lone delivery is applied
+/// at once. If any handler in it fails, or the commit does, nothing of it stands and each
+/// delivery is applied alone, so one bad delivery fails only itself; an unreachable database
+/// pauses the whole batch as one outage. A handler may then run more than once for a delivery,
+/// which is harmless for what it writes through `Tx` (rolled back) and one more reason to keep
+/// its effects there.
 ///
 /// **Why the business key.** A message id only catches redeliveries of one message. A publisher
 /// that resends the event under a new id (an outbox retry on a broker without deduplication, a

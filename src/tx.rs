@@ -453,6 +453,12 @@ impl AfterCommit {
         self.0.push(Box::new(action));
     }
 
+    /// Adds the actions of `later` after these.
+    #[cfg_attr(not(feature = "inbox"), allow(dead_code))]
+    pub(crate) fn append(&mut self, mut later: AfterCommit) {
+        self.0.append(&mut later.0);
+    }
+
     /// Runs the actions, in the order they were registered. Call it only after a commit that
     /// succeeded.
     pub(crate) fn run(self) {

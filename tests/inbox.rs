@@ -411,6 +411,486 @@ async fn nats_mariadb_poison_is_dead_lettered_then_replayed_once() {
     poison_is_dead_lettered_then_replayed_once::<sqlx::MySql>(Kind::Nats).await;
 }
 
+// ------------------------------------------------------------------ batches
+
+/// Inserts the delivery's key into `effects`; returns how many rows its transaction saw there
+/// before, and how many a connection of its own saw committed.
+async fn insert_seeing<DB: TestDb>(
+    tx: &mut Tx<DB>,
+    pool: &Pool<DB>,
+    key: String,
+) -> Result<(i64, i64), Failure>
+where
+    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    i64: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+    for<'q> <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    let in_tx: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM effects")
+        .fetch_one(&mut **tx)
+        .await
+        .map_err(|e| Failure::retryable(e.to_string()))?;
+    let committed: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM effects")
+        .fetch_one(pool)
+        .await
+        .map_err(|e| Failure::retryable(e.to_string()))?;
+    sqlx::query(DB::INSERT)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| Failure::retryable(e.to_string()))?;
+    Ok((in_tx, committed))
+}
+
+/// A batch claims its keys and runs its handlers in one transaction that commits once: each
+/// handler sees the writes of those before it, and nothing is visible outside until the end.
+/// A key applied before, a key twice in the batch and a malformed delivery are each answered
+/// on their own, without running a handler.
+async fn a_batch_applies_in_one_transaction_and_skips_what_was_applied<DB: TestDb>()
+where
+    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    i64: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+    for<'q> <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    let (db, store) = setup::<DB>().await;
+    let pool = db.pool.clone();
+    let inbox = Inbox::new("orders", store).key_by(by_payload);
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let apply = {
+        let (pool, seen) = (pool.clone(), Arc::clone(&seen));
+        move |mut tx: Tx<DB>, delivery: Delivery| {
+            let (pool, seen) = (pool.clone(), Arc::clone(&seen));
+            async move {
+                let key = by_payload(&delivery)?;
+                let saw = insert_seeing(&mut tx, &pool, key.clone()).await?;
+                seen.lock().unwrap().push((key, saw));
+                Ok(())
+            }
+        }
+    };
+    let first = Delivery::new("p-0").with_message_id("m-0");
+    assert_eq!(inbox.handle(first, apply.clone()).await, Verdict::Applied);
+    seen.lock().unwrap().clear();
+
+    let batch = [
+        Delivery::new("p-1").with_message_id("m-1"),
+        Delivery::new("p-0").with_message_id("m-0b"),
+        Delivery::new("p-2").with_message_id("m-2"),
+        Delivery::new(vec![0xff_u8]).with_message_id("m-bad"),
+        Delivery::new("p-1").with_message_id("m-1b"),
+        Delivery::new("p-3").with_message_id("m-3"),
+    ];
+    let verdicts = inbox.handle_batch(&batch, apply).await;
+    assert_eq!(verdicts[0], Verdict::Applied);
+    assert_eq!(verdicts[1], Verdict::Duplicate, "applied before the batch");
+    assert_eq!(verdicts[2], Verdict::Applied);
+    assert!(
+        matches!(verdicts[3], Verdict::Dead { .. }),
+        "{:?}",
+        verdicts[3]
+    );
+    assert_eq!(
+        verdicts[4],
+        Verdict::Duplicate,
+        "applied earlier in the batch"
+    );
+    assert_eq!(verdicts[5], Verdict::Applied);
+    // One transaction: each handler saw the ones before it, and nothing of the batch was
+    // committed while it ran (only the key applied before it).
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(
+        seen,
+        [
+            ("p-1".to_owned(), (1, 1)),
+            ("p-2".to_owned(), (2, 1)),
+            ("p-3".to_owned(), (3, 1)),
+        ]
+    );
+    assert_eq!(count(&pool, "SELECT COUNT(*) FROM effects").await, 4);
+    assert_eq!(
+        count(&pool, "SELECT COUNT(*) FROM idempotency_inbox").await,
+        4
+    );
+    let stats = inbox.stats();
+    assert_eq!((stats.processed, stats.duplicates, stats.dead), (4, 2, 1));
+    DB::dispose(db).await;
+}
+
+/// A handler that fails rolls its batch back, and each delivery is then handled alone: the
+/// others apply once, the bad one alone is dead-lettered, and no attempt of the good ones
+/// is counted against them.
+async fn a_failing_delivery_fails_only_itself_not_its_batch<DB: TestDb>()
+where
+    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    i64: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+    for<'q> <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    let (db, store) = setup::<DB>().await;
+    let pool = db.pool.clone();
+    let inbox = Inbox::new("orders", store).key_by(by_payload);
+    let runs = Arc::new(AtomicU32::new(0));
+    let apply = {
+        let runs = Arc::clone(&runs);
+        move |mut tx: Tx<DB>, delivery: Delivery| {
+            let runs = Arc::clone(&runs);
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let key = by_payload(&delivery)?;
+                sqlx::query(DB::INSERT)
+                    .bind(key.clone())
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| Failure::retryable(e.to_string()))?;
+                if key == "unknown-order" {
+                    return Err(Failure::permanent("no such order"));
+                }
+                Ok(())
+            }
+        }
+    };
+    let batch = [
+        Delivery::new("p-1").with_message_id("m-1"),
+        Delivery::new("unknown-order").with_message_id("m-2"),
+        Delivery::new("p-3").with_message_id("m-3"),
+    ];
+    let verdicts = inbox.handle_batch(&batch, apply).await;
+    assert_eq!(verdicts[0], Verdict::Applied);
+    assert_eq!(
+        verdicts[1],
+        Verdict::Dead {
+            reason: "no such order".into()
+        }
+    );
+    assert_eq!(verdicts[2], Verdict::Applied);
+    assert_eq!(count(&pool, "SELECT COUNT(*) FROM effects").await, 2);
+    assert_eq!(
+        count(&pool, "SELECT COUNT(*) FROM idempotency_inbox").await,
+        2
+    );
+    // The batch ran the first two before the failure, then each ran alone.
+    assert_eq!(runs.load(Ordering::SeqCst), 5);
+    let stats = inbox.stats();
+    assert_eq!((stats.processed, stats.retried, stats.dead), (2, 0, 1));
+    DB::dispose(db).await;
+}
+
+/// A batch that cannot reach its database is an outage for every delivery in it, each kept
+/// for after a pause and none counted as an attempt or dead-lettered.
+async fn a_batch_without_its_database_waits_the_outage_out<DB: TestDb>()
+where
+    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    i64: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+    for<'q> <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    let (db, store) = setup::<DB>().await;
+    let inbox = Inbox::new("orders", store).key_by(by_payload);
+    db.pool.close().await;
+    let apply = |mut tx: Tx<DB>, delivery: Delivery| async move {
+        sqlx::query(DB::INSERT)
+            .bind(by_payload(&delivery)?)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| Failure::retryable(e.to_string()))?;
+        Ok(())
+    };
+    let batch = [
+        Delivery::new("p-1").with_message_id("m-1"),
+        Delivery::new("p-2").with_message_id("m-2"),
+        Delivery::new("p-3").with_message_id("m-3"),
+    ];
+    let verdicts = inbox.handle_batch(&batch, apply).await;
+    for verdict in &verdicts {
+        assert!(
+            matches!(verdict, Verdict::Unavailable { .. }),
+            "{verdict:?}"
+        );
+    }
+    let stats = inbox.stats();
+    assert_eq!((stats.unavailable, stats.retried, stats.dead), (3, 0, 0));
+    DB::dispose(db).await;
+}
+
+/// On SQLite another writer holding the database's one write lock past the wait is an outage
+/// for the whole batch at once, not a wait for each of its deliveries in turn.
+#[tokio::test]
+async fn sqlite_a_batch_behind_a_held_write_lock_waits_the_outage_out_at_once() {
+    let (db, store) = setup::<sqlx::Sqlite>().await;
+    let inbox = Inbox::new("orders", store)
+        .key_by(by_payload)
+        .wait_for_in_flight(Duration::from_millis(500));
+    let mut holder = db.pool.acquire().await.unwrap();
+    sqlx::raw_sql("BEGIN EXCLUSIVE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let apply = |mut tx: Tx<sqlx::Sqlite>, delivery: Delivery| async move {
+        sqlx::query(<sqlx::Sqlite as TestDb>::INSERT)
+            .bind(by_payload(&delivery)?)
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    };
+    let batch: Vec<Delivery> = (0..8)
+        .map(|n| Delivery::new(format!("p-{n}")).with_message_id(format!("m-{n}")))
+        .collect();
+    let started = std::time::Instant::now();
+    let verdicts = inbox.handle_batch(&batch, apply).await;
+    let took = started.elapsed();
+    for verdict in &verdicts {
+        assert!(
+            matches!(verdict, Verdict::Unavailable { .. }),
+            "{verdict:?}"
+        );
+    }
+    assert!(
+        took < Duration::from_millis(2500),
+        "the batch waited {took:?}: once per delivery, not once for all"
+    );
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    drop(holder);
+    let verdicts = inbox.handle_batch(&batch, apply).await;
+    assert!(
+        verdicts.iter().all(|v| *v == Verdict::Applied),
+        "{verdicts:?}"
+    );
+    assert_eq!(count(&db.pool, "SELECT COUNT(*) FROM effects").await, 8);
+    sqlx::Sqlite::dispose(db).await;
+}
+
+#[tokio::test]
+async fn sqlite_a_batch_applies_in_one_transaction_and_skips_what_was_applied() {
+    a_batch_applies_in_one_transaction_and_skips_what_was_applied::<sqlx::Sqlite>().await;
+}
+
+#[tokio::test]
+async fn sqlite_a_failing_delivery_fails_only_itself_not_its_batch() {
+    a_failing_delivery_fails_only_itself_not_its_batch::<sqlx::Sqlite>().await;
+}
+
+#[tokio::test]
+async fn sqlite_a_batch_without_its_database_waits_the_outage_out() {
+    a_batch_without_its_database_waits_the_outage_out::<sqlx::Sqlite>().await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn postgres_a_batch_applies_in_one_transaction_and_skips_what_was_applied() {
+    a_batch_applies_in_one_transaction_and_skips_what_was_applied::<sqlx::Postgres>().await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn postgres_a_failing_delivery_fails_only_itself_not_its_batch() {
+    a_failing_delivery_fails_only_itself_not_its_batch::<sqlx::Postgres>().await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn postgres_a_batch_without_its_database_waits_the_outage_out() {
+    a_batch_without_its_database_waits_the_outage_out::<sqlx::Postgres>().await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn mariadb_a_batch_applies_in_one_transaction_and_skips_what_was_applied() {
+    a_batch_applies_in_one_transaction_and_skips_what_was_applied::<sqlx::MySql>().await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn mariadb_a_failing_delivery_fails_only_itself_not_its_batch() {
+    a_failing_delivery_fails_only_itself_not_its_batch::<sqlx::MySql>().await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn mariadb_a_batch_without_its_database_waits_the_outage_out() {
+    a_batch_without_its_database_waits_the_outage_out::<sqlx::MySql>().await;
+}
+
+/// A burst through a broker adapter that batches: 30 payments, 10 of them published twice
+/// under new message ids, and one poison message among them. Each payment applies once, the
+/// copies are duplicates, the poison alone is dead-lettered, and the adapter did apply
+/// deliveries together (a handler saw another delivery's write, not yet committed, in its
+/// transaction).
+async fn a_batching_consumer_applies_a_burst_once<DB: TestDb>(kind: Kind)
+where
+    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    i64: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+    for<'q> <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    let (db, store) = setup::<DB>().await;
+    let pool = db.pool.clone();
+    let inbox = Inbox::new("orders", store).key_by(by_payload);
+    let together = Arc::new(AtomicU32::new(0));
+    let handler = {
+        let (pool, together) = (pool.clone(), Arc::clone(&together));
+        move |mut tx: Tx<DB>, delivery: Delivery| {
+            let (pool, together) = (pool.clone(), Arc::clone(&together));
+            async move {
+                let key = by_payload(&delivery)?;
+                if key == "p-poison" {
+                    return Err(Failure::permanent("no such order"));
+                }
+                let (in_tx, committed) = insert_seeing(&mut tx, &pool, key).await?;
+                if in_tx > committed {
+                    together.fetch_add(1, Ordering::SeqCst);
+                }
+                Ok(())
+            }
+        }
+    };
+    let mut burst: Vec<(String, String)> = (0..30)
+        .map(|n| (format!("p-{n}"), format!("m-{n}")))
+        .collect();
+    burst.extend((0..10).map(|n| (format!("p-{n}"), format!("m-{n}-again"))));
+    burst.insert(17, ("p-poison".to_owned(), "m-poison".to_owned()));
+    let ns = unique("t");
+    let dead = match kind {
+        Kind::RabbitMq => {
+            let connection = Arc::new(rabbitmq::connect().await);
+            let queue = format!("{ns}.orders");
+            let exchange = format!("{ns}.payments");
+            let make = || {
+                RabbitMqConsumer::new(inbox.clone(), connection.clone(), &queue)
+                    .bind(&exchange, "payment.succeeded")
+                    .concurrency(2)
+                    .batch(8)
+            };
+            let consumer = make();
+            consumer.declare().await.unwrap();
+            let channel = connection.create_channel().await.unwrap();
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .unwrap();
+            for (payment, id) in &burst {
+                channel
+                    .basic_publish(
+                        exchange.as_str().into(),
+                        "payment.succeeded".into(),
+                        BasicPublishOptions::default(),
+                        payment.as_bytes(),
+                        BasicProperties::default().with_message_id(id.as_str().into()),
+                    )
+                    .await
+                    .unwrap()
+                    .await
+                    .unwrap();
+            }
+            let running = tokio::spawn(make().run(handler));
+            let dead_queue = consumer.dead_letter_queue();
+            eventually(|| async {
+                let stats = inbox.stats();
+                stats.processed + stats.duplicates + stats.dead == 41
+            })
+            .await;
+            let dead = rabbitmq::waiting(&channel, &dead_queue).await;
+            running.abort();
+            delete_rabbitmq(&queue, &exchange).await;
+            u64::from(dead)
+        }
+        Kind::Nats => {
+            let js = nats::connect().await;
+            let stream = ns.to_uppercase();
+            let dead_stream = format!("{stream}_DEAD");
+            let make = || {
+                NatsConsumer::new(inbox.clone(), js.clone(), &stream, "orders")
+                    .stream_subjects([format!("{ns}.payments.>")])
+                    .filter_subject(format!("{ns}.payments.succeeded"))
+                    .dead_letters(&dead_stream, format!("{ns}.orders.dead"))
+                    .concurrency(2)
+                    .batch(8)
+            };
+            make().declare().await.unwrap();
+            for (payment, id) in &burst {
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
+                js.publish_with_headers(
+                    format!("{ns}.payments.succeeded"),
+                    headers,
+                    Bytes::from(payment.clone()),
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+            }
+            let running = tokio::spawn(make().run(handler));
+            eventually(|| async {
+                let stats = inbox.stats();
+                stats.processed + stats.duplicates + stats.dead == 41
+            })
+            .await;
+            let dead = nats::messages(&js, &dead_stream).await;
+            running.abort();
+            nats::delete(&js, [&stream, &dead_stream]).await;
+            dead
+        }
+    };
+    assert_eq!(dead, 1, "{kind:?}: the poison alone is dead-lettered");
+    assert_eq!(
+        count(&pool, "SELECT COUNT(*) FROM effects").await,
+        30,
+        "{kind:?}"
+    );
+    assert_eq!(
+        count(&pool, "SELECT COUNT(DISTINCT payment_id) FROM effects").await,
+        30,
+        "{kind:?}"
+    );
+    let stats = inbox.stats();
+    assert_eq!(
+        (stats.processed, stats.duplicates, stats.dead),
+        (30, 10, 1),
+        "{kind:?}: {stats:?}"
+    );
+    assert!(
+        together.load(Ordering::SeqCst) > 0,
+        "{kind:?}: no delivery was applied in another's transaction"
+    );
+    DB::dispose(db).await;
+}
+
+#[tokio::test]
+async fn rabbitmq_sqlite_a_batching_consumer_applies_a_burst_once() {
+    a_batching_consumer_applies_a_burst_once::<sqlx::Sqlite>(Kind::RabbitMq).await;
+}
+
+#[tokio::test]
+async fn nats_sqlite_a_batching_consumer_applies_a_burst_once() {
+    a_batching_consumer_applies_a_burst_once::<sqlx::Sqlite>(Kind::Nats).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn rabbitmq_postgres_a_batching_consumer_applies_a_burst_once() {
+    a_batching_consumer_applies_a_burst_once::<sqlx::Postgres>(Kind::RabbitMq).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn nats_postgres_a_batching_consumer_applies_a_burst_once() {
+    a_batching_consumer_applies_a_burst_once::<sqlx::Postgres>(Kind::Nats).await;
+}
+
 // ------------------------------------------------------------------ expiry and backoff
 
 /// Past the inbox's retention a dedupe record no longer counts: `is_applied` says so, the
@@ -1015,7 +1495,7 @@ async fn postgres_an_unreachable_database_is_an_outage_not_an_attempt() {
 /// consumer's database is cut off for longer than two attempts and their backoff are all
 /// applied once after it returns, and the dead-letter queue (stream) stays empty.
 #[cfg(feature = "postgres")]
-async fn an_unreachable_database_dead_letters_nothing(kind: Kind) {
+async fn an_unreachable_database_dead_letters_nothing(kind: Kind, batch: u16) {
     let (db, _) = setup::<sqlx::Postgres>().await;
     let plug = common::link::Plug::start(postgres_addr()).await;
     let inbox = outage_inbox(Store::new(pool_through(&plug, &db).await));
@@ -1029,7 +1509,8 @@ async fn an_unreachable_database_dead_letters_nothing(kind: Kind) {
             let exchange = format!("{ns}.payments");
             let consumer = RabbitMqConsumer::new(inbox.clone(), connection.clone(), &queue)
                 .bind(&exchange, "payment.succeeded")
-                .concurrency(2);
+                .concurrency(2)
+                .batch(batch);
             consumer.declare().await.unwrap();
             let dead_queue = consumer.dead_letter_queue();
             let running = tokio::spawn(consumer.run(apply_payment));
@@ -1075,7 +1556,8 @@ async fn an_unreachable_database_dead_letters_nothing(kind: Kind) {
                 .filter_subject(format!("{ns}.payments.succeeded"))
                 .dead_letters(&dead_stream, format!("{ns}.orders.dead"))
                 .ack_wait(Duration::from_secs(1))
-                .concurrency(2);
+                .concurrency(2)
+                .batch(usize::from(batch));
             consumer.declare().await.unwrap();
             let running = tokio::spawn(consumer.run(apply_payment));
             for (n, payment) in payments.iter().enumerate() {
@@ -1125,13 +1607,25 @@ async fn an_unreachable_database_dead_letters_nothing(kind: Kind) {
 #[cfg(feature = "postgres")]
 #[tokio::test]
 async fn rabbitmq_postgres_an_unreachable_database_dead_letters_nothing() {
-    an_unreachable_database_dead_letters_nothing(Kind::RabbitMq).await;
+    an_unreachable_database_dead_letters_nothing(Kind::RabbitMq, 1).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn rabbitmq_postgres_an_unreachable_database_dead_letters_nothing_in_batches() {
+    an_unreachable_database_dead_letters_nothing(Kind::RabbitMq, 4).await;
 }
 
 #[cfg(feature = "postgres")]
 #[tokio::test]
 async fn nats_postgres_an_unreachable_database_dead_letters_nothing() {
-    an_unreachable_database_dead_letters_nothing(Kind::Nats).await;
+    an_unreachable_database_dead_letters_nothing(Kind::Nats, 1).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn nats_postgres_an_unreachable_database_dead_letters_nothing_in_batches() {
+    an_unreachable_database_dead_letters_nothing(Kind::Nats, 4).await;
 }
 
 /// A delivery refused for good is dead-lettered at once, and everything that reports it says

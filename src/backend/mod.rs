@@ -189,6 +189,18 @@ mod sealed {
             lock_wait: Duration,
         ) -> impl Future<Output = Result<Option<Transaction<'static, Self>>, Error>> + Send + 'a;
 
+        /// Claims `key` as a dedupe key in the transaction `conn` is in, as
+        /// [`claim_key`](Storage::claim_key) does in a transaction of its own: `false`, the
+        /// transaction unharmed, when a live row holds the key. Several keys claimed in one
+        /// transaction commit, or roll back, together.
+        fn claim_key_in<'a>(
+            conn: &'a mut Self::Connection,
+            key: &'a ScopedKey,
+            now: Millis,
+            expires_at: Millis,
+            lock_wait: Duration,
+        ) -> impl Future<Output = Result<bool, Error>> + Send + 'a;
+
         /// Writes `record` under the key claimed in `tx` and commits, in one exchange with the
         /// database where it can. [`Error::Conflict`] when a live record holds the key: the
         /// transaction is then rolled back, the work's writes with it.

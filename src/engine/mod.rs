@@ -85,6 +85,8 @@ use crate::scope::{IdempotencyContext, Scope, ScopedKey};
 use crate::store::Store;
 use crate::tx::{Tx, TxSlot};
 
+#[cfg(feature = "inbox")]
+mod batch;
 mod cache;
 mod claim;
 pub(crate) mod decide;
@@ -99,6 +101,8 @@ mod run_error;
 mod uncancelled;
 mod verdict;
 
+#[cfg(feature = "inbox")]
+pub(crate) use batch::BatchFailed;
 pub use lease::Lease;
 pub use operator::Lookup;
 #[cfg_attr(not(feature = "inbox"), allow(unused_imports))]
@@ -441,12 +445,7 @@ impl<DB: Backend> Engine<DB> {
         E: Send + 'static,
     {
         let key = scope.scoped_key();
-        let span = tracing::info_span!(
-            "idempotency",
-            key = %key,
-            method = scope.method(),
-            route = scope.route(),
-        );
+        let span = span(&key, scope);
         let cached = self
             .settings
             .cache
@@ -475,4 +474,14 @@ impl<DB: Backend> Engine<DB> {
         metrics::answered(answer.logged);
         answer
     }
+}
+
+/// The span an intent's work and its outcome's log line run in.
+fn span(key: &ScopedKey, scope: &Scope) -> tracing::Span {
+    tracing::info_span!(
+        "idempotency",
+        key = %key,
+        method = scope.method(),
+        route = scope.route(),
+    )
 }

@@ -10,8 +10,9 @@ use http::StatusCode;
 use super::failure::{Fate, fate, settled};
 use super::{CONSUME, DEAD, Delivery, Failure, Inbox, LOG_TARGET, Verdict};
 use crate::Backend;
-use crate::engine::{self, Answer, Outcome, RunError};
-use crate::error::Rejection;
+use crate::backend::is_unreachable;
+use crate::engine::{self, Answer, BatchFailed, Outcome, RunError};
+use crate::error::{Error, Rejection};
 use crate::tx::Tx;
 
 impl<DB: Backend> Inbox<DB> {
@@ -39,6 +40,109 @@ impl<DB: Backend> Inbox<DB> {
             })
             .await;
         self.conclude(delivery, &key, answer, replay).await
+    }
+
+    /// The verdicts of several deliveries, in their order: those that can be claimed are
+    /// applied in one transaction; if it commits nothing, each is decided alone.
+    pub(super) async fn decide_batch<F, Fut>(
+        &self,
+        deliveries: &[Delivery],
+        handler: F,
+    ) -> Vec<Verdict>
+    where
+        F: FnMut(Tx<DB>, Delivery) -> Fut + Clone + Send + 'static,
+        Fut: Future<Output = Result<(), Failure>> + Send + 'static,
+    {
+        let mut verdicts = Vec::with_capacity(deliveries.len());
+        let (mut batched, mut scopes) = (Vec::new(), Vec::new());
+        for (index, delivery) in deliveries.iter().enumerate() {
+            match self.claimable(delivery) {
+                Ok((_, scope)) => {
+                    batched.push(index);
+                    scopes.push(scope);
+                    verdicts.push(None);
+                }
+                Err(failure) => {
+                    verdicts.push(Some(self.failed(delivery, None, failure, false).await))
+                }
+            }
+        }
+        if batched.len() > 1 {
+            let messages: Vec<Delivery> = batched.iter().map(|&i| deliveries[i].clone()).collect();
+            let mut work = handler.clone();
+            let batch = self
+                .engine
+                .run_batch(scopes, self.fingerprint(), move |index, tx| {
+                    work(tx, messages[index].clone())
+                })
+                .await;
+            match self
+                .batch_verdicts(&deliveries[batched[0]], batched.len(), batch)
+                .await
+            {
+                Some(batch) => {
+                    for (&index, verdict) in batched.iter().zip(batch) {
+                        verdicts[index] = Some(verdict);
+                    }
+                }
+                None => tracing::debug!(
+                    target: LOG_TARGET,
+                    consumer = %self.name,
+                    deliveries = batched.len(),
+                    "inbox batch rolled back; its deliveries are applied one by one"
+                ),
+            }
+        }
+        let mut decided = Vec::with_capacity(deliveries.len());
+        for (delivery, verdict) in deliveries.iter().zip(verdicts) {
+            decided.push(match verdict {
+                Some(verdict) => verdict,
+                None => self.decide(delivery, handler.clone(), false).await,
+            });
+        }
+        decided
+    }
+
+    /// The verdicts of a batch that committed, or of one that met an outage: each of its
+    /// deliveries waits the outage out, with one pause for them all. `None` when its deliveries
+    /// must each be decided alone to learn which failed, and how.
+    async fn batch_verdicts(
+        &self,
+        first: &Delivery,
+        count: usize,
+        batch: Result<Vec<bool>, BatchFailed<Failure>>,
+    ) -> Option<Vec<Verdict>> {
+        let outage = match batch {
+            Ok(applied) => {
+                let verdict = |ran| {
+                    if ran {
+                        Verdict::Applied
+                    } else {
+                        Verdict::Duplicate
+                    }
+                };
+                return Some(applied.into_iter().map(verdict).collect());
+            }
+            Err(BatchFailed::Work(failure @ Failure::Unavailable(_))) => failure,
+            // Where the database has one write lock, a batch that waited past the bound for it
+            // met another writer holding the whole database, as each delivery alone would;
+            // elsewhere, a key still in flight, whose delivery alone learns what to do.
+            Err(BatchFailed::Store(Error::Busy)) => {
+                match waited_out(DB::ONE_WRITE_LOCK, Duration::ZERO) {
+                    Err(failure) => failure,
+                    Ok(_) => return None,
+                }
+            }
+            Err(BatchFailed::Store(Error::Database(error))) if is_unreachable(&error) => {
+                self.not_applied(RunError::Store(Error::Database(error)))
+            }
+            // A statement or the commit refused: which delivery's doing it was, only each
+            // alone can tell.
+            Err(BatchFailed::Store(_) | BatchFailed::Work(_) | BatchFailed::Broken) => {
+                return None;
+            }
+        };
+        Some(vec![self.failed(first, None, outage, false).await; count])
     }
 
     /// The delivery's business key and the scope it is claimed under.
@@ -223,7 +327,6 @@ fn refusal(note: Bytes) -> http::Response<Bytes> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::Error;
 
     #[test]
     fn a_store_that_failed_is_an_outage_and_a_spent_conflict_a_conflict() {

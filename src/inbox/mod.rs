@@ -113,6 +113,13 @@
 //! wait it is retried later, never run twice (on SQLite, where that wait is for the database's
 //! one write lock, as an outage).
 //!
+//! # Batches
+//!
+//! A delivery's cost is mostly its commit's wait for the disk. [`Inbox::handle_batch`] (and
+//! `batch(n)` on the broker adapters) applies several deliveries in one transaction, with one
+//! commit, and falls back to one transaction each when any of them fails, so the verdicts are
+//! those [`Inbox::handle`] would give.
+//!
 //! # Where a dead letter's reason is
 //!
 //! Each dead-lettered delivery is logged at `WARN` with the consumer's name, the message id,
@@ -439,6 +446,36 @@ impl<DB: Backend> Inbox<DB> {
             observe(&delivery, &verdict);
         }
         verdict
+    }
+
+    /// [`handle`](Self::handle) for several deliveries at once, their verdicts in the same
+    /// order: their handlers run one after another in **one transaction**, which claims each
+    /// business key and commits once. One commit, and one wait for the disk, serves them all,
+    /// which is most of a delivery's cost on a database that syncs each commit (SQLite, a
+    /// PostgreSQL with `synchronous_commit` on).
+    ///
+    /// A delivery whose key was applied before (or earlier in the batch) is a
+    /// [`Verdict::Duplicate`], its handler not run. If any handler fails, or the commit does,
+    /// nothing of the batch stands and each delivery is handled alone, as by `handle`, so a
+    /// bad delivery fails only itself, and only its own failures count as attempts. Should the
+    /// database be out of reach, every delivery is [`Verdict::Unavailable`] at once, with one
+    /// pause for them all. A handler may therefore run more than once for one delivery: keep
+    /// its effects in its [`Tx`], as always.
+    ///
+    /// The broker adapters batch the deliveries they hold when asked to (`batch`).
+    pub async fn handle_batch<F, Fut>(&self, deliveries: &[Delivery], handler: F) -> Vec<Verdict>
+    where
+        F: FnMut(Tx<DB>, Delivery) -> Fut + Clone + Send + 'static,
+        Fut: Future<Output = Result<(), Failure>> + Send + 'static,
+    {
+        let verdicts = self.decide_batch(deliveries, handler).await;
+        for (delivery, verdict) in deliveries.iter().zip(&verdicts) {
+            self.counters.count(verdict);
+            if let Some(observe) = &self.observer {
+                observe(delivery, verdict);
+            }
+        }
+        verdicts
     }
 
     /// [`handle`](Self::handle) for an operator's replay of a dead letter: one attempt, the

@@ -92,6 +92,7 @@ pub struct NatsConsumer<DB: Backend> {
     dead_prefix: String,
     ack_wait: Duration,
     concurrency: usize,
+    batch: usize,
 }
 
 impl<DB: Backend> fmt::Debug for NatsConsumer<DB> {
@@ -104,6 +105,7 @@ impl<DB: Backend> fmt::Debug for NatsConsumer<DB> {
             .field("dead_stream", &self.dead_stream)
             .field("ack_wait", &self.ack_wait)
             .field("concurrency", &self.concurrency)
+            .field("batch", &self.batch)
             .finish_non_exhaustive()
     }
 }
@@ -128,6 +130,7 @@ impl<DB: Backend> NatsConsumer<DB> {
             filter: None,
             ack_wait: Duration::from_secs(10),
             concurrency: 4,
+            batch: 1,
         }
     }
 
@@ -184,10 +187,22 @@ impl<DB: Backend> NatsConsumer<DB> {
         self
     }
 
-    /// How many messages are handled at once (default 4); also the pull batch size.
+    /// How many transactions apply messages at once (default 4).
     #[must_use]
-    pub fn concurrency(mut self, messages: usize) -> Self {
-        self.concurrency = messages.max(1);
+    pub fn concurrency(mut self, transactions: usize) -> Self {
+        self.concurrency = transactions.max(1);
+        self
+    }
+
+    /// Applies up to `messages` of the messages in hand in one transaction (default 1), through
+    /// [`Inbox::handle_batch`]: one commit for them all, which is what bounds a consumer whose
+    /// database syncs each commit. A batch takes what has arrived, never waiting to fill, so
+    /// a lone message is applied at once. Up to `concurrency × messages` are pulled at once.
+    /// On SQLite a batch holds the database's one write lock while all of its handlers run:
+    /// keep them quick, or the batch small.
+    #[must_use]
+    pub fn batch(mut self, messages: usize) -> Self {
+        self.batch = messages.max(1);
         self
     }
 
@@ -263,21 +278,27 @@ impl<DB: Backend> NatsConsumer<DB> {
         // still runs down its ack wait.
         let messages = consumer
             .stream()
-            .max_messages_per_batch(self.concurrency)
+            .max_messages_per_batch(self.concurrency.saturating_mul(self.batch))
             .messages()
             .await?;
         let pause = Pause::default();
         messages
-            .for_each_concurrent(self.concurrency, |message| {
+            .ready_chunks(self.batch)
+            .for_each_concurrent(self.concurrency, |chunk| {
                 let handler = handler.clone();
                 let this = &self;
                 let pause = &pause;
                 async move {
-                    let outcome = match message {
-                        Ok(message) => this.process(message, pause, handler).await,
-                        Err(error) => Err(error.into()),
-                    };
-                    if let Err(error) = outcome {
+                    let mut batch = Vec::with_capacity(chunk.len());
+                    for message in chunk {
+                        match message {
+                            Ok(message) => batch.push(message),
+                            Err(error) => {
+                                tracing::warn!(consumer = %this.inbox.name(), %error, "JetStream message not received");
+                            }
+                        }
+                    }
+                    if let Err(error) = this.process(batch, pause, handler).await {
                         tracing::warn!(consumer = %this.inbox.name(), %error, "JetStream message not settled");
                     }
                 }
@@ -286,9 +307,10 @@ impl<DB: Backend> NatsConsumer<DB> {
         Ok(())
     }
 
+    /// Applies `messages`, in one transaction when there are several, and settles each.
     async fn process<H, Fut>(
         &self,
-        message: async_nats::jetstream::Message,
+        messages: Vec<async_nats::jetstream::Message>,
         pause: &Pause,
         handler: H,
     ) -> Result<(), async_nats::Error>
@@ -296,48 +318,101 @@ impl<DB: Backend> NatsConsumer<DB> {
         H: Fn(Tx<DB>, Delivery) -> Fut + Clone + Send + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
-        let attempt = message
-            .info()
-            .map(|info| u32::try_from(info.delivered.max(1)).unwrap_or(u32::MAX))
-            .unwrap_or(1);
-        let delivery = delivery_of(message.headers.as_ref(), message.payload.clone(), attempt);
+        let deliveries: Vec<Delivery> = messages.iter().map(delivery_of_message).collect();
         // An outage is waited out with the message in hand rather than `Nak`ed: each `Nak` is
         // a delivery to JetStream, which would raise the count the inbox reads its attempts
         // from and, on a durable consumer made elsewhere with `max_deliver`, end its
         // deliveries for good. Progress acks keep it from redelivery meanwhile, and the other
         // messages in hand wait at the pause instead of each failing on the outage.
-        let verdict = self
-            .keeping_alive(&message, async {
-                loop {
-                    pause.wait().await;
-                    match self.inbox.handle(delivery.clone(), handler.clone()).await {
-                        Verdict::Unavailable { after, .. } => pause.hold(after),
-                        verdict => break verdict,
-                    }
-                }
-            })
+        let verdicts = self
+            .keeping_alive(&messages, self.apply(&deliveries, pause, handler))
             .await;
+        // Every message is settled, whatever became of the others: one left unsettled would
+        // hold its place in the consumer's pending acks until its ack wait ran out.
+        let settles = messages
+            .iter()
+            .zip(verdicts)
+            .map(|(message, verdict)| self.settle(message, verdict));
+        futures_util::future::join_all(settles)
+            .await
+            .into_iter()
+            .collect()
+    }
+
+    /// Applies `deliveries`, several in one transaction, waiting out any outage with them in
+    /// hand: those it met are tried again together after one pause.
+    async fn apply<H, Fut>(
+        &self,
+        deliveries: &[Delivery],
+        pause: &Pause,
+        handler: H,
+    ) -> Vec<Verdict>
+    where
+        H: Fn(Tx<DB>, Delivery) -> Fut + Clone + Send + 'static,
+        Fut: Future<Output = Result<(), Failure>> + Send + 'static,
+    {
+        let mut verdicts: Vec<Option<Verdict>> = vec![None; deliveries.len()];
+        loop {
+            let waiting: Vec<usize> = (0..deliveries.len())
+                .filter(|&index| verdicts[index].is_none())
+                .collect();
+            if waiting.is_empty() {
+                return verdicts.into_iter().flatten().collect();
+            }
+            pause.wait().await;
+            let tried = match waiting.as_slice() {
+                [one] => vec![
+                    self.inbox
+                        .handle(deliveries[*one].clone(), handler.clone())
+                        .await,
+                ],
+                several => {
+                    let batch: Vec<Delivery> =
+                        several.iter().map(|&i| deliveries[i].clone()).collect();
+                    self.inbox.handle_batch(&batch, handler.clone()).await
+                }
+            };
+            let mut held = false;
+            for (index, verdict) in waiting.into_iter().zip(tried) {
+                match verdict {
+                    Verdict::Unavailable { after, .. } if !held => {
+                        pause.hold(after);
+                        held = true;
+                    }
+                    Verdict::Unavailable { .. } => {}
+                    verdict => verdicts[index] = Some(verdict),
+                }
+            }
+        }
+    }
+
+    /// Tells JetStream what became of `message`.
+    async fn settle(
+        &self,
+        message: &async_nats::jetstream::Message,
+        verdict: Verdict,
+    ) -> Result<(), async_nats::Error> {
         match verdict {
             Verdict::Applied | Verdict::Duplicate => message.ack().await?,
             Verdict::Retry { after } => message.ack_with(AckKind::Nak(Some(after))).await?,
-            // Not reached (the loop above ends on any other verdict); were it, a delayed `Nak`
+            // Not reached (an outage is waited out before settling); were it, a delayed `Nak`
             // would still bring the message back.
             Verdict::Unavailable { after, .. } => {
                 message.ack_with(AckKind::Nak(Some(after))).await?;
             }
             Verdict::Dead { reason } => {
-                self.dead_letter(&message, &reason).await?;
+                self.dead_letter(message, &reason).await?;
                 message.ack().await?;
             }
         }
         Ok(())
     }
 
-    /// Runs `work` on `message` while telling JetStream every third of the ack wait that it is
-    /// in progress, so the message is not delivered again while its handler still runs.
+    /// Runs `work` on `messages` while telling JetStream every third of the ack wait that each
+    /// is in progress, so none is delivered again while its handler still runs.
     async fn keeping_alive<T>(
         &self,
-        message: &async_nats::jetstream::Message,
+        messages: &[async_nats::jetstream::Message],
         work: impl Future<Output = T>,
     ) -> T {
         let every = (self.ack_wait / 3).max(Duration::from_millis(100));
@@ -345,10 +420,12 @@ impl<DB: Backend> NatsConsumer<DB> {
             let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
             loop {
                 ticks.tick().await;
-                if let Err(error) = message.ack_with(AckKind::Progress).await {
-                    // The next tick tries again; past the ack wait the message is redelivered
-                    // and its duplicate waits on the claim this handler holds.
-                    tracing::warn!(consumer = %self.inbox.name(), %error, "progress ack failed");
+                for message in messages {
+                    if let Err(error) = message.ack_with(AckKind::Progress).await {
+                        // The next tick tries again; past the ack wait the message is
+                        // redelivered and its duplicate waits on the claim this handler holds.
+                        tracing::warn!(consumer = %self.inbox.name(), %error, "progress ack failed");
+                    }
                 }
             }
         };
@@ -413,6 +490,15 @@ impl<DB: Backend> NatsConsumer<DB> {
         }
         Ok(report)
     }
+}
+
+/// A JetStream message as the inbox sees it, its attempt JetStream's delivery count.
+fn delivery_of_message(message: &async_nats::jetstream::Message) -> Delivery {
+    let attempt = message
+        .info()
+        .map(|info| u32::try_from(info.delivered.max(1)).unwrap_or(u32::MAX))
+        .unwrap_or(1);
+    delivery_of(message.headers.as_ref(), message.payload.clone(), attempt)
 }
 
 fn delivery_of(headers: Option<&HeaderMap>, payload: bytes::Bytes, attempt: u32) -> Delivery {

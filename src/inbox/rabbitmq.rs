@@ -103,6 +103,34 @@ const BROKER_CALL: Duration = Duration::from_secs(30);
 /// to the consumer's stream ends the consuming within this long.
 const WATCH: Duration = Duration::from_secs(1);
 
+/// A delivery as the inbox sees it, with the headers and the attempts made that its retried
+/// copy would carry.
+struct Received {
+    headers: FieldTable,
+    /// Attempts before this one: those the retried copies counted, and this copy's own
+    /// redeliveries (a consumer that died, a channel that closed).
+    before: u32,
+    message: Delivery,
+}
+
+impl Received {
+    fn of(delivery: &lapin::message::Delivery) -> Self {
+        let headers = delivery.properties.headers().clone().unwrap_or_default();
+        let before =
+            header_count(&headers, ATTEMPTS).saturating_add(header_count(&headers, DELIVERY_COUNT));
+        let mut message =
+            Delivery::new(delivery.data.clone()).with_attempt(before.saturating_add(1));
+        if let Some(id) = delivery.properties.message_id() {
+            message = message.with_message_id(id.as_str());
+        }
+        Self {
+            headers,
+            before,
+            message,
+        }
+    }
+}
+
 /// Consumes a RabbitMQ queue through an [`Inbox`]. See the [module docs](self).
 pub struct RabbitMqConsumer<DB: Backend> {
     inbox: Inbox<DB>,
@@ -112,6 +140,7 @@ pub struct RabbitMqConsumer<DB: Backend> {
     queue: String,
     bindings: Vec<(String, String)>,
     concurrency: u16,
+    batch: u16,
 }
 
 impl<DB: Backend> fmt::Debug for RabbitMqConsumer<DB> {
@@ -121,6 +150,7 @@ impl<DB: Backend> fmt::Debug for RabbitMqConsumer<DB> {
             .field("queue", &self.queue)
             .field("bindings", &self.bindings)
             .field("concurrency", &self.concurrency)
+            .field("batch", &self.batch)
             .field("reconnects", &self.uri.is_some())
             .finish_non_exhaustive()
     }
@@ -138,6 +168,7 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
             queue: queue.into(),
             bindings: Vec::new(),
             concurrency: 4,
+            batch: 1,
         }
     }
 
@@ -165,10 +196,22 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
         self
     }
 
-    /// How many deliveries are handled at once (default 4); also the channel's prefetch.
+    /// How many transactions apply deliveries at once (default 4).
     #[must_use]
-    pub fn concurrency(mut self, deliveries: u16) -> Self {
-        self.concurrency = deliveries.max(1);
+    pub fn concurrency(mut self, transactions: u16) -> Self {
+        self.concurrency = transactions.max(1);
+        self
+    }
+
+    /// Applies up to `deliveries` of the deliveries in hand in one transaction (default 1),
+    /// through [`Inbox::handle_batch`]: one commit for them all, which is what bounds a
+    /// consumer whose database syncs each commit. A batch takes what has arrived, never
+    /// waiting to fill, so a lone delivery is applied at once. The channel's prefetch is
+    /// `concurrency × deliveries`. On SQLite a batch holds the database's one write lock
+    /// while all of its handlers run: keep them quick, or the batch small.
+    #[must_use]
+    pub fn batch(mut self, deliveries: u16) -> Self {
+        self.batch = deliveries.max(1);
         self
     }
 
@@ -315,7 +358,10 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
         let setup = async {
             let channel = connection.create_channel().await?;
             channel
-                .basic_qos(self.concurrency, BasicQosOptions::default())
+                .basic_qos(
+                    self.concurrency.saturating_mul(self.batch),
+                    BasicQosOptions::default(),
+                )
                 .await?;
             channel
                 .confirm_select(ConfirmSelectOptions::default())
@@ -344,18 +390,24 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
         };
         consumer
             .take_until(watch)
-            .for_each_concurrent(usize::from(self.concurrency), |delivery| {
+            .ready_chunks(usize::from(self.batch))
+            .for_each_concurrent(usize::from(self.concurrency), |chunk| {
                 let handler = handler.clone();
                 let channel = channel.clone();
                 let failed = &failed;
                 let pause = &pause;
                 let this = self;
                 async move {
-                    let outcome = match delivery {
-                        Ok(delivery) => this.process(&channel, delivery, pause, handler).await,
-                        Err(error) => Err(error),
-                    };
-                    if let Err(error) = outcome {
+                    let mut deliveries = Vec::with_capacity(chunk.len());
+                    let mut received = Ok(());
+                    for delivery in chunk {
+                        match delivery {
+                            Ok(delivery) => deliveries.push(delivery),
+                            Err(error) => received = Err(error),
+                        }
+                    }
+                    let processed = this.process(&channel, deliveries, pause, handler).await;
+                    if let Err(error) = received.and(processed) {
                         tracing::warn!(consumer = %this.inbox.name(), %error, "RabbitMQ delivery not settled");
                         let mut slot = failed.lock().unwrap_or_else(|p| p.into_inner());
                         slot.get_or_insert(error);
@@ -374,38 +426,67 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
         }
     }
 
+    /// Applies `deliveries`, in one transaction when there are several, and settles each.
     async fn process<H, Fut>(
         &self,
         channel: &Channel,
-        delivery: lapin::message::Delivery,
+        deliveries: Vec<lapin::message::Delivery>,
         pause: &Pause,
         handler: H,
     ) -> Result<(), lapin::Error>
     where
-        H: Fn(Tx<DB>, Delivery) -> Fut + Send + 'static,
+        H: Fn(Tx<DB>, Delivery) -> Fut + Clone + Send + 'static,
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
-        let headers = delivery.properties.headers().clone().unwrap_or_default();
-        // Attempts before this one: those the retried copies counted, and this copy's own
-        // redeliveries (a consumer that died, a channel that closed).
-        let before =
-            header_count(&headers, ATTEMPTS).saturating_add(header_count(&headers, DELIVERY_COUNT));
-        let attempt = before.saturating_add(1);
-        let mut message = Delivery::new(delivery.data.clone()).with_attempt(attempt);
-        if let Some(id) = delivery.properties.message_id() {
-            message = message.with_message_id(id.as_str());
-        }
+        let received: Vec<Received> = deliveries.iter().map(Received::of).collect();
         // While the consumer's database is out, deliveries wait here (unacknowledged, held
         // from other consumers) rather than each fail on it in turn.
         pause.wait().await;
-        let verdict = self.inbox.handle(message, handler).await;
+        let verdicts = match received.as_slice() {
+            [] => Vec::new(),
+            [one] => vec![self.inbox.handle(one.message.clone(), handler).await],
+            several => {
+                let messages: Vec<Delivery> = several.iter().map(|r| r.message.clone()).collect();
+                self.inbox.handle_batch(&messages, handler).await
+            }
+        };
+        // Every delivery is settled, whatever became of the others: one left unsettled would
+        // hold a place in the channel's prefetch until the channel closed.
+        let settles =
+            deliveries
+                .iter()
+                .zip(received)
+                .zip(verdicts)
+                .map(|((delivery, received), verdict)| {
+                    self.settle(channel, delivery, received, verdict, pause)
+                });
+        futures_util::future::join_all(settles)
+            .await
+            .into_iter()
+            .collect()
+    }
+
+    /// Tells the broker what became of `delivery`.
+    async fn settle(
+        &self,
+        channel: &Channel,
+        delivery: &lapin::message::Delivery,
+        received: Received,
+        verdict: Verdict,
+        pause: &Pause,
+    ) -> Result<(), lapin::Error> {
+        let Received {
+            headers,
+            before,
+            message,
+        } = received;
         match verdict {
             Verdict::Applied | Verdict::Duplicate => {
                 let ack = delivery.acker.ack(BasicAckOptions::default());
                 broker::within(BROKER_CALL, "no ack", ack).await?;
             }
             Verdict::Retry { after } => {
-                self.retry_later(channel, &delivery, headers, attempt, after)
+                self.retry_later(channel, delivery, headers, message.attempt(), after)
                     .await?;
             }
             Verdict::Unavailable { after, .. } => {
@@ -414,14 +495,14 @@ impl<DB: Backend> RabbitMqConsumer<DB> {
                 // would raise the quorum queue's delivery count toward its delivery limit,
                 // past which the broker itself dead-letters the message.
                 pause.hold(after);
-                self.retry_later(channel, &delivery, headers, before, after)
+                self.retry_later(channel, delivery, headers, before, after)
                     .await?;
             }
             Verdict::Dead { reason } => {
                 let mut headers = headers;
                 headers.insert(REASON.into(), long_string(&reason));
                 let properties = delivery.properties.clone().with_headers(headers);
-                self.forward(channel, &delivery, &self.dead_letter_queue(), properties)
+                self.forward(channel, delivery, &self.dead_letter_queue(), properties)
                     .await?;
             }
         }

@@ -340,6 +340,36 @@ impl<DB: Backend> Store<DB> {
         Err(Error::Conflict)
     }
 
+    /// Begins a transaction to claim several dedupe keys in, one after another
+    /// ([`claim_key_in`](Self::claim_key_in)), its lock waits bounded by `wait`.
+    #[cfg(feature = "inbox")]
+    pub(crate) async fn begin_keys(
+        &self,
+        wait: Duration,
+    ) -> Result<Transaction<'static, DB>, Error> {
+        self.schema_current().await?;
+        DB::begin(&self.pool, wait).await
+    }
+
+    /// Claims `record`'s key as a dedupe key in the transaction `conn` is in; `false`, the
+    /// transaction unharmed, when a live key holds it.
+    #[cfg(feature = "inbox")]
+    pub(crate) async fn claim_key_in(
+        &self,
+        conn: &mut DB::Connection,
+        record: &NewRecord<'_>,
+        wait: Duration,
+    ) -> Result<bool, Error> {
+        DB::claim_key_in(
+            conn,
+            &record.key,
+            record.created_at,
+            record.expires_at,
+            wait,
+        )
+        .await
+    }
+
     /// Writes `record` under the key claimed in `tx` and commits. [`Error::Conflict`] when a
     /// live record holds the key: the transaction is then rolled back, the work's writes with
     /// it.

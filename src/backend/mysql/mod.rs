@@ -188,9 +188,6 @@ impl Storage for MySql {
         tx.commit().await.map_err(classify)
     }
 
-    // The wait for a concurrent claimer is the insert's wait for the key's row, bounded by the
-    // session's `innodb_lock_wait_timeout`, set for the claim alone and restored whatever its
-    // outcome, before the handler runs.
     async fn claim_key<'a>(
         pool: &'a Pool<Self>,
         key: &'a ScopedKey,
@@ -199,24 +196,37 @@ impl Storage for MySql {
         lock_wait: Duration,
     ) -> Result<Option<Transaction<'static, Self>>, Error> {
         let mut tx = pool.begin().await.map_err(classify)?;
+        if Self::claim_key_in(&mut tx, key, now, expires_at, lock_wait).await? {
+            return Ok(Some(tx));
+        }
+        tx.rollback().await.map_err(classify)?;
+        Ok(None)
+    }
+
+    // The wait for a concurrent claimer is the insert's wait for the key's row, bounded by the
+    // session's `innodb_lock_wait_timeout`, set for the claim alone and restored whatever its
+    // outcome, before the handler runs.
+    async fn claim_key_in<'a>(
+        conn: &'a mut MySqlConnection,
+        key: &'a ScopedKey,
+        now: Millis,
+        expires_at: Millis,
+        lock_wait: Duration,
+    ) -> Result<bool, Error> {
         sqlx::raw_sql(AssertSqlSafe(format!(
             "SET @axum_idempotency_wait = @@SESSION.innodb_lock_wait_timeout, \
              SESSION innodb_lock_wait_timeout = {}",
             lock_wait_secs(lock_wait)
         )))
-        .execute(&mut *tx)
+        .execute(&mut *conn)
         .await
         .map_err(classify)?;
-        let claimed = insert_key(&mut tx, key, now, expires_at).await;
+        let claimed = insert_key(conn, key, now, expires_at).await;
         sqlx::raw_sql("SET SESSION innodb_lock_wait_timeout = @axum_idempotency_wait")
-            .execute(&mut *tx)
+            .execute(&mut *conn)
             .await
             .map_err(classify)?;
-        if claimed? {
-            return Ok(Some(tx));
-        }
-        tx.rollback().await.map_err(classify)?;
-        Ok(None)
+        claimed
     }
 
     #[cfg(feature = "outbox")]

@@ -267,6 +267,23 @@ impl Storage for Postgres {
             Err(error) if key_taken(&error) => {}
             Err(error) => return Err(classify(error)),
         }
+        let mut tx = pool.begin().await.map_err(classify)?;
+        if Self::claim_key_in(&mut tx, key, now, expires_at, lock_wait).await? {
+            return Ok(Some(tx));
+        }
+        tx.rollback().await.map_err(classify)?;
+        Ok(None)
+    }
+
+    // An upsert that changes nothing on a live row, rather than the plain insert, whose
+    // failure would abort the transaction and every key claimed in it before.
+    async fn claim_key_in<'a>(
+        conn: &'a mut PgConnection,
+        key: &'a ScopedKey,
+        now: Millis,
+        expires_at: Millis,
+        lock_wait: Duration,
+    ) -> Result<bool, Error> {
         let mut replace = key_insert(key, expires_at);
         replace
             .sql(
@@ -274,16 +291,11 @@ impl Storage for Postgres {
                  WHERE idempotency_inbox.expires_at <= ",
             )
             .int8(now.column());
-        let mut tx = pool.begin().await.map_err(classify)?;
         let replaced = sqlx::raw_sql(bounded(&replace, lock_wait, ""))
-            .execute(&mut *tx)
+            .execute(conn)
             .await
             .map_err(classify)?;
-        if replaced.rows_affected() == 1 {
-            return Ok(Some(tx));
-        }
-        tx.rollback().await.map_err(classify)?;
-        Ok(None)
+        Ok(replaced.rows_affected() == 1)
     }
 
     // The record is sent with `COMMIT`, in one exchange. sqlx ends a `Transaction` only by a

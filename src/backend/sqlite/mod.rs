@@ -171,6 +171,22 @@ impl Storage for Sqlite {
             .begin_with(begin_deferred(lock_wait).inline("", ""))
             .await
             .map_err(classify)?;
+        if Self::claim_key_in(&mut tx, key, now, expires_at, lock_wait).await? {
+            return Ok(Some(tx));
+        }
+        tx.rollback().await.map_err(classify)?;
+        Ok(None)
+    }
+
+    // The transaction holds the database's write lock from its first write (a batch's, from
+    // its `BEGIN IMMEDIATE`), so the wait for it is the `busy_timeout` its `BEGIN` set.
+    async fn claim_key_in<'a>(
+        conn: &'a mut SqliteConnection,
+        key: &'a ScopedKey,
+        now: Millis,
+        expires_at: Millis,
+        _lock_wait: Duration,
+    ) -> Result<bool, Error> {
         let claimed = sqlx::query(
             "INSERT INTO idempotency_inbox (key_digest, expires_at) VALUES (?1, ?2) \
              ON CONFLICT (key_digest) DO UPDATE SET expires_at = excluded.expires_at \
@@ -179,14 +195,10 @@ impl Storage for Sqlite {
         .bind(&key.digest()[..])
         .bind(expires_at.column())
         .bind(now.column())
-        .execute(&mut *tx)
+        .execute(conn)
         .await
         .map_err(classify)?;
-        if claimed.rows_affected() == 1 {
-            return Ok(Some(tx));
-        }
-        tx.rollback().await.map_err(classify)?;
-        Ok(None)
+        Ok(claimed.rows_affected() == 1)
     }
 
     // The record is sent with `COMMIT`, in one call. sqlx ends a `Transaction` only by a

@@ -1600,6 +1600,13 @@ async fn an_unreachable_database_dead_letters_nothing(kind: Kind, batch: u16) {
     let stats = inbox.stats();
     assert_eq!((stats.processed, stats.dead), (5, 0), "{kind:?}: {stats:?}");
     assert!(stats.unavailable >= 1, "{kind:?}: {stats:?}");
+    // In batches the consumer holds 2 × 4 deliveries, all five of them, and keeps each alive
+    // while the outage lasts (three times the ack wait on NATS), those waiting for a
+    // transaction too: none comes back as a copy. One at a time it holds two, and NATS' client
+    // may have pulled more into its buffer, where no progress ack reaches them.
+    if batch > 1 {
+        assert_eq!(stats.duplicates, 0, "{kind:?}: {stats:?}");
+    }
     drop(plug);
     sqlx::Postgres::dispose(db).await;
 }

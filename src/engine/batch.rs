@@ -29,11 +29,12 @@ pub(crate) enum BatchFailed<E> {
 }
 
 impl<DB: Backend> Engine<DB> {
-    /// Claims the key of each scope in turn in one transaction, runs `work` (with the scope's
-    /// index) in that transaction for each key it claimed, skips each key a live claim holds,
-    /// and commits once. All or nothing: on any failure everything is rolled back and the
-    /// caller decides what to run again. `Ok` says, per scope, whether its work ran and
-    /// committed (`false`: the key was applied before). For a dedupe engine only.
+    /// Claims the key of each scope in one transaction, runs `work` (with the scope's index) in
+    /// that transaction for each key it claimed, in the scopes' order, skips each key a live
+    /// claim holds (or an earlier scope of the batch), and commits once. All or nothing: on
+    /// any failure everything is rolled back and the caller decides what to run again. `Ok`
+    /// says, per scope, whether its work ran and committed (`false`: the key was applied
+    /// before). For a dedupe engine only.
     pub(crate) async fn run_batch<F, Fut, E>(
         &self,
         scopes: Vec<Scope>,
@@ -90,12 +91,18 @@ impl<DB: Backend> Engine<DB> {
             .begin_keys(wait)
             .await
             .map_err(BatchFailed::Store)?;
-        let mut applied = Vec::with_capacity(scopes.len());
-        let mut after_commit = AfterCommit::default();
-        for (index, scope) in scopes.iter().enumerate() {
+        // Every key is claimed before any work runs, and in digest order: two batches that
+        // share keys (a redelivery beside its original) then queue for them in one order, and
+        // none holds a key another needs while its work takes business locks (the row of an
+        // order two payments are for), which would deadlock the two and undo both.
+        let keys: Vec<_> = scopes.iter().map(Scope::scoped_key).collect();
+        let mut order: Vec<usize> = (0..scopes.len()).collect();
+        order.sort_by(|&a, &b| keys[a].digest().cmp(keys[b].digest()));
+        let mut applied = vec![false; scopes.len()];
+        for index in order {
             let record = self.new_record(
-                scope.scoped_key(),
-                scope,
+                keys[index],
+                &scopes[index],
                 fingerprint,
                 RecordState::Processing,
             );
@@ -109,17 +116,19 @@ impl<DB: Backend> Engine<DB> {
             };
             metrics::claimed(result, started.elapsed());
             match claimed {
-                Ok(true) => {}
-                Ok(false) => {
-                    applied.push(false);
-                    continue;
-                }
+                Ok(ours) => applied[index] = ours,
                 Err(error) => return Err(rolled_back(tx, BatchFailed::Store(error)).await),
+            }
+        }
+        let mut after_commit = AfterCommit::default();
+        for (index, scope) in scopes.iter().enumerate() {
+            if !applied[index] {
+                continue;
             }
             let slot = TxSlot::ready(tx);
             let done = match slot.clone().into_tx() {
                 Ok(handed) => {
-                    let span = super::span(&record.key, scope);
+                    let span = super::span(&keys[index], scope);
                     work(index, handed).instrument(span).await
                 }
                 Err(_) => return Err(BatchFailed::Broken),
@@ -135,7 +144,6 @@ impl<DB: Backend> Engine<DB> {
                 return Err(rolled_back(tx, BatchFailed::Work(failure)).await);
             }
             after_commit.append(slot.take_after_commit());
-            applied.push(true);
         }
         tx.commit().await.map_err(|error| {
             BatchFailed::Store(if is_conflict_abort(&error) {

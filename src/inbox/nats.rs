@@ -197,7 +197,7 @@ impl<DB: Backend> NatsConsumer<DB> {
     /// Applies up to `messages` of the messages in hand in one transaction (default 1), through
     /// [`Inbox::handle_batch`]: one commit for them all, which is what bounds a consumer whose
     /// database syncs each commit. A batch takes what has arrived, never waiting to fill, so
-    /// a lone message is applied at once. Up to `concurrency × messages` are pulled at once.
+    /// a lone message is applied at once. Up to `concurrency × messages` are held at once.
     /// On SQLite a batch holds the database's one write lock while all of its handlers run:
     /// keep them quick, or the batch small.
     #[must_use]
@@ -274,37 +274,63 @@ impl<DB: Backend> NatsConsumer<DB> {
         Fut: Future<Output = Result<(), Failure>> + Send + 'static,
     {
         let consumer = self.consumer().await?;
-        // Pull no more than can be handled at once: a message waiting in a client buffer
-        // still runs down its ack wait.
+        // The client asks for the next pull when half of the last is in, so up to one and a half
+        // pulls are in its buffer, where no progress ack reaches them and an outage longer than
+        // the ack wait sends each back as a copy: pulls of one batch (or, for small batches, of
+        // one message per transaction, as pulls of a message each are slow) keep that small
+        // however many transactions run.
+        let limit = self.concurrency.saturating_mul(self.batch);
         let messages = consumer
             .stream()
-            .max_messages_per_batch(self.concurrency.saturating_mul(self.batch))
+            .max_messages_per_batch(self.batch.max(self.concurrency))
             .messages()
             .await?;
+        let mut messages = std::pin::pin!(messages);
         let pause = Pause::default();
-        messages
-            .ready_chunks(self.batch)
-            .for_each_concurrent(self.concurrency, |chunk| {
-                let handler = handler.clone();
-                let this = &self;
-                let pause = &pause;
-                async move {
-                    let mut batch = Vec::with_capacity(chunk.len());
-                    for message in chunk {
-                        match message {
-                            Ok(message) => batch.push(message),
-                            Err(error) => {
-                                tracing::warn!(consumer = %this.inbox.name(), %error, "JetStream message not received");
-                            }
-                        }
-                    }
+        // Messages in hand that wait for a free transaction, kept from redelivery with progress
+        // acks: while an outage holds every transaction, as many as the pull brought wait here,
+        // and each would otherwise come back as a copy after the ack wait, its delivery count
+        // (the inbox's attempt count) raised by an outage.
+        let mut waiting = std::collections::VecDeque::new();
+        let mut running = futures_util::stream::FuturesUnordered::new();
+        let (mut held, mut open) = (0, true);
+        let every = self.progress_every();
+        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        loop {
+            // A batch takes what waits, up to its size, and never waits to fill.
+            while running.len() < self.concurrency && !waiting.is_empty() {
+                let batch: Vec<_> = waiting.drain(..waiting.len().min(self.batch)).collect();
+                let (this, pause, handler) = (&self, &pause, handler.clone());
+                running.push(async move {
+                    let size = batch.len();
                     if let Err(error) = this.process(batch, pause, handler).await {
                         tracing::warn!(consumer = %this.inbox.name(), %error, "JetStream message not settled");
                     }
+                    size
+                });
+            }
+            if !open && running.is_empty() {
+                return Ok(());
+            }
+            tokio::select! {
+                message = messages.next(), if open && held < limit => match message {
+                    Some(Ok(message)) => {
+                        waiting.push_back(message);
+                        held += 1;
+                    }
+                    Some(Err(error)) => {
+                        tracing::warn!(consumer = %self.inbox.name(), %error, "JetStream message not received");
+                    }
+                    None => open = false,
+                },
+                Some(settled) = running.next(), if !running.is_empty() => held -= settled,
+                _ = ticks.tick(), if !waiting.is_empty() => {
+                    for message in &waiting {
+                        self.progress(message).await;
+                    }
                 }
-            })
-            .await;
-        Ok(())
+            }
+        }
     }
 
     /// Applies `messages`, in one transaction when there are several, and settles each.
@@ -415,23 +441,33 @@ impl<DB: Backend> NatsConsumer<DB> {
         messages: &[async_nats::jetstream::Message],
         work: impl Future<Output = T>,
     ) -> T {
-        let every = (self.ack_wait / 3).max(Duration::from_millis(100));
+        let every = self.progress_every();
         let progress = async {
             let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
             loop {
                 ticks.tick().await;
                 for message in messages {
-                    if let Err(error) = message.ack_with(AckKind::Progress).await {
-                        // The next tick tries again; past the ack wait the message is
-                        // redelivered and its duplicate waits on the claim this handler holds.
-                        tracing::warn!(consumer = %self.inbox.name(), %error, "progress ack failed");
-                    }
+                    self.progress(message).await;
                 }
             }
         };
         tokio::select! {
             output = work => output,
             never = progress => match never {},
+        }
+    }
+
+    /// How often a message in hand is said to be in progress: three times per ack wait.
+    fn progress_every(&self) -> Duration {
+        (self.ack_wait / 3).max(Duration::from_millis(100))
+    }
+
+    /// Tells JetStream that `message` is in progress, so that its ack wait starts again.
+    async fn progress(&self, message: &async_nats::jetstream::Message) {
+        if let Err(error) = message.ack_with(AckKind::Progress).await {
+            // The next tick tries again; past the ack wait the message is redelivered and
+            // its duplicate waits on the claim its first copy holds, or finds it applied.
+            tracing::warn!(consumer = %self.inbox.name(), %error, "progress ack failed");
         }
     }
 
